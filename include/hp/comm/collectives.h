@@ -1,0 +1,60 @@
+// Collectives over a Group, each sync or async (CommHandle).
+//
+// Every call checks its input before any communication (undefined tensor, dim out of range,
+// size not divisible by the group size) and throws hp::Error naming the op, the value and what
+// would be valid. Every call counts the bytes it sends (theory_bytes_per_rank) into the
+// group's CommContext, appends to its CollectiveRecorder and Tracer when present.
+// All ranks of the group must issue the same collectives in the same order.
+//
+// Dtypes: what the backend cannot move natively (bfloat16 on Gloo) travels as raw bytes,
+// bit-exact; what it cannot reduce natively is reduced in float32 and cast back.
+// Results are new, contiguous tensors; inputs are never modified.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/comm/comm_handle.h"
+#include "hp/comm/group.h"
+#include "hp/comm/types.h"
+
+namespace hp::comm {
+
+// Concatenation along `dim` of every rank's `t` in group-rank order: dim grows by P.
+at::Tensor all_gather(Group& group, const at::Tensor& t, int64_t dim);
+CommHandle all_gather_async(Group& group, const at::Tensor& t, int64_t dim);
+
+// Reduce over ranks, then rank r keeps chunk r of `dim` (size must divide by P): dim shrinks
+// by P. Native when the backend has it, else one all-to-all + local reduction (same (P-1)/P
+// volume; never all-reduce + slice).
+at::Tensor reduce_scatter(Group& group, const at::Tensor& t, int64_t dim,
+                          ReduceOp op = ReduceOp::kSum);
+CommHandle reduce_scatter_async(Group& group, const at::Tensor& t, int64_t dim,
+                                ReduceOp op = ReduceOp::kSum);
+
+// Splits `t` into P chunks along split_dim (size must divide by P), sends chunk j to rank j,
+// and concatenates the received chunks along concat_dim in rank order: split_dim shrinks by P,
+// concat_dim grows by P. split_dim == concat_dim is a plain chunk exchange.
+at::Tensor all_to_all(Group& group, const at::Tensor& t, int64_t split_dim, int64_t concat_dim);
+CommHandle all_to_all_async(Group& group, const at::Tensor& t, int64_t split_dim,
+                            int64_t concat_dim);
+
+// Elementwise reduction over ranks; every rank gets the result (out of place).
+at::Tensor all_reduce(Group& group, const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
+CommHandle all_reduce_async(Group& group, const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
+
+// Paired point-to-point. Peers are group ranks. Every send needs the matching recv on the
+// peer with the same shape and dtype.
+void send(Group& group, const at::Tensor& t, int dst);
+CommHandle send_async(Group& group, const at::Tensor& t, int dst);
+at::Tensor recv(Group& group, at::IntArrayRef shape, at::ScalarType dtype, int src);
+CommHandle recv_async(Group& group, at::IntArrayRef shape, at::ScalarType dtype, int src);
+
+// Sends `t` to `peer` and returns what `peer` sent (same shape and dtype on both sides).
+// peer == group.rank() returns a copy of `t`.
+at::Tensor exchange(Group& group, const at::Tensor& t, int peer);
+
+void barrier(Group& group);
+
+}  // namespace hp::comm

@@ -1,0 +1,35 @@
+// Reading a job's rank layout from the launcher's environment: torchrun, mpirun (Open MPI),
+// or Slurm. Pure functions over an env lookup, so they are testable without touching the
+// process environment.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace hp::comm {
+
+struct LaunchEnv {
+  std::string launcher;  // "torchrun", "mpirun" or "slurm"
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";  // rank 0's TCPStore host
+  int master_port = 29500;
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// The launcher's variables, or nullopt when none of the three launchers set any.
+// Throws hp::Error naming the variable when a value is malformed or inconsistent.
+//   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (+ MASTER_ADDR/PORT)
+//   slurm:    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE
+//             (+ MASTER_ADDR/PORT; MASTER_ADDR defaults to SLURM_LAUNCH_NODE_IPADDR)
+std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env);
+
+// EnvLookup over this process's environment (getenv).
+EnvLookup process_env();
+
+}  // namespace hp::comm

@@ -1,0 +1,82 @@
+// What the comm layer observed: bytes per op kind and group, the issued schedule, the timeline.
+//
+// A CommContext belongs to one World (no globals); every Group of that World reports into it.
+// All classes here are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hp/comm/types.h"
+
+namespace hp::common {
+class Tracer;
+}
+
+namespace hp::comm {
+
+struct TrafficEntry {
+  int64_t bytes_sent = 0;  // bytes this rank put on the wire (theory_bytes_per_rank per call)
+  int64_t calls = 0;
+  int64_t wait_us = 0;  // time this rank spent blocked in CommHandle::wait
+};
+
+// Bytes sent per rank, per (op kind, group). Resettable.
+class TrafficCounters {
+ public:
+  void add(OpKind op, const std::string& group, int64_t bytes_sent);
+  void add_wait(OpKind op, const std::string& group, int64_t wait_us);
+  void reset();
+
+  int64_t bytes(OpKind op) const;  // summed over groups
+  int64_t bytes(OpKind op, const std::string& group) const;
+  int64_t total_bytes() const;
+  int64_t calls(OpKind op) const;
+  int64_t wait_us() const;  // summed over everything
+  std::map<std::pair<OpKind, std::string>, TrafficEntry> snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<OpKind, std::string>, TrafficEntry> entries_;
+};
+
+// One issued collective, as the recording group lists it.
+struct CollectiveRecord {
+  OpKind op;
+  std::string group;
+  std::vector<std::vector<int64_t>> shapes;  // input shapes as passed by the caller
+  std::string dtype;
+  int64_t bytes_sent = 0;
+  int peer = -1;  // send/recv: peer rank in the group
+
+  std::string to_string() const;  // "all_gather(cp)[2,4,8,16]"
+};
+
+// Lists the issued collectives so a test can assert the communication schedule itself.
+class CollectiveRecorder {
+ public:
+  void record(CollectiveRecord record);
+  std::vector<CollectiveRecord> records() const;
+  std::vector<std::string> schedule() const;  // to_string() of each record, in issue order
+  void clear();
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<CollectiveRecord> records_;
+};
+
+// Everything a World's groups report into.
+struct CommContext {
+  int world_rank = 0;
+  bool verify_shapes = false;  // exchange shapes before each collective (clear mismatch errors)
+  TrafficCounters counters;
+  std::shared_ptr<common::Tracer> tracer;        // may be null
+  std::shared_ptr<CollectiveRecorder> recorder;  // may be null
+};
+
+}  // namespace hp::comm

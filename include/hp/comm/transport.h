@@ -1,0 +1,83 @@
+// The backend seam: raw collectives over contiguous buffers, issued asynchronously.
+//
+// A Transport knows nothing of dims, dtypes policies, counters or traces; collectives.h does
+// all of that once, above it. Implementations:
+//   * c10d (Gloo on CPU, NCCL when the found LibTorch has it)  -> make_c10d_transport
+//   * local: a group of one rank, or a *fake* group that records and does not communicate
+//     (FakeProcessGroup-style semantics, see make_fake_transport)      -> transport_local.cpp
+// Contract for every call: all ranks of the group issue the same calls in the same order.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "hp/comm/types.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace hp::comm {
+
+// One in-flight backend operation.
+class PendingOp {
+ public:
+  virtual ~PendingOp() = default;
+  // Blocks until done; rethrows the backend's error (dead peer, timeout, transport failure).
+  virtual void wait() = 0;
+  virtual bool is_completed() = 0;
+  // Monotonic microseconds at which the backend finished, or -1 when it cannot tell.
+  virtual int64_t completed_at_us() const { return -1; }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string backend_name() const = 0;
+  virtual bool has_native_reduce_scatter() const { return false; }
+  // Whether the backend reduces this dtype natively (else collectives.h upcasts to float).
+  virtual bool reduces_dtype(at::ScalarType dtype) const = 0;
+  // Whether the backend moves this dtype natively (else collectives.h reinterprets the bytes).
+  virtual bool moves_dtype(at::ScalarType dtype) const = 0;
+
+  // `out` is [P, *in.shape], contiguous: rank i's `in` lands in out[i].
+  virtual std::unique_ptr<PendingOp> all_gather(at::Tensor out, at::Tensor in) = 0;
+  // `in` and `out` are [P, ...] contiguous: in[j] goes to rank j, out[i] comes from rank i.
+  virtual std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) = 0;
+  // In place on contiguous `inout`. op is kSum, kMax or kMin (kAvg is handled above).
+  virtual std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp op) = 0;
+  // Native only (has_native_reduce_scatter): `in` is [P, *out.shape] contiguous.
+  virtual std::unique_ptr<PendingOp> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op);
+  virtual std::unique_ptr<PendingOp> send(at::Tensor t, int dst, int tag) = 0;
+  virtual std::unique_ptr<PendingOp> recv(at::Tensor t, int src, int tag) = 0;
+  virtual std::unique_ptr<PendingOp> barrier() = 0;
+};
+
+struct C10dTransportOptions {
+  std::string backend = "gloo";
+  std::string hostname = "127.0.0.1";  // interface Gloo binds to
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+};
+
+// Rendezvous over `store` (a PrefixStore unique to the group) and connect the group's ranks.
+// Blocks until every member has arrived or the timeout passes.
+std::unique_ptr<Transport> make_c10d_transport(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int size,
+                                               const C10dTransportOptions& options);
+
+// A group of one rank: collectives are local copies.
+std::unique_ptr<Transport> make_self_transport();
+
+// A recording fake group of `size` ranks that never communicates: all_gather fills every slot
+// with the local input, all_to_all keeps the local chunks in place, all_reduce and
+// reduce_scatter see only the local contribution, recv yields zeros. Shapes are exact, values are
+// placeholders; use it to test schedules and planners without peers.
+std::unique_ptr<Transport> make_fake_transport(int size);
+
+}  // namespace hp::comm

@@ -1,0 +1,74 @@
+// World: this process's place in the job (rank, size, store) and the factory of process groups.
+//
+// A World is a cheap handle (copies share one state). Nothing here is global: two Worlds, e.g.
+// rank threads in one test process, coexist.
+//
+//   World::from_env()                   torchrun / mpirun / Slurm variables + TCPStore rendezvous
+//   World::in_process(rank, size, st)   threads-as-ranks over a shared store (tests, benches)
+//   World::fake(rank, size)             recording fake groups: no communication at all
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include "hp/comm/group.h"
+#include "hp/comm/launch_env.h"
+
+namespace c10d {
+class Store;
+}
+namespace hp::common {
+class Tracer;
+}
+
+namespace hp::comm {
+
+struct WorldOptions {
+  // Per-group timeout for rendezvous and every collective (DESIGN section 4).
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  std::string backend = "gloo";
+  std::string hostname = "127.0.0.1";  // interface the Gloo transport binds to
+  // Exchange shapes before every collective so a mismatch is a clear error on every rank
+  // instead of garbage or a hang. Costs one tiny all-gather per collective; tests turn it on.
+  bool verify_shapes = false;
+  std::shared_ptr<common::Tracer> tracer;        // null: no trace events
+  std::shared_ptr<CollectiveRecorder> recorder;  // null: nothing recorded
+};
+
+class World {
+ public:
+  static World from_env(const WorldOptions& options = {});
+  static World from_launch_env(const LaunchEnv& env, const WorldOptions& options = {});
+  static World in_process(int rank, int size, const c10::intrusive_ptr<c10d::Store>& store,
+                          const WorldOptions& options = {});
+  static World fake(int rank, int size, const WorldOptions& options = {});
+
+  int rank() const;
+  int size() const;
+  int local_rank() const;
+  int local_size() const;
+  bool is_fake() const;
+  const WorldOptions& options() const;
+
+  Group& group() const;  // all ranks, named "world"
+  GroupPtr group_ptr() const;
+
+  // Creates a group of `world_ranks` (in that order). Collective over the whole world: every
+  // rank calls it, with the same arguments and in the same order, members or not. Returns null
+  // on ranks that are not members.
+  GroupPtr new_group(const std::vector<int>& world_ranks, const std::string& name) const;
+
+  CommContext& context() const;
+  std::shared_ptr<CommContext> context_ptr() const;
+
+ private:
+  struct State;
+  explicit World(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace hp::comm

@@ -1,0 +1,56 @@
+// Every LibTorch version difference hyperparallel depends on lives here (DESIGN section 2).
+// Algorithms never test TORCH_VERSION themselves; they use the names below.
+//
+// Include only from .cpp files: it pulls in c10d headers.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace hp::compat {
+
+#if TORCH_VERSION_MAJOR >= 2
+// LibTorch 2.x: collectives live on c10d::Backend; ProcessGroupGloo derives from it.
+using C10dBackend = c10d::Backend;
+inline constexpr bool kHasSdpa = true;
+#else
+// LibTorch 1.x: ProcessGroupGloo derives from c10d::ProcessGroup directly.
+using C10dBackend = c10d::ProcessGroup;
+inline constexpr bool kHasSdpa = false;
+#endif
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// Whether the named c10d backend implements a native reduce-scatter that we trust.
+// Gloo in 1.13 has none ("ProcessGroupGloo does not support reduce_scatter").
+inline bool backend_has_native_reduce_scatter(const std::string& backend_name) {
+  return backend_name == "nccl";
+}
+
+// Creates a Gloo backend over `store` bound to `hostname`, with `timeout` for every collective.
+inline c10::intrusive_ptr<C10dBackend> make_gloo_backend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& hostname) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  options->threads = 2;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+// The Future a Work completes, when the backend provides one; nullptr otherwise.
+inline c10::intrusive_ptr<c10::ivalue::Future> work_future(const WorkPtr& work) {
+  try {
+    return work->getFuture();
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+}  // namespace hp::compat

@@ -1,0 +1,130 @@
+// Autograd wrappers over collectives.h: forward runs one collective, backward its inverse.
+// The group travels in the autograd context as a capsule that keeps it alive.
+#include "hp/comm/autograd_collectives.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "hp/comm/collectives.h"
+#include "hp/common/check.h"
+
+namespace hp::comm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GroupBox : torch::CustomClassHolder {
+  explicit GroupBox(GroupPtr g) : group(std::move(g)) {}
+  GroupPtr group;
+};
+
+void save_group(AutogradContext* ctx, const GroupPtr& g) {
+  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupBox>(g));
+}
+
+Group& saved_group(AutogradContext* ctx) {
+  auto holder = ctx->saved_data["group"].toCapsule();
+  return *static_cast<GroupBox*>(holder.get())->group;
+}
+
+Group& checked(const GroupPtr& g, const char* fn) {
+  HP_CHECK(g != nullptr, fn, ": group is null (this rank is not a member of it)");
+  return *g;
+}
+
+struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, GroupPtr g) {
+    save_group(ctx, g);
+    ctx->saved_data["dim"] = dim;
+    return all_gather(*g, x, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto dx = reduce_scatter(saved_group(ctx), grads[0], ctx->saved_data["dim"].toInt());
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, GroupPtr g) {
+    save_group(ctx, g);
+    ctx->saved_data["dim"] = dim;
+    return reduce_scatter(*g, x, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto dx = all_gather(saved_group(ctx), grads[0], ctx->saved_data["dim"].toInt());
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+// all_to_all(split, concat) forward; all_to_all(concat, split) backward.
+struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t split_dim,
+                            int64_t concat_dim, GroupPtr g) {
+    save_group(ctx, g);
+    ctx->saved_data["split"] = split_dim;
+    ctx->saved_data["concat"] = concat_dim;
+    return all_to_all(*g, x, split_dim, concat_dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto dx = all_to_all(saved_group(ctx), grads[0], ctx->saved_data["concat"].toInt(),
+                         ctx->saved_data["split"].toInt());
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ExchangeFn : torch::autograd::Function<ExchangeFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t peer, GroupPtr g) {
+    save_group(ctx, g);
+    ctx->saved_data["peer"] = peer;
+    return exchange(*g, x, static_cast<int>(peer));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto dx = exchange(saved_group(ctx), grads[0].contiguous(),
+                       static_cast<int>(ctx->saved_data["peer"].toInt()));
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_seq_head(const at::Tensor& x, int64_t& seq_dim, int64_t& head_dim, const char* fn) {
+  HP_CHECK(x.defined(), fn, ": the input tensor is undefined");
+  const int64_t nd = x.dim();
+  HP_CHECK(seq_dim >= -nd && seq_dim < nd && head_dim >= -nd && head_dim < nd, fn,
+           ": seq_dim=", seq_dim, " head_dim=", head_dim, " out of range for a ", nd, "-d tensor");
+  if (seq_dim < 0) seq_dim += nd;
+  if (head_dim < 0) head_dim += nd;
+  HP_CHECK(seq_dim != head_dim, fn, ": seq_dim and head_dim are both ", seq_dim,
+           "; they must name different dims (e.g. BNSD: seq_dim=2, head_dim=1)");
+}
+
+}  // namespace
+
+at::Tensor all_gather_autograd(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  checked(group, "all_gather_autograd");
+  return AllGatherFn::apply(x, dim, group);
+}
+
+at::Tensor reduce_scatter_autograd(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  checked(group, "reduce_scatter_autograd");
+  return ReduceScatterFn::apply(x, dim, group);
+}
+
+at::Tensor ulysses_seq_to_head(const at::Tensor& x, int64_t seq_dim, int64_t head_dim,
+                               const GroupPtr& group) {
+  checked(group, "ulysses_seq_to_head");
+  check_seq_head(x, seq_dim, head_dim, "ulysses_seq_to_head");
+  return AllToAllFn::apply(x, head_dim, seq_dim, group);
+}
+
+at::Tensor ulysses_head_to_seq(const at::Tensor& x, int64_t seq_dim, int64_t head_dim,
+                               const GroupPtr& group) {
+  checked(group, "ulysses_head_to_seq");
+  check_seq_head(x, seq_dim, head_dim, "ulysses_head_to_seq");
+  return AllToAllFn::apply(x, seq_dim, head_dim, group);
+}
+
+at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group) {
+  checked(group, "p2p_exchange");
+  return ExchangeFn::apply(x, static_cast<int64_t>(peer), group);
+}
+
+}  // namespace hp::comm

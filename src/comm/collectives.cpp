@@ -1,0 +1,354 @@
+// Collectives: argument checks, re-layout to the transport's [P, chunk] form, accounting, and
+// the continuation that lays the result back out.
+//
+//   all_gather(t[.., s_d, ..], d)        in  t (contiguous)        out [P, *t.shape]
+//                                        -> movedim(0, d) + flatten  -> [.., P*s_d, ..]
+//   all_to_all(t, split s, concat c)     in  t.unflatten(s,{P,n/P}).movedim(s,0)  [P, chunk]
+//                                        out [P, chunk] (out[i] from rank i)
+//                                        -> movedim(0, c) + flatten  -> c grows by P
+//   reduce_scatter(t, d)                 in  [P, chunk] as above; native RS, or all_to_all and
+//                                        a local reduction over dim 0  -> d shrinks by P
+#include "hp/comm/collectives.h"
+
+#include <ATen/ATen.h>
+
+#include "comm_error.h"
+#include "hp/comm/traffic.h"
+#include "hp/common/check.h"
+#include "hp/common/trace.h"
+
+namespace hp::comm {
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i)
+    out += (i ? "," : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+void check_defined(OpKind op, Group& g, const at::Tensor& t) {
+  HP_CHECK(t.defined(), op_name(op), " on group '", g.name(),
+           "': the input tensor is undefined; pass a tensor");
+}
+
+int64_t check_dim(OpKind op, Group& g, const at::Tensor& t, int64_t dim, const char* what) {
+  const int64_t nd = t.dim();
+  HP_CHECK(nd >= 1, op_name(op), " on group '", g.name(), "': ", what,
+           " needs a tensor with at least one dim, got a 0-d tensor");
+  HP_CHECK(dim >= -nd && dim < nd, op_name(op), " on group '", g.name(), "': ", what, "=", dim,
+           " is out of range for a ", nd, "-d tensor of shape ", shape_str(t.sizes()),
+           " (valid: ", -nd, "..", nd - 1, ")");
+  return dim < 0 ? dim + nd : dim;
+}
+
+void check_divisible(OpKind op, Group& g, const at::Tensor& t, int64_t dim, const char* what) {
+  const int64_t n = t.size(dim);
+  HP_CHECK(n % g.size() == 0, op_name(op), " on group '", g.name(), "': ", what, "=", dim,
+           " of shape ", shape_str(t.sizes()), " has size ", n,
+           ", which is not divisible by the group size ", g.size(), "; pad that dim to a ",
+           "multiple of ", g.size(), " or use a group whose size divides ", n);
+}
+
+// Every rank exchanges (dtype, shape) and checks they agree; an early, clear error instead of
+// garbage or a hang. Only when WorldOptions::verify_shapes is on; not counted as traffic.
+void verify_same_shapes(OpKind op, Group& g, const at::Tensor& t) {
+  if (!g.context().verify_shapes || g.size() == 1) return;
+  constexpr int64_t kMaxDims = 12;
+  HP_CHECK(t.dim() <= kMaxDims, op_name(op), ": verify_shapes supports up to ", kMaxDims,
+           " dims, got ", t.dim());
+  auto desc = at::full({kMaxDims + 2}, -1, at::kLong);
+  auto acc = desc.accessor<int64_t, 1>();
+  acc[0] = static_cast<int64_t>(t.scalar_type());
+  acc[1] = t.dim();
+  for (int64_t i = 0; i < t.dim(); ++i)
+    acc[2 + i] = t.size(i);
+  auto all = at::empty({g.size(), kMaxDims + 2}, at::kLong);
+  auto pending = g.transport().all_gather(all, desc);
+  try {
+    pending->wait();
+  } catch (const std::exception& e) {
+    detail::throw_comm_failure(op, g, detail::backend_message(e), "verifying shapes");
+  }
+  if (at::equal(all, desc.unsqueeze(0).expand_as(all))) return;
+  std::string listing;
+  for (int r = 0; r < g.size(); ++r) {
+    auto row_t = all[r];
+    auto row = row_t.accessor<int64_t, 1>();
+    std::vector<int64_t> dims;
+    for (int64_t i = 0; i < row[1]; ++i)
+      dims.push_back(row[2 + i]);
+    listing += common::str_cat(r ? ", " : "", "rank ", r, " ", shape_str(dims), " ",
+                               c10::toString(static_cast<at::ScalarType>(row[0])));
+  }
+  HP_CHECK(false, op_name(op), " on group '", g.name(), "': ranks disagree on the input (", listing,
+           "); every rank must pass the same shape and dtype");
+}
+
+void account(OpKind op, Group& g, const at::Tensor& t, int64_t bytes_sent, int peer = -1) {
+  auto& ctx = g.context();
+  ctx.counters.add(op, g.name(), bytes_sent);
+  if (ctx.recorder) {
+    ctx.recorder->record(
+        {op, g.name(), {t.sizes().vec()}, c10::toString(t.scalar_type()), bytes_sent, peer});
+  }
+}
+
+int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+// Same bytes, a dtype the transport can move (bit-exact). Contiguous.
+at::Tensor to_wire(Transport& tr, const at::Tensor& t) {
+  auto c = t.contiguous();
+  if (tr.moves_dtype(c.scalar_type())) return c;
+  switch (c.element_size()) {
+    case 1:
+      return c.view(at::kByte);
+    case 2:
+      return c.view(at::kHalf);  // bytes only: Gloo moves half, not int16
+    case 4:
+      return c.view(at::kInt);
+    case 8:
+      return c.view(at::kLong);
+    default:
+      break;
+  }
+  HP_CHECK(false, "dtype ", c10::toString(c.scalar_type()), " cannot be sent by backend '",
+           tr.backend_name(), "'");
+}
+
+at::Tensor from_wire(const at::Tensor& w, at::ScalarType dtype) {
+  return w.scalar_type() == dtype ? w : w.view(dtype);
+}
+
+// [P, chunk] with chunk j = t.narrow(dim, j*n/P, n/P).
+at::Tensor split_major(const at::Tensor& t, int64_t dim, int64_t p) {
+  return t.unflatten(dim, {p, t.size(dim) / p}).movedim(dim, 0).contiguous();
+}
+
+// [P, chunk] -> chunks concatenated along `dim` in rank order.
+at::Tensor concat_major(const at::Tensor& out, int64_t dim) {
+  if (dim == 0) return out.flatten(0, 1);
+  return out.movedim(0, dim).flatten(dim, dim + 1).contiguous();
+}
+
+ReduceOp wire_op(ReduceOp op) {
+  return op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+}
+
+at::Tensor reduce_local(const at::Tensor& stacked, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return stacked.sum(0);
+    case ReduceOp::kMax:
+      return std::get<0>(stacked.max(0));
+    case ReduceOp::kMin:
+      return std::get<0>(stacked.min(0));
+  }
+  return {};
+}
+
+at::Tensor finish_avg(at::Tensor t, ReduceOp op, int64_t p) {
+  if (op != ReduceOp::kAvg) return t;
+  if (at::isIntegralType(t.scalar_type(), /*includeBool=*/true)) return t.div_(p, "floor");
+  return t.div_(p);
+}
+
+CommHandle launch_failed(OpKind op, Group& g, const std::exception& e) {
+  detail::throw_comm_failure(op, g, detail::backend_message(e), "launching");
+}
+
+}  // namespace
+
+CommHandle all_gather_async(Group& g, const at::Tensor& t, int64_t dim) {
+  constexpr OpKind kOp = OpKind::kAllGather;
+  check_defined(kOp, g, t);
+  const int64_t d = check_dim(kOp, g, t, dim, "dim");
+  verify_same_shapes(kOp, g, t);
+  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
+  account(kOp, g, t, sent);
+  auto in = to_wire(g.transport(), t);
+  auto out = at::empty(
+      [&] {
+        auto s = in.sizes().vec();
+        s.insert(s.begin(), g.size());
+        return s;
+      }(),
+      in.options());
+  std::unique_ptr<PendingOp> pending;
+  try {
+    pending = g.transport().all_gather(out, in);
+  } catch (const std::exception& e) {
+    return launch_failed(kOp, g, e);
+  }
+  const auto dtype = t.scalar_type();
+  return CommHandle(g, kOp, sent, std::move(pending), {in, out},
+                    [out, d, dtype] { return concat_major(from_wire(out, dtype), d); });
+}
+
+CommHandle reduce_scatter_async(Group& g, const at::Tensor& t, int64_t dim, ReduceOp op) {
+  constexpr OpKind kOp = OpKind::kReduceScatter;
+  check_defined(kOp, g, t);
+  const int64_t d = check_dim(kOp, g, t, dim, "dim");
+  check_divisible(kOp, g, t, d, "dim");
+  verify_same_shapes(kOp, g, t);
+  const int64_t p = g.size();
+  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
+  account(kOp, g, t, sent);
+  const auto dtype = t.scalar_type();
+  auto& tr = g.transport();
+  std::unique_ptr<PendingOp> pending;
+  if (tr.has_native_reduce_scatter()) {
+    const bool upcast = !tr.reduces_dtype(dtype);
+    auto in = split_major(upcast ? t.to(at::kFloat) : t, d, p);
+    auto out = at::empty(in.sizes().slice(1), in.options());
+    try {
+      pending = tr.reduce_scatter(out, in, wire_op(op));
+    } catch (const std::exception& e) {
+      return launch_failed(kOp, g, e);
+    }
+    return CommHandle(g, kOp, sent, std::move(pending), {in, out},
+                      [out, op, p, dtype] { return finish_avg(out, op, p).to(dtype); });
+  }
+  // One all-to-all: chunk j of every rank lands on rank j, which reduces the P chunks locally.
+  auto in = to_wire(tr, split_major(t, d, p));
+  auto out = at::empty_like(in);
+  try {
+    pending = tr.all_to_all(out, in);
+  } catch (const std::exception& e) {
+    return launch_failed(kOp, g, e);
+  }
+  return CommHandle(g, kOp, sent, std::move(pending), {in, out}, [out, op, p, dtype] {
+    auto stacked = from_wire(out, dtype);
+    return finish_avg(reduce_local(stacked, op), op, p);  // chunk r, in t's dim order
+  });
+}
+
+CommHandle all_to_all_async(Group& g, const at::Tensor& t, int64_t split_dim, int64_t concat_dim) {
+  constexpr OpKind kOp = OpKind::kAllToAll;
+  check_defined(kOp, g, t);
+  const int64_t s = check_dim(kOp, g, t, split_dim, "split_dim");
+  const int64_t c = check_dim(kOp, g, t, concat_dim, "concat_dim");
+  check_divisible(kOp, g, t, s, "split_dim");
+  verify_same_shapes(kOp, g, t);
+  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
+  account(kOp, g, t, sent);
+  auto in = to_wire(g.transport(), split_major(t, s, g.size()));
+  auto out = at::empty_like(in);
+  std::unique_ptr<PendingOp> pending;
+  try {
+    pending = g.transport().all_to_all(out, in);
+  } catch (const std::exception& e) {
+    return launch_failed(kOp, g, e);
+  }
+  const auto dtype = t.scalar_type();
+  return CommHandle(g, kOp, sent, std::move(pending), {in, out},
+                    [out, c, dtype] { return concat_major(from_wire(out, dtype), c); });
+}
+
+CommHandle all_reduce_async(Group& g, const at::Tensor& t, ReduceOp op) {
+  constexpr OpKind kOp = OpKind::kAllReduce;
+  check_defined(kOp, g, t);
+  verify_same_shapes(kOp, g, t);
+  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
+  account(kOp, g, t, sent);
+  const auto dtype = t.scalar_type();
+  const bool upcast = !g.transport().reduces_dtype(dtype);
+  auto buf = upcast ? t.to(at::kFloat).contiguous() : t.contiguous().clone();
+  std::unique_ptr<PendingOp> pending;
+  try {
+    pending = g.transport().all_reduce(buf, wire_op(op));
+  } catch (const std::exception& e) {
+    return launch_failed(kOp, g, e);
+  }
+  const int64_t p = g.size();
+  return CommHandle(g, kOp, sent, std::move(pending), {buf},
+                    [buf, op, p, dtype] { return finish_avg(buf, op, p).to(dtype); });
+}
+
+namespace {
+
+void check_peer(OpKind op, Group& g, int peer, const char* what) {
+  HP_CHECK(peer >= 0 && peer < g.size() && peer != g.rank(), op_name(op), " on group '", g.name(),
+           "': ", what, "=", peer, " must be another rank of the group (0..", g.size() - 1,
+           ", not ", g.rank(), ")");
+}
+
+}  // namespace
+
+CommHandle send_async(Group& g, const at::Tensor& t, int dst) {
+  constexpr OpKind kOp = OpKind::kSend;
+  check_defined(kOp, g, t);
+  check_peer(kOp, g, dst, "dst");
+  const int64_t sent = nbytes(t);
+  account(kOp, g, t, sent, dst);
+  auto buf = to_wire(g.transport(), t);
+  const int tag = g.next_p2p_tag(dst, /*sending=*/true);
+  std::unique_ptr<PendingOp> pending;
+  try {
+    pending = g.transport().send(buf, dst, tag);
+  } catch (const std::exception& e) {
+    return launch_failed(kOp, g, e);
+  }
+  return CommHandle(g, kOp, sent, std::move(pending), {buf}, [] { return at::Tensor(); });
+}
+
+CommHandle recv_async(Group& g, at::IntArrayRef shape, at::ScalarType dtype, int src) {
+  constexpr OpKind kOp = OpKind::kRecv;
+  check_peer(kOp, g, src, "src");
+  auto result = at::empty(shape, at::TensorOptions().dtype(dtype));
+  account(kOp, g, result, 0, src);
+  auto buf = to_wire(g.transport(), result);
+  const int tag = g.next_p2p_tag(src, /*sending=*/false);
+  std::unique_ptr<PendingOp> pending;
+  try {
+    pending = g.transport().recv(buf, src, tag);
+  } catch (const std::exception& e) {
+    return launch_failed(kOp, g, e);
+  }
+  return CommHandle(g, kOp, 0, std::move(pending), {buf}, [result] { return result; });
+}
+
+at::Tensor exchange(Group& g, const at::Tensor& t, int peer) {
+  check_defined(OpKind::kSend, g, t);
+  if (peer == g.rank()) return t.clone();
+  // Lower rank sends first so the tag sequences pair up; both are in flight together.
+  CommHandle s, r;
+  if (g.rank() < peer) {
+    s = send_async(g, t, peer);
+    r = recv_async(g, t.sizes(), t.scalar_type(), peer);
+  } else {
+    r = recv_async(g, t.sizes(), t.scalar_type(), peer);
+    s = send_async(g, t, peer);
+  }
+  s.wait();
+  return r.wait();
+}
+
+void barrier(Group& g) {
+  auto pending = g.transport().barrier();
+  CommHandle(g, OpKind::kBarrier, 0, std::move(pending), {}, nullptr).wait();
+}
+
+at::Tensor all_gather(Group& g, const at::Tensor& t, int64_t dim) {
+  return all_gather_async(g, t, dim).wait();
+}
+at::Tensor reduce_scatter(Group& g, const at::Tensor& t, int64_t dim, ReduceOp op) {
+  return reduce_scatter_async(g, t, dim, op).wait();
+}
+at::Tensor all_to_all(Group& g, const at::Tensor& t, int64_t split_dim, int64_t concat_dim) {
+  return all_to_all_async(g, t, split_dim, concat_dim).wait();
+}
+at::Tensor all_reduce(Group& g, const at::Tensor& t, ReduceOp op) {
+  return all_reduce_async(g, t, op).wait();
+}
+void send(Group& g, const at::Tensor& t, int dst) {
+  send_async(g, t, dst).wait();
+}
+at::Tensor recv(Group& g, at::IntArrayRef shape, at::ScalarType dtype, int src) {
+  return recv_async(g, shape, dtype, src).wait();
+}
+
+}  // namespace hp::comm

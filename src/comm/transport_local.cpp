@@ -1,0 +1,66 @@
+// Transports that never touch the network: a group of one rank, and the recording fake group.
+#include <ATen/ATen.h>
+
+#include "hp/comm/transport.h"
+#include "hp/common/check.h"
+
+namespace hp::comm {
+namespace {
+
+class DonePending final : public PendingOp {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+};
+
+class LocalTransport final : public Transport {
+ public:
+  LocalTransport(int size, bool fake) : size_(size), fake_(fake) {}
+
+  std::string backend_name() const override { return fake_ ? "fake" : "self"; }
+  bool has_native_reduce_scatter() const override { return true; }
+  bool reduces_dtype(at::ScalarType) const override { return true; }
+  bool moves_dtype(at::ScalarType) const override { return true; }
+
+  std::unique_ptr<PendingOp> all_gather(at::Tensor out, at::Tensor in) override {
+    for (int i = 0; i < size_; ++i)
+      out[i].copy_(in);
+    return done();
+  }
+  std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) override {
+    out.copy_(in);
+    return done();
+  }
+  std::unique_ptr<PendingOp> all_reduce(at::Tensor, ReduceOp) override { return done(); }
+  std::unique_ptr<PendingOp> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp) override {
+    out.copy_(in[0]);
+    return done();
+  }
+  std::unique_ptr<PendingOp> send(at::Tensor, int dst, int) override {
+    HP_CHECK(fake_, "send to rank ", dst, " in a group of one rank; a peer must be another rank");
+    return done();
+  }
+  std::unique_ptr<PendingOp> recv(at::Tensor t, int src, int) override {
+    HP_CHECK(fake_, "recv from rank ", src, " in a group of one rank; a peer must be another rank");
+    t.zero_();
+    return done();
+  }
+  std::unique_ptr<PendingOp> barrier() override { return done(); }
+
+ private:
+  static std::unique_ptr<PendingOp> done() { return std::make_unique<DonePending>(); }
+  int size_;
+  bool fake_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_self_transport() {
+  return std::make_unique<LocalTransport>(1, /*fake=*/false);
+}
+
+std::unique_ptr<Transport> make_fake_transport(int size) {
+  return std::make_unique<LocalTransport>(size, /*fake=*/true);
+}
+
+}  // namespace hp::comm

@@ -1,0 +1,197 @@
+#include "hp/comm/world.h"
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "hp/common/check.h"
+
+namespace hp::comm {
+
+struct World::State {
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  bool fake = false;
+  c10::intrusive_ptr<c10d::Store> store;
+  WorldOptions options;
+  std::shared_ptr<CommContext> context;
+  GroupPtr world_group;
+  std::mutex mu;
+  int next_group_id = 0;
+};
+
+namespace {
+
+std::string error_text(const std::exception& e) {
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
+
+World::World(std::shared_ptr<State> state) : state_(std::move(state)) {
+  state_->context = std::make_shared<CommContext>();
+  state_->context->world_rank = state_->rank;
+  state_->context->verify_shapes = state_->options.verify_shapes;
+  state_->context->tracer = state_->options.tracer;
+  state_->context->recorder = state_->options.recorder;
+  std::vector<int> all(state_->size);
+  for (int i = 0; i < state_->size; ++i)
+    all[i] = i;
+  state_->world_group = new_group(all, "world");
+}
+
+World World::from_env(const WorldOptions& options) {
+  auto env = parse_launch_env(process_env());
+  HP_CHECK(env.has_value(),
+           "World::from_env: no launcher variables found. Start under torchrun (RANK, "
+           "WORLD_SIZE, MASTER_ADDR, MASTER_PORT), mpirun (OMPI_COMM_WORLD_RANK/SIZE) or Slurm "
+           "(SLURM_PROCID/SLURM_NTASKS), or let the tool spawn local ranks with --nproc N");
+  return from_launch_env(*env, options);
+}
+
+World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) {
+  auto state = std::make_shared<State>();
+  state->rank = env.rank;
+  state->size = env.world_size;
+  state->local_rank = env.local_rank;
+  state->local_size = env.local_world_size;
+  state->options = options;
+  if (env.world_size == 1) {
+    state->store = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(env.master_port);
+    opts.isServer = env.rank == 0;
+    opts.numWorkers = env.world_size;
+    opts.waitWorkers = true;
+    opts.timeout = options.timeout;
+    try {
+      state->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+    } catch (const std::exception& e) {
+      throw CommError(common::str_cat(
+          "rendezvous failed on rank ", env.rank, " of ", env.world_size, " (", env.launcher,
+          ", TCPStore at ", env.master_addr, ":", env.master_port, "): ", error_text(e),
+          ". Check MASTER_ADDR/MASTER_PORT, that the port is free on rank 0, and that every "
+          "rank starts within the timeout (",
+          options.timeout.count(), " ms)"));
+    }
+  }
+  return World(std::move(state));
+}
+
+World World::in_process(int rank, int size, const c10::intrusive_ptr<c10d::Store>& store,
+                        const WorldOptions& options) {
+  HP_CHECK(size >= 1 && rank >= 0 && rank < size, "World::in_process: rank=", rank, " size=", size,
+           " must satisfy 0 <= rank < size");
+  HP_CHECK(store, "World::in_process: store is null; pass one store shared by all rank threads");
+  auto state = std::make_shared<State>();
+  state->rank = rank;
+  state->size = size;
+  state->local_rank = rank;
+  state->local_size = size;
+  state->store = store;
+  state->options = options;
+  return World(std::move(state));
+}
+
+World World::fake(int rank, int size, const WorldOptions& options) {
+  HP_CHECK(size >= 1 && rank >= 0 && rank < size, "World::fake: rank=", rank, " size=", size,
+           " must satisfy 0 <= rank < size");
+  auto state = std::make_shared<State>();
+  state->rank = rank;
+  state->size = size;
+  state->local_rank = rank;
+  state->local_size = size;
+  state->fake = true;
+  state->options = options;
+  return World(std::move(state));
+}
+
+int World::rank() const {
+  return state_->rank;
+}
+int World::size() const {
+  return state_->size;
+}
+int World::local_rank() const {
+  return state_->local_rank;
+}
+int World::local_size() const {
+  return state_->local_size;
+}
+bool World::is_fake() const {
+  return state_->fake;
+}
+const WorldOptions& World::options() const {
+  return state_->options;
+}
+Group& World::group() const {
+  return *state_->world_group;
+}
+GroupPtr World::group_ptr() const {
+  return state_->world_group;
+}
+CommContext& World::context() const {
+  return *state_->context;
+}
+std::shared_ptr<CommContext> World::context_ptr() const {
+  return state_->context;
+}
+
+GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string& name) const {
+  HP_CHECK(!world_ranks.empty(), "new_group '", name, "': the rank list is empty");
+  std::set<int> seen;
+  for (int r : world_ranks) {
+    HP_CHECK(r >= 0 && r < state_->size, "new_group '", name, "': rank ", r,
+             " is outside the world [0, ", state_->size, ")");
+    HP_CHECK(seen.insert(r).second, "new_group '", name, "': rank ", r, " is listed twice");
+  }
+  int id = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    id = state_->next_group_id++;
+  }
+  auto it = std::find(world_ranks.begin(), world_ranks.end(), state_->rank);
+  if (it == world_ranks.end()) return nullptr;
+  const int group_rank = static_cast<int>(it - world_ranks.begin());
+  const int n = static_cast<int>(world_ranks.size());
+
+  std::unique_ptr<Transport> transport;
+  if (state_->fake) {
+    transport = make_fake_transport(n);
+  } else if (n == 1) {
+    transport = make_self_transport();
+  } else {
+    auto prefix = common::str_cat("hp/g", id, "/", name);
+    for (int r : world_ranks)
+      prefix += common::str_cat("_", r);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
+    C10dTransportOptions opts;
+    opts.backend = state_->options.backend;
+    opts.hostname = state_->options.hostname;
+    opts.timeout = state_->options.timeout;
+    try {
+      transport = make_c10d_transport(store, group_rank, n, opts);
+    } catch (const hp::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CommError(common::str_cat(
+          "creating group '", name, "' failed on world rank ", state_->rank, " (group rank ",
+          group_rank, " of ", n, "): ", error_text(e),
+          ". Every member must create the group, in the same order, within the timeout (",
+          state_->options.timeout.count(), " ms); a member may have exited"));
+    }
+  }
+  return std::make_shared<Group>(name, world_ranks, state_->rank, std::move(transport),
+                                 state_->context, state_->options.timeout);
+}
+
+}  // namespace hp::comm

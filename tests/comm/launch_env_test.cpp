@@ -1,0 +1,90 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "hp/comm/launch_env.h"
+#include "hp/common/check.h"
+
+namespace hp::comm {
+namespace {
+
+EnvLookup env_of(std::map<std::string, std::string> m) {
+  return [m](const std::string& k) -> std::optional<std::string> {
+    auto it = m.find(k);
+    if (it == m.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::string error_of(std::map<std::string, std::string> m) {
+  try {
+    parse_launch_env(env_of(std::move(m)));
+  } catch (const hp::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(LaunchEnv, NoLauncherGivesNothing) {
+  EXPECT_FALSE(parse_launch_env(env_of({})).has_value());
+}
+
+TEST(LaunchEnv, Torchrun) {
+  auto e = parse_launch_env(env_of({{"RANK", "3"},
+                                    {"WORLD_SIZE", "8"},
+                                    {"LOCAL_RANK", "1"},
+                                    {"LOCAL_WORLD_SIZE", "2"},
+                                    {"MASTER_ADDR", "node0"},
+                                    {"MASTER_PORT", "1234"}}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->launcher, "torchrun");
+  EXPECT_EQ(e->rank, 3);
+  EXPECT_EQ(e->world_size, 8);
+  EXPECT_EQ(e->local_rank, 1);
+  EXPECT_EQ(e->local_world_size, 2);
+  EXPECT_EQ(e->master_addr, "node0");
+  EXPECT_EQ(e->master_port, 1234);
+}
+
+TEST(LaunchEnv, Mpirun) {
+  auto e = parse_launch_env(env_of({{"OMPI_COMM_WORLD_RANK", "2"},
+                                    {"OMPI_COMM_WORLD_SIZE", "4"},
+                                    {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                    {"MASTER_ADDR", "h"}}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->launcher, "mpirun");
+  EXPECT_EQ(e->rank, 2);
+  EXPECT_EQ(e->local_world_size, 2);
+  EXPECT_EQ(e->master_port, 29500);
+}
+
+TEST(LaunchEnv, SlurmWithNodeAddressFallback) {
+  auto e = parse_launch_env(env_of({{"SLURM_PROCID", "5"},
+                                    {"SLURM_NTASKS", "8"},
+                                    {"SLURM_LOCALID", "1"},
+                                    {"SLURM_NTASKS_PER_NODE", "4(x2)"},
+                                    {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->launcher, "slurm");
+  EXPECT_EQ(e->local_world_size, 4);
+  EXPECT_EQ(e->master_addr, "10.1.2.3");
+}
+
+TEST(LaunchEnv, ClearErrors) {
+  EXPECT_NE(error_of({{"RANK", "0"}}).find("torchrun launch: WORLD_SIZE is not set"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK='x' is not an integer"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}})
+                .find("rank 2 is outside [0, 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}}).find("MASTER_ADDR is not set"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}})
+                .find("MASTER_PORT=70000 is not a TCP port"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace hp::comm

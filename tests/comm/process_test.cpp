@@ -1,0 +1,133 @@
+// Real processes: TCPStore rendezvous from launcher variables, a peer that dies or never
+// arrives, the launcher's teardown, and hp-bench comm end to end.
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "hp/comm/collectives.h"
+#include "hp/common/check.h"
+#include "hp/train/launcher.h"
+#include "rank_harness.h"
+
+namespace hp::comm {
+namespace {
+
+using hp::testing::run_rank_processes;
+
+TEST(Processes, RendezvousFromTorchrunVariables) {
+  auto results = run_rank_processes(3, [](World& w) {
+    HP_CHECK(w.size() == 3, "world size ", w.size());
+    auto sum = all_reduce(w.group(), at::full({1}, double(w.rank()), at::kDouble));
+    HP_CHECK(sum.item<double>() == 3.0, "sum ", sum.item<double>());
+    auto g = all_gather(w.group(), at::full({1}, float(w.rank())), 0);
+    HP_CHECK(at::equal(g, at::arange(3, at::kFloat)), "gather wrong");
+  });
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << "rank " << r.rank << ": " << r.error;
+  }
+}
+
+TEST(Processes, PeerThatExitsEarlyBecomesAnErrorNotAHang) {
+  hp::testing::RankOptions o;
+  o.timeout = std::chrono::milliseconds(4000);
+  auto results = run_rank_processes(
+      3,
+      [](World& w) {
+        if (w.rank() == 2) return;  // leaves before the collective
+        all_reduce(w.group(), at::ones({1024}));
+      },
+      o, std::chrono::seconds(60));
+  EXPECT_EQ(results[2].exit_code, 0);
+  for (int r : {0, 1}) {
+    EXPECT_EQ(results[r].exit_code, 1) << "rank " << r << " should have raised";
+    EXPECT_NE(results[r].error.find("all_reduce on group 'world' (rank " + std::to_string(r) +
+                                    " of 3, world rank " + std::to_string(r) + ") failed"),
+              std::string::npos)
+        << results[r].error;
+    EXPECT_LT(results[r].seconds, 30.0);
+  }
+}
+
+TEST(Processes, PeerThatNeverArrivesTimesOut) {
+  hp::testing::RankOptions o;
+  o.timeout = std::chrono::milliseconds(2000);
+  auto results = run_rank_processes(
+      2,
+      [](World& w) {
+        if (w.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(6));
+          return;
+        }
+        all_gather(w.group(), at::ones({16}), 0);
+      },
+      o, std::chrono::seconds(60));
+  EXPECT_EQ(results[0].exit_code, 1);
+  EXPECT_NE(results[0].error.find("all_gather on group 'world' (rank 0 of 2, world rank 0)"),
+            std::string::npos)
+      << results[0].error;
+  EXPECT_NE(results[0].error.find("within the group timeout of 2000 ms"), std::string::npos)
+      << results[0].error;
+}
+
+TEST(Launcher, OneFailingRankStopsTheOthers) {
+  hp::train::LaunchOptions lo;
+  lo.nproc = 3;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.argv = {"/bin/sh", "-c",
+             "if [ \"$RANK\" = 1 ]; then echo 'rank one broke' > \"$HP_ERROR_FILE\"; exit 3; fi; "
+             "exec sleep 60"};
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = hp::train::launch_local_ranks(lo);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(res.exit_code, 3);
+  EXPECT_EQ(res.failed_rank, 1);
+  EXPECT_NE(res.message.find("rank 1 (pid"), std::string::npos) << res.message;
+  EXPECT_NE(res.message.find("exited with code 3: rank one broke"), std::string::npos)
+      << res.message;
+  EXPECT_LT(secs, 20.0) << "the sleeping ranks were not stopped";
+}
+
+TEST(Launcher, SetsRankVariablesAndThreadCounts) {
+  hp::train::LaunchOptions lo;
+  lo.nproc = 2;
+  lo.threads_per_rank = 1;
+  lo.argv = {"/bin/sh", "-c",
+             "test \"$WORLD_SIZE\" = 2 && test \"$OPENBLAS_NUM_THREADS\" = 1 && "
+             "test -n \"$MASTER_PORT\" && test \"$LOCAL_RANK\" = \"$RANK\""};
+  auto res = hp::train::launch_local_ranks(lo);
+  EXPECT_EQ(res.exit_code, 0) << res.message;
+}
+
+TEST(HpBenchComm, JsonReportsMeasuredBytesEqualToTheFormula) {
+  const std::string cmd =
+      std::string(HP_BENCH_BINARY) + " comm --nproc 2 --bytes 1048576 --iters 2 --json 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    out.append(buf.data(), n);
+  ASSERT_EQ(::pclose(pipe), 0) << out;
+  auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["nproc"], 2);
+  std::set<std::string> ops;
+  for (const auto& r : j["results"]) {
+    ops.insert(r["op"]);
+    EXPECT_EQ(r["bytes_in"], 1048576);
+    EXPECT_EQ(r["bytes_sent_per_rank"], r["theory_bytes_per_rank"]) << r.dump();
+    EXPECT_GT(r["gbps"].get<double>(), 0.0);
+  }
+  EXPECT_EQ(ops,
+            (std::set<std::string>{"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}));
+}
+
+}  // namespace
+}  // namespace hp::comm

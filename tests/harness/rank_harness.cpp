@@ -1,0 +1,151 @@
+#include "rank_harness.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "hp/common/check.h"
+#include "hp/common/threads.h"
+#include "hp/train/launcher.h"
+
+namespace hp::testing {
+
+namespace {
+
+comm::WorldOptions world_options(const RankOptions& o) {
+  comm::WorldOptions wo;
+  wo.timeout = o.timeout;
+  wo.verify_shapes = o.verify_shapes;
+  wo.tracer = o.tracer;
+  if (o.record) wo.recorder = std::make_shared<comm::CollectiveRecorder>();
+  return wo;
+}
+
+}  // namespace
+
+void run_ranks(int n, const std::function<void(comm::World&)>& fn, const RankOptions& options) {
+  common::configure_threads(1);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(options.timeout);
+  std::mutex mu;
+  std::exception_ptr first;
+  int first_rank = -1;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto world = comm::World::in_process(r, n, store, world_options(options));
+        fn(world);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) {
+          first = std::current_exception();
+          first_rank = r;
+        }
+      }
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  if (first) {
+    try {
+      std::rethrow_exception(first);
+    } catch (const std::exception& e) {
+      throw Error(common::str_cat("rank ", first_rank, " of ", n, ": ", e.what()));
+    }
+  }
+}
+
+std::vector<ProcessResult> run_rank_processes(int n, const std::function<void(comm::World&)>& fn,
+                                              const RankOptions& options,
+                                              std::chrono::milliseconds deadline) {
+  const int port = train::pick_free_port();
+  std::vector<pid_t> pids(n);
+  std::vector<int> pipes(n);
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < n; ++r) {
+    int fds[2];
+    HP_CHECK(::pipe(fds) == 0, "pipe failed");
+    pid_t pid = ::fork();
+    HP_CHECK(pid >= 0, "fork failed");
+    if (pid == 0) {
+      ::close(fds[0]);
+      common::configure_threads(1);
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      int code = 0;
+      std::string err;
+      try {
+        auto world = comm::World::from_env(world_options(options));
+        fn(world);
+      } catch (const std::exception& e) {
+        err = e.what();
+        code = 1;
+      }
+      if (!err.empty()) {
+        ssize_t unused = ::write(fds[1], err.data(), err.size());
+        (void)unused;
+      }
+      ::close(fds[1]);
+      ::_exit(code);
+    }
+    ::close(fds[1]);
+    pids[r] = pid;
+    pipes[r] = fds[0];
+  }
+  std::vector<ProcessResult> results(n);
+  std::vector<bool> done(n, false);
+  int remaining = n;
+  while (remaining > 0) {
+    const bool late = std::chrono::steady_clock::now() - start > deadline;
+    for (int r = 0; r < n; ++r) {
+      if (done[r]) continue;
+      if (late) ::kill(pids[r], SIGKILL);
+      int status = 0;
+      if (::waitpid(pids[r], &status, late ? 0 : WNOHANG) != pids[r]) continue;
+      done[r] = true;
+      --remaining;
+      auto& res = results[r];
+      res.rank = r;
+      res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (WIFEXITED(status)) res.exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) res.term_signal = WTERMSIG(status);
+      char buf[4096];
+      ssize_t k;
+      while ((k = ::read(pipes[r], buf, sizeof(buf))) > 0)
+        res.error.append(buf, k);
+      ::close(pipes[r]);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return results;
+}
+
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what,
+                  double rtol, double atol) {
+  ASSERT_TRUE(actual.defined()) << what << ": actual is undefined";
+  ASSERT_TRUE(expected.defined()) << what << ": expected is undefined";
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what << ": shape mismatch";
+  auto a = actual.to(at::kDouble);
+  auto e = expected.to(at::kDouble);
+  if (at::allclose(a, e, rtol, atol)) return;
+  auto err = (a - e).abs() - rtol * e.abs();
+  auto idx = err.flatten().argmax().item<int64_t>();
+  ADD_FAILURE() << what << ": not close (rtol=" << rtol << ", atol=" << atol
+                << "); worst flat index " << idx << ": actual " << a.flatten()[idx].item<double>()
+                << " vs expected " << e.flatten()[idx].item<double>() << ", max abs diff "
+                << (a - e).abs().max().item<double>();
+}
+
+}  // namespace hp::testing
