@@ -1,16 +1,21 @@
 // hp-bench: measurements, never pass/fail tests.
 //   hp-bench comm --nproc N [--bytes B] [--iters K] [--json]
+//   hp-bench attention --seq S --heads H --kv-heads HK --head-dim D [--causal] [--batch B]
+//                      [--primitive math|blockwise|all] [--iters K] [--json]
 // With --nproc N (N > 1) it spawns N local rank processes of itself; under torchrun / mpirun /
 // Slurm variables it is one rank of that job.
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "hp/bench/attention_bench.h"
 #include "hp/bench/comm_bench.h"
 #include "hp/comm/launch_env.h"
 #include "hp/comm/world.h"
+#include "hp/attention/attention.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "hp/train/launcher.h"
@@ -70,6 +75,106 @@ int run_comm(const CommArgs& a, const std::vector<std::string>& argv) {
   return 0;
 }
 
+struct AttentionArgs {
+  hp::bench::AttentionBenchOptions bench;
+  std::string primitive = "all";
+  bool json = false;
+  bool child = false;  // internal: run one primitive and print its result as JSON
+};
+
+nlohmann::json to_json(const hp::bench::AttentionBenchResult& r) {
+  return {{"primitive", r.primitive},           {"fwd_s", r.fwd_s},
+          {"fwd_bwd_s", r.fwd_bwd_s},           {"fwd_gflops", r.fwd_gflops},
+          {"fwd_bwd_gflops", r.fwd_bwd_gflops}, {"peak_bytes", r.peak_bytes},
+          {"peak_rss_bytes", r.peak_rss_bytes}};
+}
+
+int64_t available_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
+
+// Runs one primitive in a fresh process of this binary, so each gets its own peak RSS.
+nlohmann::json run_attention_child(const AttentionArgs& a, const std::string& primitive) {
+  const auto& b = a.bench;
+  std::string cmd = hp::common::str_cat(
+      hp::train::self_executable(), " attention --child --primitive ", primitive, " --seq ",
+      b.seq, " --heads ", b.heads, " --kv-heads ", b.kv_heads, " --head-dim ", b.head_dim,
+      " --batch ", b.batch, " --iters ", b.iters, " --block-q ", b.block_q, " --block-kv ",
+      b.block_kv, b.causal ? " --causal" : "");
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  HP_CHECK(pipe != nullptr, "hp-bench attention: cannot start ", cmd);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  const int rc = ::pclose(pipe);
+  HP_CHECK(rc == 0, "hp-bench attention: primitive '", primitive, "' failed: ", out);
+  return nlohmann::json::parse(out);
+}
+
+int run_attention(const AttentionArgs& a) {
+  const auto& b = a.bench;
+  if (a.child) {
+    hp::common::configure_threads(hp::common::available_cores());
+    std::cout << to_json(hp::bench::run_attention_bench(b, a.primitive)).dump() << std::endl;
+    return 0;
+  }
+  std::vector<std::string> prims;
+  if (a.primitive == "all") {
+    prims = hp::attention::AttentionRegistry::builtin().names();
+  } else {
+    hp::attention::AttentionRegistry::builtin().get(a.primitive);  // clear error if unknown
+    prims = {a.primitive};
+  }
+  const double gflops = hp::bench::measure_matmul_gflops();
+  nlohmann::json out = {{"seq", b.seq},           {"heads", b.heads},
+                        {"kv_heads", b.kv_heads}, {"head_dim", b.head_dim},
+                        {"batch", b.batch},       {"causal", b.causal},
+                        {"matmul_gflops", gflops}, {"results", nlohmann::json::array()},
+                        {"skipped", nlohmann::json::array()}};
+  for (const auto& p : prims) {
+    if (p == "math" && hp::bench::math_score_bytes(b) > available_memory_bytes() * 6 / 10) {
+      const std::string why = hp::common::str_cat(
+          "math needs about ", hp::bench::math_score_bytes(b) >> 20, " MiB for its [B, H, S, S] "
+          "scores; only ", available_memory_bytes() >> 20, " MiB are available");
+      HP_CHECK(a.primitive == "all", "hp-bench attention: ", why, "; use --primitive blockwise");
+      out["skipped"].push_back({{"primitive", p}, {"reason", why}});
+      continue;
+    }
+    out["results"].push_back(run_attention_child(a, p));
+  }
+  if (a.json) {
+    std::cout << out.dump() << std::endl;
+    return 0;
+  }
+  std::printf("hp-bench attention: B=%lld H=%lld Hkv=%lld D=%lld S=%lld causal=%s; "
+              "fp32 matmul roofline %.1f GFLOP/s (2048^3, this run)\n",
+              (long long)b.batch, (long long)b.heads, (long long)b.kv_heads,
+              (long long)b.head_dim, (long long)b.seq, b.causal ? "yes" : "no", gflops);
+  std::printf("%-10s %10s %12s %11s %15s %9s %12s\n", "primitive", "fwd_s", "fwd_bwd_s",
+              "fwd_GF/s", "fwd_bwd_GF/s", "%roof", "peak_MiB");
+  for (const auto& r : out["results"]) {
+    std::printf("%-10s %10.3f %12.3f %11.1f %15.1f %8.1f%% %12.1f\n",
+                r["primitive"].get<std::string>().c_str(), r["fwd_s"].get<double>(),
+                r["fwd_bwd_s"].get<double>(), r["fwd_gflops"].get<double>(),
+                r["fwd_bwd_gflops"].get<double>(),
+                100.0 * r["fwd_bwd_gflops"].get<double>() / gflops,
+                r["peak_rss_bytes"].get<int64_t>() / 1048576.0);
+  }
+  for (const auto& s : out["skipped"]) {
+    std::printf("%-10s skipped: %s\n", s["primitive"].get<std::string>().c_str(),
+                s["reason"].get<std::string>().c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,9 +188,25 @@ int main(int argc, char** argv) {
   c->add_option("--iters", comm.bench.iters, "timed iterations")->check(CLI::Range(1, 100000));
   c->add_option("--timeout", comm.timeout_s, "per-group timeout in seconds");
   c->add_flag("--json", comm.json, "one JSON object on stdout");
+  AttentionArgs att;
+  auto* at_cmd = app.add_subcommand("attention", "one attention layer, fwd and fwd+bwd");
+  at_cmd->add_option("--seq", att.bench.seq, "sequence length S")->check(CLI::PositiveNumber);
+  at_cmd->add_option("--heads", att.bench.heads, "query heads H")->check(CLI::PositiveNumber);
+  at_cmd->add_option("--kv-heads", att.bench.kv_heads, "key/value heads")
+      ->check(CLI::PositiveNumber);
+  at_cmd->add_option("--head-dim", att.bench.head_dim, "head dim D")->check(CLI::PositiveNumber);
+  at_cmd->add_option("--batch", att.bench.batch, "batch B")->check(CLI::PositiveNumber);
+  at_cmd->add_flag("--causal", att.bench.causal, "causal mask");
+  at_cmd->add_option("--primitive", att.primitive, "math | blockwise | sdpa | all");
+  at_cmd->add_option("--iters", att.bench.iters, "timed iterations")->check(CLI::Range(1, 1000));
+  at_cmd->add_option("--block-q", att.bench.block_q, "blockwise: query rows per tile (0: default)");
+  at_cmd->add_option("--block-kv", att.bench.block_kv, "blockwise: key rows per tile (0: default)");
+  at_cmd->add_flag("--json", att.json, "one JSON object on stdout");
+  at_cmd->add_flag("--child", att.child, "internal")->group("");
   CLI11_PARSE(app, argc, argv);
   try {
     if (c->parsed()) return run_comm(comm, args);
+    if (at_cmd->parsed()) return run_attention(att);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;
     hp::train::report_rank_error(e.what());

@@ -38,6 +38,25 @@ void configure_threads(int threads) {
   }
 }
 
+namespace {
+using SetFn = void (*)(int);
+using GetFn = int (*)();
+}  // namespace
+
+ScopedBlasThreads::ScopedBlasThreads(int threads) {
+  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (get == nullptr || set == nullptr) return;
+  previous_ = get();
+  if (previous_ != threads) set(threads);
+}
+
+ScopedBlasThreads::~ScopedBlasThreads() {
+  if (previous_ < 0) return;
+  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set != nullptr) set(previous_);
+}
+
 std::vector<std::pair<std::string, std::string>> child_thread_env(int threads) {
   const std::string n = std::to_string(std::max(1, threads));
   return {{"OPENBLAS_NUM_THREADS", n}, {"OMP_NUM_THREADS", n}, {"HP_NUM_THREADS", n}};

@@ -21,4 +21,19 @@ void configure_threads(int threads);
 // (they read these once, at load time).
 std::vector<std::pair<std::string, std::string>> child_thread_env(int threads);
 
+// Pins OpenBLAS to `threads` for this scope and restores the previous count after. Kernels
+// that run their own parallel loop (one BLAS call per thread) use it so two thread pools do
+// not fight over the cores. OpenBLAS's count is process-wide: do not use it while another
+// thread of the process expects multi-threaded BLAS. No-op when OpenBLAS is not loaded.
+class ScopedBlasThreads {
+ public:
+  explicit ScopedBlasThreads(int threads);
+  ~ScopedBlasThreads();
+  ScopedBlasThreads(const ScopedBlasThreads&) = delete;
+  ScopedBlasThreads& operator=(const ScopedBlasThreads&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 }  // namespace hp::common

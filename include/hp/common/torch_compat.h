@@ -44,6 +44,18 @@ inline c10::intrusive_ptr<C10dBackend> make_gloo_backend(
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
+// at::scaled_dot_product_attention where it exists (LibTorch >= 2.1 takes `scale`); the
+// registry only calls it when kHasSdpa.
+inline at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& mask, double scale) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, 0.0, false, scale);
+#else
+  (void)q, (void)k, (void)v, (void)mask, (void)scale;
+  TORCH_CHECK(false, "at::scaled_dot_product_attention needs LibTorch >= 2");
+#endif
+}
+
 // The Future a Work completes, when the backend provides one; nullptr otherwise.
 inline c10::intrusive_ptr<c10::ivalue::Future> work_future(const WorkPtr& work) {
   try {

@@ -1,0 +1,78 @@
+// The attention layer every CP strategy ends in (DESIGN section 6).
+//
+//   AttentionPrimitive::forward(q, k, v, options) -> {out, lse}      differentiable in q, k, v
+//
+// Layout BNSD: q [B, Nq, Sq, D], k and v [B, Nkv, Skv, D]; out [B, Nq, Sq, D] in q's dtype,
+// lse [B, Nq, Sq] float32, float64 for double inputs (natural-log sum of exp of the scaled, masked scores).
+// GQA/MQA: Nq must be a multiple of Nkv; query head h reads kv head h / (Nq / Nkv) by index
+// mapping (K/V are never repeated in memory).
+//
+// Visibility of key j to local query i is the AND of
+//   * causal (when options.causal):  j <= causal.q_offset + i
+//   * a bool user mask (true = attend), or an additive float user mask (added to the scores;
+//     -inf hides), broadcastable to [B, Nq, Sq, Skv]; never modified
+//   * a mask function (flex style) evaluated per block; blocks it hides entirely are skipped
+// A query row with no visible key yields out = 0 and lse = -inf (never NaN), and zero gradient.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/masks.h"
+
+namespace hp::attention {
+
+struct AttentionOptions {
+  bool causal = false;
+  // Where this rank's queries and keys sit in the global sequence (CP). Unset: q_offset 0 and
+  // the lengths of q and k. When set, q_len/kv_len must match the tensors (-1: take them).
+  std::optional<CausalMetadata> causal_meta;
+  std::optional<double> scale;  // default 1/sqrt(D)
+  at::Tensor mask;              // optional bool (true = attend) or additive float mask
+  std::optional<MaskFunction> mask_fn;
+  // Blockwise kernel tiling (rows of Q per block, rows of K/V per block).
+  int64_t block_q = 256;
+  int64_t block_kv = 256;
+};
+
+struct AttentionResult {
+  at::Tensor out;  // [B, Nq, Sq, D]
+  at::Tensor lse;  // [B, Nq, Sq], float32 (float64 for double inputs)
+};
+
+class AttentionPrimitive {
+ public:
+  virtual ~AttentionPrimitive() = default;
+  virtual std::string name() const = 0;
+  // Validates its inputs (clear hp::Error before any work) and computes attention.
+  virtual AttentionResult forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const AttentionOptions& options) const = 0;
+};
+
+// Explicit scores, fp32 softmax: the ground truth. O(Sq * Skv) memory.
+std::unique_ptr<AttentionPrimitive> make_math_attention();
+// Flash-style online softmax over K/V blocks, fp32 accumulators, custom backward recomputing
+// from lse: O(S * D) memory. Skips causal blocks above the diagonal and blocks a mask hides.
+std::unique_ptr<AttentionPrimitive> make_blockwise_attention();
+
+// Name -> primitive. builtin() holds "math", "blockwise" (and "sdpa" when the found LibTorch
+// has at::scaled_dot_product_attention); it is immutable. Make your own registry to add more.
+class AttentionRegistry {
+ public:
+  static const AttentionRegistry& builtin();
+
+  void add(std::unique_ptr<AttentionPrimitive> primitive);
+  // Throws hp::Error listing the valid names when `name` is unknown.
+  const AttentionPrimitive& get(const std::string& name) const;
+  bool contains(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::vector<std::unique_ptr<AttentionPrimitive>> primitives_;
+};
+
+}  // namespace hp::attention

@@ -1,0 +1,44 @@
+// Mask vocabulary of the attention layer: causal metadata and flex-style mask functions.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include <ATen/core/Tensor.h>
+
+namespace hp::attention {
+
+// Key j (kv index in [0, kv_len)) is visible to local query i (in [0, q_len)) iff
+// j <= q_offset + i. Under CP q_offset > 0 and q_len < kv_len are normal.
+struct CausalMetadata {
+  int64_t q_offset = 0;
+  int64_t q_len = -1;   // -1: the query length of the tensors
+  int64_t kv_len = -1;  // -1: the key length of the tensors
+};
+
+// A flex-style mask function, vectorised: it receives int64 index tensors that broadcast
+// against each other (b [Bb,1,1,1], h [1,Hb,1,1], q_idx [1,1,bq,1], kv_idx [1,1,1,bk]; indices
+// are *global* within the tensors passed to the primitive) and returns a bool tensor
+// broadcastable to their common shape, true = attend.
+// per_batch / per_head: false when the mask does not depend on b / h (evaluated once and
+// broadcast, which is much cheaper).
+struct MaskFunction {
+  std::function<at::Tensor(const at::Tensor& b, const at::Tensor& h, const at::Tensor& q_idx,
+                           const at::Tensor& kv_idx)>
+      fn;
+  bool per_batch = false;
+  bool per_head = false;
+  // Added to q_idx / kv_idx before calling fn: lets CP evaluate a mask written for global
+  // positions on a local shard.
+  int64_t q_index_offset = 0;
+  int64_t kv_index_offset = 0;
+};
+
+// Key within `window` positions behind the query (and not ahead of it): q - window < kv <= q.
+MaskFunction sliding_window_mask(int64_t window);
+
+// Packed sequences: attend only within the same document. doc_ids [S] int64, one id per
+// position (queries and keys index the same packed sequence).
+MaskFunction document_mask(const at::Tensor& doc_ids);
+
+}  // namespace hp::attention

@@ -1,0 +1,46 @@
+// `hp-bench attention`: one process, one primitive at a time, against this machine's fp32
+// matmul roofline measured in the same run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hp::bench {
+
+struct AttentionBenchOptions {
+  int64_t seq = 4096;
+  int64_t heads = 8;
+  int64_t kv_heads = 8;
+  int64_t head_dim = 64;
+  int64_t batch = 1;
+  bool causal = false;
+  int iters = 3;
+  int64_t block_q = 0;   // 0: the primitive's default tiling
+  int64_t block_kv = 0;  // timed iterations (median); one untimed warm-up before them
+};
+
+struct AttentionBenchResult {
+  std::string primitive;
+  double fwd_s = 0;
+  double fwd_bwd_s = 0;
+  double fwd_gflops = 0;      // visible work only: causal fwd = 2*B*H*S^2*D, dense twice that
+  double fwd_bwd_gflops = 0;  // 3.5x the forward work
+  int64_t peak_bytes = 0;     // peak RSS growth over the RSS before inputs were made
+  int64_t peak_rss_bytes = 0; // peak RSS of the whole process
+};
+
+// GFLOP/s of a 2048^3 fp32 matmul (median of 5).
+double measure_matmul_gflops();
+
+// Forward FLOPs counted for the figures above.
+double attention_fwd_flops(const AttentionBenchOptions& o);
+
+// Runs one primitive (math | blockwise | sdpa) in this process.
+AttentionBenchResult run_attention_bench(const AttentionBenchOptions& o,
+                                         const std::string& primitive);
+
+// Bytes the math primitive would allocate for its [B, N, S, S] scores and probabilities.
+int64_t math_score_bytes(const AttentionBenchOptions& o);
+
+}  // namespace hp::bench

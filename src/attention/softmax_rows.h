@@ -1,0 +1,44 @@
+// Internal to attention/: fused per-row passes of the blockwise kernel over one score tile.
+//
+// A tile is `rows` x `cols` contiguous scores (row-major). Row r is query
+// q_first + (r % rows_per_head) of the tile; under causal masking, column c (key
+// kv_first + c) is visible iff kv_first + c <= causal_offset + q_first + (r % rows_per_head).
+// Columns beyond that are treated as -inf without being read. Scores already -inf (user
+// masks) are handled exactly.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+namespace hp::attention::detail {
+
+struct TileRows {
+  int64_t rows = 0;           // G * bq (the query heads sharing one KV head)
+  int64_t cols = 0;           // bk
+  int64_t rows_per_head = 0;  // bq: row r is local query q_first + r % rows_per_head
+  bool causal = false;
+  int64_t q_first = 0;        // causal: query index of tile row 0 (incl. the causal offset)
+  int64_t kv_first = 0;       // causal: key index of tile column 0
+
+  // Number of visible leading columns of row r.
+  int64_t visible_cols(int64_t r) const {
+    if (!causal) return cols;
+    const int64_t last = q_first + r % rows_per_head - kv_first;  // last visible column
+    return last < 0 ? 0 : (last + 1 < cols ? last + 1 : cols);
+  }
+};
+
+// Forward online-softmax update, in place: s <- exp(s - m_new) (0 where hidden), and per row
+// m <- m_new = max(m, rowmax s), l <- l * alpha + rowsum p, alpha <- exp(m_old - m_new).
+template <typename T>
+void online_softmax_update(const TileRows& t, T* s, T* m, T* l, T* alpha);
+
+// Backward: s <- exp(s - lse) (0 where hidden; lse = +inf for rows with no visible key).
+template <typename T>
+void recompute_probs(const TileRows& t, T* s, const T* lse);
+
+// Backward: dp <- p * (dp - delta) per row.
+template <typename T>
+void softmax_grad(const TileRows& t, const T* p, T* dp, const T* delta);
+
+}  // namespace hp::attention::detail
