@@ -11,13 +11,14 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "hp/attention/attention.h"
 #include "hp/bench/attention_bench.h"
 #include "hp/bench/comm_bench.h"
 #include "hp/comm/launch_env.h"
 #include "hp/comm/world.h"
-#include "hp/attention/attention.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
+#include "hp/common/trace.h"
 #include "hp/train/launcher.h"
 
 namespace {
@@ -27,6 +28,7 @@ struct CommArgs {
   hp::bench::CommBenchOptions bench;
   bool json = false;
   double timeout_s = 300;
+  std::string trace;  // Chrome-trace file, one track per rank
 };
 
 void print_comm(const std::vector<hp::bench::CommBenchResult>& results, int nproc, bool json) {
@@ -67,10 +69,12 @@ int run_comm(const CommArgs& a, const std::vector<std::string>& argv) {
   }
   hp::comm::WorldOptions wo;
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  if (!a.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
   hp::comm::World world = env ? hp::comm::World::from_launch_env(*env, wo)
                               : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
   auto results = hp::bench::run_comm_bench(world, a.bench);
+  if (!a.trace.empty()) hp::comm::write_world_trace(world, a.trace);
   if (world.rank() == 0) print_comm(results, world.size(), a.json);
   return 0;
 }
@@ -104,16 +108,17 @@ int64_t available_memory_bytes() {
 nlohmann::json run_attention_child(const AttentionArgs& a, const std::string& primitive) {
   const auto& b = a.bench;
   std::string cmd = hp::common::str_cat(
-      hp::train::self_executable(), " attention --child --primitive ", primitive, " --seq ",
-      b.seq, " --heads ", b.heads, " --kv-heads ", b.kv_heads, " --head-dim ", b.head_dim,
-      " --batch ", b.batch, " --iters ", b.iters, " --block-q ", b.block_q, " --block-kv ",
-      b.block_kv, b.causal ? " --causal" : "");
+      hp::train::self_executable(), " attention --child --primitive ", primitive, " --seq ", b.seq,
+      " --heads ", b.heads, " --kv-heads ", b.kv_heads, " --head-dim ", b.head_dim, " --batch ",
+      b.batch, " --iters ", b.iters, " --block-q ", b.block_q, " --block-kv ", b.block_kv,
+      b.causal ? " --causal" : "");
   FILE* pipe = ::popen(cmd.c_str(), "r");
   HP_CHECK(pipe != nullptr, "hp-bench attention: cannot start ", cmd);
   std::string out;
   char buf[4096];
   size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0)
+    out.append(buf, n);
   const int rc = ::pclose(pipe);
   HP_CHECK(rc == 0, "hp-bench attention: primitive '", primitive, "' failed: ", out);
   return nlohmann::json::parse(out);
@@ -134,16 +139,22 @@ int run_attention(const AttentionArgs& a) {
     prims = {a.primitive};
   }
   const double gflops = hp::bench::measure_matmul_gflops();
-  nlohmann::json out = {{"seq", b.seq},           {"heads", b.heads},
-                        {"kv_heads", b.kv_heads}, {"head_dim", b.head_dim},
-                        {"batch", b.batch},       {"causal", b.causal},
-                        {"matmul_gflops", gflops}, {"results", nlohmann::json::array()},
+  nlohmann::json out = {{"seq", b.seq},
+                        {"heads", b.heads},
+                        {"kv_heads", b.kv_heads},
+                        {"head_dim", b.head_dim},
+                        {"batch", b.batch},
+                        {"causal", b.causal},
+                        {"matmul_gflops", gflops},
+                        {"results", nlohmann::json::array()},
                         {"skipped", nlohmann::json::array()}};
   for (const auto& p : prims) {
     if (p == "math" && hp::bench::math_score_bytes(b) > available_memory_bytes() * 6 / 10) {
-      const std::string why = hp::common::str_cat(
-          "math needs about ", hp::bench::math_score_bytes(b) >> 20, " MiB for its [B, H, S, S] "
-          "scores; only ", available_memory_bytes() >> 20, " MiB are available");
+      const std::string why =
+          hp::common::str_cat("math needs about ", hp::bench::math_score_bytes(b) >> 20,
+                              " MiB for its [B, H, S, S] "
+                              "scores; only ",
+                              available_memory_bytes() >> 20, " MiB are available");
       HP_CHECK(a.primitive == "all", "hp-bench attention: ", why, "; use --primitive blockwise");
       out["skipped"].push_back({{"primitive", p}, {"reason", why}});
       continue;
@@ -154,12 +165,13 @@ int run_attention(const AttentionArgs& a) {
     std::cout << out.dump() << std::endl;
     return 0;
   }
-  std::printf("hp-bench attention: B=%lld H=%lld Hkv=%lld D=%lld S=%lld causal=%s; "
-              "fp32 matmul roofline %.1f GFLOP/s (2048^3, this run)\n",
-              (long long)b.batch, (long long)b.heads, (long long)b.kv_heads,
-              (long long)b.head_dim, (long long)b.seq, b.causal ? "yes" : "no", gflops);
-  std::printf("%-10s %10s %12s %11s %15s %9s %12s\n", "primitive", "fwd_s", "fwd_bwd_s",
-              "fwd_GF/s", "fwd_bwd_GF/s", "%roof", "peak_MiB");
+  std::printf(
+      "hp-bench attention: B=%lld H=%lld Hkv=%lld D=%lld S=%lld causal=%s; "
+      "fp32 matmul roofline %.1f GFLOP/s (2048^3, this run)\n",
+      (long long)b.batch, (long long)b.heads, (long long)b.kv_heads, (long long)b.head_dim,
+      (long long)b.seq, b.causal ? "yes" : "no", gflops);
+  std::printf("%-10s %10s %12s %11s %15s %9s %12s\n", "primitive", "fwd_s", "fwd_bwd_s", "fwd_GF/s",
+              "fwd_bwd_GF/s", "%roof", "peak_MiB");
   for (const auto& r : out["results"]) {
     std::printf("%-10s %10.3f %12.3f %11.1f %15.1f %8.1f%% %12.1f\n",
                 r["primitive"].get<std::string>().c_str(), r["fwd_s"].get<double>(),
@@ -188,6 +200,7 @@ int main(int argc, char** argv) {
   c->add_option("--iters", comm.bench.iters, "timed iterations")->check(CLI::Range(1, 100000));
   c->add_option("--timeout", comm.timeout_s, "per-group timeout in seconds");
   c->add_flag("--json", comm.json, "one JSON object on stdout");
+  c->add_option("--trace", comm.trace, "write a Chrome trace (one track per rank) to this file");
   AttentionArgs att;
   auto* at_cmd = app.add_subcommand("attention", "one attention layer, fwd and fwd+bwd");
   at_cmd->add_option("--seq", att.bench.seq, "sequence length S")->check(CLI::PositiveNumber);

@@ -10,7 +10,8 @@ namespace {
 
 std::string shape_str(at::IntArrayRef s) {
   std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+  for (size_t i = 0; i < s.size(); ++i)
+    out += (i ? "," : "") + std::to_string(s[i]);
   return out + "]";
 }
 
@@ -30,12 +31,12 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.head_dim = q.size(3);
   p.kv_heads = k.size(1);
   p.kv_len = k.size(2);
-  HP_CHECK(k.size(0) == p.batch && v.size(0) == p.batch, who, ": batch sizes differ: q ",
-           p.batch, ", k ", k.size(0), ", v ", v.size(0));
-  HP_CHECK(k.size(3) == p.head_dim, who, ": head dim of q (", p.head_dim, ") and k (",
-           k.size(3), ") differ; q and k must share D");
-  HP_CHECK(v.size(1) == p.kv_heads && v.size(2) == p.kv_len && v.size(3) == p.head_dim, who,
-           ": v ", shape_str(v.sizes()), " must match k ", shape_str(k.sizes()),
+  HP_CHECK(k.size(0) == p.batch && v.size(0) == p.batch, who, ": batch sizes differ: q ", p.batch,
+           ", k ", k.size(0), ", v ", v.size(0));
+  HP_CHECK(k.size(3) == p.head_dim, who, ": head dim of q (", p.head_dim, ") and k (", k.size(3),
+           ") differ; q and k must share D");
+  HP_CHECK(v.size(1) == p.kv_heads && v.size(2) == p.kv_len && v.size(3) == p.head_dim, who, ": v ",
+           shape_str(v.sizes()), " must match k ", shape_str(k.sizes()),
            " (this kernel requires the value head dim to equal D)");
   HP_CHECK(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, who, ": Nq=", p.q_heads,
            " is not a multiple of Nkv=", p.kv_heads,
@@ -44,8 +45,8 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   HP_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), who,
            ": q, k, v dtypes differ (", c10::toString(q.scalar_type()), ", ",
            c10::toString(k.scalar_type()), ", ", c10::toString(v.scalar_type()), ")");
-  HP_CHECK(at::isFloatingType(q.scalar_type()), who, ": dtype ",
-           c10::toString(q.scalar_type()), " is not floating point");
+  HP_CHECK(at::isFloatingType(q.scalar_type()), who, ": dtype ", c10::toString(q.scalar_type()),
+           " is not floating point");
   p.compute_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   p.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
   HP_CHECK(std::isfinite(p.scale), who, ": scale=", p.scale, " must be finite");
@@ -53,8 +54,8 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (o.causal_meta) {
     HP_CHECK(o.causal, who, ": causal_meta is set but causal is false; set causal=true");
     const auto& m = *o.causal_meta;
-    HP_CHECK(m.q_len < 0 || m.q_len == p.q_len, who, ": causal_meta.q_len=", m.q_len,
-             " but q has ", p.q_len, " positions");
+    HP_CHECK(m.q_len < 0 || m.q_len == p.q_len, who, ": causal_meta.q_len=", m.q_len, " but q has ",
+             p.q_len, " positions");
     HP_CHECK(m.kv_len < 0 || m.kv_len == p.kv_len, who, ": causal_meta.kv_len=", m.kv_len,
              " but k has ", p.kv_len, " positions");
     HP_CHECK(m.q_offset >= 0, who, ": causal_meta.q_offset=", m.q_offset, " must be >= 0");
@@ -69,13 +70,14 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              " must have 2 to 4 dims, broadcastable to [B, Nq, Sq, Skv] = [", p.batch, ",",
              p.q_heads, ",", p.q_len, ",", p.kv_len, "]");
     auto m4 = m;
-    while (m4.dim() < 4) m4 = m4.unsqueeze(0);
+    while (m4.dim() < 4)
+      m4 = m4.unsqueeze(0);
     const bool ok = m4.size(2) == p.q_len && m4.size(3) == p.kv_len &&
                     (m4.size(0) == 1 || m4.size(0) == p.batch) &&
                     (m4.size(1) == 1 || m4.size(1) == p.q_heads);
     HP_CHECK(ok, who, ": mask ", shape_str(m.sizes()),
-             " is not broadcastable to [B, Nq, Sq, Skv] = [", p.batch, ",", p.q_heads, ",",
-             p.q_len, ",", p.kv_len, "]; give it shape [Sq, Skv], [B|1, Nq|1, Sq, Skv]");
+             " is not broadcastable to [B, Nq, Sq, Skv] = [", p.batch, ",", p.q_heads, ",", p.q_len,
+             ",", p.kv_len, "]; give it shape [Sq, Skv], [B|1, Nq|1, Sq, Skv]");
     p.mask_is_bool = m.scalar_type() == at::kBool;
     p.mask = p.mask_is_bool ? m4 : m4.to(p.compute_dtype);
   }
@@ -137,9 +139,11 @@ at::Tensor TileMask::visible(int64_t qs, int64_t qe, int64_t ks, int64_t ke) con
     const auto& mf = *p_.mask_fn;
     auto opts = at::TensorOptions().dtype(at::kLong);
     auto b = (mf.per_batch ? at::arange(p_.batch, opts) : at::zeros({1}, opts)).view({-1, 1, 1, 1});
-    auto h = (mf.per_head ? at::arange(p_.q_heads, opts) : at::zeros({1}, opts)).view({1, -1, 1, 1});
+    auto h =
+        (mf.per_head ? at::arange(p_.q_heads, opts) : at::zeros({1}, opts)).view({1, -1, 1, 1});
     auto qi = at::arange(qs + mf.q_index_offset, qe + mf.q_index_offset, opts).view({1, 1, -1, 1});
-    auto ki = at::arange(ks + mf.kv_index_offset, ke + mf.kv_index_offset, opts).view({1, 1, 1, -1});
+    auto ki =
+        at::arange(ks + mf.kv_index_offset, ke + mf.kv_index_offset, opts).view({1, 1, 1, -1});
     auto fv = mf.fn(b, h, qi, ki);
     HP_CHECK(fv.defined() && fv.scalar_type() == at::kBool, "mask_fn must return a bool tensor");
     fv = fv.expand({b.size(0), h.size(1), qe - qs, ke - ks});
@@ -176,8 +180,7 @@ void TileMask::apply(at::Tensor& s, int64_t qb, int64_t kb, bool with_causal) co
   if (hidden.defined()) s.masked_fill_(to_grouped(hidden), neg_inf);
 }
 
-void TileMask::apply_head(at::Tensor& s, int64_t qb, int64_t kb, int64_t b,
-                          int64_t kvh) const {
+void TileMask::apply_head(at::Tensor& s, int64_t qb, int64_t kb, int64_t b, int64_t kvh) const {
   const int64_t qs = qb * block_q_, qe = std::min(p_.q_len, qs + block_q_);
   const int64_t ks = kb * block_kv_, ke = std::min(p_.kv_len, ks + block_kv_);
   const int64_t g = p_.group, bq = qe - qs, bk = ke - ks;
@@ -197,3 +200,34 @@ void TileMask::apply_head(at::Tensor& s, int64_t qb, int64_t kb, int64_t b,
 }
 
 }  // namespace hp::attention::detail
+
+namespace hp::attention {
+
+at::Tensor block_mask(const MaskFunction& fn, int64_t batch, int64_t heads, int64_t q_len,
+                      int64_t kv_len, int64_t block_q, int64_t block_kv, bool causal,
+                      int64_t q_offset) {
+  HP_CHECK(static_cast<bool>(fn.fn), "block_mask: the mask function is empty");
+  HP_CHECK(batch >= 1 && heads >= 1 && q_len >= 1 && kv_len >= 1 && block_q >= 1 && block_kv >= 1,
+           "block_mask: sizes must be >= 1 (batch=", batch, " heads=", heads, " q_len=", q_len,
+           " kv_len=", kv_len, " block_q=", block_q, " block_kv=", block_kv, ")");
+  detail::Problem p;
+  p.batch = batch;
+  p.q_heads = heads;
+  p.kv_heads = heads;
+  p.q_len = q_len;
+  p.kv_len = kv_len;
+  p.causal = causal;
+  p.q_offset = q_offset;
+  p.mask_fn = fn;
+  detail::TileMask tiles(p, block_q, block_kv);
+  auto out = at::empty({tiles.num_q_blocks(), tiles.num_kv_blocks()}, at::kByte);
+  auto acc = out.accessor<uint8_t, 2>();
+  for (int64_t i = 0; i < tiles.num_q_blocks(); ++i) {
+    for (int64_t j = 0; j < tiles.num_kv_blocks(); ++j) {
+      acc[i][j] = static_cast<uint8_t>(tiles.kind(i, j));
+    }
+  }
+  return out;
+}
+
+}  // namespace hp::attention

@@ -1,6 +1,7 @@
 #include "hp/comm/world.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <set>
 
@@ -9,7 +10,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "hp/comm/collectives.h"
 #include "hp/common/check.h"
+#include "hp/common/trace.h"
 
 namespace hp::comm {
 
@@ -146,7 +149,11 @@ std::shared_ptr<CommContext> World::context_ptr() const {
   return state_->context;
 }
 
-GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string& name) const {
+GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string& name,
+                          std::optional<std::chrono::milliseconds> timeout_override) const {
+  const auto timeout = timeout_override.value_or(state_->options.timeout);
+  HP_CHECK(timeout.count() > 0, "new_group '", name, "': timeout ", timeout.count(),
+           " ms must be positive");
   HP_CHECK(!world_ranks.empty(), "new_group '", name, "': the rank list is empty");
   std::set<int> seen;
   for (int r : world_ranks) {
@@ -177,7 +184,7 @@ GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string
     C10dTransportOptions opts;
     opts.backend = state_->options.backend;
     opts.hostname = state_->options.hostname;
-    opts.timeout = state_->options.timeout;
+    opts.timeout = timeout;
     try {
       transport = make_c10d_transport(store, group_rank, n, opts);
     } catch (const hp::Error&) {
@@ -187,11 +194,31 @@ GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string
           "creating group '", name, "' failed on world rank ", state_->rank, " (group rank ",
           group_rank, " of ", n, "): ", error_text(e),
           ". Every member must create the group, in the same order, within the timeout (",
-          state_->options.timeout.count(), " ms); a member may have exited"));
+          timeout.count(), " ms); a member may have exited"));
     }
   }
   return std::make_shared<Group>(name, world_ranks, state_->rank, std::move(transport),
-                                 state_->context, state_->options.timeout);
+                                 state_->context, timeout);
+}
+
+void write_world_trace(const World& world, const std::string& path) {
+  auto tracer = world.context().tracer;
+  HP_CHECK(tracer != nullptr, "write_world_trace('", path,
+           "'): this World records no trace; set WorldOptions::tracer when creating it");
+  const std::string part = common::str_cat(path, ".rank", world.rank());
+  common::write_chrome_trace(part, tracer->events());
+  barrier(world.group());
+  if (world.rank() == 0) {
+    std::vector<common::TraceEvent> all;
+    for (int r = 0; r < world.size(); ++r) {
+      const std::string p = common::str_cat(path, ".rank", r);
+      auto events = common::read_chrome_trace(p);
+      all.insert(all.end(), events.begin(), events.end());
+      std::remove(p.c_str());
+    }
+    common::write_chrome_trace(path, all);
+  }
+  barrier(world.group());
 }
 
 }  // namespace hp::comm

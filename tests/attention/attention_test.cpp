@@ -60,12 +60,12 @@ void compare(const Grads& a, const Grads& b, const std::string& what, double tol
 }
 
 enum class Case {
-  kDense,           // no mask, odd length
-  kCausal,          // causal, q_offset 0
-  kCausalOffset,    // causal, q_offset > 0 and q_len < kv_len (a CP shard)
-  kBoolMask,        // bool mask, some rows fully masked
+  kDense,         // no mask, odd length
+  kCausal,        // causal, q_offset 0
+  kCausalOffset,  // causal, q_offset > 0 and q_len < kv_len (a CP shard)
+  kBoolMask,      // bool mask, some rows fully masked
   kBoolMaskCausal,
-  kAdditive,        // additive mask with -inf entries
+  kAdditive,  // additive mask with -inf entries
   kAdditiveCausal,
   kSlidingWindow,   // mask function
   kDocumentCausal,  // mask function (packed sequences) + causal
@@ -73,15 +73,24 @@ enum class Case {
 
 const char* case_name(Case c) {
   switch (c) {
-    case Case::kDense: return "Dense";
-    case Case::kCausal: return "Causal";
-    case Case::kCausalOffset: return "CausalOffset";
-    case Case::kBoolMask: return "BoolMask";
-    case Case::kBoolMaskCausal: return "BoolMaskCausal";
-    case Case::kAdditive: return "Additive";
-    case Case::kAdditiveCausal: return "AdditiveCausal";
-    case Case::kSlidingWindow: return "SlidingWindow";
-    case Case::kDocumentCausal: return "DocumentCausal";
+    case Case::kDense:
+      return "Dense";
+    case Case::kCausal:
+      return "Causal";
+    case Case::kCausalOffset:
+      return "CausalOffset";
+    case Case::kBoolMask:
+      return "BoolMask";
+    case Case::kBoolMaskCausal:
+      return "BoolMaskCausal";
+    case Case::kAdditive:
+      return "Additive";
+    case Case::kAdditiveCausal:
+      return "AdditiveCausal";
+    case Case::kSlidingWindow:
+      return "SlidingWindow";
+    case Case::kDocumentCausal:
+      return "DocumentCausal";
   }
   return "?";
 }
@@ -106,8 +115,11 @@ Setup make_setup(Case c, int64_t d, int64_t nq, int64_t nkv) {
   s.opts.block_q = 16;
   s.opts.block_kv = 24;
   switch (c) {
-    case Case::kDense: break;
-    case Case::kCausal: s.opts.causal = true; break;
+    case Case::kDense:
+      break;
+    case Case::kCausal:
+      s.opts.causal = true;
+      break;
     case Case::kCausalOffset:
       s.opts.causal = true;
       s.opts.causal_meta = CausalMetadata{48, sq, skv};
@@ -130,10 +142,12 @@ Setup make_setup(Case c, int64_t d, int64_t nq, int64_t nkv) {
       s.opts.causal = c == Case::kAdditiveCausal;
       break;
     }
-    case Case::kSlidingWindow: s.opts.mask_fn = sliding_window_mask(9); break;
+    case Case::kSlidingWindow:
+      s.opts.mask_fn = sliding_window_mask(9);
+      break;
     case Case::kDocumentCausal: {
-      auto ids = at::cat({at::zeros({20}, at::kLong), at::ones({30}, at::kLong),
-                          at::full({14}, 2, at::kLong)});
+      auto ids = at::cat(
+          {at::zeros({20}, at::kLong), at::ones({30}, at::kLong), at::full({14}, 2, at::kLong)});
       s.opts.mask_fn = document_mask(ids);
       s.opts.causal = true;
       break;
@@ -196,8 +210,8 @@ TEST(Blockwise, CausalTilesAboveTheDiagonalAreSkippedNotMasked) {
   o.block_kv = 16;
   auto r = AttentionRegistry::builtin().get("blockwise").forward(q, k, v, o);
   EXPECT_FALSE(r.out.isnan().any().item<bool>());
-  auto ref = AttentionRegistry::builtin().get("math").forward(q, k.slice(2, 0, 16),
-                                                                v.slice(2, 0, 16), o);
+  auto ref =
+      AttentionRegistry::builtin().get("math").forward(q, k.slice(2, 0, 16), v.slice(2, 0, 16), o);
   expect_close(r.out, ref.out, "skipped tiles");
 }
 
@@ -214,6 +228,27 @@ TEST(Blockwise, TilesHiddenByAMaskFunctionAreSkipped) {
   o.block_kv = 16;
   auto r = AttentionRegistry::builtin().get("blockwise").forward(q, k, v, o);
   EXPECT_FALSE(r.out.slice(2, 48).isnan().any().item<bool>());
+}
+
+TEST(BlockMask, DerivedFromTheMaskFunction) {
+  // Window 8 over 64 positions in 16x16 tiles: the diagonal is partial, the tile left of it
+  // partial (keys 8 back), everything else empty; causal adds nothing here.
+  auto bm = block_mask(sliding_window_mask(8), 1, 1, 64, 64, 16, 16);
+  auto expect = at::zeros({4, 4}, at::kByte);
+  for (int i = 0; i < 4; ++i) {
+    expect[i][i] = 1;
+    if (i > 0) expect[i][i - 1] = 1;
+  }
+  EXPECT_TRUE(at::equal(bm, expect)) << bm;
+  // Document mask (two documents of 32) with causal: off-diagonal tiles inside a document are
+  // fully visible, tiles across documents are skipped.
+  auto ids = at::cat({at::zeros({32}, at::kLong), at::ones({32}, at::kLong)});
+  auto dm = block_mask(document_mask(ids), 1, 1, 64, 64, 16, 16, /*causal=*/true);
+  EXPECT_EQ(dm[1][0].item<int>(), 2);
+  EXPECT_EQ(dm[2][1].item<int>(), 0);
+  EXPECT_EQ(dm[3][2].item<int>(), 2);
+  EXPECT_EQ(dm[0][1].item<int>(), 0);
+  EXPECT_EQ(dm[2][2].item<int>(), 1);
 }
 
 TEST(Math, MatchesAutogradOfThePlainFormula) {
@@ -280,30 +315,33 @@ TEST(Attention, BadInputGetsAClearError) {
   const auto& prim = AttentionRegistry::builtin().get("blockwise");
   AttentionOptions o;
   auto q = at::zeros({1, 8, 16, 32}), kv = at::zeros({1, 2, 16, 32});
-  EXPECT_NE(error_of([&] { prim.forward(q.squeeze(0), kv, kv, o); })
-                .find("q, k, v must be 4-d BNSD [B, N, S, D]; got q [8,16,32]"),
+  EXPECT_NE(error_of([&] {
+              prim.forward(q.squeeze(0), kv, kv, o);
+            }).find("q, k, v must be 4-d BNSD [B, N, S, D]; got q [8,16,32]"),
             std::string::npos);
   auto k3 = at::zeros({1, 3, 16, 32});
-  EXPECT_NE(error_of([&] { prim.forward(q, k3, k3, o); })
-                .find("Nq=8 is not a multiple of Nkv=3"),
+  EXPECT_NE(error_of([&] { prim.forward(q, k3, k3, o); }).find("Nq=8 is not a multiple of Nkv=3"),
             std::string::npos);
   auto k64 = at::zeros({1, 2, 16, 64});
-  EXPECT_NE(error_of([&] { prim.forward(q, k64, k64, o); })
-                .find("head dim of q (32) and k (64) differ"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { prim.forward(q, k64, k64, o); }).find("head dim of q (32) and k (64) differ"),
+      std::string::npos);
   AttentionOptions bad_mask;
   bad_mask.mask = at::ones({16, 15}, at::kBool);
-  EXPECT_NE(error_of([&] { prim.forward(q, kv, kv, bad_mask); })
-                .find("mask [16,15] is not broadcastable to [B, Nq, Sq, Skv] = [1,8,16,16]"),
+  EXPECT_NE(error_of([&] {
+              prim.forward(q, kv, kv, bad_mask);
+            }).find("mask [16,15] is not broadcastable to [B, Nq, Sq, Skv] = [1,8,16,16]"),
             std::string::npos);
   AttentionOptions meta;
   meta.causal = true;
   meta.causal_meta = CausalMetadata{0, 8, 16};
-  EXPECT_NE(error_of([&] { prim.forward(q, kv, kv, meta); })
-                .find("causal_meta.q_len=8 but q has 16 positions"),
+  EXPECT_NE(error_of([&] {
+              prim.forward(q, kv, kv, meta);
+            }).find("causal_meta.q_len=8 but q has 16 positions"),
             std::string::npos);
-  EXPECT_NE(error_of([] { AttentionRegistry::builtin().get("flash3"); })
-                .find("unknown attention primitive 'flash3'; valid: math, blockwise"),
+  EXPECT_NE(error_of([] {
+              AttentionRegistry::builtin().get("flash3");
+            }).find("unknown attention primitive 'flash3'; valid: math, blockwise"),
             std::string::npos);
 }
 

@@ -112,5 +112,15 @@ TEST(CommHandle, CountersResetAndSplitByGroup) {
   });
 }
 
+TEST(Groups, TimeoutIsPerGroup) {
+  WorldOptions o;
+  o.timeout = std::chrono::milliseconds(1234);
+  auto w = World::fake(0, 2, o);
+  EXPECT_EQ(w.group().timeout().count(), 1234);
+  auto g = w.new_group({0, 1}, "short", std::chrono::milliseconds(50));
+  EXPECT_EQ(g->timeout().count(), 50);
+  EXPECT_EQ(w.new_group({1}, "not_mine"), nullptr);
+}
+
 }  // namespace
 }  // namespace hp::comm

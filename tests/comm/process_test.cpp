@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,7 @@
 
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
+#include "hp/common/trace.h"
 #include "hp/train/launcher.h"
 #include "rank_harness.h"
 
@@ -127,6 +129,26 @@ TEST(HpBenchComm, JsonReportsMeasuredBytesEqualToTheFormula) {
   }
   EXPECT_EQ(ops,
             (std::set<std::string>{"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}));
+}
+
+TEST(HpBenchComm, TraceHasOneTrackPerRank) {
+  const std::string path = ::testing::TempDir() + "/hp_bench_comm_trace.json";
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " comm --nproc 3 --bytes 65536 --iters 1 --json --trace " + path +
+                          " > /dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  auto events = hp::common::read_chrome_trace(path);
+  std::set<int> ranks;
+  int gathers = 0;
+  for (const auto& e : events) {
+    ranks.insert(e.rank);
+    if (e.name == "all_gather" && e.group == "world") ++gathers;
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2}));
+  EXPECT_EQ(gathers, 3 * 3);  // (warm-up 2 + 1 timed) per rank
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(std::ifstream(path + ".rank" + std::to_string(r)).good()) << "part left behind";
+  }
 }
 
 }  // namespace

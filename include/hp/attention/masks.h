@@ -41,4 +41,12 @@ MaskFunction sliding_window_mask(int64_t window);
 // position (queries and keys index the same packed sequence).
 MaskFunction document_mask(const at::Tensor& doc_ids);
 
+// The block mask of `fn` for a [batch, heads, q_len, kv_len] problem tiled block_q x block_kv:
+// a [num_q_blocks, num_kv_blocks] uint8 tensor, 0 = every entry hidden (the tile is skipped),
+// 1 = partly visible (masked elementwise), 2 = fully visible (no masking). With causal = true
+// (and q_offset) the causal rule is folded in. The blockwise primitive builds exactly this.
+at::Tensor block_mask(const MaskFunction& fn, int64_t batch, int64_t heads, int64_t q_len,
+                      int64_t kv_len, int64_t block_q, int64_t block_kv, bool causal = false,
+                      int64_t q_offset = 0);
+
 }  // namespace hp::attention

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,8 +60,9 @@ class World {
 
   // Creates a group of `world_ranks` (in that order). Collective over the whole world: every
   // rank calls it, with the same arguments and in the same order, members or not. Returns null
-  // on ranks that are not members.
-  GroupPtr new_group(const std::vector<int>& world_ranks, const std::string& name) const;
+  // on ranks that are not members. `timeout` overrides WorldOptions::timeout for this group.
+  GroupPtr new_group(const std::vector<int>& world_ranks, const std::string& name,
+                     std::optional<std::chrono::milliseconds> timeout = std::nullopt) const;
 
   CommContext& context() const;
   std::shared_ptr<CommContext> context_ptr() const;
@@ -70,5 +72,10 @@ class World {
   explicit World(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };
+
+// Writes the timeline of every rank of `world` into one Chrome-trace file at `path` (one track
+// per rank). Collective over the world: each rank writes `path.rank<r>`, rank 0 merges them into
+// `path` and removes the parts. Uses the World's tracer; an error if it has none.
+void write_world_trace(const World& world, const std::string& path);
 
 }  // namespace hp::comm
