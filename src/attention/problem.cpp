@@ -139,8 +139,9 @@ at::Tensor TileMask::visible(int64_t qs, int64_t qe, int64_t ks, int64_t ke) con
     const auto& mf = *p_.mask_fn;
     auto opts = at::TensorOptions().dtype(at::kLong);
     auto b = (mf.per_batch ? at::arange(p_.batch, opts) : at::zeros({1}, opts)).view({-1, 1, 1, 1});
-    auto h =
-        (mf.per_head ? at::arange(p_.q_heads, opts) : at::zeros({1}, opts)).view({1, -1, 1, 1});
+    auto h = (mf.per_head ? at::arange(p_.q_heads, opts) : at::zeros({1}, opts))
+                 .add(mf.head_index_offset)
+                 .view({1, -1, 1, 1});
     auto qi = at::arange(qs + mf.q_index_offset, qe + mf.q_index_offset, opts).view({1, 1, -1, 1});
     auto ki =
         at::arange(ks + mf.kv_index_offset, ke + mf.kv_index_offset, opts).view({1, 1, 1, -1});

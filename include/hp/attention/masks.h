@@ -32,6 +32,7 @@ struct MaskFunction {
   // positions on a local shard.
   int64_t q_index_offset = 0;
   int64_t kv_index_offset = 0;
+  int64_t head_index_offset = 0;  // likewise for h (Ulysses keeps a slice of the heads)
 };
 
 // Key within `window` positions behind the query (and not ahead of it): q - window < kv <= q.

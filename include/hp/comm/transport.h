@@ -40,6 +40,8 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual std::string backend_name() const = 0;
+  // Whether this backend implements `op` at all (planners check this before any collective).
+  virtual bool supports(OpKind /*op*/) const { return true; }
   virtual bool has_native_reduce_scatter() const { return false; }
   // Whether the backend reduces this dtype natively (else collectives.h upcasts to float).
   virtual bool reduces_dtype(at::ScalarType dtype) const = 0;

@@ -1,0 +1,31 @@
+// A core-attention module: forward(q, k, v) -> out, through its AttentionHost's boundary slot
+// (what sdpa_qkv / flex_qkv intercept). Layout configurable (BNSD or BSHD); the primitive
+// always sees BNSD.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/host.h"
+
+namespace hp::attention {
+
+struct CoreAttentionOptions {
+  AttentionOptions attention;  // causal, scale, masks, block sizes
+  int64_t seq_dim = 2;         // 2: BNSD [B, N, S, D]; 1: BSHD [B, S, N, D]
+  int64_t head_dim = 1;
+  std::string primitive = "blockwise";
+};
+
+class CoreAttention {
+ public:
+  explicit CoreAttention(CoreAttentionOptions options = {});
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+  AttentionHost& host() { return host_; }
+  const CoreAttentionOptions& options() const { return options_; }
+
+ private:
+  CoreAttentionOptions options_;
+  AttentionHost host_;
+};
+
+}  // namespace hp::attention

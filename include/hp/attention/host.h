@@ -1,0 +1,87 @@
+// The model-facing surface context parallelism hooks into (DESIGN section 3: models include
+// attention/, never cp/).
+//
+// An attention module owns an AttentionHost. The model reaches attention in one of two ways:
+//   * through the module boundary: a core-attention module whose forward takes (q, k, v) runs
+//     host.run_boundary(q, k, v, options, inner)           <- what *_qkv adapters intercept
+//   * through the primitive call inside a bigger forward (projections, RoPE, ...):
+//     host.call_primitive(q, k, v, options)                <- what *_hf adapters intercept
+//     inside a `auto scope = host.forward_scope();` that spans the module forward, so an
+//     interceptor can tell when a forward never reached the primitive (misfire).
+// With nothing installed both run the host's primitive directly.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/attention.h"
+
+namespace hp::attention {
+
+using AttentionFn = std::function<AttentionResult(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const AttentionOptions&)>;
+
+// Implemented by cp/ (the CP runtime); anything else may implement it too.
+class AttentionInterceptor {
+ public:
+  virtual ~AttentionInterceptor() = default;
+  // Identity: installing an interceptor with the same id twice is a no-op; a different id on
+  // an occupied slot is an error.
+  virtual std::string id() const = 0;
+  // Runs in place of `inner(q, k, v, options)`.
+  virtual AttentionResult intercept(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const AttentionOptions& options, const AttentionFn& inner) = 0;
+  // Bracket one forward of the host module (only for the primitive-call slot).
+  virtual void on_forward_begin() {}
+  virtual void on_forward_end() {}
+};
+
+class AttentionHost {
+ public:
+  enum class Slot { kModuleBoundary, kPrimitiveCall };
+
+  explicit AttentionHost(std::string primitive = "blockwise");
+
+  // The primitive used when nothing intercepts (a name from AttentionRegistry::builtin()).
+  void set_primitive(const std::string& name);
+  const std::string& primitive_name() const { return primitive_name_; }
+
+  // Throws hp::Error when `slot` already holds an interceptor with a different id.
+  void install(Slot slot, std::shared_ptr<AttentionInterceptor> interceptor);
+  AttentionInterceptor* installed(Slot slot) const;
+  bool has_any_interceptor() const;
+
+  AttentionResult run_boundary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionOptions& options, const AttentionFn& inner);
+  AttentionResult call_primitive(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const AttentionOptions& options);
+
+  // RAII bracket of one module forward (see above). Exceptions from on_forward_end (a misfire)
+  // are raised by end(); the destructor only closes the bracket.
+  class ForwardScope {
+   public:
+    explicit ForwardScope(AttentionInterceptor* interceptor);
+    ForwardScope(ForwardScope&& other) noexcept;
+    ForwardScope(const ForwardScope&) = delete;
+    ForwardScope& operator=(const ForwardScope&) = delete;
+    ~ForwardScope();
+    void end();  // call at the end of a successful forward
+
+   private:
+    AttentionInterceptor* interceptor_;
+  };
+  ForwardScope forward_scope();
+
+ private:
+  std::string primitive_name_;
+  const AttentionPrimitive* primitive_;
+  std::shared_ptr<AttentionInterceptor> boundary_;
+  std::shared_ptr<AttentionInterceptor> primitive_call_;
+};
+
+const char* slot_name(AttentionHost::Slot slot);
+
+}  // namespace hp::attention

@@ -1,0 +1,57 @@
+// Plan-level context-parallel configuration (DESIGN section 5.1) and its static checks.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace hp::cp {
+
+enum class CPAlgorithm { kAllGather, kUlysses, kHybrid };
+enum class CPSchedule { kSync, kAsync };
+enum class AsyncFallback { kError, kSync };
+
+struct ContextParallelConfig {
+  CPAlgorithm algorithm = CPAlgorithm::kAllGather;
+  CPSchedule schedule = CPSchedule::kSync;
+  std::optional<int64_t> ulysses_degree;  // ulysses: cp (default); hybrid: required, in (1, cp)
+  bool load_balance = false;              // head-tail balance, all_gather only
+  AsyncFallback async_fallback = AsyncFallback::kError;
+};
+
+const char* to_string(CPAlgorithm a);    // "all_gather", "ulysses", "hybrid"
+const char* to_string(CPSchedule s);     // "sync", "async"
+const char* to_string(AsyncFallback f);  // "error", "sync"
+
+// Parse the string forms; errors list the valid values.
+CPAlgorithm parse_algorithm(const std::string& s);
+CPSchedule parse_schedule(const std::string& s);
+AsyncFallback parse_async_fallback(const std::string& s);
+
+// The one legacy conversion from a bare Ulysses degree: 1 -> all_gather, == cp -> ulysses,
+// in between -> hybrid with that degree.
+ContextParallelConfig from_legacy_degree(int64_t degree, int64_t cp_size);
+
+// Normalisation: cp_size == 1 -> nullopt (CP ignored); cp_size > 1 without a config ->
+// all_gather + sync; otherwise the config with ulysses_degree filled in (ulysses: cp_size;
+// all_gather: 1). Runs every static check that needs only the config and cp_size:
+//   cp_size % ulysses_degree, ulysses degree == cp, hybrid degree in (1, cp),
+//   load_balance only with all_gather.
+std::optional<ContextParallelConfig> normalize(const std::optional<ContextParallelConfig>& config,
+                                               int64_t cp_size);
+
+// Effective degrees of a normalised config.
+int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
+int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
+
+// Head divisibility with the local head counts after TP (ulysses/hybrid need q and kv heads
+// divisible by the Ulysses degree; no silent K/V repeat).
+void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_q_heads,
+                 int64_t local_kv_heads, int64_t tp_size = 1);
+
+// The global sequence length must split into cp equal shards (2*cp with load balance).
+void check_sequence(const ContextParallelConfig& c, int64_t cp_size, int64_t global_seq_len);
+
+std::string describe(const ContextParallelConfig& c, int64_t cp_size);
+
+}  // namespace hp::cp

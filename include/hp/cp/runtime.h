@@ -1,0 +1,49 @@
+// CPRuntime: one attention module's context parallelism, installed into its AttentionHost.
+// Composes an adapter (where the call is intercepted, how options are rewritten) with a
+// strategy (what is communicated). Checks q/k/v before any collective.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "hp/attention/host.h"
+#include "hp/cp/adapter.h"
+#include "hp/cp/strategy.h"
+
+namespace hp::cp {
+
+struct CPRuntimeOptions {
+  std::string module_path;  // for messages and the runtime id
+  QKVLayout layout;
+};
+
+class CPRuntime final : public attention::AttentionInterceptor {
+ public:
+  CPRuntime(std::shared_ptr<const CPAdapter> adapter, std::shared_ptr<const CPStrategy> strategy,
+            std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options);
+
+  std::string id() const override;
+  attention::AttentionResult intercept(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v,
+                                       const attention::AttentionOptions& options,
+                                       const attention::AttentionFn& inner) override;
+  void on_forward_begin() override;
+  void on_forward_end() override;
+
+  const CPAdapter& adapter() const { return *adapter_; }
+  const CPStrategy& strategy() const { return *strategy_; }
+  const CPTopology& topology() const { return *ctx_.topology; }
+
+ private:
+  void validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const attention::AttentionOptions& options) const;
+
+  std::shared_ptr<const CPAdapter> adapter_;
+  std::shared_ptr<const CPStrategy> strategy_;
+  CPRuntimeContext ctx_;
+  std::string module_path_;
+  int64_t calls_in_forward_ = 0;
+  bool in_forward_ = false;
+};
+
+}  // namespace hp::cp

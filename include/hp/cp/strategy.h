@@ -1,0 +1,71 @@
+// CP strategies: *what* is communicated around one attention call (DESIGN section 5.2).
+// Adapters decide *how* attention is reached; any adapter works with any strategy.
+//
+//   prepared = strategy.prepare_qkv(q, k, v, ctx)     local shards -> what attention consumes
+//   out      = attention(prepared.q, prepared.k, prepared.v, causal_metadata(prepared.state))
+//   out      = strategy.restore_output(out, prepared.state, ctx)   -> local sequence shard
+//
+// Tensors are in the module's layout (ctx.layout: seq_dim / head_dim, any 4-d layout with the
+// head dim size D last); every collective is differentiable (backward = inverse collective).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/masks.h"
+#include "hp/comm/types.h"
+#include "hp/cp/topology.h"
+
+namespace hp::cp {
+
+struct QKVLayout {
+  int64_t seq_dim = 2;  // BNSD default
+  int64_t head_dim = 1;
+};
+
+struct CPRuntimeContext {
+  std::shared_ptr<const CPTopology> topology;
+  QKVLayout layout;
+};
+
+// Per-call state a strategy hands from prepare_qkv to restore_output and the adapters.
+struct CallState {
+  attention::CausalMetadata causal;  // q_offset, q_len, kv_len of the post-strategy tensors
+  int64_t head_offset = 0;           // global index of the first query head attention sees
+  int64_t local_seq = 0;             // the caller's local sequence length
+};
+
+struct PreparedQKV {
+  at::Tensor q, k, v;
+  CallState state;
+};
+
+class CPStrategy {
+ public:
+  virtual ~CPStrategy() = default;
+  virtual std::string name() const = 0;
+  // Collectives the strategy issues (checked against the backend at apply time).
+  virtual std::vector<comm::OpKind> required_ops() const = 0;
+  virtual PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const CPRuntimeContext& ctx) const = 0;
+  virtual at::Tensor restore_output(const at::Tensor& out, const CallState& state,
+                                    const CPRuntimeContext& ctx) const = 0;
+  virtual attention::CausalMetadata causal_metadata(const CallState& state) const {
+    return state.causal;
+  }
+  // Async schedule only (installs producer hooks on the handoff points); sync: nothing.
+  virtual void install_async_handoffs(const CPRuntimeContext& /*ctx*/) const {}
+};
+
+std::shared_ptr<const CPStrategy> make_all_gather_strategy();
+std::shared_ptr<const CPStrategy> make_ulysses_strategy();
+std::shared_ptr<const CPStrategy> make_hybrid_strategy();
+
+// "all_gather", "ulysses", "hybrid" -> strategy; errors list the valid names.
+std::shared_ptr<const CPStrategy> strategy_for(const std::string& name);
+std::vector<std::string> strategy_names();
+
+}  // namespace hp::cp

@@ -1,0 +1,28 @@
+#include "hp/attention/core_attention.h"
+
+#include <ATen/ATen.h>
+
+#include "hp/common/check.h"
+
+namespace hp::attention {
+
+CoreAttention::CoreAttention(CoreAttentionOptions options)
+    : options_(std::move(options)), host_(options_.primitive) {
+  const bool bnsd = options_.seq_dim == 2 && options_.head_dim == 1;
+  const bool bshd = options_.seq_dim == 1 && options_.head_dim == 2;
+  HP_CHECK(bnsd || bshd, "CoreAttention: seq_dim=", options_.seq_dim,
+           " head_dim=", options_.head_dim, " is neither BNSD (2, 1) nor BSHD (1, 2)");
+}
+
+at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const bool bshd = options_.seq_dim == 1;
+  AttentionFn inner = [this, bshd](const at::Tensor& q2, const at::Tensor& k2, const at::Tensor& v2,
+                                   const AttentionOptions& o) {
+    if (!bshd) return host_.call_primitive(q2, k2, v2, o);
+    auto r = host_.call_primitive(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), o);
+    return AttentionResult{r.out.transpose(1, 2), r.lse};
+  };
+  return host_.run_boundary(q, k, v, options_.attention, inner).out;
+}
+
+}  // namespace hp::attention

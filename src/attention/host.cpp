@@ -1,0 +1,81 @@
+#include "hp/attention/host.h"
+
+#include "hp/common/check.h"
+
+namespace hp::attention {
+
+const char* slot_name(AttentionHost::Slot slot) {
+  return slot == AttentionHost::Slot::kModuleBoundary ? "module boundary (q, k, v)"
+                                                      : "primitive call";
+}
+
+AttentionHost::AttentionHost(std::string primitive)
+    : primitive_name_(std::move(primitive)),
+      primitive_(&AttentionRegistry::builtin().get(primitive_name_)) {}
+
+void AttentionHost::set_primitive(const std::string& name) {
+  primitive_ = &AttentionRegistry::builtin().get(name);
+  primitive_name_ = name;
+}
+
+void AttentionHost::install(Slot slot, std::shared_ptr<AttentionInterceptor> interceptor) {
+  HP_CHECK(interceptor != nullptr, "AttentionHost::install: interceptor is null");
+  auto& target = slot == Slot::kModuleBoundary ? boundary_ : primitive_call_;
+  if (target) {
+    HP_CHECK(target->id() == interceptor->id(), "a different CP runtime is already installed on ",
+             "this attention module's ", slot_name(slot), ": installed '", target->id(), "', new '",
+             interceptor->id(),
+             "'. Apply context parallelism once per module (re-applying the same plan is fine)");
+    return;  // same runtime: idempotent
+  }
+  target = std::move(interceptor);
+}
+
+AttentionInterceptor* AttentionHost::installed(Slot slot) const {
+  return (slot == Slot::kModuleBoundary ? boundary_ : primitive_call_).get();
+}
+
+bool AttentionHost::has_any_interceptor() const {
+  return boundary_ || primitive_call_;
+}
+
+AttentionResult AttentionHost::run_boundary(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const AttentionOptions& options,
+                                            const AttentionFn& inner) {
+  if (boundary_) return boundary_->intercept(q, k, v, options, inner);
+  return inner(q, k, v, options);
+}
+
+AttentionResult AttentionHost::call_primitive(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v,
+                                              const AttentionOptions& options) {
+  const AttentionPrimitive* prim = primitive_;
+  AttentionFn direct = [prim](const at::Tensor& q2, const at::Tensor& k2, const at::Tensor& v2,
+                              const AttentionOptions& o) { return prim->forward(q2, k2, v2, o); };
+  if (primitive_call_) return primitive_call_->intercept(q, k, v, options, direct);
+  return direct(q, k, v, options);
+}
+
+AttentionHost::ForwardScope::ForwardScope(AttentionInterceptor* interceptor)
+    : interceptor_(interceptor) {
+  if (interceptor_) interceptor_->on_forward_begin();
+}
+
+AttentionHost::ForwardScope::ForwardScope(ForwardScope&& other) noexcept
+    : interceptor_(other.interceptor_) {
+  other.interceptor_ = nullptr;
+}
+
+AttentionHost::ForwardScope::~ForwardScope() = default;
+
+void AttentionHost::ForwardScope::end() {
+  auto* i = interceptor_;
+  interceptor_ = nullptr;
+  if (i) i->on_forward_end();
+}
+
+AttentionHost::ForwardScope AttentionHost::forward_scope() {
+  return ForwardScope(primitive_call_.get());
+}
+
+}  // namespace hp::attention

@@ -1,0 +1,118 @@
+#include "hp/cp/apply.h"
+
+#include <iostream>
+
+#include "hp/common/check.h"
+#include "hp/cp/adapter.h"
+#include "hp/cp/runtime.h"
+#include "hp/cp/strategy.h"
+
+namespace hp::cp {
+namespace {
+
+std::string handoff_str(const std::map<std::string, std::string>& h) {
+  std::string out = "{";
+  for (const auto& [k, v] : h)
+    out += common::str_cat(out.size() > 1 ? "," : "", k, ":", v);
+  return out + "}";
+}
+
+void check_backend(const CPTopology& t, const CPStrategy& s) {
+  for (const auto& g : {t.cp, t.ulysses, t.co}) {
+    if (!g || g->size() == 1) continue;
+    for (auto op : s.required_ops()) {
+      HP_CHECK(g->transport().supports(op), "CP strategy '", s.name(), "' needs ",
+               comm::op_name(op), " on group '", g->name(), "', which backend '",
+               g->transport().backend_name(),
+               "' does not provide; choose a strategy whose collectives it has (all_gather "
+               "needs all_gather + reduce_scatter, ulysses needs all_to_all)");
+    }
+  }
+}
+
+}  // namespace
+
+void LegacyWrapperRegistry::add(const std::string& name, LegacyWrapperFn fn) {
+  HP_CHECK(!is_adapter_name(name), "legacy CP wrapper name '", name,
+           "' is taken by a built-in adapter; pick another name");
+  HP_CHECK(static_cast<bool>(fn), "legacy CP wrapper '", name, "' has no function");
+  wrappers_[name] = std::move(fn);
+}
+
+const LegacyWrapperFn* LegacyWrapperRegistry::find(const std::string& name) const {
+  auto it = wrappers_.find(name);
+  return it == wrappers_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> LegacyWrapperRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : wrappers_)
+    out.push_back(k);
+  return out;
+}
+
+std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec& spec,
+                                   const ContextParallelConfig& config,
+                                   const std::shared_ptr<const CPTopology>& topology,
+                                   const CPApplyOptions& options) {
+  HP_CHECK(topology != nullptr, "apply_context_parallel('", spec.module_path,
+           "'): no CP topology; build one with CPTopology::build at apply time");
+  const auto& t = *topology;
+  HP_CHECK(spec.cp_seq_dim != spec.cp_head_dim, "module '", spec.module_path,
+           "': cp_seq_dim and cp_head_dim are both ", spec.cp_seq_dim,
+           "; they must name different dims (BNSD: cp_seq_dim=2, cp_head_dim=1; BSHD: 1, 2)");
+  HP_CHECK(config.schedule == CPSchedule::kSync, "module '", spec.module_path,
+           "': schedule=async is not available in this build yet; use schedule=sync");
+  HP_CHECK(ulysses_degree_of(config, t.cp_size) == t.ulysses_degree, "module '", spec.module_path,
+           "': the CP topology was built for ulysses_degree=", t.ulysses_degree,
+           " but the config says ", ulysses_degree_of(config, t.cp_size));
+
+  std::string adapter_name = spec.inner_wrapper;
+  std::string strategy_name = to_string(config.algorithm);
+  if (!is_adapter_name(spec.inner_wrapper)) {
+    const LegacyWrapperFn* legacy =
+        options.legacy ? options.legacy->find(spec.inner_wrapper) : nullptr;
+    if (legacy == nullptr) {
+      std::string valid = "sdpa_qkv, sdpa_hf, flex_qkv, flex_hf";
+      if (options.legacy) {
+        for (const auto& n : options.legacy->names())
+          valid += ", " + n;
+      }
+      HP_CHECK(false, "module '", spec.module_path, "': inner_wrapper '", spec.inner_wrapper,
+               "' is neither a CP adapter nor a registered legacy wrapper; valid: ", valid);
+    }
+    HP_CHECK(config.algorithm == CPAlgorithm::kAllGather && config.schedule == CPSchedule::kSync &&
+                 !config.load_balance,
+             "module '", spec.module_path, "': legacy wrapper '", spec.inner_wrapper,
+             "' implements only all_gather + sync, but the plan asks for algorithm=",
+             to_string(config.algorithm), " schedule=", to_string(config.schedule),
+             config.load_balance ? " load_balance=true" : "",
+             "; use a built-in adapter (sdpa_qkv, sdpa_hf, flex_qkv, flex_hf) or all_gather + "
+             "sync");
+    (*legacy)(host, t.cp);
+    adapter_name = "legacy:" + spec.inner_wrapper;
+  } else {
+    auto adapter = adapter_for(adapter_name);
+    auto strategy = strategy_for(strategy_name);
+    check_backend(t, *strategy);
+    auto runtime = std::make_shared<CPRuntime>(
+        adapter, strategy, topology,
+        CPRuntimeOptions{spec.module_path, QKVLayout{spec.cp_seq_dim, spec.cp_head_dim}});
+    host.install(adapter->slot(), runtime);
+  }
+  spec.resolved_inner_wrapper = adapter_name;
+  spec.resolved_cp_strategy = strategy_name;
+  const std::string line = common::str_cat(
+      "CP inner-wrap: module=", spec.module_path, " adapter=", adapter_name,
+      " strategy=", strategy_name, " schedule=", to_string(config.schedule), " cp_size=", t.cp_size,
+      " ulysses_degree=", t.ulysses_degree, " colossal_degree=", t.colossal_degree,
+      " handoff=", handoff_str(spec.cp_handoff_targets), " fallback=none");
+  if (options.log) {
+    options.log(line);
+  } else {
+    std::cerr << line << std::endl;
+  }
+  return line;
+}
+
+}  // namespace hp::cp
