@@ -85,15 +85,16 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
   auto opts = adapter_->rewrite(options, prepared.state, *strategy_);
   const int64_t seq = ctx_.layout.seq_dim;
   if (opts.causal && opts.causal_meta) {
-    // Keys past the last query's position are invisible to every query of this rank.
+    // Keys past the last query's position are invisible to every query of this rank: cut them
+    // off. The narrow runs on every rank, even where it keeps everything, so all ranks build
+    // the same autograd graph and issue their backward collectives in the same order (with
+    // two groups in play, as in hybrid, a rank-dependent order could deadlock).
     auto& meta = *opts.causal_meta;
     const int64_t prefix = std::min(meta.kv_len, meta.q_offset + meta.q_len);
-    if (prefix < meta.kv_len) {
-      prepared.k = prepared.k.narrow(seq, 0, prefix);
-      prepared.v = prepared.v.narrow(seq, 0, prefix);
-      if (opts.mask.defined()) opts.mask = opts.mask.narrow(-1, 0, prefix);
-      meta.kv_len = prefix;
-    }
+    prepared.k = prepared.k.narrow(seq, 0, prefix);
+    prepared.v = prepared.v.narrow(seq, 0, prefix);
+    if (opts.mask.defined()) opts.mask = opts.mask.narrow(-1, 0, prefix);
+    meta.kv_len = prefix;
   }
   auto result = inner(prepared.q, prepared.k, prepared.v, opts);
   // The lse is in the post-strategy frame (other heads / rows than the caller's): not returned.
