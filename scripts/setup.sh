@@ -11,6 +11,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
   iproute2              # ip netns / tc for the project's own link emulation
+  python3-torch         # tests cross-check hp-cp-run against PyTorch (torch.save/torch.load)
 )
 
 missing=()

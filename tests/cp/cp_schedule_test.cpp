@@ -7,6 +7,7 @@
 #include "hp/attention/core_attention.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/config.h"
+#include "hp/cp/volume.h"
 #include "rank_harness.h"
 
 namespace hp::cp {
@@ -22,6 +23,7 @@ constexpr int64_t kB = 1, kNq = 8, kNkv = 4, kS = 32, kD = 16;
 struct Observed {
   std::vector<std::string> forward, backward;
   std::map<comm::OpKind, int64_t> forward_bytes;
+  int64_t total_forward = 0, total_backward = 0;
   at::Tensor out;
 };
 
@@ -49,9 +51,16 @@ Observed observe(comm::World& w, const ContextParallelConfig& cfg, int64_t p) {
   for (auto op : {comm::OpKind::kAllGather, comm::OpKind::kAllToAll}) {
     o.forward_bytes[op] = counters.bytes(op);
   }
+  o.total_forward = counters.total_bytes();
   rec.clear();
+  counters.reset();
   o.out.sum().backward();
   o.backward = rec.schedule();
+  o.total_backward = counters.total_bytes();
+  // The volume formula the benches report against.
+  const AttentionShape shape{kS, kNq, kNkv, kD, kB, 4};
+  EXPECT_EQ(o.total_forward, forward_bytes_per_rank(cfg, p, shape));
+  EXPECT_EQ(o.total_backward, forward_bytes_per_rank(cfg, p, shape));
   return o;
 }
 

@@ -6,15 +6,14 @@
 
 #include <cstdlib>
 #include <exception>
-#include <mutex>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
+#include "hp/comm/local_ranks.h"
 #include "hp/train/launcher.h"
 
 namespace hp::testing {
@@ -33,36 +32,7 @@ comm::WorldOptions world_options(const RankOptions& o) {
 }  // namespace
 
 void run_ranks(int n, const std::function<void(comm::World&)>& fn, const RankOptions& options) {
-  common::configure_threads(1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  store->setTimeout(options.timeout);
-  std::mutex mu;
-  std::exception_ptr first;
-  int first_rank = -1;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto world = comm::World::in_process(r, n, store, world_options(options));
-        fn(world);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) {
-          first = std::current_exception();
-          first_rank = r;
-        }
-      }
-    });
-  }
-  for (auto& t : threads)
-    t.join();
-  if (first) {
-    try {
-      std::rethrow_exception(first);
-    } catch (const std::exception& e) {
-      throw Error(common::str_cat("rank ", first_rank, " of ", n, ": ", e.what()));
-    }
-  }
+  comm::run_thread_ranks(n, fn, world_options(options));
 }
 
 std::vector<ProcessResult> run_rank_processes(int n, const std::function<void(comm::World&)>& fn,

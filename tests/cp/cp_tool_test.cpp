@@ -1,0 +1,165 @@
+// hp-cp-run end to end: a torch.save file in, full-sequence results out, compared with the
+// single-process reference; the byte report; refusal of flags this build does not implement.
+// With Debian's python3-torch present, the same round trip is also checked from PyTorch itself
+// (torch.save input, torch.load output, reference computed by PyTorch).
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "hp/attention/attention.h"
+#include "rank_harness.h"
+
+namespace {
+
+struct Run {
+  int rc;
+  std::string out;
+};
+
+Run run(const std::string& cmd) {
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  int rc = ::pclose(p);
+  return {WEXITSTATUS(rc), out};
+}
+
+void save(const std::string& path, const c10::Dict<std::string, at::Tensor>& d) {
+  auto data = torch::jit::pickle_save(c10::IValue(d));
+  std::ofstream f(path, std::ios::binary);
+  f.write(data.data(), static_cast<std::streamsize>(data.size()));
+}
+
+c10::Dict<c10::IValue, c10::IValue> load(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
+  return torch::jit::pickle_load(bytes).toGenericDict();
+}
+
+at::Tensor seeded(uint64_t seed, at::IntArrayRef shape) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kFloat);
+}
+
+struct Case {
+  std::string algo;
+  int cp;
+  int degree;
+  std::string adapter;
+  bool bshd;
+};
+
+TEST(HpCpRun, MatchesTheSingleProcessReference) {
+  const std::string dir = ::testing::TempDir();
+  // B=1, Nq=8, Nkv=4, S=32, D=16 (BNSD); BSHD files hold the transposed tensors.
+  auto q = seeded(1, {1, 8, 32, 16}), k = seeded(2, {1, 4, 32, 16}), v = seeded(3, {1, 4, 32, 16}),
+       dout = seeded(4, {1, 8, 32, 16});
+  const auto& math = hp::attention::AttentionRegistry::builtin().get("math");
+  hp::attention::AttentionOptions o;
+  o.causal = true;
+  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
+       v1 = v.clone().requires_grad_(true);
+  auto ref = math.forward(q1, k1, v1, o).out;
+  ref.backward(dout);
+  for (const Case& c : {Case{"all_gather", 2, 0, "sdpa_qkv", false},
+                        Case{"all_gather", 4, 0, "sdpa_hf", true},
+                        Case{"ulysses", 4, 0, "flex_qkv", true},
+                        Case{"ulysses", 2, 0, "flex_hf", false},
+                        Case{"hybrid", 4, 2, "sdpa_qkv", false}}) {
+    auto lay = [&](const at::Tensor& t) { return c.bshd ? t.transpose(1, 2).contiguous() : t; };
+    c10::Dict<std::string, at::Tensor> in;
+    in.insert("q", lay(q));
+    in.insert("k", lay(k));
+    in.insert("v", lay(v));
+    in.insert("dout", lay(dout));
+    const std::string ip = dir + "/cp_in.pt", op = dir + "/cp_out.pt";
+    save(ip, in);
+    std::string cmd = std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
+                      " --cp " + std::to_string(c.cp) + " --cp-algo " + c.algo + " --causal" +
+                      " --adapter " + c.adapter + " --layout " + (c.bshd ? "bshd" : "bnsd");
+    if (c.degree) cmd += " --ulysses-degree " + std::to_string(c.degree);
+    auto r = run(cmd);
+    ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    auto res = load(op);
+    const std::string what = c.algo + "/" + c.adapter;
+    hp::testing::expect_close(res.at("out").toTensor(), lay(ref.detach()), what + " out");
+    hp::testing::expect_close(res.at("dq").toTensor(), lay(q1.grad()), what + " dq");
+    hp::testing::expect_close(res.at("dk").toTensor(), lay(k1.grad()), what + " dk");
+    hp::testing::expect_close(res.at("dv").toTensor(), lay(v1.grad()), what + " dv");
+    // The last stdout line is the JSON report: measured bytes equal the formula on every rank.
+    auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
+    EXPECT_EQ(json["algorithm"], c.algo);
+    EXPECT_EQ(json["cp"], c.cp);
+    ASSERT_EQ(json["comm_bytes_per_rank"].size(), static_cast<size_t>(c.cp));
+    for (const auto& b : json["comm_bytes_per_rank"]) EXPECT_EQ(b, json["comm_bytes_theory"]);
+    EXPECT_GT(json["comm_bytes_theory"].get<int64_t>(), 0);
+  }
+}
+
+TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
+  const std::string dir = ::testing::TempDir();
+  c10::Dict<std::string, at::Tensor> in;
+  in.insert("q", at::randn({1, 4, 6, 8}));
+  in.insert("k", at::randn({1, 4, 6, 8}));
+  in.insert("v", at::randn({1, 4, 6, 8}));
+  in.insert("dout", at::randn({1, 4, 6, 8}));
+  save(dir + "/bad_in.pt", in);
+  const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + dir +
+                           "/bad_in.pt --output " + dir + "/bad_out.pt";
+  auto a = run(base + " --cp 2 --schedule async");
+  EXPECT_EQ(a.rc, 1);
+  EXPECT_NE(a.out.find("--schedule async is not implemented in this build yet"), std::string::npos)
+      << a.out;
+  auto s = run(base + " --cp 4");
+  EXPECT_EQ(s.rc, 1);
+  EXPECT_NE(s.out.find("sequence length 6 is not divisible by 4 (cp_size)"), std::string::npos)
+      << s.out;
+  auto h = run(base + " --cp 2 --cp-algo ulysses --ulysses-degree 2 --adapter sdpa_qkv");
+  EXPECT_EQ(h.rc, 0) << h.out;
+  auto m = run(std::string(HP_CP_RUN_BINARY) + " --input " + dir + "/missing.pt --output x");
+  EXPECT_NE(m.out.find("cannot open --input"), std::string::npos) << m.out;
+}
+
+TEST(HpCpRun, CrossCheckAgainstPyTorch) {
+  if (std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed";
+  }
+  const std::string dir = ::testing::TempDir();
+  const std::string script = dir + "/cross_check.py";
+  {
+    std::ofstream f(script);
+    f << R"PY(
+import subprocess, sys, torch
+torch.manual_seed(0)
+B, Nq, Nkv, S, D = 1, 8, 2, 64, 32
+q, k, v, dout = (torch.randn(B, n, S, D) for n in (Nq, Nkv, Nkv, Nq))
+torch.save({"q": q, "k": k, "v": v, "dout": dout}, sys.argv[2] + "/py_in.pt")
+ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+kr, vr = ref_k.repeat_interleave(Nq // Nkv, 1), ref_v.repeat_interleave(Nq // Nkv, 1)
+s = ref_q @ kr.transpose(-2, -1) / D ** 0.5
+s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+out = torch.softmax(s, -1) @ vr
+out.backward(dout)
+subprocess.run([sys.argv[1], "--input", sys.argv[2] + "/py_in.pt", "--output",
+                sys.argv[2] + "/py_out.pt", "--cp", "4", "--cp-algo", "hybrid",
+                "--ulysses-degree", "2", "--causal", "--adapter", "sdpa_hf"], check=True,
+               stdout=subprocess.DEVNULL)
+got = torch.load(sys.argv[2] + "/py_out.pt")
+for name, ref in (("out", out), ("dq", ref_q.grad), ("dk", ref_k.grad), ("dv", ref_v.grad)):
+    err = (got[name] - ref).abs().max().item()
+    print(name, err)
+    assert err < 1e-5, name
+)PY";
+  }
+  auto r = run("/usr/bin/python3 " + script + " " + HP_CP_RUN_BINARY + " " + dir);
+  EXPECT_EQ(r.rc, 0) << r.out;
+}
+
+}  // namespace
