@@ -2,6 +2,8 @@
 //   hp-bench comm --nproc N [--bytes B] [--iters K] [--json]
 //   hp-bench attention --seq S --heads H --kv-heads HK --head-dim D [--causal] [--batch B]
 //                      [--primitive math|blockwise|all] [--iters K] [--json]
+//   hp-bench cp --seq S --heads H --kv-heads HK --head-dim D --cp P --cp-algo A
+//               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
 // With --nproc N (N > 1) it spawns N local rank processes of itself; under torchrun / mpirun /
 // Slurm variables it is one rank of that job.
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include "hp/attention/attention.h"
 #include "hp/bench/attention_bench.h"
 #include "hp/bench/comm_bench.h"
+#include "hp/bench/cp_bench.h"
 #include "hp/comm/launch_env.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
@@ -187,6 +190,77 @@ int run_attention(const AttentionArgs& a) {
   return 0;
 }
 
+struct CPArgs {
+  hp::bench::CPBenchOptions bench;
+  int nproc = 2;
+  std::string algo = "all_gather", schedule = "sync";
+  int64_t degree = 0;
+  bool json = false;
+  double timeout_s = 600;
+};
+
+int run_cp(CPArgs a, const std::vector<std::string>& argv) {
+  a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
+  a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
+  if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
+  HP_CHECK(a.bench.config.schedule == hp::cp::CPSchedule::kSync,
+           "hp-bench cp: --schedule async is not implemented in this build yet; use sync");
+  // Static checks before any process starts.
+  auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
+  if (normalized) {
+    hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
+    hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
+  }
+  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (!env && a.nproc > 1) {
+    hp::train::LaunchOptions lo;
+    lo.nproc = a.nproc;
+    lo.argv = argv;
+    lo.argv[0] = hp::train::self_executable();
+    auto res = hp::train::launch_local_ranks(lo);
+    if (res.exit_code != 0) std::cerr << "hp-bench cp: " << res.message << std::endl;
+    return res.exit_code;
+  }
+  hp::comm::WorldOptions wo;
+  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
+                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
+  hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
+  auto r = hp::bench::run_cp_bench(world, a.bench);
+  if (world.rank() != 0) return 0;
+  nlohmann::json j = {{"algorithm", r.algorithm},
+                      {"schedule", r.schedule},
+                      {"cp", r.cp},
+                      {"ulysses_degree", r.ulysses_degree},
+                      {"seq", r.seq},
+                      {"heads", a.bench.heads},
+                      {"kv_heads", a.bench.kv_heads},
+                      {"head_dim", a.bench.head_dim},
+                      {"causal", a.bench.causal},
+                      {"threads_per_rank", hp::common::threads_per_rank(world.local_size())},
+                      {"step_time_s", r.step_time_s},
+                      {"comm_bytes_per_rank", r.comm_bytes_per_rank},
+                      {"comm_bytes_theory", r.comm_bytes_theory},
+                      {"peak_rss_bytes", r.peak_rss_bytes},
+                      {"peak_rss_per_rank", r.peak_rss_per_rank},
+                      {"per_rank_step_cpu_s", r.attention_cpu_s_per_rank}};
+  if (a.json) {
+    std::cout << nlohmann::json{{"results", {j}}}.dump() << std::endl;
+  } else {
+    std::printf(
+        "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s "
+        "(%d thread(s) per rank)\n  step %.3f s (median, slowest rank); comm %lld "
+        "bytes/rank (formula %lld); peak RSS %.0f MiB (max rank)\n",
+        r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
+        (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
+        (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
+        hp::common::threads_per_rank(world.local_size()), r.step_time_s,
+        (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
+        r.peak_rss_bytes / 1048576.0);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -216,8 +290,27 @@ int main(int argc, char** argv) {
   at_cmd->add_option("--block-kv", att.bench.block_kv, "blockwise: key rows per tile (0: default)");
   at_cmd->add_flag("--json", att.json, "one JSON object on stdout");
   at_cmd->add_flag("--child", att.child, "internal")->group("");
+  CPArgs cpa;
+  auto* cp_cmd = app.add_subcommand("cp", "one CP attention layer, forward + backward");
+  cp_cmd->add_option("--seq", cpa.bench.seq, "global sequence length")->check(CLI::PositiveNumber);
+  cp_cmd->add_option("--heads", cpa.bench.heads, "query heads")->check(CLI::PositiveNumber);
+  cp_cmd->add_option("--kv-heads", cpa.bench.kv_heads, "key/value heads")
+      ->check(CLI::PositiveNumber);
+  cp_cmd->add_option("--head-dim", cpa.bench.head_dim, "head dim")->check(CLI::PositiveNumber);
+  cp_cmd->add_option("--batch", cpa.bench.batch, "batch")->check(CLI::PositiveNumber);
+  cp_cmd->add_option("--cp,--nproc", cpa.nproc, "CP ranks (local processes)")
+      ->check(CLI::Range(1, 64));
+  cp_cmd->add_option("--cp-algo", cpa.algo, "all_gather | ulysses | hybrid");
+  cp_cmd->add_option("--ulysses-degree", cpa.degree, "Ulysses degree (hybrid)");
+  cp_cmd->add_option("--schedule", cpa.schedule, "sync | async");
+  cp_cmd->add_option("--adapter", cpa.bench.adapter, "sdpa_qkv | sdpa_hf | flex_qkv | flex_hf");
+  cp_cmd->add_flag("--causal", cpa.bench.causal, "causal attention");
+  cp_cmd->add_option("--iters", cpa.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
+  cp_cmd->add_option("--timeout", cpa.timeout_s, "per-group timeout in seconds");
+  cp_cmd->add_flag("--json", cpa.json, "one JSON object on stdout");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (cp_cmd->parsed()) return run_cp(cpa, args);
     if (c->parsed()) return run_comm(comm, args);
     if (at_cmd->parsed()) return run_attention(att);
   } catch (const std::exception& e) {

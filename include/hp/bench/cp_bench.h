@@ -1,0 +1,39 @@
+// `hp-bench cp`: forward + backward of one CP attention layer over the world's ranks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hp/comm/world.h"
+#include "hp/cp/config.h"
+
+namespace hp::bench {
+
+struct CPBenchOptions {
+  int64_t seq = 8192;
+  int64_t heads = 8;
+  int64_t kv_heads = 8;
+  int64_t head_dim = 64;
+  int64_t batch = 1;
+  bool causal = false;
+  cp::ContextParallelConfig config;  // as given (normalised inside)
+  std::string adapter = "sdpa_qkv";
+  int iters = 3;
+};
+
+struct CPBenchResult {
+  std::string algorithm, schedule;
+  int64_t cp = 1, ulysses_degree = 1, seq = 0;
+  double step_time_s = 0;           // median over iterations of the slowest rank
+  int64_t comm_bytes_per_rank = 0;  // measured, one step (forward + backward), rank 0
+  int64_t comm_bytes_theory = 0;    // 2 x the forward formula
+  int64_t peak_rss_bytes = 0;       // max over ranks
+  std::vector<int64_t> peak_rss_per_rank;
+  std::vector<double> attention_cpu_s_per_rank;  // CPU time of the step per rank (median)
+};
+
+// Collective over the world; every rank returns the same result.
+CPBenchResult run_cp_bench(const comm::World& world, const CPBenchOptions& options);
+
+}  // namespace hp::bench
