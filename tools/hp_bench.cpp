@@ -6,6 +6,7 @@
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
 // With --nproc N (N > 1) it spawns N local rank processes of itself; under torchrun / mpirun /
 // Slurm variables it is one rank of that job.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -243,7 +244,8 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
                       {"comm_bytes_theory", r.comm_bytes_theory},
                       {"peak_rss_bytes", r.peak_rss_bytes},
                       {"peak_rss_per_rank", r.peak_rss_per_rank},
-                      {"per_rank_step_cpu_s", r.attention_cpu_s_per_rank}};
+                      {"load_balance", a.bench.config.load_balance},
+                      {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank}};
   if (a.json) {
     std::cout << nlohmann::json{{"results", {j}}}.dump() << std::endl;
   } else {
@@ -257,6 +259,14 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
         hp::common::threads_per_rank(world.local_size()), r.step_time_s,
         (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
         r.peak_rss_bytes / 1048576.0);
+    double lo = 1e30, hi = 0;
+    std::printf("  attention CPU s per rank:");
+    for (double c : r.attention_cpu_s_per_rank) {
+      lo = std::min(lo, c);
+      hi = std::max(hi, c);
+      std::printf(" %.3f", c);
+    }
+    std::printf("  (max/min %.2f)\n", lo > 0 ? hi / lo : 0.0);
   }
   return 0;
 }
@@ -305,6 +315,8 @@ int main(int argc, char** argv) {
   cp_cmd->add_option("--schedule", cpa.schedule, "sync | async");
   cp_cmd->add_option("--adapter", cpa.bench.adapter, "sdpa_qkv | sdpa_hf | flex_qkv | flex_hf");
   cp_cmd->add_flag("--causal", cpa.bench.causal, "causal attention");
+  cp_cmd->add_flag("--load-balance", cpa.bench.config.load_balance,
+                   "head-tail load balance (all_gather; data-order shards)");
   cp_cmd->add_option("--iters", cpa.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   cp_cmd->add_option("--timeout", cpa.timeout_s, "per-group timeout in seconds");
   cp_cmd->add_flag("--json", cpa.json, "one JSON object on stdout");

@@ -12,14 +12,15 @@
 #include <mutex>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include "hp/bench/cp_layer.h"
-#include "hp/common/check.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/comm/local_ranks.h"
+#include "hp/common/check.h"
+#include "hp/cp/sequence.h"
 #include "hp/cp/volume.h"
 
 namespace {
@@ -31,7 +32,8 @@ std::vector<char> read_bytes(const std::string& path) {
 }
 
 at::Tensor entry(const c10::IValue& dict, const std::string& key, const std::string& path) {
-  HP_CHECK(dict.isGenericDict(), "hp-cp-run: '", path, "' does not hold a dict (save one with "
+  HP_CHECK(dict.isGenericDict(), "hp-cp-run: '", path,
+           "' does not hold a dict (save one with "
            "torch.save({'q': q, 'k': k, 'v': v, 'dout': dout}, path))");
   auto d = dict.toGenericDict();
   HP_CHECK(d.contains(key), "hp-cp-run: '", path, "' has no entry '", key,
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
   int cp_size = 2;
   int64_t degree = 0;
   bool load_balance = false, causal = false;
+  std::string lb_form = "runtime_swap";
   app.add_option("--input", input, "torch.save dict with q, k, v, dout")->required();
   app.add_option("--output", output, "where to write out, dq, dk, dv")->required();
   app.add_option("--cp", cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
@@ -57,6 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--ulysses-degree", degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", schedule, "sync | async");
   app.add_flag("--load-balance", load_balance, "head-tail load balance (all_gather)");
+  app.add_option("--load-balance-form", lb_form,
+                 "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
+                 "made by shard_sequence)");
   app.add_flag("--causal", causal, "causal attention");
   app.add_option("--layout", layout, "bnsd | bshd");
   app.add_option("--primitive", primitive, "math | blockwise");
@@ -72,7 +78,11 @@ int main(int argc, char** argv) {
     c.load_balance = load_balance;
     HP_CHECK(c.schedule == hp::cp::CPSchedule::kSync,
              "hp-cp-run: --schedule async is not implemented in this build yet; use sync");
-    HP_CHECK(!load_balance, "hp-cp-run: --load-balance is not implemented in this build yet");
+    HP_CHECK(lb_form == "runtime_swap" || lb_form == "data_order",
+             "hp-cp-run: --load-balance-form '", lb_form,
+             "' is not valid; valid: runtime_swap, data_order");
+    c.load_balance_form = lb_form == "data_order" ? hp::cp::LoadBalanceForm::kDataOrder
+                                                  : hp::cp::LoadBalanceForm::kRuntimeSwap;
     auto config = hp::cp::normalize(c, cp_size).value_or(hp::cp::ContextParallelConfig{});
     const bool bshd = layout == "bshd";
     auto in = torch::jit::pickle_load(read_bytes(input));
@@ -94,35 +104,45 @@ int main(int argc, char** argv) {
     std::string log;
     hp::comm::WorldOptions wo;
     wo.timeout = std::chrono::seconds(120);
-    hp::comm::run_thread_ranks(cp_size, [&](hp::comm::World& w) {
-      hp::comm::DeviceMesh mesh(w, {{"cp", cp_size}});
-      const int r = w.rank();
-      auto part = [&](const at::Tensor& t) { return t.chunk(cp_size, seq)[r].contiguous(); };
-      if (cp_size == 1) {
-        // No CP: the plain primitive on the full tensors.
-        hp::attention::CoreAttentionOptions co;
-        co.attention.causal = causal;
-        co.primitive = primitive;
-        co.seq_dim = seq;
-        co.head_dim = head;
-        hp::attention::CoreAttention core(co);
-        auto q1 = q.detach().requires_grad_(true), k1 = k.detach().requires_grad_(true),
-             v1 = v.detach().requires_grad_(true);
-        auto out = core.forward(q1, k1, v1);
-        out.backward(dout);
-        results[r] = {out.detach(), q1.grad(), k1.grad(), v1.grad()};
-        return;
-      }
-      hp::bench::CPAttentionLayer layer(w, mesh.group_ptr({"cp"}), lo);
-      w.context().counters.reset();
-      results[r] = layer.run(part(q), part(k), part(v), part(dout));
-      bytes[r] = w.context().counters.total_bytes();
-      if (r == 0) log = layer.apply_log();
-    }, wo);
+    hp::comm::run_thread_ranks(
+        cp_size,
+        [&](hp::comm::World& w) {
+          hp::comm::DeviceMesh mesh(w, {{"cp", cp_size}});
+          const int r = w.rank();
+          const bool data_order = config.load_balance &&
+                                  config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
+          auto part = [&](const at::Tensor& t) {
+            return hp::cp::shard_sequence(t, seq, r, cp_size, data_order);
+          };
+          if (cp_size == 1) {
+            // No CP: the plain primitive on the full tensors.
+            hp::attention::CoreAttentionOptions co;
+            co.attention.causal = causal;
+            co.primitive = primitive;
+            co.seq_dim = seq;
+            co.head_dim = head;
+            hp::attention::CoreAttention core(co);
+            auto q1 = q.detach().requires_grad_(true), k1 = k.detach().requires_grad_(true),
+                 v1 = v.detach().requires_grad_(true);
+            auto out = core.forward(q1, k1, v1);
+            out.backward(dout);
+            results[r] = {out.detach(), q1.grad(), k1.grad(), v1.grad()};
+            return;
+          }
+          hp::bench::CPAttentionLayer layer(w, mesh.group_ptr({"cp"}), lo);
+          w.context().counters.reset();
+          results[r] = layer.run(part(q), part(k), part(v), part(dout));
+          bytes[r] = w.context().counters.total_bytes();
+          if (r == 0) log = layer.apply_log();
+        },
+        wo);
+    const bool data_order =
+        config.load_balance && config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
     auto cat = [&](at::Tensor hp::bench::CPLayerResult::*field) {
       std::vector<at::Tensor> parts;
-      for (auto& res : results) parts.push_back(res.*field);
-      return at::cat(parts, seq);
+      for (auto& res : results)
+        parts.push_back(res.*field);
+      return hp::cp::unshard_sequence(parts, seq, data_order);  // natural order
     };
     c10::Dict<std::string, at::Tensor> out;
     out.insert("out", cat(&hp::bench::CPLayerResult::out));
@@ -137,16 +157,21 @@ int main(int argc, char** argv) {
     }
     HP_CHECK(std::rename((output + ".tmp").c_str(), output.c_str()) == 0,
              "hp-cp-run: cannot move the result to '", output, "'");
-    hp::cp::AttentionShape shape{q.size(seq), q.size(head), k.size(head), q.size(3), q.size(0),
-                                 static_cast<int64_t>(q.element_size())};
-    const int64_t theory =
-        cp_size > 1 ? 2 * hp::cp::forward_bytes_per_rank(config, cp_size, shape) : 0;
+    hp::cp::AttentionShape shape{q.size(seq), q.size(head), k.size(head),
+                                 q.size(3),   q.size(0),    static_cast<int64_t>(q.element_size())};
+    std::vector<int64_t> theory_per_rank(cp_size, 0);
+    for (int r = 0; cp_size > 1 && r < cp_size; ++r) {
+      theory_per_rank[r] = 2 * hp::cp::forward_bytes_per_rank(config, cp_size, shape, r);
+    }
+    const int64_t theory = theory_per_rank[0];
     nlohmann::json j = {{"algorithm", hp::cp::to_string(config.algorithm)},
                         {"cp", cp_size},
                         {"ulysses_degree", hp::cp::ulysses_degree_of(config, cp_size)},
                         {"adapter", adapter},
+                        {"load_balance", config.load_balance},
                         {"comm_bytes_per_rank", bytes},
-                        {"comm_bytes_theory", theory}};
+                        {"comm_bytes_theory", theory},
+                        {"comm_bytes_theory_per_rank", theory_per_rank}};
     if (!log.empty()) std::cerr << log << std::endl;
     std::cout << j.dump() << std::endl;
   } catch (const std::exception& e) {

@@ -22,9 +22,11 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// CPU time of the calling thread: the rank's attention compute (one intra-op thread per rank)
+// without the backend's communication threads, and meaningful when ranks share cores.
 double thread_cpu_s() {
   timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
 }
 

@@ -97,7 +97,8 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
     check_backend(t, *strategy);
     auto runtime = std::make_shared<CPRuntime>(
         adapter, strategy, topology,
-        CPRuntimeOptions{spec.module_path, QKVLayout{spec.cp_seq_dim, spec.cp_head_dim}});
+        CPRuntimeOptions{spec.module_path, QKVLayout{spec.cp_seq_dim, spec.cp_head_dim},
+                         config.load_balance, config.load_balance_form});
     host.install(adapter->slot(), runtime);
   }
   spec.resolved_inner_wrapper = adapter_name;
@@ -106,6 +107,8 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
       "CP inner-wrap: module=", spec.module_path, " adapter=", adapter_name,
       " strategy=", strategy_name, " schedule=", to_string(config.schedule), " cp_size=", t.cp_size,
       " ulysses_degree=", t.ulysses_degree, " colossal_degree=", t.colossal_degree,
+      config.load_balance ? common::str_cat(" load_balance=", to_string(config.load_balance_form))
+                          : std::string(),
       " handoff=", handoff_str(spec.cp_handoff_targets), " fallback=none");
   if (options.log) {
     options.log(line);

@@ -23,6 +23,10 @@ const char* to_string(AsyncFallback f) {
   return f == AsyncFallback::kError ? "error" : "sync";
 }
 
+const char* to_string(LoadBalanceForm f) {
+  return f == LoadBalanceForm::kDataOrder ? "data_order" : "runtime_swap";
+}
+
 CPAlgorithm parse_algorithm(const std::string& s) {
   if (s == "all_gather") return CPAlgorithm::kAllGather;
   if (s == "ulysses") return CPAlgorithm::kUlysses;

@@ -27,7 +27,7 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
                      std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options)
     : adapter_(std::move(adapter)),
       strategy_(std::move(strategy)),
-      ctx_{std::move(topology), options.layout},
+      ctx_{std::move(topology), options.layout, options.load_balance, options.load_balance_form},
       module_path_(std::move(options.module_path)) {
   HP_INTERNAL_ASSERT(adapter_ && strategy_ && ctx_.topology);
   HP_CHECK(ctx_.layout.seq_dim != ctx_.layout.head_dim, "module '", module_path_,
@@ -36,7 +36,9 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
 }
 
 std::string CPRuntime::id() const {
-  return common::str_cat("cp:", module_path_, ":", adapter_->name(), ":", strategy_->name(), ":",
+  return common::str_cat("cp:", module_path_, ":", adapter_->name(), ":", strategy_->name(),
+                         ctx_.load_balance ? "+lb:" : "",
+                         ctx_.load_balance ? to_string(ctx_.load_balance_form) : "", ":",
                          ctx_.topology->id());
 }
 
@@ -82,23 +84,27 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
   validate(q, k, v, options);
   ++calls_in_forward_;
   auto prepared = strategy_->prepare_qkv(q, k, v, ctx_);
-  auto opts = adapter_->rewrite(options, prepared.state, *strategy_);
   const int64_t seq = ctx_.layout.seq_dim;
-  if (opts.causal && opts.causal_meta) {
-    // Keys past the last query's position are invisible to every query of this rank: cut them
-    // off. The narrow runs on every rank, even where it keeps everything, so all ranks build
-    // the same autograd graph and issue their backward collectives in the same order (with
-    // two groups in play, as in hybrid, a rank-dependent order could deadlock).
-    auto& meta = *opts.causal_meta;
-    const int64_t prefix = std::min(meta.kv_len, meta.q_offset + meta.q_len);
-    prepared.k = prepared.k.narrow(seq, 0, prefix);
-    prepared.v = prepared.v.narrow(seq, 0, prefix);
-    if (opts.mask.defined()) opts.mask = opts.mask.narrow(-1, 0, prefix);
-    meta.kv_len = prefix;
+  std::vector<at::Tensor> outs;
+  for (const auto& part : prepared.parts) {
+    auto opts = adapter_->rewrite(options, part.state, *strategy_);
+    auto pk = prepared.k, pv = prepared.v;
+    if (opts.causal && opts.causal_meta) {
+      // Keys past the part's last query position are invisible to all its queries: cut them
+      // off. The narrow runs on every rank, even where it keeps everything, so all ranks build
+      // the same autograd graph and issue their backward collectives in the same order (with
+      // two groups in play, as in hybrid, a rank-dependent order could deadlock).
+      auto& meta = *opts.causal_meta;
+      const int64_t prefix = std::min(meta.kv_len, meta.q_offset + meta.q_len);
+      pk = pk.narrow(seq, 0, prefix);
+      pv = pv.narrow(seq, 0, prefix);
+      if (opts.mask.defined()) opts.mask = opts.mask.narrow(-1, 0, prefix);
+      meta.kv_len = prefix;
+    }
+    outs.push_back(inner(part.q, pk, pv, opts).out);
   }
-  auto result = inner(prepared.q, prepared.k, prepared.v, opts);
   // The lse is in the post-strategy frame (other heads / rows than the caller's): not returned.
-  return {strategy_->restore_output(result.out, prepared.state, ctx_), at::Tensor()};
+  return {strategy_->restore_output(outs, prepared, ctx_), at::Tensor()};
 }
 
 void CPRuntime::on_forward_begin() {

@@ -5,6 +5,8 @@
 //   v [B, Nkv, S/P, D]  -- all_gather(seq, cp) --> [B, Nkv, S, D] --> attention v
 //   out [B, N, S/P, D]  stays local
 //   backward: dK, dV reduce-scatter(seq, cp); dQ local. No head constraint.
+//   head-tail load balance: two query parts (see load_balance.cpp), K/V as above (put back in
+//   natural order for data-order shards).
 #include <ATen/ATen.h>
 
 #include "hp/comm/autograd_collectives.h"
@@ -31,17 +33,30 @@ class AllGatherStrategy final : public CPStrategy {
   PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
-    PreparedQKV p{q, k, v, {}};
+    const int64_t seq = ctx.layout.seq_dim;
+    if (ctx.load_balance) detail::check_head_tail(q, ctx);
+    PreparedQKV p{k, v, {}};
     detail::gather_kv(p.k, p.v, t.cp, ctx.layout);
-    const int64_t s_local = q.size(ctx.layout.seq_dim);
-    p.state.local_seq = s_local;
-    p.state.causal = {t.cp_rank * s_local, s_local, p.k.size(ctx.layout.seq_dim)};
+    const int64_t kv_len = p.k.size(seq);
+    if (ctx.load_balance) {
+      if (ctx.load_balance_form == LoadBalanceForm::kDataOrder) {
+        p.k = detail::natural_order(p.k, ctx);
+        p.v = detail::natural_order(p.v, ctx);
+      }
+      p.parts = detail::head_tail_parts(q, ctx, kv_len);
+      return p;
+    }
+    const int64_t s_local = q.size(seq);
+    QueryPart part{q, {}};
+    part.state.local_seq = s_local;
+    part.state.causal = {t.cp_rank * s_local, s_local, kv_len};
+    p.parts.push_back(part);
     return p;
   }
 
-  at::Tensor restore_output(const at::Tensor& out, const CallState&,
-                            const CPRuntimeContext&) const override {
-    return out;
+  at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
+                            const CPRuntimeContext& ctx) const override {
+    return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
   }
 };
 

@@ -25,21 +25,21 @@ class HybridStrategy final : public CPStrategy {
                           const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
-    PreparedQKV p{detail::scatter_heads(q, t.ulysses, l),
-                  detail::scatter_heads(k, t.ulysses, l),
-                  detail::scatter_heads(v, t.ulysses, l),
-                  {}};
+    QueryPart part{detail::scatter_heads(q, t.ulysses, l), {}};
+    PreparedQKV p{
+        detail::scatter_heads(k, t.ulysses, l), detail::scatter_heads(v, t.ulysses, l), {}};
     detail::gather_kv(p.k, p.v, t.co, l);
-    const int64_t s_block = p.q.size(l.seq_dim);  // S / C
-    p.state.local_seq = q.size(l.seq_dim);
-    p.state.causal = {t.co_rank * s_block, s_block, p.k.size(l.seq_dim)};
-    p.state.head_offset = t.ulysses_rank * p.q.size(l.head_dim);
+    const int64_t s_block = part.q.size(l.seq_dim);  // S / C
+    part.state.local_seq = q.size(l.seq_dim);
+    part.state.causal = {t.co_rank * s_block, s_block, p.k.size(l.seq_dim)};
+    part.state.head_offset = t.ulysses_rank * part.q.size(l.head_dim);
+    p.parts.push_back(part);
     return p;
   }
 
-  at::Tensor restore_output(const at::Tensor& out, const CallState&,
+  at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
                             const CPRuntimeContext& ctx) const override {
-    return detail::gather_heads(out, ctx.topology->ulysses, ctx.layout);
+    return detail::gather_heads(outs[0], ctx.topology->ulysses, ctx.layout);
   }
 };
 

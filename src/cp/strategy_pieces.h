@@ -18,4 +18,13 @@ at::Tensor scatter_heads(const at::Tensor& x, const comm::GroupPtr& group, const
 // Inverse: [.., U*S_l, .., N/U, ..] -> [.., S_l, .., N, ..].
 at::Tensor gather_heads(const at::Tensor& x, const comm::GroupPtr& group, const QKVLayout& l);
 
+// Head-tail load balance (load_balance.cpp): the two query parts of this rank with their
+// global offsets (swapping the tail with the mirror rank in the runtime form), the inverse for
+// the outputs, and the gathered K/V of data-order shards put back in natural order.
+void check_head_tail(const at::Tensor& q, const CPRuntimeContext& ctx);  // before any collective
+std::vector<QueryPart> head_tail_parts(const at::Tensor& q, const CPRuntimeContext& ctx,
+                                       int64_t kv_len);
+at::Tensor head_tail_restore(const std::vector<at::Tensor>& outs, const CPRuntimeContext& ctx);
+at::Tensor natural_order(const at::Tensor& gathered, const CPRuntimeContext& ctx);
+
 }  // namespace hp::cp::detail

@@ -36,20 +36,20 @@ class UlyssesStrategy final : public CPStrategy {
                           const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
-    PreparedQKV p{detail::scatter_heads(q, t.ulysses, l),
-                  detail::scatter_heads(k, t.ulysses, l),
-                  detail::scatter_heads(v, t.ulysses, l),
-                  {}};
-    const int64_t s = p.q.size(l.seq_dim);
-    p.state.local_seq = q.size(l.seq_dim);
-    p.state.causal = {0, s, p.k.size(l.seq_dim)};
-    p.state.head_offset = t.ulysses_rank * p.q.size(l.head_dim);
+    // Q first, then K, V: the same A2A order on every rank.
+    QueryPart part{detail::scatter_heads(q, t.ulysses, l), {}};
+    PreparedQKV p{
+        detail::scatter_heads(k, t.ulysses, l), detail::scatter_heads(v, t.ulysses, l), {}};
+    part.state.local_seq = q.size(l.seq_dim);
+    part.state.causal = {0, part.q.size(l.seq_dim), p.k.size(l.seq_dim)};
+    part.state.head_offset = t.ulysses_rank * part.q.size(l.head_dim);
+    p.parts.push_back(part);
     return p;
   }
 
-  at::Tensor restore_output(const at::Tensor& out, const CallState&,
+  at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
                             const CPRuntimeContext& ctx) const override {
-    return detail::gather_heads(out, ctx.topology->ulysses, ctx.layout);
+    return detail::gather_heads(outs[0], ctx.topology->ulysses, ctx.layout);
   }
 };
 

@@ -30,7 +30,8 @@ struct CPBenchResult {
   int64_t comm_bytes_theory = 0;    // 2 x the forward formula
   int64_t peak_rss_bytes = 0;       // max over ranks
   std::vector<int64_t> peak_rss_per_rank;
-  std::vector<double> attention_cpu_s_per_rank;  // CPU time of the step per rank (median)
+  // CPU time of the rank's main thread during a step (median): the attention compute.
+  std::vector<double> attention_cpu_s_per_rank;
 };
 
 // Collective over the world; every rank returns the same result.

@@ -10,18 +10,26 @@ namespace hp::cp {
 enum class CPAlgorithm { kAllGather, kUlysses, kHybrid };
 enum class CPSchedule { kSync, kAsync };
 enum class AsyncFallback { kError, kSync };
+// Head-tail load balance comes in two forms (DESIGN section 5.4):
+//   kDataOrder    the data was sharded by shard_sequence(..., load_balance = true): rank r holds
+//                 chunks {2r, 2P-2r-1}; the gathered K/V are put back in natural order;
+//   kRuntimeSwap  contiguous data; rank r swaps its second query half with mirror rank P-1-r,
+//                 runs two sub-attentions and swaps the outputs back.
+enum class LoadBalanceForm { kDataOrder, kRuntimeSwap };
 
 struct ContextParallelConfig {
   CPAlgorithm algorithm = CPAlgorithm::kAllGather;
   CPSchedule schedule = CPSchedule::kSync;
   std::optional<int64_t> ulysses_degree;  // ulysses: cp (default); hybrid: required, in (1, cp)
   bool load_balance = false;              // head-tail balance, all_gather only
+  LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   AsyncFallback async_fallback = AsyncFallback::kError;
 };
 
-const char* to_string(CPAlgorithm a);    // "all_gather", "ulysses", "hybrid"
-const char* to_string(CPSchedule s);     // "sync", "async"
-const char* to_string(AsyncFallback f);  // "error", "sync"
+const char* to_string(CPAlgorithm a);      // "all_gather", "ulysses", "hybrid"
+const char* to_string(CPSchedule s);       // "sync", "async"
+const char* to_string(AsyncFallback f);    // "error", "sync"
+const char* to_string(LoadBalanceForm f);  // "data_order", "runtime_swap"
 
 // Parse the string forms; errors list the valid values.
 CPAlgorithm parse_algorithm(const std::string& s);

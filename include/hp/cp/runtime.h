@@ -15,6 +15,8 @@ namespace hp::cp {
 struct CPRuntimeOptions {
   std::string module_path;  // for messages and the runtime id
   QKVLayout layout;
+  bool load_balance = false;  // head-tail (all_gather only)
+  LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
 };
 
 class CPRuntime final : public attention::AttentionInterceptor {

@@ -2,8 +2,9 @@
 // Adapters decide *how* attention is reached; any adapter works with any strategy.
 //
 //   prepared = strategy.prepare_qkv(q, k, v, ctx)     local shards -> what attention consumes
-//   out      = attention(prepared.q, prepared.k, prepared.v, causal_metadata(prepared.state))
-//   out      = strategy.restore_output(out, prepared.state, ctx)   -> local sequence shard
+//   outs[i]  = attention(part.q, prepared.k, prepared.v, causal_metadata(part.state))
+//              for each query part (one, or two under head-tail load balance)
+//   out      = strategy.restore_output(outs, prepared, ctx)   -> local sequence shard
 //
 // Tensors are in the module's layout (ctx.layout: seq_dim / head_dim, any 4-d layout with the
 // head dim size D last); every collective is differentiable (backward = inverse collective).
@@ -29,6 +30,9 @@ struct QKVLayout {
 struct CPRuntimeContext {
   std::shared_ptr<const CPTopology> topology;
   QKVLayout layout;
+  // Head-tail load balance (all_gather only): whether, and in which of the two forms.
+  bool load_balance = false;
+  LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
 };
 
 // Per-call state a strategy hands from prepare_qkv to restore_output and the adapters.
@@ -38,9 +42,16 @@ struct CallState {
   int64_t local_seq = 0;             // the caller's local sequence length
 };
 
-struct PreparedQKV {
-  at::Tensor q, k, v;
+// One attention call of a prepared layer: a query block with its own causal state. Most
+// strategies have one part; head-tail load balance has two (the head and the tail chunk).
+struct QueryPart {
+  at::Tensor q;
   CallState state;
+};
+
+struct PreparedQKV {
+  at::Tensor k, v;
+  std::vector<QueryPart> parts;
 };
 
 class CPStrategy {
@@ -51,7 +62,9 @@ class CPStrategy {
   virtual std::vector<comm::OpKind> required_ops() const = 0;
   virtual PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const CPRuntimeContext& ctx) const = 0;
-  virtual at::Tensor restore_output(const at::Tensor& out, const CallState& state,
+  // `outs[i]` is the attention output of prepared.parts[i].
+  virtual at::Tensor restore_output(const std::vector<at::Tensor>& outs,
+                                    const PreparedQKV& prepared,
                                     const CPRuntimeContext& ctx) const = 0;
   virtual attention::CausalMetadata causal_metadata(const CallState& state) const {
     return state.causal;

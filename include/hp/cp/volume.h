@@ -21,9 +21,11 @@ struct AttentionShape {
 //   all_gather  2 * S * h_kv * e * (P-1)/P
 //   ulysses     (2h + 2h_kv) * (S/P) * e * (P-1)/P
 //   hybrid      (2h + 2h_kv) * (S/P) * e * (U-1)/U  +  2 * S * h_kv * e * (C-1)/(C*U)
-// The backward moves the same bytes again (reduce-scatter / inverse all-to-alls), so
-// forward + backward is twice this.
+//   + head-tail load balance in the runtime-swap form: the query tail and the output tail
+//     travel to the mirror rank, 2 * (S/2P) * h * e (nothing on the middle rank of an odd P)
+// The backward moves the same bytes again (reduce-scatter / inverse all-to-alls / the swaps),
+// so forward + backward is twice this.
 int64_t forward_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
-                               const AttentionShape& shape);
+                               const AttentionShape& shape, int64_t cp_rank = 0);
 
 }  // namespace hp::cp
