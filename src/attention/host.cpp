@@ -78,4 +78,25 @@ AttentionHost::ForwardScope AttentionHost::forward_scope() {
   return ForwardScope(primitive_call_.get());
 }
 
+void AttentionHost::add_handoff(HandoffPoint* point) {
+  HP_CHECK(point != nullptr, "AttentionHost::add_handoff: point is null");
+  HP_CHECK(handoff(point->name()) == nullptr, "AttentionHost::add_handoff: a handoff point named '",
+           point->name(), "' is already registered");
+  handoffs_.push_back(point);
+}
+
+HandoffPoint* AttentionHost::handoff(const std::string& name) const {
+  for (auto* h : handoffs_) {
+    if (h->name() == name) return h;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> AttentionHost::handoff_names() const {
+  std::vector<std::string> out;
+  for (auto* h : handoffs_)
+    out.push_back(h->name());
+  return out;
+}
+
 }  // namespace hp::attention

@@ -61,13 +61,13 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
   HP_CHECK(spec.cp_seq_dim != spec.cp_head_dim, "module '", spec.module_path,
            "': cp_seq_dim and cp_head_dim are both ", spec.cp_seq_dim,
            "; they must name different dims (BNSD: cp_seq_dim=2, cp_head_dim=1; BSHD: 1, 2)");
-  HP_CHECK(config.schedule == CPSchedule::kSync, "module '", spec.module_path,
-           "': schedule=async is not available in this build yet; use schedule=sync");
   HP_CHECK(ulysses_degree_of(config, t.cp_size) == t.ulysses_degree, "module '", spec.module_path,
            "': the CP topology was built for ulysses_degree=", t.ulysses_degree,
            " but the config says ", ulysses_degree_of(config, t.cp_size));
 
   std::string adapter_name = spec.inner_wrapper;
+  std::string fallback;  // set when async falls back to sync
+  std::string schedule = to_string(config.schedule);
   std::string strategy_name = to_string(config.algorithm);
   if (!is_adapter_name(spec.inner_wrapper)) {
     const LegacyWrapperFn* legacy =
@@ -95,21 +95,73 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
     auto adapter = adapter_for(adapter_name);
     auto strategy = strategy_for(strategy_name);
     check_backend(t, *strategy);
+    // Async: every moved role needs a handoff point on this module.
+    std::vector<std::pair<QKVRole, attention::HandoffPoint*>> points;
+    if (config.schedule == CPSchedule::kAsync) {
+      std::string missing;
+      for (auto role : strategy->moved_roles()) {
+        auto it = spec.cp_handoff_targets.find(role_name(role));
+        auto* point = it == spec.cp_handoff_targets.end() ? nullptr : host.handoff(it->second);
+        if (point == nullptr) {
+          missing += common::str_cat(missing.empty() ? "" : ", ", role_name(role),
+                                     it == spec.cp_handoff_targets.end()
+                                         ? " (no cp_handoff_targets entry)"
+                                         : " ('" + it->second + "' is not a handoff point here)");
+        } else {
+          points.emplace_back(role, point);
+        }
+      }
+      if (!missing.empty()) {
+        std::string known;
+        for (const auto& n : host.handoff_names())
+          known += (known.empty() ? "" : ", ") + n;
+        HP_CHECK(config.async_fallback == AsyncFallback::kSync, "module '", spec.module_path,
+                 "': schedule=async with strategy ", strategy_name,
+                 " needs a handoff point for each of its moved tensors; missing: ", missing,
+                 ". Handoff points on this module: ", known.empty() ? "none" : known,
+                 ". Set cp_handoff_targets (e.g. {q: q_handoff, k: k_handoff, v: v_handoff}) or "
+                 "async_fallback=sync to run synchronously");
+        fallback = common::str_cat("sync(missing handoff: ", missing, ")");
+        points.clear();
+      }
+    }
+    const bool async = config.schedule == CPSchedule::kAsync && fallback.empty();
     auto runtime = std::make_shared<CPRuntime>(
         adapter, strategy, topology,
         CPRuntimeOptions{spec.module_path, QKVLayout{spec.cp_seq_dim, spec.cp_head_dim},
-                         config.load_balance, config.load_balance_form});
+                         config.load_balance, config.load_balance_form, async});
     host.install(adapter->slot(), runtime);
+    auto* installed = static_cast<CPRuntime*>(host.installed(adapter->slot()));
+    auto shared = std::static_pointer_cast<CPRuntime>(installed->shared_from_this());
+    for (auto& [role, point] : points) {
+      const std::string name = point->name();
+      const QKVRole r = role;
+      point->set_hook(shared->id(), [shared, r, name](const at::Tensor& x) {
+        return shared->on_handoff(r, name, x);
+      });
+    }
+    schedule = async ? "async" : "sync";
   }
   spec.resolved_inner_wrapper = adapter_name;
   spec.resolved_cp_strategy = strategy_name;
+  spec.resolved_schedule = schedule;
   const std::string line = common::str_cat(
       "CP inner-wrap: module=", spec.module_path, " adapter=", adapter_name,
-      " strategy=", strategy_name, " schedule=", to_string(config.schedule), " cp_size=", t.cp_size,
+      " strategy=", strategy_name, " schedule=", schedule, " cp_size=", t.cp_size,
       " ulysses_degree=", t.ulysses_degree, " colossal_degree=", t.colossal_degree,
       config.load_balance ? common::str_cat(" load_balance=", to_string(config.load_balance_form))
                           : std::string(),
-      " handoff=", handoff_str(spec.cp_handoff_targets), " fallback=none");
+      " handoff=", handoff_str(spec.cp_handoff_targets),
+      " fallback=", fallback.empty() ? "none" : fallback);
+  if (!fallback.empty()) {
+    const std::string warning = common::str_cat("warning: module '", spec.module_path,
+                                                "': schedule=async falls back to sync: ", fallback);
+    if (options.log) {
+      options.log(warning);
+    } else {
+      std::cerr << warning << std::endl;
+    }
+  }
   if (options.log) {
     options.log(line);
   } else {

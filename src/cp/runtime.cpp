@@ -28,7 +28,9 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
     : adapter_(std::move(adapter)),
       strategy_(std::move(strategy)),
       ctx_{std::move(topology), options.layout, options.load_balance, options.load_balance_form},
-      module_path_(std::move(options.module_path)) {
+      module_path_(std::move(options.module_path)),
+      async_(options.async),
+      state_(std::make_shared<CPRuntimeState>(module_path_)) {
   HP_INTERNAL_ASSERT(adapter_ && strategy_ && ctx_.topology);
   HP_CHECK(ctx_.layout.seq_dim != ctx_.layout.head_dim, "module '", module_path_,
            "': cp_seq_dim and cp_head_dim are both ", ctx_.layout.seq_dim,
@@ -37,7 +39,7 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
 
 std::string CPRuntime::id() const {
   return common::str_cat("cp:", module_path_, ":", adapter_->name(), ":", strategy_->name(),
-                         ctx_.load_balance ? "+lb:" : "",
+                         async_ ? "/async" : "", ctx_.load_balance ? "+lb:" : "",
                          ctx_.load_balance ? to_string(ctx_.load_balance_form) : "", ":",
                          ctx_.topology->id());
 }
@@ -83,7 +85,18 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
                                                 const attention::AttentionFn& inner) {
   validate(q, k, v, options);
   ++calls_in_forward_;
-  auto prepared = strategy_->prepare_qkv(q, k, v, ctx_);
+  PreparedQKV prepared;
+  if (async_) {
+    // The moved roles' collectives started at their handoff points: wait for them here.
+    at::Tensor moved[3] = {q, k, v};
+    for (auto role : strategy_->moved_roles()) {
+      auto& x = moved[static_cast<int>(role)];
+      x = state_->consume(role, x);
+    }
+    prepared = strategy_->finish(q, moved[0], moved[1], moved[2], ctx_);
+  } else {
+    prepared = strategy_->prepare_qkv(q, k, v, ctx_);
+  }
   const int64_t seq = ctx_.layout.seq_dim;
   std::vector<at::Tensor> outs;
   for (const auto& part : prepared.parts) {
@@ -112,9 +125,32 @@ void CPRuntime::on_forward_begin() {
   calls_in_forward_ = 0;
 }
 
+at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const at::Tensor& x) {
+  const auto& l = ctx_.layout;
+  HP_CHECK(x.defined() && l.seq_dim < x.dim() && l.head_dim < x.dim(), "async CP on module '",
+           module_path_, "': handoff '", handoff, "' emitted a tensor without the layout's seq ",
+           "dim ", l.seq_dim, " and head dim ", l.head_dim);
+  const auto& t = *ctx_.topology;
+  HP_CHECK(x.size(l.head_dim) % t.ulysses_degree == 0, "async CP on module '", module_path_,
+           "': ", role_name(role), " from handoff '", handoff, "' has ", x.size(l.head_dim),
+           " heads, not divisible by the Ulysses degree ", t.ulysses_degree,
+           "; use algorithm=all_gather or a smaller ulysses_degree");
+  strategy_->check_inputs(x, ctx_);
+  auto self = shared_from_this();
+  return state_->produce(
+      role, handoff, x,
+      [self, role](const at::Tensor& t) {
+        return self->strategy_->move_async(role, t, self->ctx_);
+      },
+      [self, role](const at::Tensor& g) {
+        return self->strategy_->move_grad_async(role, g, self->ctx_);
+      });
+}
+
 void CPRuntime::on_forward_end() {
   const bool reached = calls_in_forward_ > 0;
   in_forward_ = false;
+  if (async_ && reached) state_->check_drained();
   HP_CHECK(reached, "CP adapter '", adapter_->name(), "' on module '", module_path_,
            "': the module's forward finished without reaching the attention primitive, so no "
            "CP communication ran and the result would be silently wrong (misfire). Route the "

@@ -10,15 +10,32 @@
 #include <ATen/ATen.h>
 
 #include "hp/comm/autograd_collectives.h"
+#include "hp/comm/collectives.h"
+#include "hp/common/check.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
 
+at::Tensor detail::gather_seq(const at::Tensor& x, const comm::GroupPtr& group,
+                              const QKVLayout& l) {
+  if (group->size() == 1) return x;
+  return comm::all_gather_autograd(x, l.seq_dim, group);
+}
+
 void detail::gather_kv(at::Tensor& k, at::Tensor& v, const comm::GroupPtr& group,
                        const QKVLayout& l) {
-  if (group->size() == 1) return;
-  k = comm::all_gather_autograd(k, l.seq_dim, group);
-  v = comm::all_gather_autograd(v, l.seq_dim, group);
+  k = gather_seq(k, group, l);
+  v = gather_seq(v, group, l);
+}
+
+comm::CommHandle detail::gather_seq_async(const at::Tensor& x, const comm::GroupPtr& group,
+                                          const QKVLayout& l) {
+  return comm::all_gather_async(*group, x, l.seq_dim);
+}
+
+comm::CommHandle detail::gather_seq_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
+                                               const QKVLayout& l) {
+  return comm::reduce_scatter_async(*group, g, l.seq_dim);
 }
 
 namespace {
@@ -29,14 +46,29 @@ class AllGatherStrategy final : public CPStrategy {
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
   }
+  std::vector<QKVRole> moved_roles() const override { return {QKVRole::kK, QKVRole::kV}; }
 
-  PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const CPRuntimeContext& ctx) const override {
+  at::Tensor move(QKVRole role, const at::Tensor& x, const CPRuntimeContext& ctx) const override {
+    HP_INTERNAL_ASSERT(role != QKVRole::kQ);
+    return detail::gather_seq(x, ctx.topology->cp, ctx.layout);
+  }
+  comm::CommHandle move_async(QKVRole, const at::Tensor& x,
+                              const CPRuntimeContext& ctx) const override {
+    return detail::gather_seq_async(x, ctx.topology->cp, ctx.layout);
+  }
+  comm::CommHandle move_grad_async(QKVRole, const at::Tensor& g,
+                                   const CPRuntimeContext& ctx) const override {
+    return detail::gather_seq_grad_async(g, ctx.topology->cp, ctx.layout);
+  }
+  void check_inputs(const at::Tensor& q, const CPRuntimeContext& ctx) const override {
+    if (ctx.load_balance) detail::check_head_tail(q, ctx);
+  }
+
+  PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
     const int64_t seq = ctx.layout.seq_dim;
-    if (ctx.load_balance) detail::check_head_tail(q, ctx);
     PreparedQKV p{k, v, {}};
-    detail::gather_kv(p.k, p.v, t.cp, ctx.layout);
     const int64_t kv_len = p.k.size(seq);
     if (ctx.load_balance) {
       if (ctx.load_balance_form == LoadBalanceForm::kDataOrder) {
@@ -46,7 +78,7 @@ class AllGatherStrategy final : public CPStrategy {
       p.parts = detail::head_tail_parts(q, ctx, kv_len);
       return p;
     }
-    const int64_t s_local = q.size(seq);
+    const int64_t s_local = q_local.size(seq);
     QueryPart part{q, {}};
     part.state.local_seq = s_local;
     part.state.causal = {t.cp_rank * s_local, s_local, kv_len};

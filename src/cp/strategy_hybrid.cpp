@@ -7,6 +7,8 @@
 //   (v as k)                                       causal offset co_rank * S/C
 //   out [B, N/U, S/C, D] -- A2A in cp_ulysses --> [B, N, S/P, D]
 //   backward in exact reverse (reduce-scatter in cp_co, inverse A2As in cp_ulysses).
+//   Async schedule: the A2As start at the handoff points; the co-group K/V all-gather stays
+//   synchronous (as in the original system).
 #include <ATen/ATen.h>
 
 #include "strategy_pieces.h"
@@ -20,19 +22,32 @@ class HybridStrategy final : public CPStrategy {
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
   }
+  std::vector<QKVRole> moved_roles() const override {
+    return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
+  }
+  at::Tensor move(QKVRole, const at::Tensor& x, const CPRuntimeContext& ctx) const override {
+    return detail::scatter_heads(x, ctx.topology->ulysses, ctx.layout);
+  }
+  comm::CommHandle move_async(QKVRole, const at::Tensor& x,
+                              const CPRuntimeContext& ctx) const override {
+    return detail::scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
+  }
+  comm::CommHandle move_grad_async(QKVRole, const at::Tensor& g,
+                                   const CPRuntimeContext& ctx) const override {
+    return detail::scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
+  }
 
-  PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const CPRuntimeContext& ctx) const override {
+  PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
-    QueryPart part{detail::scatter_heads(q, t.ulysses, l), {}};
-    PreparedQKV p{
-        detail::scatter_heads(k, t.ulysses, l), detail::scatter_heads(v, t.ulysses, l), {}};
+    PreparedQKV p{k, v, {}};
     detail::gather_kv(p.k, p.v, t.co, l);
-    const int64_t s_block = part.q.size(l.seq_dim);  // S / C
-    part.state.local_seq = q.size(l.seq_dim);
+    QueryPart part{q, {}};
+    const int64_t s_block = q.size(l.seq_dim);  // S / C
+    part.state.local_seq = q_local.size(l.seq_dim);
     part.state.causal = {t.co_rank * s_block, s_block, p.k.size(l.seq_dim)};
-    part.state.head_offset = t.ulysses_rank * part.q.size(l.head_dim);
+    part.state.head_offset = t.ulysses_rank * q.size(l.head_dim);
     p.parts.push_back(part);
     return p;
   }

@@ -12,11 +12,20 @@ namespace hp::cp::detail {
 // K and V all-gathered along seq over `group` (rank order): [.., S/C, ..] -> [.., S, ..].
 // Backward: reduce-scatter of dK, dV.
 void gather_kv(at::Tensor& k, at::Tensor& v, const comm::GroupPtr& group, const QKVLayout& l);
+at::Tensor gather_seq(const at::Tensor& x, const comm::GroupPtr& group, const QKVLayout& l);
+comm::CommHandle gather_seq_async(const at::Tensor& x, const comm::GroupPtr& group,
+                                  const QKVLayout& l);
+comm::CommHandle gather_seq_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
+                                       const QKVLayout& l);  // reduce-scatter
 
 // seq -> head all-to-all over `group` of size U: [.., S_l, .., N, ..] -> [.., U*S_l, .., N/U, ..].
 at::Tensor scatter_heads(const at::Tensor& x, const comm::GroupPtr& group, const QKVLayout& l);
 // Inverse: [.., U*S_l, .., N/U, ..] -> [.., S_l, .., N, ..].
 at::Tensor gather_heads(const at::Tensor& x, const comm::GroupPtr& group, const QKVLayout& l);
+comm::CommHandle scatter_heads_async(const at::Tensor& x, const comm::GroupPtr& group,
+                                     const QKVLayout& l);
+comm::CommHandle scatter_heads_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
+                                          const QKVLayout& l);  // the inverse all-to-all
 
 // Head-tail load balance (load_balance.cpp): the two query parts of this rank with their
 // global offsets (swapping the tail with the mirror rank in the runtime form), the inverse for

@@ -3,6 +3,29 @@
 
 namespace hp::cp {
 
+const char* role_name(QKVRole role) {
+  switch (role) {
+    case QKVRole::kQ:
+      return "q";
+    case QKVRole::kK:
+      return "k";
+    case QKVRole::kV:
+      return "v";
+  }
+  return "?";
+}
+
+PreparedQKV CPStrategy::prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const CPRuntimeContext& ctx) const {
+  check_inputs(q, ctx);
+  at::Tensor moved[3] = {q, k, v};
+  for (auto role : moved_roles()) {
+    auto& x = moved[static_cast<int>(role)];
+    x = move(role, x, ctx);
+  }
+  return finish(q, moved[0], moved[1], moved[2], ctx);
+}
+
 std::vector<std::string> strategy_names() {
   return {"all_gather", "ulysses", "hybrid"};
 }

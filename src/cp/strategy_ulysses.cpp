@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "hp/comm/autograd_collectives.h"
+#include "hp/comm/collectives.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -25,26 +26,45 @@ at::Tensor detail::gather_heads(const at::Tensor& x, const comm::GroupPtr& group
   return comm::ulysses_head_to_seq(x, l.seq_dim, l.head_dim, group);
 }
 
+comm::CommHandle detail::scatter_heads_async(const at::Tensor& x, const comm::GroupPtr& group,
+                                             const QKVLayout& l) {
+  return comm::all_to_all_async(*group, x, l.head_dim, l.seq_dim);
+}
+
+comm::CommHandle detail::scatter_heads_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
+                                                  const QKVLayout& l) {
+  return comm::all_to_all_async(*group, g, l.seq_dim, l.head_dim);
+}
+
 namespace {
 
 class UlyssesStrategy final : public CPStrategy {
  public:
   std::string name() const override { return "ulysses"; }
   std::vector<comm::OpKind> required_ops() const override { return {comm::OpKind::kAllToAll}; }
+  std::vector<QKVRole> moved_roles() const override {
+    return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
+  }
+  at::Tensor move(QKVRole, const at::Tensor& x, const CPRuntimeContext& ctx) const override {
+    return detail::scatter_heads(x, ctx.topology->ulysses, ctx.layout);
+  }
+  comm::CommHandle move_async(QKVRole, const at::Tensor& x,
+                              const CPRuntimeContext& ctx) const override {
+    return detail::scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
+  }
+  comm::CommHandle move_grad_async(QKVRole, const at::Tensor& g,
+                                   const CPRuntimeContext& ctx) const override {
+    return detail::scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
+  }
 
-  PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const CPRuntimeContext& ctx) const override {
-    const auto& t = *ctx.topology;
+  PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const CPRuntimeContext& ctx) const override {
     const auto& l = ctx.layout;
-    // Q first, then K, V: the same A2A order on every rank.
-    QueryPart part{detail::scatter_heads(q, t.ulysses, l), {}};
-    PreparedQKV p{
-        detail::scatter_heads(k, t.ulysses, l), detail::scatter_heads(v, t.ulysses, l), {}};
-    part.state.local_seq = q.size(l.seq_dim);
-    part.state.causal = {0, part.q.size(l.seq_dim), p.k.size(l.seq_dim)};
-    part.state.head_offset = t.ulysses_rank * part.q.size(l.head_dim);
-    p.parts.push_back(part);
-    return p;
+    QueryPart part{q, {}};
+    part.state.local_seq = q_local.size(l.seq_dim);
+    part.state.causal = {0, q.size(l.seq_dim), k.size(l.seq_dim)};
+    part.state.head_offset = ctx.topology->ulysses_rank * q.size(l.head_dim);
+    return PreparedQKV{k, v, {part}};
   }
 
   at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,

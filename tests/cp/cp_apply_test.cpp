@@ -26,8 +26,8 @@ std::string error_of(const std::function<void()>& fn) {
   return "(no error)";
 }
 
-#define EXPECT_ERROR(stmt, text) EXPECT_NE(error_of([&] { stmt; }).find(text), std::string::npos) \
-    << error_of([&] { stmt; })
+#define EXPECT_ERROR(stmt, text) \
+  EXPECT_NE(error_of([&] { stmt; }).find(text), std::string::npos) << error_of([&] { stmt; })
 
 ContextParallelConfig hybrid(int64_t u, int64_t p) {
   ContextParallelConfig c;
@@ -144,7 +144,10 @@ TEST(CPApply, LayoutAndScheduleChecks) {
   auto async = f.config;
   async.schedule = CPSchedule::kAsync;
   EXPECT_ERROR(apply_context_parallel(core.host(), spec, async, f.topo, quiet()),
-               "schedule=async is not available in this build yet");
+               "module 'attn': schedule=async with strategy all_gather needs a handoff point for "
+               "each of its moved tensors; missing: k (no cp_handoff_targets entry), v (no "
+               "cp_handoff_targets entry). Handoff points on this module: none. Set "
+               "cp_handoff_targets");
 }
 
 TEST(CPApply, MisfireIsAnError) {
@@ -204,9 +207,8 @@ TEST(CPApply, BackendWithoutANeededCollective) {
   t->cp_size = 2;
   t->ulysses_degree = 2;
   t->cp = t->ulysses = group;
-  t->co = std::make_shared<comm::Group>("self", std::vector<int>{0}, 0,
-                                        comm::make_self_transport(), ctx,
-                                        std::chrono::milliseconds(1000));
+  t->co = std::make_shared<comm::Group>("self", std::vector<int>{0}, 0, comm::make_self_transport(),
+                                        ctx, std::chrono::milliseconds(1000));
   ContextParallelConfig u;
   u.algorithm = CPAlgorithm::kUlysses;
   attention::CoreAttention core;
@@ -217,12 +219,14 @@ TEST(CPApply, BackendWithoutANeededCollective) {
                "does not provide");
   t->ulysses_degree = 1;
   t->co = group;
-  EXPECT_NO_THROW(apply_context_parallel(core.host(), spec, *normalize(std::nullopt, 2), t, quiet()));
+  EXPECT_NO_THROW(
+      apply_context_parallel(core.host(), spec, *normalize(std::nullopt, 2), t, quiet()));
 }
 
 TEST(CPApply, BadInputsFailBeforeAnyCollective) {
   FakeCP f(hybrid(2, 4));
-  auto check = [&](const std::string& wrapper, const std::function<void(attention::CoreAttention&)>& call,
+  auto check = [&](const std::string& wrapper,
+                   const std::function<void(attention::CoreAttention&)>& call,
                    const std::string& text) {
     attention::CoreAttention core;
     CPModuleSpec spec;
@@ -234,14 +238,27 @@ TEST(CPApply, BadInputsFailBeforeAnyCollective) {
     EXPECT_TRUE(f.world.context().recorder->records().empty()) << text;
   };
   auto q = at::randn({1, 4, 8, 16}), kv = at::randn({1, 4, 8, 16});
-  check("sdpa_qkv", [&](attention::CoreAttention& c) { c.forward(q, kv, kv.squeeze(0)); },
-        "q, k, v ranks differ (4, 4, 3)");
-  check("sdpa_qkv", [&](attention::CoreAttention& c) { c.forward(q, at::randn({1, 4, 6, 16}), at::randn({1, 4, 6, 16})); },
-        "differ in dim 2 (the sequence)");
-  check("sdpa_qkv", [&](attention::CoreAttention& c) { c.forward(q, kv, at::randn({1, 4, 8, 8})); },
-        "must have the same shape");
-  check("sdpa_qkv", [&](attention::CoreAttention& c) { c.forward(at::randn({1, 6, 8, 16}), at::randn({1, 3, 8, 16}), at::randn({1, 3, 8, 16})); },
-        "algorithm=hybrid: key/value heads = 3 are not divisible by the Ulysses degree 2");
+  check(
+      "sdpa_qkv", [&](attention::CoreAttention& c) { c.forward(q, kv, kv.squeeze(0)); },
+      "q, k, v ranks differ (4, 4, 3)");
+  check(
+      "sdpa_qkv",
+      [&](attention::CoreAttention& c) {
+        c.forward(q, at::randn({1, 4, 6, 16}), at::randn({1, 4, 6, 16}));
+      },
+      "differ in dim 2 (the sequence)");
+  check(
+      "sdpa_qkv",
+      [&](attention::CoreAttention& c) {
+        c.forward(q, kv, at::randn({1, 4, 8, 8}));
+      },
+      "must have the same shape");
+  check(
+      "sdpa_qkv",
+      [&](attention::CoreAttention& c) {
+        c.forward(at::randn({1, 6, 8, 16}), at::randn({1, 3, 8, 16}), at::randn({1, 3, 8, 16}));
+      },
+      "algorithm=hybrid: key/value heads = 3 are not divisible by the Ulysses degree 2");
 }
 
 TEST(CPApply, MasksThatCannotFollowTheStrategy) {
@@ -258,8 +275,9 @@ TEST(CPApply, MasksThatCannotFollowTheStrategy) {
   with_fn.attention.mask_fn = attention::sliding_window_mask(4);
   attention::CoreAttention core2(with_fn);
   apply_context_parallel(core2.host(), spec, f.config, f.topo, quiet());
-  EXPECT_ERROR(core2.forward(x, x, x), "CP adapter 'sdpa_qkv' got a mask function; mask "
-                                       "functions need a flex adapter");
+  EXPECT_ERROR(core2.forward(x, x, x),
+               "CP adapter 'sdpa_qkv' got a mask function; mask "
+               "functions need a flex adapter");
 }
 
 }  // namespace

@@ -14,10 +14,12 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "hp/attention/attention.h"
+#include "hp/attention/handoff.h"
 
 namespace hp::attention {
 
@@ -75,7 +77,14 @@ class AttentionHost {
   };
   ForwardScope forward_scope();
 
+  // Handoff points of this attention module, by name relative to the attention boundary
+  // (what cp_handoff_targets refers to). The module owns the points; they must outlive it.
+  void add_handoff(HandoffPoint* point);
+  HandoffPoint* handoff(const std::string& name) const;  // null when unknown
+  std::vector<std::string> handoff_names() const;
+
  private:
+  std::vector<HandoffPoint*> handoffs_;
   std::string primitive_name_;
   const AttentionPrimitive* primitive_;
   std::shared_ptr<AttentionInterceptor> boundary_;

@@ -26,6 +26,7 @@ struct CPModuleSpec {
   // Set by apply: what really runs.
   std::string resolved_inner_wrapper;
   std::string resolved_cp_strategy;
+  std::string resolved_schedule;  // "sync", "async", or "sync" after an async fallback
 };
 
 // Legacy full wrappers: fn(target, cp_group) takes over the module itself. Allowed only with

@@ -8,6 +8,7 @@
 
 #include "hp/attention/host.h"
 #include "hp/cp/adapter.h"
+#include "hp/cp/async.h"
 #include "hp/cp/strategy.h"
 
 namespace hp::cp {
@@ -17,9 +18,11 @@ struct CPRuntimeOptions {
   QKVLayout layout;
   bool load_balance = false;  // head-tail (all_gather only)
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
+  bool async = false;  // moved roles arrive through handoff slots
 };
 
-class CPRuntime final : public attention::AttentionInterceptor {
+class CPRuntime final : public attention::AttentionInterceptor,
+                        public std::enable_shared_from_this<CPRuntime> {
  public:
   CPRuntime(std::shared_ptr<const CPAdapter> adapter, std::shared_ptr<const CPStrategy> strategy,
             std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options);
@@ -31,6 +34,11 @@ class CPRuntime final : public attention::AttentionInterceptor {
                                        const attention::AttentionFn& inner) override;
   void on_forward_begin() override;
   void on_forward_end() override;
+
+  // Async schedule: the hook body of the handoff point `handoff` for `role`.
+  at::Tensor on_handoff(QKVRole role, const std::string& handoff, const at::Tensor& x);
+  bool is_async() const { return async_; }
+  const CPRuntimeState& state() const { return *state_; }
 
   const CPAdapter& adapter() const { return *adapter_; }
   const CPStrategy& strategy() const { return *strategy_; }
@@ -44,6 +52,8 @@ class CPRuntime final : public attention::AttentionInterceptor {
   std::shared_ptr<const CPStrategy> strategy_;
   CPRuntimeContext ctx_;
   std::string module_path_;
+  bool async_ = false;
+  std::shared_ptr<CPRuntimeState> state_;
   int64_t calls_in_forward_ = 0;
   bool in_forward_ = false;
 };

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "hp/attention/masks.h"
+#include "hp/comm/comm_handle.h"
 #include "hp/comm/types.h"
 #include "hp/cp/topology.h"
 
@@ -54,14 +55,40 @@ struct PreparedQKV {
   std::vector<QueryPart> parts;
 };
 
+enum class QKVRole { kQ = 0, kK = 1, kV = 2 };
+const char* role_name(QKVRole role);  // "q", "k", "v"
+
+// A strategy is: the collective each of q/k/v goes through ("moving" it), then `finish`, which
+// turns the moved tensors into the attention call(s). The sync schedule moves each role with
+// a differentiable collective; the async schedule launches the same collective at the role's
+// handoff point and waits for it at the attention call (backward: the inverse, launched by
+// the wait and waited at the handoff).
 class CPStrategy {
  public:
   virtual ~CPStrategy() = default;
   virtual std::string name() const = 0;
   // Collectives the strategy issues (checked against the backend at apply time).
   virtual std::vector<comm::OpKind> required_ops() const = 0;
-  virtual PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const CPRuntimeContext& ctx) const = 0;
+
+  // Roles that go through a collective before attention (all_gather: k, v; ulysses and
+  // hybrid: q, k, v), in the order they are moved.
+  virtual std::vector<QKVRole> moved_roles() const = 0;
+  virtual at::Tensor move(QKVRole role, const at::Tensor& x, const CPRuntimeContext& ctx) const = 0;
+  virtual comm::CommHandle move_async(QKVRole role, const at::Tensor& x,
+                                      const CPRuntimeContext& ctx) const = 0;
+  // The inverse collective of a gradient of the moved tensor.
+  virtual comm::CommHandle move_grad_async(QKVRole role, const at::Tensor& grad,
+                                           const CPRuntimeContext& ctx) const = 0;
+  // From the moved q/k/v (roles that are not moved are passed as given) to what attention
+  // consumes. `q_local` is the caller's query shard.
+  virtual PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const CPRuntimeContext& ctx) const = 0;
+
+  // Sync schedule: checks, moves every moved role, finishes.
+  PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const CPRuntimeContext& ctx) const;
+  // Checks that must pass before any collective of this call (sync or async).
+  virtual void check_inputs(const at::Tensor& /*q*/, const CPRuntimeContext& /*ctx*/) const {}
   // `outs[i]` is the attention output of prepared.parts[i].
   virtual at::Tensor restore_output(const std::vector<at::Tensor>& outs,
                                     const PreparedQKV& prepared,
@@ -69,8 +96,6 @@ class CPStrategy {
   virtual attention::CausalMetadata causal_metadata(const CallState& state) const {
     return state.causal;
   }
-  // Async schedule only (installs producer hooks on the handoff points); sync: nothing.
-  virtual void install_async_handoffs(const CPRuntimeContext& /*ctx*/) const {}
 };
 
 std::shared_ptr<const CPStrategy> make_all_gather_strategy();

@@ -1,0 +1,68 @@
+// The async CP schedule's bookkeeping (DESIGN section 5.6).
+//
+//   handoff point emits x  --> launch the role's collective, push an AsyncSlot (forward FIFO)
+//                              and return x wired to a HandoffLaunch autograd node
+//   attention call         --> pop the slot through DifferentiableWait: checks that the tensor
+//                              reaching attention is the one the handoff emitted (shape, dtype,
+//                              identity = same invocation), waits, returns the moved tensor
+//   backward               --> DifferentiableWait launches the inverse collective and returns;
+//                              HandoffLaunch (the producer side) waits for it and hands the real
+//                              gradient to the projection, so each projection's weight-gradient
+//                              GEMM waits only for its own collective.
+// A slot belongs to one invocation (two micro-batches in flight, or a recompute, each get their
+// own); nothing is a single overwritten entry.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/comm/comm_handle.h"
+#include "hp/cp/strategy.h"
+
+namespace hp::cp {
+
+struct AsyncSlot {
+  QKVRole role = QKVRole::kQ;
+  int64_t invocation = 0;
+  std::string handoff;       // handoff point name (messages)
+  comm::CommHandle forward;  // the role's collective, launched at the handoff
+  at::Tensor produced;       // what the handoff emitted: the consumer must pass exactly this
+  bool consumed = false;
+  std::function<comm::CommHandle(const at::Tensor&)> launch_inverse;
+  comm::CommHandle backward;  // the inverse collective of the gradient
+  bool backward_launched = false;
+};
+
+// Per attention module: one forward FIFO of slots per role.
+class CPRuntimeState {
+ public:
+  explicit CPRuntimeState(std::string module_path) : module_(std::move(module_path)) {}
+
+  // Starts the collective of `x` for `role` and returns the tensor the model continues with.
+  // Throws if a slot of this role from an earlier forward was never consumed.
+  at::Tensor produce(QKVRole role, const std::string& handoff, const at::Tensor& x,
+                     const std::function<comm::CommHandle(const at::Tensor&)>& launch,
+                     const std::function<comm::CommHandle(const at::Tensor&)>& launch_inverse);
+
+  // Pops the role's slot for `consumer` (the tensor reaching attention) and returns the moved
+  // tensor, differentiably. Errors: no slot (the handoff did not run), a different tensor than
+  // the handoff emitted (not the last transform, or a mismatched invocation), shape/dtype.
+  at::Tensor consume(QKVRole role, const at::Tensor& consumer);
+
+  // Error listing the slots still queued (called at the end of a module forward).
+  void check_drained() const;
+  size_t pending() const;
+
+ private:
+  std::string module_;
+  mutable std::mutex mu_;
+  std::deque<std::shared_ptr<AsyncSlot>> fifo_[3];
+  int64_t invocations_[3] = {0, 0, 0};
+};
+
+}  // namespace hp::cp

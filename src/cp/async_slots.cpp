@@ -1,0 +1,150 @@
+// AsyncSlot plumbing: the producer node (HandoffLaunch) and the consumer node
+// (DifferentiableWait) of one async collective, linked by the slot they share.
+#include "hp/cp/async.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "hp/common/check.h"
+
+namespace hp::cp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct SlotBox : torch::CustomClassHolder {
+  explicit SlotBox(std::shared_ptr<AsyncSlot> s) : slot(std::move(s)) {}
+  std::shared_ptr<AsyncSlot> slot;
+};
+
+std::shared_ptr<AsyncSlot> slot_of(AutogradContext* ctx) {
+  auto holder = ctx->saved_data["slot"].toCapsule();
+  return static_cast<SlotBox*>(holder.get())->slot;
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i)
+    out += (i ? "," : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Identity in forward (the collective was launched by the caller); in backward, waits for the
+// inverse collective the consumer launched and returns the real gradient.
+struct HandoffLaunchFn : torch::autograd::Function<HandoffLaunchFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            c10::intrusive_ptr<SlotBox> box) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["slot"] = c10::IValue::make_capsule(box);
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto slot = slot_of(ctx);
+    HP_INTERNAL_ASSERT(slot->backward_launched, "backward of handoff '", slot->handoff,
+                       "' ran before its consumer launched the inverse collective");
+    auto real = slot->backward.wait();
+    if (grads[0].defined()) real = real + grads[0];  // other uses of the handoff output
+    return {real, at::Tensor()};
+  }
+};
+
+// Waits for the slot's collective in forward; in backward launches the inverse collective and
+// returns no gradient here (HandoffLaunch delivers it once the collective is done).
+struct DifferentiableWaitFn : torch::autograd::Function<DifferentiableWaitFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*y*/,
+                            c10::intrusive_ptr<SlotBox> box) {
+    ctx->saved_data["slot"] = c10::IValue::make_capsule(box);
+    return box->slot->forward.wait();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto slot = slot_of(ctx);
+    HP_INTERNAL_ASSERT(!slot->backward_launched, "slot of handoff '", slot->handoff,
+                       "' back-propagated twice");
+    slot->backward = slot->launch_inverse(grads[0].contiguous());
+    slot->backward_launched = true;
+    return {at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor CPRuntimeState::produce(
+    QKVRole role, const std::string& handoff, const at::Tensor& x,
+    const std::function<comm::CommHandle(const at::Tensor&)>& launch,
+    const std::function<comm::CommHandle(const at::Tensor&)>& launch_inverse) {
+  auto slot = std::make_shared<AsyncSlot>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& q = fifo_[static_cast<int>(role)];
+    HP_CHECK(q.empty(), "async CP on module '", module_, "': the slot of handoff '",
+             q.empty() ? "" : q.front()->handoff, "' (", role_name(role), ", invocation ",
+             q.empty() ? 0 : q.front()->invocation,
+             ") was never consumed: a forward ran its handoff point but not its attention. "
+             "Every forward that passes a handoff point must reach the attention call");
+    slot->invocation = invocations_[static_cast<int>(role)]++;
+  }
+  slot->role = role;
+  slot->handoff = handoff;
+  slot->launch_inverse = launch_inverse;
+  {
+    at::NoGradGuard no_grad;  // the collective moves data; autograd is wired by the two nodes
+    slot->forward = launch(x.detach());
+  }
+  auto y = HandoffLaunchFn::apply(x, c10::make_intrusive<SlotBox>(slot));
+  slot->produced = y;
+  std::lock_guard<std::mutex> lock(mu_);
+  fifo_[static_cast<int>(role)].push_back(slot);
+  return y;
+}
+
+at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
+  std::shared_ptr<AsyncSlot> slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& q = fifo_[static_cast<int>(role)];
+    HP_CHECK(!q.empty(), "async CP on module '", module_, "': attention received ", role_name(role),
+             " but no handoff slot is pending for it: the handoff point did "
+             "not run in this forward (is it placed on the path to attention?)");
+    slot = q.front();
+    q.pop_front();
+  }
+  HP_CHECK(!slot->consumed, "async CP on module '", module_, "': the slot of handoff '",
+           slot->handoff, "' (invocation ", slot->invocation, ") was consumed twice");
+  slot->consumed = true;
+  const auto& p = slot->produced;
+  HP_CHECK(consumer.sizes() == p.sizes() && consumer.scalar_type() == p.scalar_type(),
+           "async CP on module '", module_, "': attention received ", role_name(role), " ",
+           shape_str(consumer.sizes()), " ", c10::toString(consumer.scalar_type()),
+           " but handoff '", slot->handoff, "' emitted ", shape_str(p.sizes()), " ",
+           c10::toString(p.scalar_type()),
+           "; the handoff must be the last transform before attention");
+  HP_CHECK(consumer.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(), "async CP on module '",
+           module_, "': the ", role_name(role), " reaching attention is not the tensor handoff '",
+           slot->handoff, "' emitted (invocation ", slot->invocation,
+           "): something transformed it after the handoff, or the call belongs to another "
+           "invocation. Move the handoff point after the last transform");
+  slot->produced = at::Tensor();
+  return DifferentiableWaitFn::apply(consumer, c10::make_intrusive<SlotBox>(slot));
+}
+
+void CPRuntimeState::check_drained() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string pending;
+  for (const auto& q : fifo_) {
+    for (const auto& s : q) {
+      pending += common::str_cat(pending.empty() ? "" : ", ", s->handoff, " (", role_name(s->role),
+                                 ", invocation ", s->invocation, ")");
+    }
+  }
+  HP_CHECK(pending.empty(), "async CP on module '", module_,
+           "': the forward ended with unconsumed handoff slots: ", pending,
+           ". Every handoff point that runs must feed the attention call of the same forward");
+}
+
+size_t CPRuntimeState::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fifo_[0].size() + fifo_[1].size() + fifo_[2].size();
+}
+
+}  // namespace hp::cp

@@ -1,0 +1,354 @@
+// Async schedule: every strategy x {sdpa_qkv, sdpa_hf}, causal, P in {2, 4}: output, input and
+// parameter gradients equal the sync schedule and the single-process reference; two
+// micro-batches in flight; recompute of the whole block; fallbacks and error paths; overlap
+// visible in the trace.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "cp_test_util.h"
+#include "hp/attention/core_attention.h"
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
+#include "hp/common/trace.h"
+#include "hp/cp/config.h"
+#include "hp/cp/runtime.h"
+#include "hp/train/recompute.h"
+#include "rank_harness.h"
+
+namespace hp::cp {
+namespace {
+
+using hp::cp::testing::quiet;
+using hp::cp::testing::seeded;
+using hp::cp::testing::shard;
+using hp::testing::expect_close;
+using hp::testing::run_ranks;
+
+constexpr int64_t kHidden = 32, kNq = 4, kNkv = 4, kD = 8, kS = 32;
+
+// x -> q/k/v projections -> RMS-style norm on q, k -> handoff points -> attention -> wo.
+// With `qkv_style` attention is a CoreAttention (boundary slot), else the primitive call.
+class BlockWithHandoffs {
+ public:
+  BlockWithHandoffs(bool qkv_style, std::shared_ptr<common::Tracer> tracer = nullptr)
+      : qkv_style_(qkv_style), tracer_(std::move(tracer)), core_(core_options()) {
+    wq = (seeded(901, {kHidden, kNq * kD}) * 0.2).requires_grad_(true);
+    wk = (seeded(902, {kHidden, kNkv * kD}) * 0.2).requires_grad_(true);
+    wv = (seeded(903, {kHidden, kNkv * kD}) * 0.2).requires_grad_(true);
+    wo = (seeded(904, {kNq * kD, kHidden}) * 0.2).requires_grad_(true);
+    for (auto* h : {&q_handoff, &k_handoff, &v_handoff})
+      core_.host().add_handoff(h);
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    auto& host = core_.host();
+    auto scope = host.forward_scope();
+    const int64_t b = x.size(0), s = x.size(1);
+    auto heads = [&](const at::Tensor& t, int64_t n) {
+      return t.view({b, s, n, kD}).transpose(1, 2);
+    };
+    auto norm = [](const at::Tensor& t) { return t * at::rsqrt(t.pow(2).mean(-1, true) + 1e-6); };
+    auto q = q_handoff(norm(heads(at::matmul(x, wq), kNq)));
+    auto k = k_handoff(norm(heads(at::matmul(x, wk), kNkv)));
+    const int64_t t0 = common::Tracer::now_us();
+    auto vp = at::matmul(x, wv);  // compute while K's collective is in flight
+    if (tracer_) tracer_->record({"v_proj", "compute", 0, t0, common::Tracer::now_us(), "", -1});
+    if (transform_after_handoff_) k = k * 1.0;
+    auto v = v_handoff(heads(vp, kNkv));
+    at::Tensor out;
+    if (skip_attention_) {
+      out = q;
+    } else if (qkv_style_) {
+      out = core_.forward(q, k, v);
+    } else {
+      out = host.call_primitive(q, k, v, core_.options().attention).out;
+    }
+    auto y = at::matmul(out.transpose(1, 2).reshape({b, s, kNq * kD}), wo);
+    scope.end();
+    return y;
+  }
+
+  attention::AttentionHost& host() { return core_.host(); }
+  std::vector<at::Tensor> params() const { return {wq, wk, wv, wo}; }
+  void zero_grad() {
+    for (auto& p : params()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  }
+  bool skip_attention_ = false;
+  bool transform_after_handoff_ = false;
+  at::Tensor wq, wk, wv, wo;
+  attention::HandoffPoint q_handoff{"q_handoff"}, k_handoff{"k_handoff"}, v_handoff{"v_handoff"};
+
+ private:
+  static attention::CoreAttentionOptions core_options() {
+    attention::CoreAttentionOptions o;
+    o.attention.causal = true;
+    o.attention.block_q = 4;
+    o.attention.block_kv = 4;
+    return o;
+  }
+  bool qkv_style_;
+  std::shared_ptr<common::Tracer> tracer_;
+  attention::CoreAttention core_;
+};
+
+CPModuleSpec spec_for(const std::string& adapter) {
+  CPModuleSpec s;
+  s.module_path = "block.attn";
+  s.inner_wrapper = adapter;
+  s.cp_handoff_targets = {{"q", "q_handoff"}, {"k", "k_handoff"}, {"v", "v_handoff"}};
+  return s;
+}
+
+ContextParallelConfig make(const std::string& algo, int64_t p, CPSchedule schedule) {
+  ContextParallelConfig c;
+  c.algorithm = parse_algorithm(algo);
+  if (c.algorithm == CPAlgorithm::kHybrid) c.ulysses_degree = 2;
+  c.schedule = schedule;
+  return *normalize(c, p);
+}
+
+struct Grads {
+  at::Tensor y, dx;
+  std::vector<at::Tensor> dparams;
+};
+
+// The single-process reference on the full sequence.
+Grads reference(bool qkv_style, const at::Tensor& x, const at::Tensor& dy) {
+  BlockWithHandoffs m(qkv_style);
+  m.host().set_primitive("math");
+  auto xx = x.clone().requires_grad_(true);
+  auto y = m.forward(xx);
+  y.backward(dy);
+  Grads g{y.detach(), xx.grad(), {}};
+  for (auto& p : m.params())
+    g.dparams.push_back(p.grad());
+  return g;
+}
+
+// This rank's run; parameter gradients summed over the CP ranks.
+Grads distributed(comm::World& w, const ContextParallelConfig& cfg, const std::string& adapter,
+                  const at::Tensor& x_full, const at::Tensor& dy_full) {
+  const int64_t p = w.size();
+  comm::DeviceMesh mesh(w, {{"cp", p}});
+  auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+  BlockWithHandoffs m(adapter == "sdpa_qkv");
+  auto spec = spec_for(adapter);
+  apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+  EXPECT_EQ(spec.resolved_schedule, to_string(cfg.schedule));
+  auto x = shard(x_full, 1, w.rank(), p).requires_grad_(true);
+  auto y = m.forward(x);
+  y.backward(shard(dy_full, 1, w.rank(), p));
+  Grads g{y.detach(), x.grad(), {}};
+  for (auto& par : m.params())
+    g.dparams.push_back(comm::all_reduce(*topo->cp, par.grad()));
+  return g;
+}
+
+void run_async_vs_sync(const std::string& algo, int p) {
+  auto x = seeded(11, {1, kS, kHidden}), dy = seeded(12, {1, kS, kHidden});
+  for (const std::string adapter : {"sdpa_qkv", "sdpa_hf"}) {
+    auto ref = reference(adapter == "sdpa_qkv", x, dy);
+    run_ranks(p, [&](comm::World& w) {
+      auto a = distributed(w, make(algo, p, CPSchedule::kAsync), adapter, x, dy);
+      auto s = distributed(w, make(algo, p, CPSchedule::kSync), adapter, x, dy);
+      const std::string what = algo + "/" + adapter + " rank " + std::to_string(w.rank());
+      const int64_t r = w.rank();
+      expect_close(a.y, shard(ref.y, 1, r, p), what + " y vs reference");
+      expect_close(a.dx, shard(ref.dx, 1, r, p), what + " dx vs reference");
+      for (size_t i = 0; i < a.dparams.size(); ++i) {
+        expect_close(a.dparams[i], ref.dparams[i], what + " dparam vs reference", 1e-5, 2e-5);
+        expect_close(a.dparams[i], s.dparams[i], what + " dparam vs sync", 1e-6, 1e-6);
+      }
+      expect_close(a.y, s.y, what + " y vs sync", 1e-6, 1e-6);
+      expect_close(a.dx, s.dx, what + " dx vs sync", 1e-6, 1e-6);
+    });
+  }
+}
+
+TEST(CPAsync, AllGatherP2) {
+  run_async_vs_sync("all_gather", 2);
+}
+TEST(CPAsync, AllGatherP4) {
+  run_async_vs_sync("all_gather", 4);
+}
+TEST(CPAsync, UlyssesP2) {
+  run_async_vs_sync("ulysses", 2);
+}
+TEST(CPAsync, UlyssesP4) {
+  run_async_vs_sync("ulysses", 4);
+}
+TEST(CPAsync, HybridP4) {
+  run_async_vs_sync("hybrid", 4);
+}
+
+TEST(CPAsync, TwoMicroBatchesInFlightAndRecompute) {
+  const int p = 2;
+  auto x1 = seeded(21, {1, kS, kHidden}), x2 = seeded(22, {1, kS, kHidden});
+  auto d1 = seeded(23, {1, kS, kHidden}), d2 = seeded(24, {1, kS, kHidden});
+  for (const std::string algo : {"all_gather", "ulysses"}) {
+    auto r1 = reference(false, x1, d1), r2 = reference(false, x2, d2);
+    run_ranks(p, [&](comm::World& w) {
+      comm::DeviceMesh mesh(w, {{"cp", p}});
+      auto cfg = make(algo, p, CPSchedule::kAsync);
+      auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+      BlockWithHandoffs m(false);
+      auto spec = spec_for("sdpa_hf");
+      apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+      const int64_t r = w.rank();
+      // Two forwards, then two backwards (second first).
+      auto a = shard(x1, 1, r, p).requires_grad_(true);
+      auto b = shard(x2, 1, r, p).requires_grad_(true);
+      auto ya = m.forward(a);
+      auto yb = m.forward(b);
+      yb.backward(shard(d2, 1, r, p));
+      ya.backward(shard(d1, 1, r, p));
+      expect_close(ya, shard(r1.y, 1, r, p), algo + " micro-batch 1 y");
+      expect_close(a.grad(), shard(r1.dx, 1, r, p), algo + " micro-batch 1 dx");
+      expect_close(b.grad(), shard(r2.dx, 1, r, p), algo + " micro-batch 2 dx");
+      for (size_t i = 0; i < 4; ++i) {
+        expect_close(comm::all_reduce(*topo->cp, m.params()[i].grad()),
+                     r1.dparams[i] + r2.dparams[i], algo + " micro-batch dparam", 1e-5, 2e-5);
+      }
+      // Recompute of the whole block: the forward keeps nothing, the backward re-runs it and
+      // launches its own slots.
+      m.zero_grad();
+      auto c = shard(x1, 1, r, p).requires_grad_(true);
+      auto yc = train::checkpoint(
+          [&](const std::vector<at::Tensor>& in) {
+            return std::vector<at::Tensor>{m.forward(in[0])};
+          },
+          {c})[0];
+      yc.backward(shard(d1, 1, r, p));
+      expect_close(yc, shard(r1.y, 1, r, p), algo + " recompute y");
+      expect_close(c.grad(), shard(r1.dx, 1, r, p), algo + " recompute dx");
+      for (size_t i = 0; i < 4; ++i) {
+        expect_close(comm::all_reduce(*topo->cp, m.params()[i].grad()), r1.dparams[i],
+                     algo + " recompute dparam", 1e-5, 2e-5);
+      }
+    });
+  }
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const hp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(CPAsync, FallbackAndErrorPaths) {
+  run_ranks(2, [](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", 2}});
+    auto cfg = make("ulysses", 2, CPSchedule::kAsync);
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+    // Missing handoff for v with fallback = error: refused at apply.
+    {
+      BlockWithHandoffs m(false);
+      auto spec = spec_for("sdpa_hf");
+      spec.cp_handoff_targets.erase("v");
+      spec.cp_handoff_targets["k"] = "k_norm";
+      auto msg = error_of([&] { apply_context_parallel(m.host(), spec, cfg, topo, quiet()); });
+      EXPECT_NE(msg.find("missing: k ('k_norm' is not a handoff point here), v (no "
+                         "cp_handoff_targets entry). Handoff points on this module: q_handoff, "
+                         "k_handoff, v_handoff"),
+                std::string::npos)
+          << msg;
+    }
+    // fallback = sync: warns, runs sync, and says so.
+    {
+      BlockWithHandoffs m(false);
+      auto spec = spec_for("sdpa_hf");
+      spec.cp_handoff_targets.erase("v");
+      auto fb = cfg;
+      fb.async_fallback = AsyncFallback::kSync;
+      std::vector<std::string> lines;
+      CPApplyOptions o;
+      o.log = [&](const std::string& l) { lines.push_back(l); };
+      apply_context_parallel(m.host(), spec, fb, topo, o);
+      EXPECT_EQ(spec.resolved_schedule, "sync");
+      ASSERT_EQ(lines.size(), 2u);
+      EXPECT_NE(lines[0].find("warning: module 'block.attn': schedule=async falls back to sync"),
+                std::string::npos);
+      EXPECT_NE(lines[1].find("schedule=sync"), std::string::npos) << lines[1];
+      EXPECT_NE(lines[1].find("fallback=sync(missing handoff: v (no cp_handoff_targets entry))"),
+                std::string::npos)
+          << lines[1];
+      EXPECT_FALSE(m.v_handoff.hooked());
+      EXPECT_FALSE(m.q_handoff.hooked()) << "a fallback installs no hooks at all";
+      auto y = m.forward(shard(seeded(31, {1, kS, kHidden}), 1, w.rank(), 2));
+      EXPECT_EQ(y.size(1), kS / 2);
+    }
+    // A forward that runs the handoffs but never reaches attention: leftover slots.
+    {
+      BlockWithHandoffs m(false);
+      auto spec = spec_for("sdpa_hf");
+      apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+      m.skip_attention_ = true;
+      auto x = shard(seeded(32, {1, kS, kHidden}), 1, w.rank(), 2);
+      auto msg = error_of([&] { m.forward(x); });
+      EXPECT_NE(msg.find("the module's forward finished without reaching the attention primitive"),
+                std::string::npos)
+          << msg;
+      m.skip_attention_ = false;
+      msg = error_of([&] { m.forward(x); });
+      EXPECT_NE(msg.find("the slot of handoff 'q_handoff' (q, invocation 0) was never consumed"),
+                std::string::npos)
+          << msg;
+    }
+    // Something transforms K after its handoff: the consumer sees another tensor.
+    {
+      BlockWithHandoffs m(true);
+      auto spec = spec_for("sdpa_qkv");
+      apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+      m.transform_after_handoff_ = true;
+      auto msg = error_of([&] { m.forward(shard(seeded(33, {1, kS, kHidden}), 1, w.rank(), 2)); });
+      EXPECT_NE(msg.find("the k reaching attention is not the tensor handoff 'k_handoff' emitted "
+                         "(invocation 0)"),
+                std::string::npos)
+          << msg;
+    }
+  });
+}
+
+TEST(CPAsync, TraceShowsTheCollectiveOverlappingTheNextProjection) {
+  auto tracer = std::make_shared<common::Tracer>();
+  hp::testing::RankOptions o;
+  o.tracer = tracer;
+  run_ranks(
+      2,
+      [&](comm::World& w) {
+        comm::DeviceMesh mesh(w, {{"cp", 2}});
+        auto cfg = make("all_gather", 2, CPSchedule::kAsync);
+        auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+        BlockWithHandoffs m(false, w.rank() == 0 ? tracer : nullptr);
+        auto spec = spec_for("sdpa_hf");
+        apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+        m.forward(shard(seeded(41, {1, kS, kHidden}), 1, w.rank(), 2));
+      },
+      o);
+  // Rank 0: K's all-gather was launched before the V projection ran, and its wait returned
+  // after it: the projection ran while the collective was in flight.
+  int64_t k_launch = -1, v_proj_begin = -1, v_proj_end = -1, first_wait_end = -1;
+  for (const auto& e : tracer->events()) {
+    if (e.rank != 0) continue;
+    if (e.name == "all_gather" && e.category == "comm" && k_launch < 0) k_launch = e.begin_us;
+    if (e.name == "v_proj") {
+      v_proj_begin = e.begin_us;
+      v_proj_end = e.end_us;
+    }
+    if (e.category == "comm_wait" && first_wait_end < 0) first_wait_end = e.end_us;
+  }
+  ASSERT_GE(k_launch, 0);
+  ASSERT_GE(v_proj_begin, 0);
+  EXPECT_LE(k_launch, v_proj_begin);
+  EXPECT_GE(first_wait_end, v_proj_end);
+}
+
+}  // namespace
+}  // namespace hp::cp
