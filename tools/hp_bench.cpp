@@ -204,8 +204,6 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
   a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
   a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
   if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
-  HP_CHECK(a.bench.config.schedule == hp::cp::CPSchedule::kSync,
-           "hp-bench cp: --schedule async is not implemented in this build yet; use sync");
   // Static checks before any process starts.
   auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
   if (normalized) {
@@ -227,38 +225,51 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
-  auto r = hp::bench::run_cp_bench(world, a.bench);
+  auto results = hp::bench::run_cp_bench(world, a.bench);
   if (world.rank() != 0) return 0;
-  nlohmann::json j = {{"algorithm", r.algorithm},
-                      {"schedule", r.schedule},
-                      {"cp", r.cp},
-                      {"ulysses_degree", r.ulysses_degree},
-                      {"seq", r.seq},
-                      {"heads", a.bench.heads},
-                      {"kv_heads", a.bench.kv_heads},
-                      {"head_dim", a.bench.head_dim},
-                      {"causal", a.bench.causal},
-                      {"threads_per_rank", hp::common::threads_per_rank(world.local_size())},
-                      {"step_time_s", r.step_time_s},
-                      {"comm_bytes_per_rank", r.comm_bytes_per_rank},
-                      {"comm_bytes_theory", r.comm_bytes_theory},
-                      {"peak_rss_bytes", r.peak_rss_bytes},
-                      {"peak_rss_per_rank", r.peak_rss_per_rank},
-                      {"load_balance", a.bench.config.load_balance},
-                      {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank}};
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& r : results) {
+    list.push_back({{"algorithm", r.algorithm},
+                    {"schedule", r.schedule},
+                    {"cp", r.cp},
+                    {"ulysses_degree", r.ulysses_degree},
+                    {"seq", r.seq},
+                    {"heads", a.bench.heads},
+                    {"kv_heads", a.bench.kv_heads},
+                    {"head_dim", a.bench.head_dim},
+                    {"causal", a.bench.causal},
+                    {"projections", a.bench.projections},
+                    {"load_balance", a.bench.config.load_balance},
+                    {"threads_per_rank", hp::common::threads_per_rank(world.local_size())},
+                    {"step_time_s", r.step_time_s},
+                    {"comm_bytes_per_rank", r.comm_bytes_per_rank},
+                    {"comm_bytes_theory", r.comm_bytes_theory},
+                    {"peak_rss_bytes", r.peak_rss_bytes},
+                    {"peak_rss_per_rank", r.peak_rss_per_rank},
+                    {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank},
+                    {"exposed_comm_s", r.exposed_comm_s},
+                    {"overlap_fraction", r.overlap_fraction}});
+  }
   if (a.json) {
-    std::cout << nlohmann::json{{"results", {j}}}.dump() << std::endl;
-  } else {
+    std::cout << nlohmann::json{{"results", list}}.dump() << std::endl;
+    return 0;
+  }
+  for (const auto& r : results) {
     std::printf(
-        "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s "
+        "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s%s "
         "(%d thread(s) per rank)\n  step %.3f s (median, slowest rank); comm %lld "
-        "bytes/rank (formula %lld); peak RSS %.0f MiB (max rank)\n",
+        "bytes/rank (formula %lld); peak RSS %.0f MiB (max rank)\n  exposed comm "
+        "%.3f s/step%s\n",
         r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
         (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
         (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
+        a.bench.projections ? " +projections" : "",
         hp::common::threads_per_rank(world.local_size()), r.step_time_s,
         (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
-        r.peak_rss_bytes / 1048576.0);
+        r.peak_rss_bytes / 1048576.0, r.exposed_comm_s,
+        r.schedule == "async"
+            ? hp::common::str_cat(" (overlap fraction ", r.overlap_fraction, ")").c_str()
+            : "");
     double lo = 1e30, hi = 0;
     std::printf("  attention CPU s per rank:");
     for (double c : r.attention_cpu_s_per_rank) {
@@ -315,6 +326,8 @@ int main(int argc, char** argv) {
   cp_cmd->add_option("--schedule", cpa.schedule, "sync | async");
   cp_cmd->add_option("--adapter", cpa.bench.adapter, "sdpa_qkv | sdpa_hf | flex_qkv | flex_hf");
   cp_cmd->add_flag("--causal", cpa.bench.causal, "causal attention");
+  cp_cmd->add_flag("--projections", cpa.bench.projections,
+                   "Q/K/V/O projections around attention (what async overlaps)");
   cp_cmd->add_flag("--load-balance", cpa.bench.config.load_balance,
                    "head-tail load balance (all_gather; data-order shards)");
   cp_cmd->add_option("--iters", cpa.bench.iters, "timed steps")->check(CLI::Range(1, 1000));

@@ -76,8 +76,6 @@ int main(int argc, char** argv) {
     c.schedule = hp::cp::parse_schedule(schedule);
     if (degree > 0) c.ulysses_degree = degree;
     c.load_balance = load_balance;
-    HP_CHECK(c.schedule == hp::cp::CPSchedule::kSync,
-             "hp-cp-run: --schedule async is not implemented in this build yet; use sync");
     HP_CHECK(lb_form == "runtime_swap" || lb_form == "data_order",
              "hp-cp-run: --load-balance-form '", lb_form,
              "' is not valid; valid: runtime_swap, data_order");
@@ -169,6 +167,7 @@ int main(int argc, char** argv) {
                         {"ulysses_degree", hp::cp::ulysses_degree_of(config, cp_size)},
                         {"adapter", adapter},
                         {"load_balance", config.load_balance},
+                        {"schedule", hp::cp::to_string(config.schedule)},
                         {"comm_bytes_per_rank", bytes},
                         {"comm_bytes_theory", theory},
                         {"comm_bytes_theory_per_rank", theory_per_rank}};

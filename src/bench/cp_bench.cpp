@@ -32,52 +32,66 @@ double thread_cpu_s() {
 
 }  // namespace
 
-CPBenchResult run_cp_bench(const comm::World& world, const CPBenchOptions& o) {
-  const int64_t p = world.size();
-  HP_CHECK(o.iters >= 1, "hp-bench cp: --iters=", o.iters, " must be >= 1");
-  auto config = cp::normalize(o.config, p).value_or(cp::ContextParallelConfig{});
-  cp::check_sequence(config, p, o.seq);
-  cp::check_heads(config, p, o.heads, o.kv_heads);
-  comm::DeviceMesh mesh(world, {{"cp", p}});
-  auto timing = world.new_group(world.group().world_ranks(), "bench_timing");
+namespace {
 
+CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
+                        const cp::ContextParallelConfig& config, const comm::GroupPtr& cp_group,
+                        comm::Group& timing) {
+  const int64_t p = world.size();
   CPLayerOptions lo;
   lo.config = config;
   lo.adapter = o.adapter;
   lo.causal = o.causal;
+  lo.projections = o.projections;
+  lo.heads = o.heads;
+  lo.kv_heads = o.kv_heads;
+  lo.head_dim = o.head_dim;
   const int64_t s_local = o.seq / p;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + world.rank());
-  auto q = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
-  auto k = at::randn({o.batch, o.kv_heads, s_local, o.head_dim}, gen, at::kFloat);
-  auto v = at::randn({o.batch, o.kv_heads, s_local, o.head_dim}, gen, at::kFloat);
-  auto dout = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
-
-  std::vector<double> steps, cpu;
+  at::Tensor q, k, v, dout, x, dy;
+  if (o.projections) {
+    x = at::randn({o.batch, s_local, o.heads * o.head_dim}, gen, at::kFloat);
+    dy = at::randn({o.batch, s_local, o.heads * o.head_dim}, gen, at::kFloat);
+  } else {
+    q = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
+    k = at::randn({o.batch, o.kv_heads, s_local, o.head_dim}, gen, at::kFloat);
+    v = at::randn({o.batch, o.kv_heads, s_local, o.head_dim}, gen, at::kFloat);
+    dout = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
+  }
+  std::vector<double> steps, cpu, waits;
   int64_t bytes = 0;
   {
-    // Constructed only when the ranks agree on the sizes: the layer builds groups.
-    CPAttentionLayer layer(world, mesh.group_ptr({"cp"}), lo);
-    layer.run(q, k, v, dout);  // warm-up
+    CPAttentionLayer layer(world, cp_group, lo);
+    auto step = [&] {
+      if (o.projections) {
+        layer.run_block(x, dy);
+      } else {
+        layer.run(q, k, v, dout);
+      }
+    };
+    step();  // warm-up
     auto& counters = world.context().counters;
     for (int i = 0; i < o.iters; ++i) {
-      comm::barrier(*timing);
+      comm::barrier(timing);
       const int64_t before = counters.total_bytes();
+      const int64_t wait_before = counters.wait_us();
       const double c0 = thread_cpu_s();
       auto t0 = std::chrono::steady_clock::now();
-      layer.run(q, k, v, dout);
+      step();
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       cpu.push_back(thread_cpu_s() - c0);
       bytes = counters.total_bytes() - before;
-      auto slowest =
-          comm::all_reduce(*timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
+      waits.push_back((counters.wait_us() - wait_before) * 1e-6);
+      auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
       steps.push_back(slowest.item<double>());
     }
   }
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
-  auto mine = at::tensor({static_cast<double>(u.ru_maxrss) * 1024.0, median(cpu)}, at::kDouble);
-  auto all = comm::all_gather(*timing, mine.view({1, 2}), 0);
+  auto mine = at::tensor({static_cast<double>(u.ru_maxrss) * 1024.0, median(cpu), median(waits)},
+                         at::kDouble);
+  auto all = comm::all_gather(timing, mine.view({1, 3}), 0);
 
   CPBenchResult r;
   r.algorithm = cp::to_string(config.algorithm);
@@ -92,9 +106,33 @@ CPBenchResult run_cp_bench(const comm::World& world, const CPBenchOptions& o) {
   for (int64_t i = 0; i < p; ++i) {
     r.peak_rss_per_rank.push_back(static_cast<int64_t>(all[i][0].item<double>()));
     r.attention_cpu_s_per_rank.push_back(all[i][1].item<double>());
+    r.exposed_comm_s += all[i][2].item<double>() / static_cast<double>(p);
   }
   r.peak_rss_bytes = *std::max_element(r.peak_rss_per_rank.begin(), r.peak_rss_per_rank.end());
   return r;
+}
+
+}  // namespace
+
+std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& o) {
+  const int64_t p = world.size();
+  HP_CHECK(o.iters >= 1, "hp-bench cp: --iters=", o.iters, " must be >= 1");
+  auto config = cp::normalize(o.config, p).value_or(cp::ContextParallelConfig{});
+  cp::check_sequence(config, p, o.seq);
+  cp::check_heads(config, p, o.heads, o.kv_heads);
+  comm::DeviceMesh mesh(world, {{"cp", p}});
+  auto timing = world.new_group(world.group().world_ranks(), "bench_timing");
+  std::vector<CPBenchResult> out;
+  if (config.schedule == cp::CPSchedule::kAsync) {
+    auto sync = config;
+    sync.schedule = cp::CPSchedule::kSync;
+    out.push_back(bench_one(world, o, sync, mesh.group_ptr({"cp"}), *timing));
+  }
+  out.push_back(bench_one(world, o, config, mesh.group_ptr({"cp"}), *timing));
+  if (out.size() == 2 && out[0].exposed_comm_s > 0) {
+    out[1].overlap_fraction = std::max(0.0, 1.0 - out[1].exposed_comm_s / out[0].exposed_comm_s);
+  }
+  return out;
 }
 
 }  // namespace hp::bench

@@ -1,5 +1,7 @@
 #include "hp/bench/cp_layer.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -13,17 +15,58 @@ namespace hp::bench {
 class CPAttentionLayer::Module {
  public:
   Module(const CPLayerOptions& o, bool primitive_style)
-      : primitive_style_(primitive_style), bshd_(o.bshd), core_(core_options(o)) {}
+      : primitive_style_(primitive_style), bshd_(o.bshd), core_(core_options(o)) {
+    for (auto* h : {&q_handoff_, &k_handoff_, &v_handoff_})
+      core_.host().add_handoff(h);
+    if (o.projections) {
+      const int64_t hidden = o.heads * o.head_dim;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
+      auto w = [&](int64_t in, int64_t out) {
+        return (at::randn({in, out}, gen, at::kFloat) / std::sqrt(static_cast<double>(in)))
+            .requires_grad_(true);
+      };
+      wq_ = w(hidden, o.heads * o.head_dim);
+      wk_ = w(hidden, o.kv_heads * o.head_dim);
+      wv_ = w(hidden, o.kv_heads * o.head_dim);
+      wo_ = w(o.heads * o.head_dim, hidden);
+      heads_ = o.heads;
+      kv_heads_ = o.kv_heads;
+      head_dim_ = o.head_dim;
+    }
+  }
 
+  // q, k, v in the caller's layout; each passes its handoff point right before attention.
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    if (!primitive_style_) return core_.forward(q, k, v);
+    if (!primitive_style_) return core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v));
     auto& host = core_.host();
     auto scope = host.forward_scope();
     auto t = [&](const at::Tensor& x) { return bshd_ ? x.transpose(1, 2) : x; };
-    auto out = t(host.call_primitive(t(q), t(k), t(v), core_.options().attention).out);
+    auto out = t(host.call_primitive(q_handoff_(t(q)), k_handoff_(t(k)), v_handoff_(t(v)),
+                                     core_.options().attention)
+                     .out);
     scope.end();
     return out;
   }
+
+  // x [B, S_local, hidden] -> Q/K/V projections -> attention -> output projection. The K and V
+  // projections run while Q's (and K's) collectives are in flight under the async schedule.
+  at::Tensor forward_block(const at::Tensor& x) {
+    const int64_t b = x.size(0), s = x.size(1);
+    auto heads = [&](const at::Tensor& t, int64_t n) {
+      return t.view({b, s, n, head_dim_}).transpose(1, 2);
+    };
+    auto& host = core_.host();
+    auto scope = host.forward_scope();
+    auto q = q_handoff_(heads(at::matmul(x, wq_), heads_));
+    auto k = k_handoff_(heads(at::matmul(x, wk_), kv_heads_));
+    auto v = v_handoff_(heads(at::matmul(x, wv_), kv_heads_));
+    auto out = primitive_style_ ? host.call_primitive(q, k, v, core_.options().attention).out
+                                : core_.forward(q, k, v);
+    auto y = at::matmul(out.transpose(1, 2).reshape({b, s, heads_ * head_dim_}), wo_);
+    scope.end();
+    return y;
+  }
+
   attention::AttentionHost& host() { return core_.host(); }
 
  private:
@@ -40,6 +83,9 @@ class CPAttentionLayer::Module {
   bool primitive_style_;
   bool bshd_;
   attention::CoreAttention core_;
+  attention::HandoffPoint q_handoff_{"q_handoff"}, k_handoff_{"k_handoff"}, v_handoff_{"v_handoff"};
+  at::Tensor wq_, wk_, wv_, wo_;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
 };
 
 CPAttentionLayer::CPAttentionLayer(const comm::World& world, const comm::GroupPtr& cp_group,
@@ -48,6 +94,8 @@ CPAttentionLayer::CPAttentionLayer(const comm::World& world, const comm::GroupPt
   module_ = std::make_unique<Module>(o, primitive_style);
   spec_.module_path = "attention";
   spec_.inner_wrapper = o.adapter;
+  spec_.cp_handoff_targets = {{"q", "q_handoff"}, {"k", "k_handoff"}, {"v", "v_handoff"}};
+  HP_CHECK(!o.projections || !o.bshd, "CP layer: projections use the BNSD layout");
   // The *_hf adapters see the primitive's BNSD tensors whatever the caller's layout.
   if (o.bshd && !primitive_style) {
     spec_.cp_seq_dim = 1;
@@ -69,6 +117,13 @@ CPLayerResult CPAttentionLayer::run(const at::Tensor& q, const at::Tensor& k, co
   auto out = module_->forward(q1, k1, v1);
   torch::autograd::backward({out}, {dout});
   return {out.detach(), q1.grad(), k1.grad(), v1.grad()};
+}
+
+at::Tensor CPAttentionLayer::run_block(const at::Tensor& x, const at::Tensor& dy) {
+  auto x1 = x.detach().requires_grad_(true);
+  auto y = module_->forward_block(x1);
+  torch::autograd::backward({y}, {dy});
+  return x1.grad();
 }
 
 }  // namespace hp::bench

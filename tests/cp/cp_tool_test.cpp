@@ -118,10 +118,14 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   save(dir + "/bad_in.pt", in);
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + dir +
                            "/bad_in.pt --output " + dir + "/bad_out.pt";
-  auto a = run(base + " --cp 2 --schedule async --cp-algo ulysses");
+  auto a = run(base + " --cp 2 --schedule later");
   EXPECT_EQ(a.rc, 1);
-  EXPECT_NE(a.out.find("--schedule async is not implemented in this build yet"), std::string::npos)
+  EXPECT_NE(a.out.find("cp schedule 'later' is not valid; valid: sync, async"), std::string::npos)
       << a.out;
+  auto lb = run(base + " --cp 2 --cp-algo ulysses --load-balance");
+  EXPECT_EQ(lb.rc, 1);
+  EXPECT_NE(lb.out.find("load_balance=true requires algorithm=all_gather"), std::string::npos)
+      << lb.out;
   auto s = run(base + " --cp 4");
   EXPECT_EQ(s.rc, 1);
   EXPECT_NE(s.out.find("sequence length 6 is not divisible by 4 (cp_size)"), std::string::npos)

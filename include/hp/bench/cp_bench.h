@@ -20,6 +20,7 @@ struct CPBenchOptions {
   cp::ContextParallelConfig config;  // as given (normalised inside)
   std::string adapter = "sdpa_qkv";
   int iters = 3;
+  bool projections = false;  // Q/K/V/O projections around attention (what async overlaps)
 };
 
 struct CPBenchResult {
@@ -32,9 +33,16 @@ struct CPBenchResult {
   std::vector<int64_t> peak_rss_per_rank;
   // CPU time of the rank's main thread during a step (median): the attention compute.
   std::vector<double> attention_cpu_s_per_rank;
+  // Time blocked in collective waits per step (median, mean over ranks), and for the async
+  // schedule the fraction of the sync schedule's communication time (measured in the same
+  // run: there every collective is waited at once, so its waits are its communication time)
+  // that the async schedule hid: 1 - exposed_async / exposed_sync.
+  double exposed_comm_s = 0;
+  double overlap_fraction = 0;
 };
 
-// Collective over the world; every rank returns the same result.
-CPBenchResult run_cp_bench(const comm::World& world, const CPBenchOptions& options);
+// Collective over the world; every rank returns the same results. With schedule = async the
+// sync schedule runs too (same layer, same data) and comes first in the result.
+std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& options);
 
 }  // namespace hp::bench

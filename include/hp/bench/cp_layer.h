@@ -18,8 +18,12 @@ struct CPLayerOptions {
   cp::ContextParallelConfig config;  // normalised
   std::string adapter = "sdpa_qkv";  // sdpa_qkv | sdpa_hf | flex_qkv | flex_hf
   bool causal = false;
-  bool bshd = false;                 // layout of q/k/v: BSHD [B, S, N, D], else BNSD
+  bool bshd = false;  // layout of q/k/v: BSHD [B, S, N, D], else BNSD
   std::string primitive = "blockwise";
+  // run_block: a layer with Q/K/V/O projections around attention (what the async schedule
+  // overlaps its collectives with). Sizes of the projections:
+  bool projections = false;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
 };
 
 struct CPLayerResult {
@@ -36,6 +40,8 @@ class CPAttentionLayer {
   // Forward, then backward with `dout` as the output gradient.
   CPLayerResult run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& dout);
+  // Projections layer (options.projections): x [B, S_local, heads*head_dim]; returns dx.
+  at::Tensor run_block(const at::Tensor& x, const at::Tensor& dy);
   const std::string& apply_log() const { return log_; }
   const cp::CPModuleSpec& spec() const { return spec_; }
 
