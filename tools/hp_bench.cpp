@@ -27,6 +27,18 @@
 
 namespace {
 
+// Re-runs this command as `nproc` local rank processes (torchrun-style variables) and returns
+// the job's exit code; a failing rank stops the others and is named.
+int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
+  hp::train::LaunchOptions lo;
+  lo.nproc = nproc;
+  lo.argv = argv;
+  lo.argv[0] = hp::train::self_executable();
+  auto res = hp::train::launch_local_ranks(lo);
+  if (res.exit_code != 0) std::cerr << "hp-bench " << what << ": " << res.message << std::endl;
+  return res.exit_code;
+}
+
 struct CommArgs {
   int nproc = 1;
   hp::bench::CommBenchOptions bench;
@@ -62,15 +74,7 @@ void print_comm(const std::vector<hp::bench::CommBenchResult>& results, int npro
 
 int run_comm(const CommArgs& a, const std::vector<std::string>& argv) {
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-  if (!env && a.nproc > 1) {
-    hp::train::LaunchOptions lo;
-    lo.nproc = a.nproc;
-    lo.argv = argv;
-    lo.argv[0] = hp::train::self_executable();
-    auto res = hp::train::launch_local_ranks(lo);
-    if (res.exit_code != 0) std::cerr << "hp-bench comm: " << res.message << std::endl;
-    return res.exit_code;
-  }
+  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "comm");
   hp::comm::WorldOptions wo;
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   if (!a.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
@@ -211,15 +215,7 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
   }
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-  if (!env && a.nproc > 1) {
-    hp::train::LaunchOptions lo;
-    lo.nproc = a.nproc;
-    lo.argv = argv;
-    lo.argv[0] = hp::train::self_executable();
-    auto res = hp::train::launch_local_ranks(lo);
-    if (res.exit_code != 0) std::cerr << "hp-bench cp: " << res.message << std::endl;
-    return res.exit_code;
-  }
+  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");
   hp::comm::WorldOptions wo;
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)

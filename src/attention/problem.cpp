@@ -4,25 +4,15 @@
 #include <limits>
 
 #include "hp/common/check.h"
+#include "hp/common/shape.h"
 
 namespace hp::attention::detail {
-namespace {
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i)
-    out += (i ? "," : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-}  // namespace
-
 Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const AttentionOptions& o, const char* who) {
   HP_CHECK(q.defined() && k.defined() && v.defined(), who, ": q, k and v must all be defined");
   HP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, who,
-           ": q, k, v must be 4-d BNSD [B, N, S, D]; got q ", shape_str(q.sizes()), ", k ",
-           shape_str(k.sizes()), ", v ", shape_str(v.sizes()),
+           ": q, k, v must be 4-d BNSD [B, N, S, D]; got q ", common::shape_str(q.sizes()), ", k ",
+           common::shape_str(k.sizes()), ", v ", common::shape_str(v.sizes()),
            " (a BSHD tensor needs .transpose(1, 2) first)");
   Problem p;
   p.batch = q.size(0);
@@ -36,7 +26,7 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   HP_CHECK(k.size(3) == p.head_dim, who, ": head dim of q (", p.head_dim, ") and k (", k.size(3),
            ") differ; q and k must share D");
   HP_CHECK(v.size(1) == p.kv_heads && v.size(2) == p.kv_len && v.size(3) == p.head_dim, who, ": v ",
-           shape_str(v.sizes()), " must match k ", shape_str(k.sizes()),
+           common::shape_str(v.sizes()), " must match k ", common::shape_str(k.sizes()),
            " (this kernel requires the value head dim to equal D)");
   HP_CHECK(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, who, ": Nq=", p.q_heads,
            " is not a multiple of Nkv=", p.kv_heads,
@@ -66,7 +56,7 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     HP_CHECK(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()), who,
              ": mask dtype ", c10::toString(m.scalar_type()),
              " must be bool (true = attend) or floating point (additive)");
-    HP_CHECK(m.dim() >= 2 && m.dim() <= 4, who, ": mask ", shape_str(m.sizes()),
+    HP_CHECK(m.dim() >= 2 && m.dim() <= 4, who, ": mask ", common::shape_str(m.sizes()),
              " must have 2 to 4 dims, broadcastable to [B, Nq, Sq, Skv] = [", p.batch, ",",
              p.q_heads, ",", p.q_len, ",", p.kv_len, "]");
     auto m4 = m;
@@ -75,7 +65,7 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const bool ok = m4.size(2) == p.q_len && m4.size(3) == p.kv_len &&
                     (m4.size(0) == 1 || m4.size(0) == p.batch) &&
                     (m4.size(1) == 1 || m4.size(1) == p.q_heads);
-    HP_CHECK(ok, who, ": mask ", shape_str(m.sizes()),
+    HP_CHECK(ok, who, ": mask ", common::shape_str(m.sizes()),
              " is not broadcastable to [B, Nq, Sq, Skv] = [", p.batch, ",", p.q_heads, ",", p.q_len,
              ",", p.kv_len, "]; give it shape [Sq, Skv], [B|1, Nq|1, Sq, Skv]");
     p.mask_is_bool = m.scalar_type() == at::kBool;

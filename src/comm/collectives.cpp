@@ -15,17 +15,11 @@
 #include "comm_error.h"
 #include "hp/comm/traffic.h"
 #include "hp/common/check.h"
+#include "hp/common/shape.h"
 #include "hp/common/trace.h"
 
 namespace hp::comm {
 namespace {
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i)
-    out += (i ? "," : "") + std::to_string(s[i]);
-  return out + "]";
-}
 
 void check_defined(OpKind op, Group& g, const at::Tensor& t) {
   HP_CHECK(t.defined(), op_name(op), " on group '", g.name(),
@@ -37,7 +31,7 @@ int64_t check_dim(OpKind op, Group& g, const at::Tensor& t, int64_t dim, const c
   HP_CHECK(nd >= 1, op_name(op), " on group '", g.name(), "': ", what,
            " needs a tensor with at least one dim, got a 0-d tensor");
   HP_CHECK(dim >= -nd && dim < nd, op_name(op), " on group '", g.name(), "': ", what, "=", dim,
-           " is out of range for a ", nd, "-d tensor of shape ", shape_str(t.sizes()),
+           " is out of range for a ", nd, "-d tensor of shape ", common::shape_str(t.sizes()),
            " (valid: ", -nd, "..", nd - 1, ")");
   return dim < 0 ? dim + nd : dim;
 }
@@ -45,7 +39,7 @@ int64_t check_dim(OpKind op, Group& g, const at::Tensor& t, int64_t dim, const c
 void check_divisible(OpKind op, Group& g, const at::Tensor& t, int64_t dim, const char* what) {
   const int64_t n = t.size(dim);
   HP_CHECK(n % g.size() == 0, op_name(op), " on group '", g.name(), "': ", what, "=", dim,
-           " of shape ", shape_str(t.sizes()), " has size ", n,
+           " of shape ", common::shape_str(t.sizes()), " has size ", n,
            ", which is not divisible by the group size ", g.size(), "; pad that dim to a ",
            "multiple of ", g.size(), " or use a group whose size divides ", n);
 }
@@ -78,7 +72,7 @@ void verify_same_shapes(OpKind op, Group& g, const at::Tensor& t) {
     std::vector<int64_t> dims;
     for (int64_t i = 0; i < row[1]; ++i)
       dims.push_back(row[2 + i]);
-    listing += common::str_cat(r ? ", " : "", "rank ", r, " ", shape_str(dims), " ",
+    listing += common::str_cat(r ? ", " : "", "rank ", r, " ", common::shape_str(dims), " ",
                                c10::toString(static_cast<at::ScalarType>(row[0])));
   }
   HP_CHECK(false, op_name(op), " on group '", g.name(), "': ranks disagree on the input (", listing,

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "hp/common/check.h"
+#include "hp/common/shape.h"
 
 namespace hp::cp {
 namespace {
@@ -21,13 +22,6 @@ struct SlotBox : torch::CustomClassHolder {
 std::shared_ptr<AsyncSlot> slot_of(AutogradContext* ctx) {
   auto holder = ctx->saved_data["slot"].toCapsule();
   return static_cast<SlotBox*>(holder.get())->slot;
-}
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i)
-    out += (i ? "," : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 // Identity in forward (the collective was launched by the caller); in backward, waits for the
@@ -115,8 +109,8 @@ at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
   const auto& p = slot->produced;
   HP_CHECK(consumer.sizes() == p.sizes() && consumer.scalar_type() == p.scalar_type(),
            "async CP on module '", module_, "': attention received ", role_name(role), " ",
-           shape_str(consumer.sizes()), " ", c10::toString(consumer.scalar_type()),
-           " but handoff '", slot->handoff, "' emitted ", shape_str(p.sizes()), " ",
+           common::shape_str(consumer.sizes()), " ", c10::toString(consumer.scalar_type()),
+           " but handoff '", slot->handoff, "' emitted ", common::shape_str(p.sizes()), " ",
            c10::toString(p.scalar_type()),
            "; the handoff must be the last transform before attention");
   HP_CHECK(consumer.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(), "async CP on module '",

@@ -8,20 +8,10 @@
 #include "hp/cp/runtime.h"
 
 #include "hp/common/check.h"
+#include "hp/common/shape.h"
 #include "hp/cp/config.h"
 
 namespace hp::cp {
-namespace {
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i)
-    out += (i ? "," : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-}  // namespace
-
 CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
                      std::shared_ptr<const CPStrategy> strategy,
                      std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options)
@@ -56,12 +46,13 @@ void CPRuntime::validate(const at::Tensor& q, const at::Tensor& k, const at::Ten
   HP_CHECK(l.seq_dim >= 0 && l.seq_dim < nd && l.head_dim >= 0 && l.head_dim < nd, who,
            ": cp_seq_dim=", l.seq_dim, " / cp_head_dim=", l.head_dim, " are out of range for ", nd,
            "-d q/k/v");
-  HP_CHECK(k.sizes() == v.sizes(), who, ": k ", shape_str(k.sizes()), " and v ",
-           shape_str(v.sizes()), " must have the same shape");
+  HP_CHECK(k.sizes() == v.sizes(), who, ": k ", common::shape_str(k.sizes()), " and v ",
+           common::shape_str(v.sizes()), " must have the same shape");
   for (int64_t d = 0; d < nd; ++d) {
     if (d == l.head_dim) continue;
-    HP_CHECK(q.size(d) == k.size(d), who, ": q ", shape_str(q.sizes()), " and k ",
-             shape_str(k.sizes()), " differ in dim ", d, d == l.seq_dim ? " (the sequence)" : "",
+    HP_CHECK(q.size(d) == k.size(d), who, ": q ", common::shape_str(q.sizes()), " and k ",
+             common::shape_str(k.sizes()), " differ in dim ", d,
+             d == l.seq_dim ? " (the sequence)" : "",
              "; CP splits self-attention, so only the head dim may differ");
   }
   const int64_t qh = q.size(l.head_dim), kh = k.size(l.head_dim);

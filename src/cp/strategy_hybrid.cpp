@@ -16,25 +16,11 @@
 namespace hp::cp {
 namespace {
 
-class HybridStrategy final : public CPStrategy {
+class HybridStrategy final : public detail::UlyssesMoves {
  public:
   std::string name() const override { return "hybrid"; }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
-  }
-  std::vector<QKVRole> moved_roles() const override {
-    return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
-  }
-  at::Tensor move(QKVRole, const at::Tensor& x, const CPRuntimeContext& ctx) const override {
-    return detail::scatter_heads(x, ctx.topology->ulysses, ctx.layout);
-  }
-  comm::CommHandle move_async(QKVRole, const at::Tensor& x,
-                              const CPRuntimeContext& ctx) const override {
-    return detail::scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
-  }
-  comm::CommHandle move_grad_async(QKVRole, const at::Tensor& g,
-                                   const CPRuntimeContext& ctx) const override {
-    return detail::scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
   }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
@@ -50,11 +36,6 @@ class HybridStrategy final : public CPStrategy {
     part.state.head_offset = t.ulysses_rank * q.size(l.head_dim);
     p.parts.push_back(part);
     return p;
-  }
-
-  at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
-                            const CPRuntimeContext& ctx) const override {
-    return detail::gather_heads(outs[0], ctx.topology->ulysses, ctx.layout);
   }
 };
 

@@ -27,6 +27,21 @@ comm::CommHandle scatter_heads_async(const at::Tensor& x, const comm::GroupPtr& 
 comm::CommHandle scatter_heads_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
                                           const QKVLayout& l);  // the inverse all-to-all
 
+// The Ulysses way of moving q, k and v (seq -> head all-to-all in the Ulysses group): what the
+// ulysses and hybrid strategies share (strategy_ulysses.cpp).
+class UlyssesMoves : public CPStrategy {
+ public:
+  std::vector<QKVRole> moved_roles() const override;
+  at::Tensor move(QKVRole role, const at::Tensor& x, const CPRuntimeContext& ctx) const override;
+  comm::CommHandle move_async(QKVRole role, const at::Tensor& x,
+                              const CPRuntimeContext& ctx) const override;
+  comm::CommHandle move_grad_async(QKVRole role, const at::Tensor& grad,
+                                   const CPRuntimeContext& ctx) const override;
+  // The output's way back: head -> seq all-to-all in the Ulysses group.
+  at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV& prepared,
+                            const CPRuntimeContext& ctx) const override;
+};
+
 // Head-tail load balance (load_balance.cpp): the two query parts of this rank with their
 // global offsets (swapping the tail with the mirror rank in the runtime form), the inverse for
 // the outputs, and the gathered K/V of data-order shards put back in natural order.

@@ -36,26 +36,37 @@ comm::CommHandle detail::scatter_heads_grad_async(const at::Tensor& g, const com
   return comm::all_to_all_async(*group, g, l.seq_dim, l.head_dim);
 }
 
+std::vector<QKVRole> detail::UlyssesMoves::moved_roles() const {
+  return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
+}
+
+at::Tensor detail::UlyssesMoves::move(QKVRole, const at::Tensor& x,
+                                      const CPRuntimeContext& ctx) const {
+  return scatter_heads(x, ctx.topology->ulysses, ctx.layout);
+}
+
+comm::CommHandle detail::UlyssesMoves::move_async(QKVRole, const at::Tensor& x,
+                                                  const CPRuntimeContext& ctx) const {
+  return scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
+}
+
+comm::CommHandle detail::UlyssesMoves::move_grad_async(QKVRole, const at::Tensor& g,
+                                                       const CPRuntimeContext& ctx) const {
+  return scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
+}
+
+at::Tensor detail::UlyssesMoves::restore_output(const std::vector<at::Tensor>& outs,
+                                                const PreparedQKV&,
+                                                const CPRuntimeContext& ctx) const {
+  return gather_heads(outs[0], ctx.topology->ulysses, ctx.layout);
+}
+
 namespace {
 
-class UlyssesStrategy final : public CPStrategy {
+class UlyssesStrategy final : public detail::UlyssesMoves {
  public:
   std::string name() const override { return "ulysses"; }
   std::vector<comm::OpKind> required_ops() const override { return {comm::OpKind::kAllToAll}; }
-  std::vector<QKVRole> moved_roles() const override {
-    return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
-  }
-  at::Tensor move(QKVRole, const at::Tensor& x, const CPRuntimeContext& ctx) const override {
-    return detail::scatter_heads(x, ctx.topology->ulysses, ctx.layout);
-  }
-  comm::CommHandle move_async(QKVRole, const at::Tensor& x,
-                              const CPRuntimeContext& ctx) const override {
-    return detail::scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
-  }
-  comm::CommHandle move_grad_async(QKVRole, const at::Tensor& g,
-                                   const CPRuntimeContext& ctx) const override {
-    return detail::scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
-  }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const CPRuntimeContext& ctx) const override {
@@ -65,11 +76,6 @@ class UlyssesStrategy final : public CPStrategy {
     part.state.causal = {0, q.size(l.seq_dim), k.size(l.seq_dim)};
     part.state.head_offset = ctx.topology->ulysses_rank * q.size(l.head_dim);
     return PreparedQKV{k, v, {part}};
-  }
-
-  at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
-                            const CPRuntimeContext& ctx) const override {
-    return detail::gather_heads(outs[0], ctx.topology->ulysses, ctx.layout);
   }
 };
 

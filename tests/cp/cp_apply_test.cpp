@@ -17,18 +17,6 @@ using hp::cp::testing::ProjAttention;
 using hp::cp::testing::quiet;
 using hp::testing::run_ranks;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const hp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_ERROR(stmt, text) \
-  EXPECT_NE(error_of([&] { stmt; }).find(text), std::string::npos) << error_of([&] { stmt; })
-
 ContextParallelConfig hybrid(int64_t u, int64_t p) {
   ContextParallelConfig c;
   c.algorithm = CPAlgorithm::kHybrid;
@@ -83,9 +71,9 @@ TEST(CPApply, SameRuntimeTwiceIsIdempotentADifferentOneIsAnError) {
   apply_context_parallel(core.host(), spec, f.config, f.topo, quiet());
   EXPECT_NO_THROW(apply_context_parallel(core.host(), spec, f.config, f.topo, quiet()));
   FakeCP g(hybrid(2, 4));
-  EXPECT_ERROR(apply_context_parallel(core.host(), spec, g.config, g.topo, quiet()),
-               "a different CP runtime is already installed on this attention module's module "
-               "boundary (q, k, v): installed 'cp:attn:sdpa_qkv:all_gather");
+  HP_EXPECT_ERROR(apply_context_parallel(core.host(), spec, g.config, g.topo, quiet()),
+                  "a different CP runtime is already installed on this attention module's module "
+                  "boundary (q, k, v): installed 'cp:attn:sdpa_qkv:all_gather");
 }
 
 TEST(CPApply, UnknownWrapperListsTheValidNames) {
@@ -97,9 +85,9 @@ TEST(CPApply, UnknownWrapperListsTheValidNames) {
   spec.inner_wrapper = "sdpa";
   CPApplyOptions o = quiet();
   o.legacy = &legacy;
-  EXPECT_ERROR(apply_context_parallel(core.host(), spec, f.config, f.topo, o),
-               "inner_wrapper 'sdpa' is neither a CP adapter nor a registered legacy wrapper; "
-               "valid: sdpa_qkv, sdpa_hf, flex_qkv, flex_hf, my_wrapper");
+  HP_EXPECT_ERROR(apply_context_parallel(core.host(), spec, f.config, f.topo, o),
+                  "inner_wrapper 'sdpa' is neither a CP adapter nor a registered legacy wrapper; "
+                  "valid: sdpa_qkv, sdpa_hf, flex_qkv, flex_hf, my_wrapper");
 }
 
 TEST(CPApply, LegacyWrapperOnlyWithAllGatherSync) {
@@ -121,12 +109,13 @@ TEST(CPApply, LegacyWrapperOnlyWithAllGatherSync) {
   EXPECT_EQ(spec.resolved_inner_wrapper, "legacy:old_cp");
   FakeCP hy(hybrid(2, 4));
   attention::CoreAttention core2;
-  EXPECT_ERROR(apply_context_parallel(core2.host(), spec, hy.config, hy.topo, o),
-               "legacy wrapper 'old_cp' implements only all_gather + sync, but the plan asks for "
-               "algorithm=hybrid schedule=sync; use a built-in adapter");
+  HP_EXPECT_ERROR(
+      apply_context_parallel(core2.host(), spec, hy.config, hy.topo, o),
+      "legacy wrapper 'old_cp' implements only all_gather + sync, but the plan asks for "
+      "algorithm=hybrid schedule=sync; use a built-in adapter");
   EXPECT_EQ(calls, 1);
-  EXPECT_ERROR(legacy.add("sdpa_hf", [](attention::AttentionHost&, const comm::GroupPtr&) {}),
-               "is taken by a built-in adapter");
+  HP_EXPECT_ERROR(legacy.add("sdpa_hf", [](attention::AttentionHost&, const comm::GroupPtr&) {}),
+                  "is taken by a built-in adapter");
 }
 
 TEST(CPApply, LayoutAndScheduleChecks) {
@@ -137,17 +126,18 @@ TEST(CPApply, LayoutAndScheduleChecks) {
   spec.inner_wrapper = "sdpa_qkv";
   spec.cp_seq_dim = 1;
   spec.cp_head_dim = 1;
-  EXPECT_ERROR(apply_context_parallel(core.host(), spec, f.config, f.topo, quiet()),
-               "module 'attn': cp_seq_dim and cp_head_dim are both 1; they must name different "
-               "dims");
+  HP_EXPECT_ERROR(apply_context_parallel(core.host(), spec, f.config, f.topo, quiet()),
+                  "module 'attn': cp_seq_dim and cp_head_dim are both 1; they must name different "
+                  "dims");
   spec.cp_head_dim = 2;
   auto async = f.config;
   async.schedule = CPSchedule::kAsync;
-  EXPECT_ERROR(apply_context_parallel(core.host(), spec, async, f.topo, quiet()),
-               "module 'attn': schedule=async with strategy all_gather needs a handoff point for "
-               "each of its moved tensors; missing: k (no cp_handoff_targets entry), v (no "
-               "cp_handoff_targets entry). Handoff points on this module: none. Set "
-               "cp_handoff_targets");
+  HP_EXPECT_ERROR(
+      apply_context_parallel(core.host(), spec, async, f.topo, quiet()),
+      "module 'attn': schedule=async with strategy all_gather needs a handoff point for "
+      "each of its moved tensors; missing: k (no cp_handoff_targets entry), v (no "
+      "cp_handoff_targets entry). Handoff points on this module: none. Set "
+      "cp_handoff_targets");
 }
 
 TEST(CPApply, MisfireIsAnError) {
@@ -161,9 +151,9 @@ TEST(CPApply, MisfireIsAnError) {
     spec.inner_wrapper = "sdpa_hf";
     apply_context_parallel(m.host(), spec, cfg, topo, quiet());
     m.set_reach_primitive(false);
-    EXPECT_ERROR(m.forward(at::randn({1, 4, 16})),
-                 "CP adapter 'sdpa_hf' on module 'layers.3.attn': the module's forward finished "
-                 "without reaching the attention primitive");
+    HP_EXPECT_ERROR(m.forward(at::randn({1, 4, 16})),
+                    "CP adapter 'sdpa_hf' on module 'layers.3.attn': the module's forward finished "
+                    "without reaching the attention primitive");
     m.set_reach_primitive(true);
     EXPECT_NO_THROW(m.forward(at::randn({1, 4, 16})));
   });
@@ -214,9 +204,9 @@ TEST(CPApply, BackendWithoutANeededCollective) {
   attention::CoreAttention core;
   CPModuleSpec spec;
   spec.inner_wrapper = "sdpa_qkv";
-  EXPECT_ERROR(apply_context_parallel(core.host(), spec, *normalize(u, 2), t, quiet()),
-               "CP strategy 'ulysses' needs all_to_all on group 'cp', which backend 'no_a2a' "
-               "does not provide");
+  HP_EXPECT_ERROR(apply_context_parallel(core.host(), spec, *normalize(u, 2), t, quiet()),
+                  "CP strategy 'ulysses' needs all_to_all on group 'cp', which backend 'no_a2a' "
+                  "does not provide");
   t->ulysses_degree = 1;
   t->co = group;
   EXPECT_NO_THROW(
@@ -234,7 +224,7 @@ TEST(CPApply, BadInputsFailBeforeAnyCollective) {
     spec.inner_wrapper = wrapper;
     apply_context_parallel(core.host(), spec, f.config, f.topo, quiet());
     f.world.context().recorder->clear();
-    EXPECT_ERROR(call(core), text);
+    HP_EXPECT_ERROR(call(core), text);
     EXPECT_TRUE(f.world.context().recorder->records().empty()) << text;
   };
   auto q = at::randn({1, 4, 8, 16}), kv = at::randn({1, 4, 8, 16});
@@ -270,14 +260,14 @@ TEST(CPApply, MasksThatCannotFollowTheStrategy) {
   spec.inner_wrapper = "sdpa_qkv";
   apply_context_parallel(core.host(), spec, f.config, f.topo, quiet());
   auto x = at::randn({1, 4, 8, 16});
-  EXPECT_ERROR(core.forward(x, x, x), "a tensor mask cannot follow the Ulysses re-layout");
+  HP_EXPECT_ERROR(core.forward(x, x, x), "a tensor mask cannot follow the Ulysses re-layout");
   attention::CoreAttentionOptions with_fn;
   with_fn.attention.mask_fn = attention::sliding_window_mask(4);
   attention::CoreAttention core2(with_fn);
   apply_context_parallel(core2.host(), spec, f.config, f.topo, quiet());
-  EXPECT_ERROR(core2.forward(x, x, x),
-               "CP adapter 'sdpa_qkv' got a mask function; mask "
-               "functions need a flex adapter");
+  HP_EXPECT_ERROR(core2.forward(x, x, x),
+                  "CP adapter 'sdpa_qkv' got a mask function; mask "
+                  "functions need a flex adapter");
 }
 
 }  // namespace

@@ -233,15 +233,6 @@ TEST(CPAsync, TwoMicroBatchesInFlightAndRecompute) {
   }
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const hp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 TEST(CPAsync, FallbackAndErrorPaths) {
   run_ranks(2, [](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"cp", 2}});
@@ -253,7 +244,8 @@ TEST(CPAsync, FallbackAndErrorPaths) {
       auto spec = spec_for("sdpa_hf");
       spec.cp_handoff_targets.erase("v");
       spec.cp_handoff_targets["k"] = "k_norm";
-      auto msg = error_of([&] { apply_context_parallel(m.host(), spec, cfg, topo, quiet()); });
+      auto msg = hp::testing::error_of(
+          [&] { apply_context_parallel(m.host(), spec, cfg, topo, quiet()); });
       EXPECT_NE(msg.find("missing: k ('k_norm' is not a handoff point here), v (no "
                          "cp_handoff_targets entry). Handoff points on this module: q_handoff, "
                          "k_handoff, v_handoff"),
@@ -291,12 +283,12 @@ TEST(CPAsync, FallbackAndErrorPaths) {
       apply_context_parallel(m.host(), spec, cfg, topo, quiet());
       m.skip_attention_ = true;
       auto x = shard(seeded(32, {1, kS, kHidden}), 1, w.rank(), 2);
-      auto msg = error_of([&] { m.forward(x); });
+      auto msg = hp::testing::error_of([&] { m.forward(x); });
       EXPECT_NE(msg.find("the module's forward finished without reaching the attention primitive"),
                 std::string::npos)
           << msg;
       m.skip_attention_ = false;
-      msg = error_of([&] { m.forward(x); });
+      msg = hp::testing::error_of([&] { m.forward(x); });
       EXPECT_NE(msg.find("the slot of handoff 'q_handoff' (q, invocation 0) was never consumed"),
                 std::string::npos)
           << msg;
@@ -307,7 +299,9 @@ TEST(CPAsync, FallbackAndErrorPaths) {
       auto spec = spec_for("sdpa_qkv");
       apply_context_parallel(m.host(), spec, cfg, topo, quiet());
       m.transform_after_handoff_ = true;
-      auto msg = error_of([&] { m.forward(shard(seeded(33, {1, kS, kHidden}), 1, w.rank(), 2)); });
+      auto msg = hp::testing::error_of([&] {
+        m.forward(shard(seeded(33, {1, kS, kHidden}), 1, w.rank(), 2));
+      });
       EXPECT_NE(msg.find("the k reaching attention is not the tensor handoff 'k_handoff' emitted "
                          "(invocation 0)"),
                 std::string::npos)

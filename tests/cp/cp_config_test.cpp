@@ -3,21 +3,10 @@
 
 #include "hp/common/check.h"
 #include "hp/cp/config.h"
+#include "rank_harness.h"
 
 namespace hp::cp {
 namespace {
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const hp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_ERROR(stmt, text) EXPECT_NE(error_of([&] { stmt; }).find(text), std::string::npos) \
-    << error_of([&] { stmt; })
 
 ContextParallelConfig cfg(CPAlgorithm a, std::optional<int64_t> u = std::nullopt) {
   ContextParallelConfig c;
@@ -30,10 +19,10 @@ TEST(CPConfig, ParsesStringFormsAndListsValidValues) {
   EXPECT_EQ(parse_algorithm("hybrid"), CPAlgorithm::kHybrid);
   EXPECT_EQ(parse_schedule("async"), CPSchedule::kAsync);
   EXPECT_EQ(parse_async_fallback("sync"), AsyncFallback::kSync);
-  EXPECT_ERROR(parse_algorithm("ring"),
-               "cp algorithm 'ring' is not valid; valid: all_gather, ulysses, hybrid");
-  EXPECT_ERROR(parse_schedule("later"), "cp schedule 'later' is not valid; valid: sync, async");
-  EXPECT_ERROR(parse_async_fallback("warn"), "valid: error, sync");
+  HP_EXPECT_ERROR(parse_algorithm("ring"),
+                  "cp algorithm 'ring' is not valid; valid: all_gather, ulysses, hybrid");
+  HP_EXPECT_ERROR(parse_schedule("later"), "cp schedule 'later' is not valid; valid: sync, async");
+  HP_EXPECT_ERROR(parse_async_fallback("warn"), "valid: error, sync");
 }
 
 TEST(CPConfig, Normalisation) {
@@ -52,54 +41,57 @@ TEST(CPConfig, LegacyDegreeConvertsOnce) {
   auto h = from_legacy_degree(2, 8);
   EXPECT_EQ(h.algorithm, CPAlgorithm::kHybrid);
   EXPECT_EQ(*h.ulysses_degree, 2);
-  EXPECT_ERROR(from_legacy_degree(3, 8), "legacy ulysses_degree=3 does not divide cp_size=8");
+  HP_EXPECT_ERROR(from_legacy_degree(3, 8), "legacy ulysses_degree=3 does not divide cp_size=8");
 }
 
 TEST(CPConfig, FailFast) {
-  EXPECT_ERROR(normalize(cfg(CPAlgorithm::kHybrid, 3), 8),
-               "cp_size=8 is not divisible by cp_config.ulysses_degree=3; choose a divisor of 8");
-  EXPECT_ERROR(normalize(cfg(CPAlgorithm::kUlysses, 2), 8),
-               "cp_config.ulysses_degree=2 with algorithm=ulysses must equal cp_size=8; use "
-               "algorithm=hybrid for a smaller degree");
-  EXPECT_ERROR(normalize(cfg(CPAlgorithm::kHybrid, 8), 8),
-               "cp_config.ulysses_degree=8 with algorithm=hybrid must lie strictly between 1 and "
-               "cp_size=8");
-  EXPECT_ERROR(normalize(cfg(CPAlgorithm::kHybrid, 1), 8), "must lie strictly between 1 and");
-  EXPECT_ERROR(normalize(cfg(CPAlgorithm::kHybrid), 8),
-               "algorithm=hybrid needs cp_config.ulysses_degree");
-  EXPECT_ERROR(normalize(cfg(CPAlgorithm::kAllGather, 2), 8),
-               "cp_config.ulysses_degree=2 with algorithm=all_gather");
+  HP_EXPECT_ERROR(
+      normalize(cfg(CPAlgorithm::kHybrid, 3), 8),
+      "cp_size=8 is not divisible by cp_config.ulysses_degree=3; choose a divisor of 8");
+  HP_EXPECT_ERROR(normalize(cfg(CPAlgorithm::kUlysses, 2), 8),
+                  "cp_config.ulysses_degree=2 with algorithm=ulysses must equal cp_size=8; use "
+                  "algorithm=hybrid for a smaller degree");
+  HP_EXPECT_ERROR(
+      normalize(cfg(CPAlgorithm::kHybrid, 8), 8),
+      "cp_config.ulysses_degree=8 with algorithm=hybrid must lie strictly between 1 and "
+      "cp_size=8");
+  HP_EXPECT_ERROR(normalize(cfg(CPAlgorithm::kHybrid, 1), 8), "must lie strictly between 1 and");
+  HP_EXPECT_ERROR(normalize(cfg(CPAlgorithm::kHybrid), 8),
+                  "algorithm=hybrid needs cp_config.ulysses_degree");
+  HP_EXPECT_ERROR(normalize(cfg(CPAlgorithm::kAllGather, 2), 8),
+                  "cp_config.ulysses_degree=2 with algorithm=all_gather");
   auto lb = cfg(CPAlgorithm::kUlysses);
   lb.load_balance = true;
-  EXPECT_ERROR(normalize(lb, 4), "cp_config.load_balance=true requires algorithm=all_gather "
-                                 "(got ulysses)");
+  HP_EXPECT_ERROR(normalize(lb, 4),
+                  "cp_config.load_balance=true requires algorithm=all_gather "
+                  "(got ulysses)");
   lb.algorithm = CPAlgorithm::kHybrid;
   lb.ulysses_degree = 2;
-  EXPECT_ERROR(normalize(lb, 4), "(got hybrid)");
+  HP_EXPECT_ERROR(normalize(lb, 4), "(got hybrid)");
 }
 
 TEST(CPConfig, HeadsAfterTP) {
   auto u4 = *normalize(cfg(CPAlgorithm::kUlysses), 4);
   EXPECT_NO_THROW(check_heads(u4, 4, 8, 4));
-  EXPECT_ERROR(check_heads(u4, 4, 8, 2),
-               "algorithm=ulysses: key/value heads = 2 are not divisible by the Ulysses degree "
-               "4; K/V heads are never repeated silently: use algorithm=all_gather or a smaller "
-               "ulysses_degree that divides 2");
+  HP_EXPECT_ERROR(check_heads(u4, 4, 8, 2),
+                  "algorithm=ulysses: key/value heads = 2 are not divisible by the Ulysses degree "
+                  "4; K/V heads are never repeated silently: use algorithm=all_gather or a smaller "
+                  "ulysses_degree that divides 2");
   // 16 query heads over TP=4 leave 4 local: fine for U=4; 8 over TP=4 leave 2: refused.
   EXPECT_NO_THROW(check_heads(u4, 4, 16 / 4, 16 / 4, 4));
-  EXPECT_ERROR(check_heads(u4, 4, 8 / 4, 8 / 4, 4),
-               "query heads (after TP) = 2 are not divisible by the Ulysses degree 4");
+  HP_EXPECT_ERROR(check_heads(u4, 4, 8 / 4, 8 / 4, 4),
+                  "query heads (after TP) = 2 are not divisible by the Ulysses degree 4");
   EXPECT_NO_THROW(check_heads(*normalize(std::nullopt, 4), 4, 3, 1)) << "all_gather: no constraint";
 }
 
 TEST(CPConfig, SequenceDivisibility) {
   EXPECT_NO_THROW(check_sequence(*normalize(std::nullopt, 4), 4, 4096));
-  EXPECT_ERROR(check_sequence(*normalize(std::nullopt, 4), 4, 4098),
-               "sequence length 4098 is not divisible by 4 (cp_size); pad the sequence to a "
-               "multiple of 4");
+  HP_EXPECT_ERROR(check_sequence(*normalize(std::nullopt, 4), 4, 4098),
+                  "sequence length 4098 is not divisible by 4 (cp_size); pad the sequence to a "
+                  "multiple of 4");
   auto lb = *normalize(std::nullopt, 4);
   lb.load_balance = true;
-  EXPECT_ERROR(check_sequence(lb, 4, 4100), "not divisible by 8 (2 * cp_size, load balance)");
+  HP_EXPECT_ERROR(check_sequence(lb, 4, 4100), "not divisible by 8 (2 * cp_size, load balance)");
 }
 
 }  // namespace

@@ -11,9 +11,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
-#include "hp/comm/local_ranks.h"
 #include "hp/train/launcher.h"
 
 namespace hp::testing {
@@ -100,6 +100,15 @@ std::vector<ProcessResult> run_rank_processes(int n, const std::function<void(co
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return results;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const hp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
 }
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what,

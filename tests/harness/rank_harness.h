@@ -46,6 +46,16 @@ std::vector<ProcessResult> run_rank_processes(
     int n, const std::function<void(comm::World&)>& fn, const RankOptions& options = {},
     std::chrono::milliseconds deadline = std::chrono::seconds(60));
 
+// The message of the hp::Error `fn` throws, or "(no error)".
+std::string error_of(const std::function<void()>& fn);
+
+// Expects `stmt` to throw an hp::Error whose message contains `text`.
+#define HP_EXPECT_ERROR(stmt, text)                                     \
+  do {                                                                  \
+    const std::string hp_msg_ = ::hp::testing::error_of([&] { stmt; }); \
+    EXPECT_NE(hp_msg_.find(text), std::string::npos) << hp_msg_;        \
+  } while (false)
+
 // Same shape and allclose(rtol, atol); the message names `what` and the worst element.
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what,
                   double rtol = 1e-5, double atol = 1e-5);
