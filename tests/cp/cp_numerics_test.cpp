@@ -103,7 +103,7 @@ Reference reference(const Variant& v) {
 }
 
 // Runs one variant on this rank and compares with the reference.
-void check_variant(comm::World& w, const std::shared_ptr<const CPTopology>& topo,
+void check_variant(comm::World& /*w*/, const std::shared_ptr<const CPTopology>& topo,
                    const ContextParallelConfig& cfg, const Variant& v, const Reference& ref) {
   const int64_t p = topo->cp_size, r = topo->cp_rank;
   CPModuleSpec spec;
