@@ -1,0 +1,114 @@
+// A Qwen3-style decoder (DESIGN section 7): RMSNorm, RoPE from *global* position ids, GQA
+// attention with QK-norm and handoff points after the final Q/K/V transforms, attention reached
+// through the AttentionHost primitive dispatch (so sdpa_hf / flex_hf CP adapters serve it),
+// SwiGLU MLP, LM head. Tensor parallel when given a TP group: column-parallel Q/K/V/gate/up,
+// row-parallel O/down. Weights are built from seeded full tensors, so any TP/CP layout of the
+// model starts identical to its single-process twin.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "hp/attention/host.h"
+#include "hp/comm/group.h"
+#include "hp/tp/parallel_linear.h"
+
+namespace hp::model {
+
+struct Qwen3Config {
+  int64_t vocab = 256;
+  int64_t layers = 2;
+  int64_t hidden = 64;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 16;
+  int64_t ffn = 128;
+  double rope_theta = 1e6;
+  double rms_eps = 1e-6;
+  bool tie_embeddings = false;
+  uint64_t seed = 1234;
+  std::string primitive = "blockwise";
+};
+
+// Checks sizes against tp_size: heads, kv_heads and ffn must divide; names what to change.
+void validate(const Qwen3Config& c, int64_t tp_size = 1);
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// RoPE (rotate-half form) of x [B, N, S, D] at global positions [B, S].
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, double theta);
+
+class Qwen3AttentionImpl : public torch::nn::Module {
+ public:
+  Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
+  attention::AttentionHost& host() { return host_; }
+  int64_t local_heads() const { return heads_; }
+  int64_t local_kv_heads() const { return kv_heads_; }
+
+  std::shared_ptr<tp::ColumnParallelLinearImpl> q_proj, k_proj, v_proj;
+  std::shared_ptr<tp::RowParallelLinearImpl> o_proj;
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  attention::HandoffPoint q_handoff{"q_handoff"}, k_handoff{"k_handoff"}, v_handoff{"v_handoff"};
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double theta_;
+  attention::AttentionHost host_;
+};
+TORCH_MODULE(Qwen3Attention);
+
+class Qwen3MLPImpl : public torch::nn::Module {
+ public:
+  Qwen3MLPImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
+  at::Tensor forward(const at::Tensor& x);
+  std::shared_ptr<tp::ColumnParallelLinearImpl> gate_proj, up_proj;
+  std::shared_ptr<tp::RowParallelLinearImpl> down_proj;
+};
+TORCH_MODULE(Qwen3MLP);
+
+class Qwen3DecoderLayerImpl : public torch::nn::Module {
+ public:
+  Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  Qwen3Attention self_attn{nullptr};
+  Qwen3MLP mlp{nullptr};
+};
+TORCH_MODULE(Qwen3DecoderLayer);
+
+class Qwen3Impl : public torch::nn::Module {
+ public:
+  explicit Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp = nullptr);
+  // input_ids, position_ids [B, S_local] (global positions) -> logits [B, S_local, vocab].
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids);
+  const Qwen3Config& config() const { return config_; }
+  // Parameters replicated over TP whose gradient is a partial sum per TP rank (QK-norm weights
+  // act on the rank's own heads): their gradients must be all-reduced over TP.
+  std::vector<at::Tensor> tp_partial_grad_parameters() const;
+
+  at::Tensor embed_tokens;  // [vocab, hidden], replicated
+  std::vector<Qwen3DecoderLayer> layers;
+  RMSNorm norm{nullptr};
+  at::Tensor lm_head;  // [vocab, hidden] (the embedding itself when tied)
+
+ private:
+  Qwen3Config config_;
+};
+TORCH_MODULE(Qwen3);
+
+}  // namespace hp::model

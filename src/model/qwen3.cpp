@@ -1,0 +1,160 @@
+#include "hp/model/qwen3.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include "hp/common/check.h"
+
+namespace hp::model {
+namespace {
+
+// A distinct, deterministic seed per weight: (model seed, layer, slot).
+tp::LinearInit init_for(const Qwen3Config& c, int64_t layer, int64_t slot, int64_t fan_in) {
+  return {c.seed * 1000003ULL + static_cast<uint64_t>(layer) * 101ULL + static_cast<uint64_t>(slot),
+          1.0 / std::sqrt(static_cast<double>(fan_in))};
+}
+
+}  // namespace
+
+void validate(const Qwen3Config& c, int64_t tp) {
+  HP_CHECK(c.vocab > 0 && c.layers > 0 && c.hidden > 0 && c.heads > 0 && c.kv_heads > 0 &&
+               c.head_dim > 0 && c.ffn > 0,
+           "Qwen3Config: every size must be positive");
+  HP_CHECK(c.head_dim % 2 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be even for RoPE");
+  HP_CHECK(c.heads % c.kv_heads == 0, "Qwen3Config.heads=", c.heads,
+           " is not a multiple of kv_heads=", c.kv_heads);
+  HP_CHECK(c.heads % tp == 0 && c.kv_heads % tp == 0, "Qwen3Config: heads=", c.heads,
+           " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
+           "; choose a tp_size that divides ", c.kv_heads);
+  HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, double theta) {
+  const int64_t d = x.size(-1);
+  auto inv_freq = at::pow(theta, -at::arange(0, d, 2, at::kDouble) / static_cast<double>(d));
+  auto angles = position_ids.to(at::kDouble).unsqueeze(-1) * inv_freq;  // [B, S, D/2]
+  auto emb = at::cat({angles, angles}, -1).unsqueeze(1);                // [B, 1, S, D]
+  auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
+  auto halves = x.chunk(2, -1);
+  auto rotated = at::cat({-halves[1], halves[0]}, -1);
+  return x * cos + rotated * sin;
+}
+
+Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp)
+    : heads_(tp::tp_local(c.heads, tp, "heads")),
+      kv_heads_(tp::tp_local(c.kv_heads, tp, "kv_heads")),
+      head_dim_(c.head_dim),
+      theta_(c.rope_theta),
+      host_(c.primitive) {
+  q_proj = register_module(
+      "q_proj", std::make_shared<tp::ColumnParallelLinearImpl>(c.hidden, c.heads * c.head_dim, tp,
+                                                               init_for(c, layer, 1, c.hidden)));
+  k_proj = register_module(
+      "k_proj", std::make_shared<tp::ColumnParallelLinearImpl>(
+                    c.hidden, c.kv_heads * c.head_dim, tp, init_for(c, layer, 2, c.hidden)));
+  v_proj = register_module(
+      "v_proj", std::make_shared<tp::ColumnParallelLinearImpl>(
+                    c.hidden, c.kv_heads * c.head_dim, tp, init_for(c, layer, 3, c.hidden)));
+  o_proj = register_module("o_proj", std::make_shared<tp::RowParallelLinearImpl>(
+                                         c.heads * c.head_dim, c.hidden, tp,
+                                         init_for(c, layer, 4, c.heads * c.head_dim)));
+  q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_eps));
+  k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_eps));
+  for (auto* h : {&q_handoff, &k_handoff, &v_handoff})
+    host_.add_handoff(h);
+}
+
+at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
+  auto scope = host_.forward_scope();
+  const int64_t b = x.size(0), s = x.size(1);
+  auto heads = [&](const at::Tensor& t, int64_t n) {
+    return t.view({b, s, n, head_dim_}).transpose(1, 2);  // BNSD
+  };
+  auto q = q_handoff(apply_rope(q_norm(heads(q_proj->forward(x), heads_)), position_ids, theta_));
+  auto k =
+      k_handoff(apply_rope(k_norm(heads(k_proj->forward(x), kv_heads_)), position_ids, theta_));
+  auto v = v_handoff(heads(v_proj->forward(x), kv_heads_));
+  attention::AttentionOptions o;
+  o.causal = true;
+  auto out = host_.call_primitive(q, k, v, o).out;
+  auto y = o_proj->forward(out.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
+  scope.end();
+  return y;
+}
+
+Qwen3MLPImpl::Qwen3MLPImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp) {
+  gate_proj =
+      register_module("gate_proj", std::make_shared<tp::ColumnParallelLinearImpl>(
+                                       c.hidden, c.ffn, tp, init_for(c, layer, 5, c.hidden)));
+  up_proj = register_module("up_proj", std::make_shared<tp::ColumnParallelLinearImpl>(
+                                           c.hidden, c.ffn, tp, init_for(c, layer, 6, c.hidden)));
+  down_proj = register_module("down_proj", std::make_shared<tp::RowParallelLinearImpl>(
+                                               c.ffn, c.hidden, tp, init_for(c, layer, 7, c.ffn)));
+}
+
+at::Tensor Qwen3MLPImpl::forward(const at::Tensor& x) {
+  return down_proj->forward(at::silu(gate_proj->forward(x)) * up_proj->forward(x));
+}
+
+Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer,
+                                             comm::GroupPtr tp) {
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden, c.rms_eps));
+  self_attn = register_module("self_attn", Qwen3Attention(c, layer, tp));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden, c.rms_eps));
+  mlp = register_module("mlp", Qwen3MLP(c, layer, tp));
+}
+
+at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
+  auto h = x + self_attn->forward(input_layernorm->forward(x), position_ids);
+  return h + mlp->forward(post_attention_layernorm->forward(h));
+}
+
+Qwen3Impl::Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp) : config_(c) {
+  validate(c, tp ? tp->size() : 1);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed);
+  embed_tokens =
+      register_parameter("embed_tokens", at::randn({c.vocab, c.hidden}, gen, at::kFloat));
+  auto list = register_module("layers", torch::nn::ModuleList());  // names "layers.<i>...."
+  for (int64_t i = 0; i < c.layers; ++i) {
+    layers.push_back(Qwen3DecoderLayer(c, i, tp));
+    list->push_back(layers.back());
+  }
+  norm = register_module("norm", RMSNorm(c.hidden, c.rms_eps));
+  if (c.tie_embeddings) {
+    lm_head = embed_tokens;
+  } else {
+    lm_head = register_parameter("lm_head", at::randn({c.vocab, c.hidden}, gen, at::kFloat) /
+                                                std::sqrt(static_cast<double>(c.hidden)));
+  }
+}
+
+at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids) {
+  HP_CHECK(input_ids.dim() == 2 && position_ids.sizes() == input_ids.sizes(),
+           "Qwen3: input_ids and position_ids must both be [B, S_local]");
+  auto x = at::embedding(embed_tokens, input_ids);
+  for (auto& layer : layers)
+    x = layer->forward(x, position_ids);
+  return at::matmul(norm->forward(x), lm_head.t());
+}
+
+std::vector<at::Tensor> Qwen3Impl::tp_partial_grad_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& layer : layers) {
+    out.push_back(layer->self_attn->q_norm->weight);
+    out.push_back(layer->self_attn->k_norm->weight);
+  }
+  return out;
+}
+
+}  // namespace hp::model

@@ -1,0 +1,163 @@
+// The Qwen3-style model under TP x CP equals its single-process twin: loss and every parameter
+// gradient (TP-sharded parameters against the matching slice), for each CP algorithm.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
+#include "hp/cp/apply.h"
+#include "hp/cp/sequence.h"
+#include "hp/model/qwen3.h"
+#include "rank_harness.h"
+
+namespace hp::model {
+namespace {
+
+using hp::testing::expect_close;
+using hp::testing::run_ranks;
+
+Qwen3Config small(int64_t heads = 4, int64_t kv_heads = 2) {
+  Qwen3Config c;
+  c.vocab = 64;
+  c.layers = 2;
+  c.hidden = 32;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = 8;
+  c.ffn = 64;
+  return c;
+}
+
+constexpr int64_t kS = 32;
+
+struct Batch {
+  at::Tensor ids, labels;
+};
+
+Batch batch() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto tokens = at::randint(0, 64, {1, kS + 1}, gen, at::kLong);
+  return {tokens.narrow(1, 0, kS).contiguous(), tokens.narrow(1, 1, kS).contiguous()};
+}
+
+at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}), {},
+                                at::Reduction::Sum, -100);
+}
+
+struct Reference {
+  double loss;
+  std::map<std::string, at::Tensor> grads;
+};
+
+Reference reference(const Qwen3Config& cfg) {
+  Qwen3 m(cfg);
+  for (auto& layer : m->layers)
+    layer->self_attn->host().set_primitive("math");
+  auto b = batch();
+  auto pos = at::arange(kS).view({1, kS});
+  auto loss = loss_sum(m->forward(b.ids, pos), b.labels) / kS;
+  loss.backward();
+  Reference r{loss.item<double>(), {}};
+  for (const auto& p : m->named_parameters())
+    r.grads[p.key()] = p.value().grad();
+  return r;
+}
+
+int shard_dim(const std::string& name) {
+  for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+    if (name.find(col) != std::string::npos) return 0;
+  }
+  for (const char* row : {"o_proj", "down_proj"}) {
+    if (name.find(row) != std::string::npos) return 1;
+  }
+  return -1;
+}
+
+void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<int64_t> u,
+               const Qwen3Config& model_cfg = small()) {
+  auto ref = reference(model_cfg);
+  run_ranks(static_cast<int>(tp * cp), [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", cp}, {"tp", tp}});
+    auto tp_group = mesh.group_ptr({"tp"});
+    Qwen3 m(model_cfg, tp_group);
+    cp::ContextParallelConfig c;
+    c.algorithm = cp::parse_algorithm(algo);
+    c.ulysses_degree = u;
+    auto cfg = *cp::normalize(c, cp);
+    auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+    for (size_t i = 0; i < m->layers.size(); ++i) {
+      cp::CPModuleSpec spec;
+      spec.module_path = "layers." + std::to_string(i) + ".self_attn";
+      spec.inner_wrapper = "sdpa_hf";
+      cp::CPApplyOptions o;
+      o.log = [](const std::string&) {};
+      cp::apply_context_parallel(m->layers[i]->self_attn->host(), spec, cfg, topo, o);
+    }
+    auto b = batch();
+    const int64_t r = mesh.coordinate("cp");
+    auto sharded = cp::shard_batch(b.ids, b.labels, r, cp, false);
+    auto local = loss_sum(m->forward(sharded.input_ids, sharded.position_ids), sharded.labels);
+    (local / kS).backward();
+    auto global = comm::all_reduce(mesh.group("cp"), local.detach()).item<double>() / kS;
+    EXPECT_NEAR(global, ref.loss, 1e-5);
+    for (auto& p : m->tp_partial_grad_parameters()) {
+      p.mutable_grad() = comm::all_reduce(*tp_group, p.grad());
+    }
+    const int64_t t = mesh.coordinate("tp");
+    for (const auto& p : m->named_parameters()) {
+      auto g = comm::all_reduce(mesh.group("cp"), p.value().grad());  // replicated over CP
+      auto expect = ref.grads.at(p.key());
+      const int dim = shard_dim(p.key());
+      if (dim >= 0) expect = expect.chunk(tp, dim)[t];
+      expect_close(g, expect, algo + " tp=" + std::to_string(tp) + " " + p.key(), 1e-4, 1e-5);
+    }
+  });
+}
+
+TEST(Qwen3Parallel, SingleProcessRuns) {
+  Qwen3 m(small());
+  auto b = batch();
+  auto logits = m->forward(b.ids, at::arange(kS).view({1, kS}));
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{1, kS, 64}));
+}
+
+TEST(Qwen3Parallel, CP2AllGather) {
+  run_tp_cp(1, 2, "all_gather", std::nullopt);
+}
+TEST(Qwen3Parallel, TP2CP2AllGather) {
+  run_tp_cp(2, 2, "all_gather", std::nullopt);
+}
+TEST(Qwen3Parallel, TP2CP2Ulysses) {
+  run_tp_cp(2, 2, "ulysses", std::nullopt, small(8, 4));
+}
+TEST(Qwen3Parallel, TP2CP2Hybrid) {
+  run_tp_cp(2, 4, "hybrid", 2, small(8, 4));
+}
+
+TEST(Qwen3Parallel, UlyssesHeadChecksUseLocalHeadsAfterTP) {
+  // kv_heads = 2 over TP = 2 leaves one local KV head: Ulysses over 2 ranks must refuse.
+  try {
+    run_tp_cp(2, 2, "ulysses", std::nullopt, small(4, 2));
+    ADD_FAILURE() << "expected an error";
+  } catch (const hp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("key/value heads = 1 are not divisible by the Ulysses "
+                                         "degree 2"),
+              std::string::npos)
+        << e.what();
+  }
+}
+TEST(Qwen3Parallel, TP1CP4Hybrid) {
+  run_tp_cp(1, 4, "hybrid", 2);
+}
+
+TEST(Qwen3Parallel, BadConfigsFailClearly) {
+  auto c = small();
+  HP_EXPECT_ERROR(validate(c, 4), "heads=4 and kv_heads=2 must both be divisible by tp_size=4");
+  c.heads = 5;
+  HP_EXPECT_ERROR(validate(c, 1), "heads=5 is not a multiple of kv_heads=2");
+}
+
+}  // namespace
+}  // namespace hp::model
