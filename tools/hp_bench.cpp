@@ -27,16 +27,8 @@
 
 namespace {
 
-// Re-runs this command as `nproc` local rank processes (torchrun-style variables) and returns
-// the job's exit code; a failing rank stops the others and is named.
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
-  hp::train::LaunchOptions lo;
-  lo.nproc = nproc;
-  lo.argv = argv;
-  lo.argv[0] = hp::train::self_executable();
-  auto res = hp::train::launch_local_ranks(lo);
-  if (res.exit_code != 0) std::cerr << "hp-bench " << what << ": " << res.message << std::endl;
-  return res.exit_code;
+  return hp::train::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
 }
 
 struct CommArgs {

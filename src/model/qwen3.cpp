@@ -148,6 +148,15 @@ at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& pos
   return at::matmul(norm->forward(x), lm_head.t());
 }
 
+std::vector<plan::AttentionModuleInfo> Qwen3Impl::attention_modules() {
+  std::vector<plan::AttentionModuleInfo> out;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    out.push_back({common::str_cat("layers.", i, ".self_attn"), config_.heads, config_.kv_heads,
+                   &layers[i]->self_attn->host()});
+  }
+  return out;
+}
+
 std::vector<at::Tensor> Qwen3Impl::tp_partial_grad_parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& layer : layers) {

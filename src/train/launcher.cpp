@@ -70,6 +70,17 @@ std::string self_executable() {
   return std::string(buf, static_cast<size_t>(n));
 }
 
+int relaunch_as_local_ranks(int nproc, const std::vector<std::string>& argv,
+                            const std::string& tool) {
+  LaunchOptions lo;
+  lo.nproc = nproc;
+  lo.argv = argv;
+  lo.argv[0] = self_executable();
+  auto res = launch_local_ranks(lo);
+  if (res.exit_code != 0) std::fprintf(stderr, "%s: %s\n", tool.c_str(), res.message.c_str());
+  return res.exit_code;
+}
+
 void report_rank_error(const std::string& what) {
   const char* path = std::getenv("HP_ERROR_FILE");
   if (path == nullptr) return;

@@ -16,6 +16,7 @@
 
 #include "hp/attention/host.h"
 #include "hp/comm/group.h"
+#include "hp/plan/plan.h"
 #include "hp/tp/parallel_linear.h"
 
 namespace hp::model {
@@ -91,9 +92,11 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Qwen3DecoderLayer);
 
-class Qwen3Impl : public torch::nn::Module {
+class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
  public:
   explicit Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp = nullptr);
+  std::vector<plan::AttentionModuleInfo> attention_modules() override;
+  void check_tp(int64_t tp_size) const override { validate(config_, tp_size); }
   // input_ids, position_ids [B, S_local] (global positions) -> logits [B, S_local, vocab].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids);
   const Qwen3Config& config() const { return config_; }

@@ -39,6 +39,12 @@ int pick_free_port();
 // Absolute path of the running executable (/proc/self/exe).
 std::string self_executable();
 
+// For a tool's main() given --nproc N outside a launcher: re-runs the same command line as N
+// local rank processes and returns the job's exit code (the failure message goes to stderr,
+// prefixed with `tool`).
+int relaunch_as_local_ranks(int nproc, const std::vector<std::string>& argv,
+                            const std::string& tool);
+
 // For a rank's main(): records `what` where the launcher looks for it (HP_ERROR_FILE), so the
 // launcher's failure message can quote the rank's error. No-op outside the launcher.
 void report_rank_error(const std::string& what);

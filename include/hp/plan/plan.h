@@ -1,0 +1,77 @@
+// Planner and applier (DESIGN sections 1 and 9), production mode.
+//
+//   ShardingPlan plan = ShardingPlanner().plan(model_config, world_size, options, overrides);
+//       every static check before any collective: mesh sizes multiply to the world size, heads
+//       and sequence divisibility, CP config normalisation, Ulysses heads after TP
+//   ShardingApplier().apply(model, plan, mesh);   installs CP on every attention module, logs
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hp/attention/host.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/cp/apply.h"
+#include "hp/cp/config.h"
+
+namespace hp::plan {
+
+// What the planner needs to know of a model (plan/ sits below model/: models implement this).
+struct AttentionModuleInfo {
+  std::string path;      // e.g. "layers.0.self_attn"
+  int64_t heads = 0;     // global query heads
+  int64_t kv_heads = 0;  // global key/value heads
+  attention::AttentionHost* host = nullptr;
+};
+
+class Plannable {
+ public:
+  virtual ~Plannable() = default;
+  virtual std::vector<AttentionModuleInfo> attention_modules() = 0;
+  // Throws hp::Error when the model cannot be split over tp_size ranks.
+  virtual void check_tp(int64_t tp_size) const = 0;
+};
+
+struct PlanOptions {
+  int64_t tp_size = 1;
+  int64_t cp_size = 1;
+  std::optional<cp::ContextParallelConfig> cp_config;  // cp_size > 1 and none: all_gather+sync
+  int64_t dp_shard = 1;
+  int64_t dp_replicate = 1;
+  int64_t seq_len = 0;  // global sequence length (0: not checked here)
+};
+
+// What a module gets (DESIGN section 9); CP fields as in cp::CPModuleSpec.
+struct ModuleShardingSpec {
+  std::string path;
+  std::map<std::string, std::string> param_placements;  // "weight" -> "Shard(0)" / "Replicate"
+  cp::CPModuleSpec cp;                                  // attention modules only
+  bool is_attention = false;
+};
+
+struct ShardingPlan {
+  std::vector<comm::MeshDim> mesh_dims;                // (dp_replicate, dp_shard, cp, tp)
+  std::optional<cp::ContextParallelConfig> cp_config;  // normalised; nullopt when cp_size == 1
+  std::map<std::string, ModuleShardingSpec> modules;
+  int64_t tp_size = 1, cp_size = 1;
+  std::string describe() const;
+};
+
+class ShardingPlanner {
+ public:
+  // `overrides` (per module path) replace the planned spec's CP fields where set.
+  ShardingPlan plan(Plannable& model, int64_t world_size, const PlanOptions& options,
+                    const std::map<std::string, cp::CPModuleSpec>& overrides = {}) const;
+};
+
+class ShardingApplier {
+ public:
+  // Installs CP into every attention module of `model` (built with the mesh's TP group).
+  // Returns the apply log lines (also printed by the caller if it wants).
+  std::vector<std::string> apply(Plannable& model, ShardingPlan& plan,
+                                 const comm::DeviceMesh& mesh) const;
+};
+
+}  // namespace hp::plan

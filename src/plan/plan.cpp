@@ -1,0 +1,91 @@
+#include "hp/plan/plan.h"
+
+#include "hp/common/check.h"
+#include "hp/cp/topology.h"
+
+namespace hp::plan {
+
+std::string ShardingPlan::describe() const {
+  std::string out = "mesh (";
+  for (size_t i = 0; i < mesh_dims.size(); ++i) {
+    out += common::str_cat(i ? ", " : "", mesh_dims[i].name, "=", mesh_dims[i].size);
+  }
+  out += ")";
+  if (cp_config) out += " cp: " + cp::describe(*cp_config, cp_size);
+  out += common::str_cat(" modules=", modules.size());
+  return out;
+}
+
+ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanOptions& o,
+                                   const std::map<std::string, cp::CPModuleSpec>& overrides) const {
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp_size", o.tp_size},
+                         {"cp_size", o.cp_size},
+                         {"dp_shard", o.dp_shard},
+                         {"dp_replicate", o.dp_replicate}}) {
+    HP_CHECK(v >= 1, "plan: ", name, "=", v, " must be >= 1");
+  }
+  const int64_t product = o.dp_replicate * o.dp_shard * o.cp_size * o.tp_size;
+  HP_CHECK(product == world_size, "plan: dp_replicate=", o.dp_replicate, " x dp_shard=", o.dp_shard,
+           " x cp=", o.cp_size, " x tp=", o.tp_size, " = ", product, " but the world has ",
+           world_size, " ranks; choose sizes whose product is ", world_size);
+  HP_CHECK(o.dp_shard == 1 && o.dp_replicate == 1,
+           "plan: dp_shard/dp_replicate > 1 (HSDP) is not available in this build yet; use 1");
+  m.check_tp(o.tp_size);
+  auto attns = m.attention_modules();
+  ShardingPlan p;
+  p.tp_size = o.tp_size;
+  p.cp_size = o.cp_size;
+  p.mesh_dims = {{"dp_replicate", o.dp_replicate},
+                 {"dp_shard", o.dp_shard},
+                 {"cp", o.cp_size},
+                 {"tp", o.tp_size}};
+  p.cp_config = cp::normalize(o.cp_config, o.cp_size);
+  if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
+  for (const auto& info : attns) {
+    if (p.cp_config) {
+      cp::check_heads(*p.cp_config, o.cp_size, info.heads / o.tp_size, info.kv_heads / o.tp_size,
+                      o.tp_size);
+    }
+    const std::string base = info.path.substr(0, info.path.rfind('.'));
+    ModuleShardingSpec attn;
+    attn.path = info.path;
+    attn.is_attention = true;
+    const char* col = o.tp_size > 1 ? "Shard(0)" : "Replicate";
+    const char* row = o.tp_size > 1 ? "Shard(1)" : "Replicate";
+    attn.param_placements = {{"q_proj.weight", col},         {"k_proj.weight", col},
+                             {"v_proj.weight", col},         {"o_proj.weight", row},
+                             {"q_norm.weight", "Replicate"}, {"k_norm.weight", "Replicate"}};
+    attn.cp.module_path = attn.path;
+    attn.cp.inner_wrapper = "sdpa_hf";
+    attn.cp.cp_handoff_targets = {{"q", "q_handoff"}, {"k", "k_handoff"}, {"v", "v_handoff"}};
+    if (auto it = overrides.find(attn.path); it != overrides.end()) {
+      attn.cp = it->second;
+      attn.cp.module_path = attn.path;
+    }
+    p.modules[attn.path] = attn;
+    ModuleShardingSpec mlp;
+    mlp.path = base + ".mlp";
+    mlp.param_placements = {
+        {"gate_proj.weight", col}, {"up_proj.weight", col}, {"down_proj.weight", row}};
+    p.modules[mlp.path] = mlp;
+  }
+  return p;
+}
+
+std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& plan,
+                                                const comm::DeviceMesh& mesh) const {
+  std::vector<std::string> lines;
+  if (!plan.cp_config) return lines;
+  auto topo = cp::CPTopology::build(mesh.world(), mesh.group_ptr({"cp"}), *plan.cp_config);
+  for (const auto& info : model.attention_modules()) {
+    auto it = plan.modules.find(info.path);
+    HP_CHECK(it != plan.modules.end(), "apply: module '", info.path,
+             "' is not in the plan; plan and apply the same model");
+    cp::CPApplyOptions o;
+    o.log = [&](const std::string& l) { lines.push_back(l); };
+    cp::apply_context_parallel(*info.host, it->second.cp, *plan.cp_config, topo, o);
+  }
+  return lines;
+}
+
+}  // namespace hp::plan

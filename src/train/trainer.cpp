@@ -1,0 +1,373 @@
+#include "hp/train/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+#include <nlohmann/json.hpp>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
+#include "hp/common/trace.h"
+#include "hp/cp/sequence.h"
+#include "hp/plan/plan.h"
+
+namespace hp::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+at::Tensor load_tokens(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  HP_CHECK(f.good(), "hp-train: cannot open --data '", path, "'");
+  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
+  HP_CHECK(!bytes.empty(), "hp-train: --data '", path, "' is empty");
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
+    HP_CHECK(bytes.size() % 2 == 0, "hp-train: '", path, "' is not a whole number of uint16 ids");
+    auto t = at::empty({static_cast<int64_t>(bytes.size() / 2)}, at::kShort);
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    return t.to(at::kLong).bitwise_and(0xFFFF);
+  }
+  auto t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t.to(at::kLong);  // byte-level tokens
+}
+
+double lr_at(const TrainOptions& o, int64_t step) {  // step is 1-based
+  const int64_t warmup = std::max<int64_t>(1, o.lr_warmup);
+  if (step <= warmup) return o.lr * static_cast<double>(step) / static_cast<double>(warmup);
+  const double t =
+      static_cast<double>(step - warmup) / std::max<int64_t>(1, o.lr_decay_steps - warmup);
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, t))));
+}
+
+int64_t peak_rss() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}), {},
+                                at::Reduction::Sum, -100);
+}
+
+bool is_sharded(const std::string& name) {
+  for (const char* s :
+       {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj"}) {
+    if (name.find(s) != std::string::npos) return true;
+  }
+  return false;
+}
+
+std::string step_dir(const std::string& root, int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step_%08lld", static_cast<long long>(step));
+  return (fs::path(root) / buf).string();
+}
+
+int64_t latest_checkpoint(const std::string& root) {
+  int64_t best = 0;
+  if (!fs::exists(root)) return 0;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "manifest.json")) continue;
+    best = std::max<int64_t>(best, std::stoll(name.substr(5)));
+  }
+  return best;
+}
+
+// One training run of `model` over `world`'s layout; also used for the single-process
+// reference of --validate (world of one rank, no CP).
+struct Runner {
+  const TrainOptions& o;
+  comm::DeviceMesh& mesh;
+  model::Qwen3 model;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  int64_t cp, cp_rank, tp_rank;
+  bool lb;
+
+  Runner(const TrainOptions& opts, comm::DeviceMesh& m,
+         const std::optional<cp::ContextParallelConfig>& cfg)
+      : o(opts), mesh(m), model(opts.model, m.size("tp") > 1 ? m.group_ptr({"tp"}) : nullptr) {
+    cp = m.size("cp");
+    cp_rank = m.coordinate("cp");
+    tp_rank = m.coordinate("tp");
+    lb = cfg && cfg->load_balance;
+    for (const auto& p : model->named_parameters())
+      params.emplace_back(p.key(), p.value());
+    std::vector<at::Tensor> ps;
+    for (auto& [n, p] : params)
+      ps.push_back(p);
+    opt = std::make_unique<torch::optim::AdamW>(
+        ps, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  }
+
+  std::map<std::string, at::Tensor> first_grads;  // --validate: gradients of the first step
+
+  // Forward + backward of one step; returns (global mean loss). Gradients reduced over CP/TP.
+  double forward_backward(int64_t step) {
+    at::Tensor ids, labels;
+    make_batch(o, step, ids, labels);
+    auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);
+    auto logits = model->forward(b.input_ids, b.position_ids);
+    auto local_sum = loss_sum(logits, b.labels);
+    auto count = b.labels.ne(-100).sum().to(at::kDouble);
+    auto& cpg = mesh.group("cp");
+    auto global_count = comm::all_reduce(cpg, count.view({1})).item<double>();
+    HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
+    (local_sum / global_count).backward();
+    for (auto& [n, p] : params) {
+      if (p.grad().defined() && cp > 1) p.mutable_grad() = comm::all_reduce(cpg, p.grad());
+    }
+    if (mesh.size("tp") > 1) {
+      for (auto& p : model->tp_partial_grad_parameters()) {
+        p.mutable_grad() = comm::all_reduce(mesh.group("tp"), p.grad());
+      }
+    }
+    if (o.validate && first_grads.empty()) {
+      for (auto& [n, p] : params) {
+        if (p.grad().defined()) first_grads[n] = p.grad().clone();
+      }
+    }
+    return comm::all_reduce(cpg, local_sum.detach().to(at::kDouble).view({1})).item<double>() /
+           global_count;
+  }
+
+  // Global-norm clipping (TP shards summed, replicated parameters counted once), then AdamW.
+  double clip_and_step(int64_t step) {
+    double local = 0;
+    for (auto& [n, p] : params) {
+      if (!p.grad().defined()) continue;
+      if (is_sharded(n) || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
+    }
+    double total = local;
+    if (mesh.size("tp") > 1) {
+      total = comm::all_reduce(mesh.group("tp"), at::full({1}, local, at::kDouble)).item<double>();
+    }
+    const double norm = std::sqrt(total);
+    if (o.clip > 0 && norm > o.clip) {
+      for (auto& [n, p] : params) {
+        if (p.grad().defined()) p.mutable_grad().mul_(o.clip / (norm + 1e-6));
+      }
+    }
+    const double lr = lr_at(o, step);
+    for (auto& g : opt->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+    }
+    opt->step();
+    opt->zero_grad();
+    return norm;
+  }
+};
+
+}  // namespace
+
+void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor& labels) {
+  const int64_t s = o.seq_len;
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919ULL + static_cast<uint64_t>(step));
+  if (o.data.empty()) {
+    HP_CHECK(s % 2 == 0, "hp-train: --seq-len ", s, " must be even for the copy task");
+    const int64_t half = s / 2;
+    auto block = at::randint(1, o.model.vocab, {o.batch, half}, gen, at::kLong);
+    auto tokens = at::cat({block, block}, 1);
+    ids = tokens;
+    // Predict token t+1 from position t; only the second copy is learnable.
+    labels = at::full({o.batch, s}, -100, at::kLong);
+    labels.narrow(1, half, half - 1).copy_(tokens.narrow(1, half + 1, half - 1));
+    labels.narrow(1, half - 1, 1).copy_(tokens.narrow(1, half, 1));
+    return;
+  }
+  static thread_local std::string loaded_path;
+  static thread_local at::Tensor corpus;
+  if (loaded_path != o.data) {
+    corpus = load_tokens(o.data);
+    loaded_path = o.data;
+  }
+  HP_CHECK(corpus.size(0) > s + 1, "hp-train: --data has ", corpus.size(0),
+           " tokens, fewer than --seq-len + 1 = ", s + 1);
+  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data holds token ids up to ",
+           corpus.max().item<int64_t>(), " but --vocab is ", o.model.vocab,
+           "; raise --vocab (text files need 256)");
+  auto starts = at::randint(0, corpus.size(0) - s - 1, {o.batch}, gen, at::kLong);
+  std::vector<at::Tensor> rows_in, rows_out;
+  for (int64_t b = 0; b < o.batch; ++b) {
+    const int64_t st = starts[b].item<int64_t>();
+    rows_in.push_back(corpus.narrow(0, st, s));
+    rows_out.push_back(corpus.narrow(0, st + 1, s));
+  }
+  ids = at::stack(rows_in);
+  labels = at::stack(rows_out);
+}
+
+TrainResult train(const comm::World& world, const TrainOptions& o) {
+  // Every static check before the first collective.
+  plan::PlanOptions po;
+  po.tp_size = o.tp;
+  po.cp_size = o.cp;
+  po.cp_config = o.cp_config;
+  po.seq_len = o.seq_len;
+  HP_CHECK(o.steps >= 1 && o.batch >= 1 && o.seq_len >= 2,
+           "hp-train: --steps, --batch must be "
+           ">= 1 and --seq-len >= 2");
+  model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
+  auto plan = plan::ShardingPlanner().plan(*probe, world.size(), po);
+  comm::DeviceMesh mesh(world, plan.mesh_dims);
+  Runner run(o, mesh, plan.cp_config);
+  auto apply_log = plan::ShardingApplier().apply(*run.model, plan, mesh);
+
+  TrainResult result;
+  result.plan = plan.describe();
+  const bool rank0 = world.rank() == 0;
+  if (rank0) {
+    std::printf("hp-train: plan %s\n", result.plan.c_str());
+    for (const auto& l : apply_log)
+      std::printf("  %s\n", l.c_str());
+    std::fflush(stdout);
+  }
+  int64_t first = 1;
+  if (o.resume) {
+    HP_CHECK(!o.checkpoint_dir.empty(), "hp-train: --resume needs --checkpoint-dir");
+    const int64_t last = latest_checkpoint(o.checkpoint_dir);
+    if (last > 0) {
+      const auto dir = step_dir(o.checkpoint_dir, last);
+      torch::load(run.model,
+                  (fs::path(dir) / common::str_cat("rank", world.rank(), ".model.pt")).string());
+      torch::load(*run.opt,
+                  (fs::path(dir) / common::str_cat("rank", world.rank(), ".optim.pt")).string());
+      first = last + 1;
+      if (rank0) std::printf("hp-train: resumed from %s\n", dir.c_str());
+    }
+  }
+  const bool tty = rank0 && isatty(STDOUT_FILENO);
+  auto& counters = world.context().counters;
+  const int64_t tokens_per_step = o.batch * o.seq_len;
+  std::map<std::string, int64_t> bytes_first_step;
+  for (int64_t step = first; step <= o.steps; ++step) {
+    counters.reset();
+    auto t0 = std::chrono::steady_clock::now();
+    StepMetrics m;
+    m.step = step;
+    m.loss = run.forward_backward(step);
+    m.grad_norm = run.clip_and_step(step);
+    m.lr = lr_at(o, step);
+    m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    m.tokens_per_s = tokens_per_step / m.step_time_s;
+    if (bytes_first_step.empty()) {
+      for (auto op : {comm::OpKind::kAllGather, comm::OpKind::kAllToAll,
+                      comm::OpKind::kReduceScatter, comm::OpKind::kAllReduce}) {
+        bytes_first_step[comm::op_name(op)] = counters.bytes(op);
+      }
+    }
+    result.steps.push_back(m);
+    if (rank0) {
+      const double eta = m.step_time_s * static_cast<double>(o.steps - step);
+      if (tty) {
+        std::printf("\r  step %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs  peak %.0f MiB   ",
+                    (long long)step, (long long)o.steps, m.loss, m.tokens_per_s, eta,
+                    peak_rss() / 1048576.0);
+        if (step == o.steps) std::printf("\n");
+      } else if (step == first || step == o.steps || step % std::max(1, o.progress_every) == 0) {
+        std::printf("  step %lld/%lld loss %.4f %.0f tok/s ETA %.0fs peak %.0f MiB\n",
+                    (long long)step, (long long)o.steps, m.loss, m.tokens_per_s, eta,
+                    peak_rss() / 1048576.0);
+      }
+      std::fflush(stdout);
+    }
+    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
+        (step % o.checkpoint_every == 0 || step == o.steps)) {
+      const auto dir = step_dir(o.checkpoint_dir, step);
+      const auto tmp = dir + ".tmp";
+      if (rank0) fs::create_directories(tmp);
+      comm::barrier(world.group());
+      // Each rank writes its part into the temporary directory; rank 0 renames it once all are
+      // there (temp + rename: a crash never leaves a half-written step behind).
+      torch::save(run.model,
+                  (fs::path(tmp) / common::str_cat("rank", world.rank(), ".model.pt")).string());
+      torch::save(*run.opt,
+                  (fs::path(tmp) / common::str_cat("rank", world.rank(), ".optim.pt")).string());
+      comm::barrier(world.group());
+      if (rank0) {
+        nlohmann::json manifest = {
+            {"step", step}, {"seed", o.seed},        {"world_size", world.size()}, {"tp", o.tp},
+            {"cp", o.cp},   {"data_position", step}, {"plan", result.plan}};
+        std::ofstream(fs::path(tmp) / "manifest.json") << manifest.dump(2) << "\n";
+        fs::remove_all(dir);
+        fs::rename(tmp, dir);
+      }
+      comm::barrier(world.group());
+    }
+  }
+  if (o.validate) {
+    HP_CHECK(first == 1,
+             "hp-train: --validate compares a whole run from step 1; do not combine "
+             "it with --resume");
+    // The same model, init and data, single-process on the full sequence (rank 0; the others
+    // wait). Same kernels; only the layout differs.
+    double max_loss = 0, max_rel = 0;
+    if (rank0) {
+      auto store = c10::make_intrusive<c10d::HashStore>();
+      auto solo = comm::World::in_process(0, 1, store);
+      comm::DeviceMesh solo_mesh(solo,
+                                 {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}});
+      TrainOptions ro = o;
+      ro.validate = true;
+      Runner ref(ro, solo_mesh, std::nullopt);
+      for (int64_t step = 1; step <= o.steps; ++step) {
+        const double loss = ref.forward_backward(step);
+        ref.clip_and_step(step);
+        max_loss = std::max(max_loss, std::abs(loss - result.steps[step - 1].loss));
+      }
+      for (const auto& [n, g] : run.first_grads) {
+        auto r = ref.first_grads.at(n);
+        if (r.sizes() != g.sizes()) {
+          // TP-sharded: this rank (TP rank 0) holds the first slice.
+          const int64_t dim =
+              (n.find("o_proj") != std::string::npos || n.find("down_proj") != std::string::npos)
+                  ? 1
+                  : 0;
+          r = r.narrow(dim, 0, g.size(dim));
+        }
+        const double rel = ((g - r).norm() / (r.norm() + 1e-12)).item<double>();
+        max_rel = std::max(max_rel, rel);
+      }
+      std::printf(
+          "hp-train: validate: max |loss - reference| over %lld steps = %.3g; max "
+          "relative gradient difference after step 1 = %.3g\n",
+          (long long)o.steps, max_loss, max_rel);
+    }
+    comm::barrier(world.group());
+    result.max_abs_loss_diff = max_loss;
+    result.max_rel_grad_diff = max_rel;
+  }
+  std::vector<double> times;
+  for (const auto& s : result.steps)
+    times.push_back(s.step_time_s);
+  std::sort(times.begin(), times.end());
+  result.median_step_time_s = times.empty() ? 0 : times[times.size() / 2];
+  result.tokens_per_s =
+      result.median_step_time_s > 0 ? tokens_per_step / result.median_step_time_s : 0;
+  result.final_loss = result.steps.empty() ? 0 : result.steps.back().loss;
+  result.comm_bytes_per_step = bytes_first_step;
+  result.peak_rss_bytes_max_rank = static_cast<int64_t>(
+      comm::all_reduce(world.group(), at::full({1}, static_cast<double>(peak_rss()), at::kDouble),
+                       comm::ReduceOp::kMax)
+          .item<double>());
+  return result;
+}
+
+}  // namespace hp::train
