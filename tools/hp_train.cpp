@@ -43,7 +43,8 @@ void apply_config(CLI::App& app, const std::string& path) {
     HP_CHECK(opt != nullptr, "hp-train: --config key '", key, "' is not an hp-train option");
     if (opt->count() > 0) continue;  // the command line wins
     if (value.is_boolean()) {
-      if (value.get<bool>()) opt->add_result("true");
+      if (!value.get<bool>()) continue;  // false is every flag's default
+      opt->add_result("true");
     } else {
       opt->add_result(value.is_string() ? value.get<std::string>() : value.dump());
     }
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "data seed");
   app.add_flag("--validate", o.validate, "also run single-process and compare");
   app.add_option("--metrics-json", o.metrics_json, "write metrics here (rank 0)");
+  app.add_option("--trace", o.trace, "Chrome trace of the run, one track per rank");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
   app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
@@ -119,10 +121,12 @@ int main(int argc, char** argv) {
     }
     hp::comm::WorldOptions wo;
     wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+    if (!o.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
     auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                      : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
     hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
     auto r = hp::train::train(world, o);
+    if (!o.trace.empty()) hp::comm::write_world_trace(world, o.trace);
     if (world.rank() == 0) {
       std::printf(
           "hp-train: done: loss %.4f -> %.4f over %lld steps, median step %.3f s, %.0f "

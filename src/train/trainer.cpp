@@ -250,6 +250,17 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
       torch::load(*run.opt,
                   (fs::path(dir) / common::str_cat("rank", world.rank(), ".optim.pt")).string());
       first = last + 1;
+      std::ifstream mf(fs::path(dir) / "manifest.json");
+      auto manifest = nlohmann::json::parse(mf);
+      HP_CHECK(manifest["world_size"] == world.size() && manifest["tp"] == o.tp &&
+                   manifest["cp"] == o.cp && manifest["model"]["layers"] == o.model.layers &&
+                   manifest["model"]["hidden"] == o.model.hidden,
+               "hp-train --resume: checkpoint '", dir,
+               "' was written by another layout or model "
+               "(",
+               manifest["plan"].get<std::string>(),
+               "); resume with the same --nproc/--tp/"
+               "--cp and model sizes");
       if (rank0) std::printf("hp-train: resumed from %s\n", dir.c_str());
     }
   }
@@ -302,9 +313,30 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
                   (fs::path(tmp) / common::str_cat("rank", world.rank(), ".optim.pt")).string());
       comm::barrier(world.group());
       if (rank0) {
+        const auto& mc = o.model;
         nlohmann::json manifest = {
-            {"step", step}, {"seed", o.seed},        {"world_size", world.size()}, {"tp", o.tp},
-            {"cp", o.cp},   {"data_position", step}, {"plan", result.plan}};
+            {"step", step},
+            {"data_position", step},  // batches are a pure function of (seed, step)
+            {"rng", {{"data_seed", o.seed}, {"model_seed", mc.seed}}},
+            {"world_size", world.size()},
+            {"tp", o.tp},
+            {"cp", o.cp},
+            {"plan", result.plan},
+            {"model",
+             {{"vocab", mc.vocab},
+              {"layers", mc.layers},
+              {"hidden", mc.hidden},
+              {"heads", mc.heads},
+              {"kv_heads", mc.kv_heads},
+              {"head_dim", mc.head_dim},
+              {"ffn", mc.ffn}}},
+            {"train",
+             {{"seq_len", o.seq_len},
+              {"batch", o.batch},
+              {"lr", o.lr},
+              {"lr_warmup", o.lr_warmup},
+              {"lr_decay_steps", o.lr_decay_steps},
+              {"data", o.data}}}};
         std::ofstream(fs::path(tmp) / "manifest.json") << manifest.dump(2) << "\n";
         fs::remove_all(dir);
         fs::rename(tmp, dir);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -84,6 +85,30 @@ TEST(HpTrain, ResumeContinuesTheExactTrajectory) {
     EXPECT_EQ(b[i]["step"], a[i + 3]["step"]);
     EXPECT_EQ(b[i]["loss"].get<double>(), a[i + 3]["loss"].get<double>()) << "step " << i + 4;
   }
+}
+
+TEST(HpTrain, ConfigFileAndTrace) {
+  const std::string dir = ::testing::TempDir();
+  {
+    std::ofstream f(dir + "/train_cfg.json");
+    f << R"({"cp": 2, "cp_algo": "hybrid", "steps": 2, "seq_len": 64, "load_balance": false})";
+  }
+  // The command line wins over the file: --cp-algo all_gather replaces "hybrid".
+  auto r = run("--nproc 2 --config " + dir + "/train_cfg.json --cp-algo all_gather --trace " + dir +
+               "/train_trace.json --metrics-json " + dir + "/train_cfg_m.json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = metrics(dir + "/train_cfg_m.json");
+  EXPECT_EQ(j["config"]["cp"], 2);
+  EXPECT_EQ(j["config"]["seq_len"], 64);
+  EXPECT_EQ(j["config"]["cp_algo"], "all_gather");
+  std::ifstream t(dir + "/train_trace.json");
+  auto trace = nlohmann::json::parse(t);
+  std::set<int> ranks;
+  for (const auto& e : trace["traceEvents"])
+    ranks.insert(e["pid"].get<int>());
+  EXPECT_EQ(ranks, (std::set<int>{0, 1}));
+  auto bad = run("--nproc 2 --config " + dir + "/train_cfg.json --cp 2 --nonsense 1");
+  EXPECT_NE(bad.rc, 0);
 }
 
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
