@@ -8,8 +8,9 @@
 //       s   = (q*scale) k^T      [.., G*bq, bk]   p   = exp(s - lse)
 //       m'  = max(m, rowmax s)                     dV += p^T dO
 //       p   = exp(s - m')                          dP  = dO V^T
-//       l   = l*exp(m-m') + rowsum p               dS  = p * (dP - delta),  delta = rowsum(dO*O) - dlse
-//       acc = acc*exp(m-m') + p V                  dQ += dS K          (times scale at the end)
+//       l   = l*exp(m-m') + rowsum p               dS  = p * (dP - delta),  delta = rowsum(dO*O) -
+//       dlse acc = acc*exp(m-m') + p V                  dQ += dS K          (times scale at the
+//       end)
 //     out = acc / l,  lse = m + log l              dK += dS^T (q*scale)
 //
 // Tiles wholly above the causal diagonal (after q_offset) or wholly hidden by a mask are
@@ -44,11 +45,15 @@ struct CallState : torch::CustomClassHolder {
   TileMask tiles;
 };
 
-int64_t q_start(const TileMask& t, int64_t qb) { return qb * t.block_q(); }
+int64_t q_start(const TileMask& t, int64_t qb) {
+  return qb * t.block_q();
+}
 int64_t q_end(const Problem& p, const TileMask& t, int64_t qb) {
   return std::min(p.q_len, (qb + 1) * t.block_q());
 }
-int64_t kv_start(const TileMask& t, int64_t kb) { return kb * t.block_kv(); }
+int64_t kv_start(const TileMask& t, int64_t kb) {
+  return kb * t.block_kv();
+}
 int64_t kv_end(const Problem& p, const TileMask& t, int64_t kb) {
   return std::min(p.kv_len, (kb + 1) * t.block_kv());
 }
@@ -58,7 +63,8 @@ at::Tensor group_rows(const at::Tensor& x5, int64_t qs, int64_t qe) {
   auto s = x5.slice(3, qs, qe);
   auto sizes = s.sizes().vec();
   std::vector<int64_t> out = {sizes[0], sizes[1], sizes[2] * sizes[3]};
-  for (size_t i = 4; i < sizes.size(); ++i) out.push_back(sizes[i]);
+  for (size_t i = 4; i < sizes.size(); ++i)
+    out.push_back(sizes[i]);
   return s.reshape(out);
 }
 
@@ -82,7 +88,8 @@ void for_each_unit(int64_t n, int threads, const Fn& fn) {
     // Worker threads do not inherit the caller's grad mode: the kernels work on raw data.
     at::NoGradGuard no_grad;
     for (int64_t slot = begin; slot < end; ++slot) {
-      for (int64_t u = next++; u < n; u = next++) fn(u, slot);
+      for (int64_t u = next++; u < n; u = next++)
+        fn(u, slot);
     }
   });
 }
@@ -102,20 +109,23 @@ std::vector<at::Tensor> grouped_blocks(const Problem& p, const TileMask& t, cons
 
 int64_t visible_tiles_in_row(const TileMask& t, int64_t qb) {
   int64_t n = 0;
-  for (int64_t kb = 0; kb < t.num_kv_blocks(); ++kb) n += t.kind(qb, kb) != BlockKind::kEmpty;
+  for (int64_t kb = 0; kb < t.num_kv_blocks(); ++kb)
+    n += t.kind(qb, kb) != BlockKind::kEmpty;
   return n;
 }
 
 int64_t visible_tiles_in_col(const TileMask& t, int64_t kb) {
   int64_t n = 0;
-  for (int64_t qb = 0; qb < t.num_q_blocks(); ++qb) n += t.kind(qb, kb) != BlockKind::kEmpty;
+  for (int64_t qb = 0; qb < t.num_q_blocks(); ++qb)
+    n += t.kind(qb, kb) != BlockKind::kEmpty;
   return n;
 }
 
 // Block indices sorted by descending work.
 std::vector<int64_t> by_work(int64_t n, const std::function<int64_t(int64_t)>& work) {
   std::vector<int64_t> idx(n);
-  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+  for (int64_t i = 0; i < n; ++i)
+    idx[i] = i;
   std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
   return idx;
 }
@@ -155,8 +165,8 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
       if (kind == BlockKind::kPartial && t.has_user_masks()) {
         t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
-      detail::online_softmax_update<T>(tile_rows(p, t, qb, kb), s.data_ptr<T>(),
-                                       m.data_ptr<T>(), l.data_ptr<T>(), alpha.data_ptr<T>());
+      detail::online_softmax_update<T>(tile_rows(p, t, qb, kb), s.data_ptr<T>(), m.data_ptr<T>(),
+                                       l.data_ptr<T>(), alpha.data_ptr<T>());
       acc.mul_(alpha.unsqueeze(1)).addmm_(s, v3[hh].slice(0, ks, ke));
     }
     // Rows that saw no key: m = -inf, l = 0 -> out 0, lse = -inf.

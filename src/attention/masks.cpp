@@ -9,15 +9,15 @@ namespace hp::attention {
 MaskFunction sliding_window_mask(int64_t window) {
   HP_CHECK(window >= 1, "sliding_window_mask: window=", window, " must be >= 1");
   MaskFunction m;
-  m.fn = [window](const at::Tensor&, const at::Tensor&, const at::Tensor& q,
-                  const at::Tensor& kv) {
+  m.fn = [window](const at::Tensor&, const at::Tensor&, const at::Tensor& q, const at::Tensor& kv) {
     return at::logical_and(kv.le(q), kv.gt(q - window));
   };
   return m;
 }
 
 MaskFunction document_mask(const at::Tensor& doc_ids) {
-  HP_CHECK(doc_ids.defined() && doc_ids.dim() == 1, "document_mask: doc_ids must be a 1-d "
+  HP_CHECK(doc_ids.defined() && doc_ids.dim() == 1,
+           "document_mask: doc_ids must be a 1-d "
            "tensor with one document id per position");
   auto ids = doc_ids.to(at::kLong).contiguous();
   MaskFunction m;

@@ -35,8 +35,9 @@ class MathAttention final : public AttentionPrimitive {
     auto dead = scores.isneginf().all(-1, /*keepdim=*/true);
     auto safe = at::where(dead, at::zeros({}, scores.options()), scores);
     auto probs = at::where(dead, at::zeros({}, scores.options()), at::softmax(safe, -1));
-    auto lse = at::where(dead, at::full({}, -std::numeric_limits<double>::infinity(), scores.options()),
-                         at::logsumexp(safe, -1, /*keepdim=*/true));
+    auto lse =
+        at::where(dead, at::full({}, -std::numeric_limits<double>::infinity(), scores.options()),
+                  at::logsumexp(safe, -1, /*keepdim=*/true));
     auto out = at::matmul(probs, v.to(ct));
     AttentionResult r;
     r.out = out.reshape({p.batch, p.q_heads, p.q_len, p.head_dim}).to(in_dtype);

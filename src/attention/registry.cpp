@@ -37,13 +37,15 @@ const AttentionPrimitive& AttentionRegistry::get(const std::string& name) const 
     if (p->name() == name) return *p;
   }
   std::string valid;
-  for (const auto& n : names()) valid += (valid.empty() ? "" : ", ") + n;
+  for (const auto& n : names())
+    valid += (valid.empty() ? "" : ", ") + n;
   HP_CHECK(false, "unknown attention primitive '", name, "'; valid: ", valid);
 }
 
 std::vector<std::string> AttentionRegistry::names() const {
   std::vector<std::string> out;
-  for (const auto& p : primitives_) out.push_back(p->name());
+  for (const auto& p : primitives_)
+    out.push_back(p->name());
   return out;
 }
 

@@ -35,8 +35,7 @@ class SdpaAttention final : public AttentionPrimitive {
       } else if (p.mask_is_bool) {
         mask = at::logical_and(mask, causal);
       } else {
-        mask = mask.masked_fill(causal.logical_not(),
-                                -std::numeric_limits<double>::infinity());
+        mask = mask.masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity());
       }
     }
     auto out = compat::sdpa(q, k, v, mask, p.scale);

@@ -1,12 +1,11 @@
 // Fused row kernels of the blockwise attention (see softmax_rows.h). Single-threaded: the
-// caller runs one tile per thread. Each row stays in L1 while it is reduced and exponentiated. The float
-// path uses a vectorisable exp (range reduction + degree-6 polynomial, relative error < 2e-7),
-// compiled for AVX2/FMA when the CPU has it and for baseline x86-64 otherwise.
+// caller runs one tile per thread. Each row stays in L1 while it is reduced and exponentiated. The
+// float path uses a vectorisable exp (range reduction + degree-6 polynomial, relative error <
+// 2e-7), compiled for AVX2/FMA when the CPU has it and for baseline x86-64 otherwise.
 #include "softmax_rows.h"
 
 #include <cmath>
 #include <cstring>
-
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -64,26 +63,32 @@ HP_VECTOR_CLONES float row_max(const float* s, int64_t n) {
   float lane[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    for (int k = 0; k < 8; ++k) lane[k] = s[j + k] > lane[k] ? s[j + k] : lane[k];
+    for (int k = 0; k < 8; ++k)
+      lane[k] = s[j + k] > lane[k] ? s[j + k] : lane[k];
   }
   float mx = kNegInf;
-  for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  for (int k = 0; k < 8; ++k) mx = lane[k] > mx ? lane[k] : mx;
+  for (; j < n; ++j)
+    mx = s[j] > mx ? s[j] : mx;
+  for (int k = 0; k < 8; ++k)
+    mx = lane[k] > mx ? lane[k] : mx;
   return mx;
 }
 
 double row_max(const double* s, int64_t n) {
   double mx = -std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  for (int64_t j = 0; j < n; ++j)
+    mx = s[j] > mx ? s[j] : mx;
   return mx;
 }
 
 HP_VECTOR_CLONES void grad_row(const float* p, float* dp, int64_t n, float delta) {
-  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
+  for (int64_t j = 0; j < n; ++j)
+    dp[j] = p[j] * (dp[j] - delta);
 }
 
 void grad_row(const double* p, double* dp, int64_t n, double delta) {
-  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
+  for (int64_t j = 0; j < n; ++j)
+    dp[j] = p[j] * (dp[j] - delta);
 }
 
 template <typename T>

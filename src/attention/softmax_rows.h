@@ -17,8 +17,8 @@ struct TileRows {
   int64_t cols = 0;           // bk
   int64_t rows_per_head = 0;  // bq: row r is local query q_first + r % rows_per_head
   bool causal = false;
-  int64_t q_first = 0;        // causal: query index of tile row 0 (incl. the causal offset)
-  int64_t kv_first = 0;       // causal: key index of tile column 0
+  int64_t q_first = 0;   // causal: query index of tile row 0 (incl. the causal offset)
+  int64_t kv_first = 0;  // causal: key index of tile column 0
 
   // Number of visible leading columns of row r.
   int64_t visible_cols(int64_t r) const {

@@ -64,8 +64,7 @@ int64_t math_score_bytes(const AttentionBenchOptions& o) {
   return 3 * o.batch * o.heads * o.seq * o.seq * 4;
 }
 
-AttentionBenchResult run_attention_bench(const AttentionBenchOptions& o,
-                                         const std::string& name) {
+AttentionBenchResult run_attention_bench(const AttentionBenchOptions& o, const std::string& name) {
   HP_CHECK(o.seq >= 1 && o.heads >= 1 && o.kv_heads >= 1 && o.head_dim >= 1 && o.batch >= 1,
            "hp-bench attention: sizes must be >= 1");
   HP_CHECK(o.iters >= 1, "hp-bench attention: --iters=", o.iters, " must be >= 1");

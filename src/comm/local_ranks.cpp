@@ -38,7 +38,8 @@ void run_thread_ranks(int n, const std::function<void(World&)>& fn, const WorldO
       }
     });
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads)
+    t.join();
   if (first) {
     try {
       std::rethrow_exception(first);

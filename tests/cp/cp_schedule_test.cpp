@@ -74,8 +74,8 @@ ContextParallelConfig config(const std::string& algo, std::optional<int64_t> u, 
 TEST(CPSchedule, AllGather) {
   run_ranks(4, [](comm::World& w) {
     auto o = observe(w, config("all_gather", std::nullopt, 4), 4);
-    EXPECT_EQ(o.forward, (std::vector<std::string>{"all_gather(cp)[1,4,8,16]",
-                                                   "all_gather(cp)[1,4,8,16]"}));
+    EXPECT_EQ(o.forward,
+              (std::vector<std::string>{"all_gather(cp)[1,4,8,16]", "all_gather(cp)[1,4,8,16]"}));
     EXPECT_EQ(o.backward, (std::vector<std::string>{"reduce_scatter(cp)[1,4,32,16]",
                                                     "reduce_scatter(cp)[1,4,32,16]"}));
     // 2 * S * h_kv * e * (P-1)/P
@@ -87,13 +87,13 @@ TEST(CPSchedule, AllGather) {
 TEST(CPSchedule, Ulysses) {
   run_ranks(4, [](comm::World& w) {
     auto o = observe(w, config("ulysses", std::nullopt, 4), 4);
-    EXPECT_EQ(o.forward, (std::vector<std::string>{
-                             "all_to_all(cp)[1,8,8,16]", "all_to_all(cp)[1,4,8,16]",
-                             "all_to_all(cp)[1,4,8,16]", "all_to_all(cp)[1,2,32,16]"}));
+    EXPECT_EQ(o.forward,
+              (std::vector<std::string>{"all_to_all(cp)[1,8,8,16]", "all_to_all(cp)[1,4,8,16]",
+                                        "all_to_all(cp)[1,4,8,16]", "all_to_all(cp)[1,2,32,16]"}));
     // Backward: the output's inverse first, then V, K, Q (reverse creation order).
-    EXPECT_EQ(o.backward, (std::vector<std::string>{
-                              "all_to_all(cp)[1,8,8,16]", "all_to_all(cp)[1,1,32,16]",
-                              "all_to_all(cp)[1,1,32,16]", "all_to_all(cp)[1,2,32,16]"}));
+    EXPECT_EQ(o.backward,
+              (std::vector<std::string>{"all_to_all(cp)[1,8,8,16]", "all_to_all(cp)[1,1,32,16]",
+                                        "all_to_all(cp)[1,1,32,16]", "all_to_all(cp)[1,2,32,16]"}));
     // (2h + 2h_kv) * (S/P) * e * (P-1)/P
     EXPECT_EQ(o.forward_bytes[comm::OpKind::kAllToAll],
               (2 * kNq * kD + 2 * kNkv * kD) * (kS / 4) * 4 * 3 / 4);
@@ -105,24 +105,22 @@ TEST(CPSchedule, HybridComposesUlyssesThenAllGather) {
   run_ranks(4, [](comm::World& w) {
     auto o = observe(w, config("hybrid", 2, 4), 4);
     EXPECT_EQ(o.forward, (std::vector<std::string>{
-                             "all_to_all(cp_ulysses)[1,8,8,16]",
-                             "all_to_all(cp_ulysses)[1,4,8,16]",
+                             "all_to_all(cp_ulysses)[1,8,8,16]", "all_to_all(cp_ulysses)[1,4,8,16]",
                              "all_to_all(cp_ulysses)[1,4,8,16]", "all_gather(cp_co)[1,2,16,16]",
                              "all_gather(cp_co)[1,2,16,16]", "all_to_all(cp_ulysses)[1,4,16,16]"}));
     // The same order on every rank (two groups are in play: a rank-dependent interleaving could
     // deadlock): output A2A, both K/V reduce-scatters, then the K, V, Q inverse A2As.
-    EXPECT_EQ(o.backward, (std::vector<std::string>{
-                              "all_to_all(cp_ulysses)[1,8,8,16]",
-                              "reduce_scatter(cp_co)[1,2,32,16]",
-                              "reduce_scatter(cp_co)[1,2,32,16]",
-                              "all_to_all(cp_ulysses)[1,2,16,16]",
-                              "all_to_all(cp_ulysses)[1,2,16,16]",
-                              "all_to_all(cp_ulysses)[1,4,16,16]"}));
+    EXPECT_EQ(o.backward,
+              (std::vector<std::string>{
+                  "all_to_all(cp_ulysses)[1,8,8,16]", "reduce_scatter(cp_co)[1,2,32,16]",
+                  "reduce_scatter(cp_co)[1,2,32,16]", "all_to_all(cp_ulysses)[1,2,16,16]",
+                  "all_to_all(cp_ulysses)[1,2,16,16]", "all_to_all(cp_ulysses)[1,4,16,16]"}));
     // A2A part over U = 2, all-gather part shrunk by U: 2 * S * h_kv * e * (C-1) / (C*U).
     const int64_t u = 2, c = 2;
     EXPECT_EQ(o.forward_bytes[comm::OpKind::kAllToAll],
               (2 * kNq * kD + 2 * kNkv * kD) * (kS / 4) * 4 * (u - 1) / u);
-    EXPECT_EQ(o.forward_bytes[comm::OpKind::kAllGather], 2 * kS * kNkv * kD * 4 * (c - 1) / (c * u));
+    EXPECT_EQ(o.forward_bytes[comm::OpKind::kAllGather],
+              2 * kS * kNkv * kD * 4 * (c - 1) / (c * u));
   });
 }
 

@@ -3,9 +3,9 @@
 //   AttentionPrimitive::forward(q, k, v, options) -> {out, lse}      differentiable in q, k, v
 //
 // Layout BNSD: q [B, Nq, Sq, D], k and v [B, Nkv, Skv, D]; out [B, Nq, Sq, D] in q's dtype,
-// lse [B, Nq, Sq] float32, float64 for double inputs (natural-log sum of exp of the scaled, masked scores).
-// GQA/MQA: Nq must be a multiple of Nkv; query head h reads kv head h / (Nq / Nkv) by index
-// mapping (K/V are never repeated in memory).
+// lse [B, Nq, Sq] float32, float64 for double inputs (natural-log sum of exp of the scaled, masked
+// scores). GQA/MQA: Nq must be a multiple of Nkv; query head h reads kv head h / (Nq / Nkv) by
+// index mapping (K/V are never repeated in memory).
 //
 // Visibility of key j to local query i is the AND of
 //   * causal (when options.causal):  j <= causal.q_offset + i

@@ -24,10 +24,10 @@ struct AttentionBenchResult {
   std::string primitive;
   double fwd_s = 0;
   double fwd_bwd_s = 0;
-  double fwd_gflops = 0;      // visible work only: causal fwd = 2*B*H*S^2*D, dense twice that
-  double fwd_bwd_gflops = 0;  // 3.5x the forward work
-  int64_t peak_bytes = 0;     // peak RSS growth over the RSS before inputs were made
-  int64_t peak_rss_bytes = 0; // peak RSS of the whole process
+  double fwd_gflops = 0;       // visible work only: causal fwd = 2*B*H*S^2*D, dense twice that
+  double fwd_bwd_gflops = 0;   // 3.5x the forward work
+  int64_t peak_bytes = 0;      // peak RSS growth over the RSS before inputs were made
+  int64_t peak_rss_bytes = 0;  // peak RSS of the whole process
 };
 
 // GFLOP/s of a 2048^3 fp32 matmul (median of 5).

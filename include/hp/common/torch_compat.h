@@ -49,7 +49,8 @@ inline c10::intrusive_ptr<C10dBackend> make_gloo_backend(
 inline at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& mask, double scale) {
 #if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, 0.0, false, scale);
+  return at::scaled_dot_product_attention(
+      q, k, v, mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, 0.0, false, scale);
 #else
   (void)q, (void)k, (void)v, (void)mask, (void)scale;
   TORCH_CHECK(false, "at::scaled_dot_product_attention needs LibTorch >= 2");
