@@ -95,6 +95,8 @@ int main(int argc, char** argv) {
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
   app.add_option("--seed", o.seed, "data seed");
   app.add_flag("--validate", o.validate, "also run single-process and compare");
+  std::string mode = "production";
+  app.add_option("--mode", mode, "production | validate (layouts checked at module boundaries)");
   app.add_option("--metrics-json", o.metrics_json, "write metrics here (rank 0)");
   app.add_option("--trace", o.trace, "Chrome trace of the run, one track per rank");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
@@ -105,6 +107,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (!a.config_file.empty()) apply_config(app, a.config_file);
+    HP_CHECK(mode == "production" || mode == "validate", "hp-train: --mode '", mode,
+             "' is not valid; valid: production, validate");
+    o.validate_mode = mode == "validate";
     if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance) {
       hp::cp::ContextParallelConfig c;
       c.algorithm = hp::cp::parse_algorithm(a.algo);

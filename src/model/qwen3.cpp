@@ -116,8 +116,30 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer
 }
 
 at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
-  auto h = x + self_attn->forward(input_layernorm->forward(x), position_ids);
-  return h + mlp->forward(post_attention_layernorm->forward(h));
+  auto* v = validation.checker;
+  if (v == nullptr) {  // production: the same kernels, no bookkeeping
+    auto h = x + self_attn->forward(input_layernorm->forward(x), position_ids);
+    return h + mlp->forward(post_attention_layernorm->forward(h));
+  }
+  const auto& L = *validation.layer;
+  const auto& A = *validation.attn;
+  const auto& M = *validation.mlp;
+  v->check_input(L.path, x, L.in_layout);
+  auto a_in = input_layernorm->forward(x);  // elementwise: keeps the layout
+  v->set_output(L.path + ".input_layernorm", a_in, L.in_layout);
+  v->check_input(A.path, a_in, A.in_layout);
+  auto a = self_attn->forward(a_in, position_ids);
+  v->set_output(A.path, a, A.out_layout);
+  auto h = x + a;
+  v->set_output(L.path + ".residual", h, L.in_layout);
+  auto m_in = post_attention_layernorm->forward(h);
+  v->set_output(L.path + ".post_attention_layernorm", m_in, L.in_layout);
+  v->check_input(M.path, m_in, M.in_layout);
+  auto m = mlp->forward(m_in);
+  v->set_output(M.path, m, M.out_layout);
+  auto y = h + m;
+  v->set_output(L.path, y, L.out_layout);
+  return y;
 }
 
 Qwen3Impl::Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp) : config_(c) {
@@ -143,6 +165,11 @@ at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& pos
   HP_CHECK(input_ids.dim() == 2 && position_ids.sizes() == input_ids.sizes(),
            "Qwen3: input_ids and position_ids must both be [B, S_local]");
   auto x = at::embedding(embed_tokens, input_ids);
+  if (checker_ != nullptr) {
+    // The ids entered with their layout (the caller registered it); the embedding keeps it.
+    checker_->check_input("embed_tokens", input_ids, first_layer_->in_layout);
+    checker_->set_output("embed_tokens", x, first_layer_->in_layout);
+  }
   for (auto& layer : layers)
     x = layer->forward(x, position_ids);
   return at::matmul(norm->forward(x), lm_head.t());
@@ -155,6 +182,25 @@ std::vector<plan::AttentionModuleInfo> Qwen3Impl::attention_modules() {
                    &layers[i]->self_attn->host()});
   }
   return out;
+}
+
+void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
+                               const std::map<std::string, plan::ModuleShardingSpec>* specs) {
+  checker_ = checker;
+  first_layer_ = nullptr;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto& v = layers[i]->validation;
+    v = LayerValidation{};
+    if (checker == nullptr) continue;
+    const std::string base = common::str_cat("layers.", i);
+    auto find = [&](const std::string& path) {
+      auto it = specs->find(path);
+      HP_CHECK(it != specs->end(), "validate: the plan has no spec for module '", path, "'");
+      return &it->second;
+    };
+    v = {checker, find(base), find(base + ".self_attn"), find(base + ".mlp")};
+    if (i == 0) first_layer_ = v.layer;
+  }
 }
 
 std::vector<at::Tensor> Qwen3Impl::tp_partial_grad_parameters() const {

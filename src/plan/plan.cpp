@@ -5,6 +5,11 @@
 
 namespace hp::plan {
 
+Layout ShardingPlan::activation_layout() const {
+  return Layout{{{"cp", cp_size > 1 ? Placement::shard(1) : Placement::replicate()},
+                 {"tp", Placement::replicate()}}};
+}
+
 std::string ShardingPlan::describe() const {
   std::string out = "mesh (";
   for (size_t i = 0; i < mesh_dims.size(); ++i) {
@@ -41,14 +46,21 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
                  {"tp", o.tp_size}};
   p.cp_config = cp::normalize(o.cp_config, o.cp_size);
   if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
+  p.seq_len = o.seq_len;
+  const Layout act = p.activation_layout();
   for (const auto& info : attns) {
     if (p.cp_config) {
       cp::check_heads(*p.cp_config, o.cp_size, info.heads / o.tp_size, info.kv_heads / o.tp_size,
                       o.tp_size);
     }
     const std::string base = info.path.substr(0, info.path.rfind('.'));
+    ModuleShardingSpec layer;
+    layer.path = base;
+    layer.in_layout = layer.out_layout = act;
+    p.modules[layer.path] = layer;
     ModuleShardingSpec attn;
     attn.path = info.path;
+    attn.in_layout = attn.out_layout = act;
     attn.is_attention = true;
     const char* col = o.tp_size > 1 ? "Shard(0)" : "Replicate";
     const char* row = o.tp_size > 1 ? "Shard(1)" : "Replicate";
@@ -65,6 +77,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
     p.modules[attn.path] = attn;
     ModuleShardingSpec mlp;
     mlp.path = base + ".mlp";
+    mlp.in_layout = mlp.out_layout = act;
     mlp.param_placements = {
         {"gate_proj.weight", col}, {"up_proj.weight", col}, {"down_proj.weight", row}};
     p.modules[mlp.path] = mlp;
@@ -73,8 +86,19 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
 }
 
 std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& plan,
-                                                const comm::DeviceMesh& mesh) const {
+                                                const comm::DeviceMesh& mesh, Mode mode) const {
   std::vector<std::string> lines;
+  plan.mode = mode;
+  if (mode == Mode::kValidate) {
+    HP_CHECK(plan.seq_len > 0,
+             "apply: validate mode needs the plan's seq_len (PlanOptions::seq_len)");
+    plan.checker = std::make_unique<BoundaryChecker>(
+        std::map<std::string, int64_t>{{"cp", plan.cp_size}, {"tp", plan.tp_size}},
+        std::map<int64_t, int64_t>{{1, plan.seq_len}});
+    model.set_validation(plan.checker.get(), &plan.modules);
+  } else {
+    model.set_validation(nullptr, nullptr);
+  }
   if (!plan.cp_config) return lines;
   auto topo = cp::CPTopology::build(mesh.world(), mesh.group_ptr({"cp"}), *plan.cp_config);
   for (const auto& info : model.attention_modules()) {

@@ -117,12 +117,15 @@ struct Runner {
   }
 
   std::map<std::string, at::Tensor> first_grads;  // --validate: gradients of the first step
+  plan::BoundaryChecker* checker = nullptr;       // validate mode
+  plan::Layout input_layout;
 
   // Forward + backward of one step; returns (global mean loss). Gradients reduced over CP/TP.
   double forward_backward(int64_t step) {
     at::Tensor ids, labels;
     make_batch(o, step, ids, labels);
     auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);
+    if (checker != nullptr) checker->set(b.input_ids, input_layout);
     auto logits = model->forward(b.input_ids, b.position_ids);
     auto local_sum = loss_sum(logits, b.labels);
     auto count = b.labels.ne(-100).sum().to(at::kDouble);
@@ -228,13 +231,17 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   auto plan = plan::ShardingPlanner().plan(*probe, world.size(), po);
   comm::DeviceMesh mesh(world, plan.mesh_dims);
   Runner run(o, mesh, plan.cp_config);
-  auto apply_log = plan::ShardingApplier().apply(*run.model, plan, mesh);
+  auto apply_log = plan::ShardingApplier().apply(
+      *run.model, plan, mesh, o.validate_mode ? plan::Mode::kValidate : plan::Mode::kProduction);
+  run.checker = plan.checker.get();
+  run.input_layout = plan.activation_layout();
 
   TrainResult result;
   result.plan = plan.describe();
   const bool rank0 = world.rank() == 0;
   if (rank0) {
-    std::printf("hp-train: plan %s\n", result.plan.c_str());
+    std::printf("hp-train: plan %s (%s mode)\n", result.plan.c_str(),
+                o.validate_mode ? "validate" : "production");
     for (const auto& l : apply_log)
       std::printf("  %s\n", l.c_str());
     std::fflush(stdout);

@@ -9,6 +9,7 @@
 #include "hp/cp/apply.h"
 #include "hp/cp/sequence.h"
 #include "hp/model/qwen3.h"
+#include "hp/plan/plan.h"
 #include "rank_harness.h"
 
 namespace hp::model {
@@ -150,6 +151,47 @@ TEST(Qwen3Parallel, UlyssesHeadChecksUseLocalHeadsAfterTP) {
 }
 TEST(Qwen3Parallel, TP1CP4Hybrid) {
   run_tp_cp(1, 4, "hybrid", 2);
+}
+
+// Production and validate modes run the same kernels: identical losses and gradients; validate
+// checks every boundary and names module, expected and actual layout on a mismatch.
+TEST(Qwen3Parallel, ValidateModeEqualsProductionAndCatchesPlacementMismatches) {
+  run_ranks(4, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 2}, {"tp", 2}});
+    auto run_mode = [&](plan::Mode mode, bool break_plan) {
+      Qwen3 m(small(8, 4), mesh.group_ptr({"tp"}));
+      plan::PlanOptions po;
+      po.tp_size = 2;
+      po.cp_size = 2;
+      po.seq_len = kS;
+      auto p = plan::ShardingPlanner().plan(*m, w.size(), po);
+      if (break_plan) {
+        p.modules.at("layers.1.mlp").in_layout = plan::Layout{
+            {{"cp", plan::Placement::replicate()}, {"tp", plan::Placement::replicate()}}};
+      }
+      plan::ShardingApplier().apply(*m, p, mesh, mode);
+      auto b = batch();
+      auto sb = cp::shard_batch(b.ids, b.labels, mesh.coordinate("cp"), 2, false);
+      if (p.checker) p.checker->set(sb.input_ids, p.activation_layout());
+      auto loss = loss_sum(m->forward(sb.input_ids, sb.position_ids), sb.labels);
+      loss.backward();
+      std::vector<at::Tensor> grads{loss.detach()};
+      for (auto& par : m->parameters())
+        grads.push_back(par.grad());
+      if (p.checker) {
+        EXPECT_EQ(p.checker->checks(), 1 + 3 * 2);  // embedding + 3 per layer
+      }
+      return grads;
+    };
+    auto prod = run_mode(plan::Mode::kProduction, false);
+    auto val = run_mode(plan::Mode::kValidate, false);
+    ASSERT_EQ(prod.size(), val.size());
+    for (size_t i = 0; i < prod.size(); ++i)
+      EXPECT_TRUE(at::equal(prod[i], val[i])) << i;
+    HP_EXPECT_ERROR(run_mode(plan::Mode::kValidate, true),
+                    "validate: placement mismatch at module 'layers.1.mlp': expected (cp: "
+                    "Replicate, tp: Replicate), actual (cp: Shard(1), tp: Replicate)");
+  });
 }
 
 TEST(Qwen3Parallel, BadConfigsFailClearly) {

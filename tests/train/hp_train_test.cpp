@@ -63,6 +63,20 @@ TEST(HpTrain, TensorAndContextParallelTogether) {
   EXPECT_LT(j["validate"]["max_rel_grad_diff"].get<double>(), 1e-4);
 }
 
+TEST(HpTrain, ValidateModeEqualsProductionBitwise) {
+  const std::string dir = ::testing::TempDir();
+  const std::string common = "--nproc 4 --tp 2 --cp 2 --steps 3 --heads 8 --kv-heads 4 ";
+  auto p = run(common + "--metrics-json " + dir + "/mode_p.json");
+  auto v = run(common + "--mode validate --metrics-json " + dir + "/mode_v.json");
+  ASSERT_EQ(p.rc, 0) << p.out;
+  ASSERT_EQ(v.rc, 0) << v.out;
+  EXPECT_NE(v.out.find("(validate mode)"), std::string::npos) << v.out;
+  auto a = metrics(dir + "/mode_p.json")["steps"], b = metrics(dir + "/mode_v.json")["steps"];
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>());
+}
+
 TEST(HpTrain, ResumeContinuesTheExactTrajectory) {
   namespace fs = std::filesystem;
   const std::string dir = ::testing::TempDir() + "/hp_train_ckpt";

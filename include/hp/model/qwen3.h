@@ -82,10 +82,19 @@ class Qwen3MLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Qwen3MLP);
 
+// Validate-mode hooks of one decoder layer (null checker: production).
+struct LayerValidation {
+  plan::BoundaryChecker* checker = nullptr;
+  const plan::ModuleShardingSpec* layer = nullptr;
+  const plan::ModuleShardingSpec* attn = nullptr;
+  const plan::ModuleShardingSpec* mlp = nullptr;
+};
+
 class Qwen3DecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
+  LayerValidation validation;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3Attention self_attn{nullptr};
   Qwen3MLP mlp{nullptr};
@@ -97,6 +106,8 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
   explicit Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp = nullptr);
   std::vector<plan::AttentionModuleInfo> attention_modules() override;
   void check_tp(int64_t tp_size) const override { validate(config_, tp_size); }
+  void set_validation(plan::BoundaryChecker* checker,
+                      const std::map<std::string, plan::ModuleShardingSpec>* specs) override;
   // input_ids, position_ids [B, S_local] (global positions) -> logits [B, S_local, vocab].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids);
   const Qwen3Config& config() const { return config_; }
@@ -111,6 +122,8 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
 
  private:
   Qwen3Config config_;
+  plan::BoundaryChecker* checker_ = nullptr;
+  const plan::ModuleShardingSpec* first_layer_ = nullptr;
 };
 TORCH_MODULE(Qwen3);
 

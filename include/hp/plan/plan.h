@@ -7,6 +7,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,8 +16,11 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/apply.h"
 #include "hp/cp/config.h"
+#include "hp/plan/layout.h"
 
 namespace hp::plan {
+
+struct ModuleShardingSpec;
 
 // What the planner needs to know of a model (plan/ sits below model/: models implement this).
 struct AttentionModuleInfo {
@@ -32,6 +36,9 @@ class Plannable {
   virtual std::vector<AttentionModuleInfo> attention_modules() = 0;
   // Throws hp::Error when the model cannot be split over tp_size ranks.
   virtual void check_tp(int64_t tp_size) const = 0;
+  // Validate mode: check boundaries with `checker` against `specs` (null: production).
+  virtual void set_validation(BoundaryChecker* checker,
+                              const std::map<std::string, ModuleShardingSpec>* specs) = 0;
 };
 
 struct PlanOptions {
@@ -47,7 +54,8 @@ struct PlanOptions {
 struct ModuleShardingSpec {
   std::string path;
   std::map<std::string, std::string> param_placements;  // "weight" -> "Shard(0)" / "Replicate"
-  cp::CPModuleSpec cp;                                  // attention modules only
+  Layout in_layout, out_layout;  // boundary layouts (validate mode checks them)
+  cp::CPModuleSpec cp;           // attention modules only
   bool is_attention = false;
 };
 
@@ -56,6 +64,11 @@ struct ShardingPlan {
   std::optional<cp::ContextParallelConfig> cp_config;  // normalised; nullopt when cp_size == 1
   std::map<std::string, ModuleShardingSpec> modules;
   int64_t tp_size = 1, cp_size = 1;
+  int64_t seq_len = 0;
+  Mode mode = Mode::kProduction;
+  std::unique_ptr<BoundaryChecker> checker;  // validate mode, set by the applier
+  // The layout of activations between modules: sequence sharded over cp, replicated over tp.
+  Layout activation_layout() const;
   std::string describe() const;
 };
 
@@ -70,8 +83,8 @@ class ShardingApplier {
  public:
   // Installs CP into every attention module of `model` (built with the mesh's TP group).
   // Returns the apply log lines (also printed by the caller if it wants).
-  std::vector<std::string> apply(Plannable& model, ShardingPlan& plan,
-                                 const comm::DeviceMesh& mesh) const;
+  std::vector<std::string> apply(Plannable& model, ShardingPlan& plan, const comm::DeviceMesh& mesh,
+                                 Mode mode = Mode::kProduction) const;
 };
 
 }  // namespace hp::plan
