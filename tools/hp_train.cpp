@@ -93,6 +93,7 @@ int main(int argc, char** argv) {
   app.add_option("--primitive", o.model.primitive, "math | blockwise");
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
+  app.add_option("--data-dtype", o.data_dtype, ".bin token width: uint16 | uint32");
   app.add_option("--seed", o.seed, "data seed");
   app.add_flag("--validate", o.validate, "also run single-process and compare");
   std::string mode = "production";

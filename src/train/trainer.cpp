@@ -29,16 +29,22 @@ namespace {
 
 namespace fs = std::filesystem;
 
-at::Tensor load_tokens(const std::string& path) {
+at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
   std::ifstream f(path, std::ios::binary);
   HP_CHECK(f.good(), "hp-train: cannot open --data '", path, "'");
   std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
   HP_CHECK(!bytes.empty(), "hp-train: --data '", path, "' is empty");
   if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
-    HP_CHECK(bytes.size() % 2 == 0, "hp-train: '", path, "' is not a whole number of uint16 ids");
-    auto t = at::empty({static_cast<int64_t>(bytes.size() / 2)}, at::kShort);
+    HP_CHECK(dtype == "uint16" || dtype == "uint32", "hp-train: --data-dtype '", dtype,
+             "' is not valid; valid: uint16, uint32");
+    const size_t width = dtype == "uint16" ? 2 : 4;
+    HP_CHECK(bytes.size() % width == 0, "hp-train: '", path, "' is not a whole number of ", dtype,
+             " ids (", bytes.size(), " bytes)");
+    auto t =
+        at::empty({static_cast<int64_t>(bytes.size() / width)}, width == 2 ? at::kShort : at::kInt);
     std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-    return t.to(at::kLong).bitwise_and(0xFFFF);
+    const int64_t mask = width == 2 ? int64_t{0xFFFF} : int64_t{0xFFFFFFFF};
+    return t.to(at::kLong).bitwise_and(mask);  // the ids are unsigned
   }
   auto t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
@@ -198,7 +204,7 @@ void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor
   static thread_local std::string loaded_path;
   static thread_local at::Tensor corpus;
   if (loaded_path != o.data) {
-    corpus = load_tokens(o.data);
+    corpus = load_tokens(o.data, o.data_dtype);
     loaded_path = o.data;
   }
   HP_CHECK(corpus.size(0) > s + 1, "hp-train: --data has ", corpus.size(0),

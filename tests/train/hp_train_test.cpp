@@ -5,6 +5,9 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
+
+#include <signal.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -123,6 +126,69 @@ TEST(HpTrain, ConfigFileAndTrace) {
   EXPECT_EQ(ranks, (std::set<int>{0, 1}));
   auto bad = run("--nproc 2 --config " + dir + "/train_cfg.json --cp 2 --nonsense 1");
   EXPECT_NE(bad.rc, 0);
+}
+
+TEST(HpTrain, TrainsOnTextAndTokenFiles) {
+  const std::string dir = ::testing::TempDir();
+  {
+    std::ofstream t(dir + "/corpus.txt");
+    for (int i = 0; i < 200; ++i)
+      t << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  auto txt = run("--nproc 2 --cp 2 --data " + dir +
+                 "/corpus.txt --vocab 256 --seq-len 64 "
+                 "--steps 2");
+  EXPECT_EQ(txt.rc, 0) << txt.out;
+  {
+    std::ofstream b(dir + "/tokens.bin", std::ios::binary);
+    for (uint32_t i = 0; i < 4096; ++i) {
+      const uint32_t id = (i * 7) % 300;
+      b.write(reinterpret_cast<const char*>(&id), 4);
+    }
+  }
+  auto bin = run("--nproc 2 --cp 2 --data " + dir +
+                 "/tokens.bin --data-dtype uint32 "
+                 "--vocab 300 --seq-len 64 --steps 2");
+  EXPECT_EQ(bin.rc, 0) << bin.out;
+  auto small_vocab = run("--nproc 2 --cp 2 --data " + dir +
+                         "/tokens.bin --data-dtype uint32 "
+                         "--vocab 100 --seq-len 64 --steps 2");
+  EXPECT_NE(small_vocab.rc, 0);
+  EXPECT_NE(small_vocab.out.find("holds token ids up to 299 but --vocab is 100"), std::string::npos)
+      << small_vocab.out;
+}
+
+TEST(HpTrain, InterruptStopsEveryRank) {
+  // A long run, interrupted: the launcher stops both ranks and exits 128 + SIGINT.
+  const std::string marker = "--seed 918273";
+  const std::string cmd = std::string(HP_TRAIN_BINARY) + " --nproc 2 --cp 2 --steps 100000 " +
+                          marker + " > /dev/null 2>&1 & echo $!";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  int pid = 0;
+  ASSERT_EQ(std::fscanf(p, "%d", &pid), 1);
+  ::pclose(p);
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  int status = 0;
+  for (int i = 0; i < 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (::kill(pid, 0) != 0) break;  // gone (reaped by the shell's parent, i.e. init)
+  }
+  (void)status;
+  EXPECT_NE(::kill(pid, 0), 0) << "the launcher did not exit";
+  // No rank survives: no process carries the marker any more.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  int survivors = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream f(e.path() / "cmdline");
+    std::string c((std::istreambuf_iterator<char>(f)), {});
+    for (auto& ch : c)
+      ch = ch == '\0' ? ' ' : ch;
+    if (c.find("hp-train") != std::string::npos && c.find("918273") != std::string::npos) {
+      ++survivors;
+    }
+  }
+  EXPECT_EQ(survivors, 0);
 }
 
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {

@@ -30,8 +30,9 @@ struct TrainOptions {
   double weight_decay = 0.01;
   double clip = 1.0;
   uint64_t seed = 0;
-  std::string data;       // empty: the embedded copy task; else a text file or a .bin of uint16 ids
-  bool validate = false;  // also run single-process and compare
+  std::string data;  // empty: the embedded copy task; else a text file or a .bin of uint16 ids
+  std::string data_dtype = "uint16";  // .bin files: uint16 or uint32
+  bool validate = false;              // also run single-process and compare
   bool validate_mode = false;  // apply in plan::Mode::kValidate (layouts checked at boundaries)
   std::string metrics_json;
   std::string trace;
