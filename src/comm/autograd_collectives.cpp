@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "hp/comm/collectives.h"
+#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 
 namespace hp::comm {
@@ -13,18 +14,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct GroupBox : torch::CustomClassHolder {
-  explicit GroupBox(GroupPtr g) : group(std::move(g)) {}
-  GroupPtr group;
-};
-
 void save_group(AutogradContext* ctx, const GroupPtr& g) {
-  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupBox>(g));
+  ctx->saved_data["group"] = common::to_capsule(g);
 }
 
 Group& saved_group(AutogradContext* ctx) {
-  auto holder = ctx->saved_data["group"].toCapsule();
-  return *static_cast<GroupBox*>(holder.get())->group;
+  // The capsule in ctx keeps the group alive; the reference stays valid with it.
+  return *common::from_capsule<GroupPtr>(ctx->saved_data["group"]);
 }
 
 Group& checked(const GroupPtr& g, const char* fn) {
@@ -69,6 +65,27 @@ struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
     auto dx = all_to_all(saved_group(ctx), grads[0], ctx->saved_data["concat"].toInt(),
                          ctx->saved_data["split"].toInt());
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// all_reduce(sum) forward, identity backward (e.g. after a row-parallel matmul).
+struct AllReduceForwardFn : torch::autograd::Function<AllReduceForwardFn> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, GroupPtr g) {
+    return all_reduce(*g, x.contiguous());
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// identity forward, all_reduce(sum) backward (e.g. before a column-parallel matmul).
+struct AllReduceBackwardFn : torch::autograd::Function<AllReduceBackwardFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr g) {
+    save_group(ctx, g);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduce(saved_group(ctx), grads[0].contiguous()), at::Tensor()};
   }
 };
 
@@ -120,6 +137,18 @@ at::Tensor ulysses_head_to_seq(const at::Tensor& x, int64_t seq_dim, int64_t hea
   checked(group, "ulysses_head_to_seq");
   check_seq_head(x, seq_dim, head_dim, "ulysses_head_to_seq");
   return AllToAllFn::apply(x, seq_dim, head_dim, group);
+}
+
+at::Tensor all_reduce_forward(const at::Tensor& x, const GroupPtr& group) {
+  checked(group, "all_reduce_forward");
+  if (group->size() == 1) return x;
+  return AllReduceForwardFn::apply(x, group);
+}
+
+at::Tensor all_reduce_backward(const at::Tensor& x, const GroupPtr& group) {
+  checked(group, "all_reduce_backward");
+  if (group->size() == 1) return x;
+  return AllReduceBackwardFn::apply(x, group);
 }
 
 at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group) {

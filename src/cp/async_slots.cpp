@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 
@@ -14,23 +15,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct SlotBox : torch::CustomClassHolder {
-  explicit SlotBox(std::shared_ptr<AsyncSlot> s) : slot(std::move(s)) {}
-  std::shared_ptr<AsyncSlot> slot;
-};
+using SlotPtr = std::shared_ptr<AsyncSlot>;
 
-std::shared_ptr<AsyncSlot> slot_of(AutogradContext* ctx) {
-  auto holder = ctx->saved_data["slot"].toCapsule();
-  return static_cast<SlotBox*>(holder.get())->slot;
+SlotPtr slot_of(AutogradContext* ctx) {
+  return common::from_capsule<SlotPtr>(ctx->saved_data["slot"]);
 }
 
 // Identity in forward (the collective was launched by the caller); in backward, waits for the
 // inverse collective the consumer launched and returns the real gradient.
 struct HandoffLaunchFn : torch::autograd::Function<HandoffLaunchFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
-                            c10::intrusive_ptr<SlotBox> box) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, SlotPtr slot) {
     ctx->set_materialize_grads(false);
-    ctx->saved_data["slot"] = c10::IValue::make_capsule(box);
+    ctx->saved_data["slot"] = common::to_capsule(std::move(slot));
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -46,10 +42,10 @@ struct HandoffLaunchFn : torch::autograd::Function<HandoffLaunchFn> {
 // Waits for the slot's collective in forward; in backward launches the inverse collective and
 // returns no gradient here (HandoffLaunch delivers it once the collective is done).
 struct DifferentiableWaitFn : torch::autograd::Function<DifferentiableWaitFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*y*/,
-                            c10::intrusive_ptr<SlotBox> box) {
-    ctx->saved_data["slot"] = c10::IValue::make_capsule(box);
-    return box->slot->forward.wait();
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*y*/, SlotPtr slot) {
+    auto out = slot->forward.wait();
+    ctx->saved_data["slot"] = common::to_capsule(std::move(slot));
+    return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto slot = slot_of(ctx);
@@ -85,7 +81,7 @@ at::Tensor CPRuntimeState::produce(
     at::NoGradGuard no_grad;  // the collective moves data; autograd is wired by the two nodes
     slot->forward = launch(x.detach());
   }
-  auto y = HandoffLaunchFn::apply(x, c10::make_intrusive<SlotBox>(slot));
+  auto y = HandoffLaunchFn::apply(x, slot);
   slot->produced = y;
   std::lock_guard<std::mutex> lock(mu_);
   fifo_[static_cast<int>(role)].push_back(slot);
@@ -119,7 +115,7 @@ at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
            "): something transformed it after the handoff, or the call belongs to another "
            "invocation. Move the handoff point after the last transform");
   slot->produced = at::Tensor();
-  return DifferentiableWaitFn::apply(consumer, c10::make_intrusive<SlotBox>(slot));
+  return DifferentiableWaitFn::apply(consumer, slot);
 }
 
 void CPRuntimeState::check_drained() const {

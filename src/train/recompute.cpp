@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 
 namespace hp::train {
@@ -12,25 +13,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct FnBox : torch::CustomClassHolder {
-  explicit FnBox(BlockFn f) : fn(std::move(f)) {}
-  BlockFn fn;
-};
-
 struct CheckpointFn : torch::autograd::Function<CheckpointFn> {
   // at::TensorList, not a vector: that is what autograd recognises as tensor inputs.
-  static variable_list forward(AutogradContext* ctx, at::TensorList inputs,
-                               c10::intrusive_ptr<FnBox> box) {
-    ctx->saved_data["fn"] = c10::IValue::make_capsule(box);
+  static variable_list forward(AutogradContext* ctx, at::TensorList inputs, BlockFn fn) {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     ctx->save_for_backward(in);
+    ctx->saved_data["fn"] = common::to_capsule(fn);
     at::NoGradGuard no_grad;
-    return box->fn(in);
+    return fn(in);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto holder = ctx->saved_data["fn"].toCapsule();
-    const auto& fn = static_cast<FnBox*>(holder.get())->fn;
+    const auto fn = common::from_capsule<BlockFn>(ctx->saved_data["fn"]);
     auto saved = ctx->get_saved_variables();
     std::vector<at::Tensor> inputs;
     for (const auto& s : saved) {
@@ -65,7 +59,7 @@ struct CheckpointFn : torch::autograd::Function<CheckpointFn> {
 
 std::vector<at::Tensor> checkpoint(const BlockFn& fn, const std::vector<at::Tensor>& inputs) {
   HP_CHECK(static_cast<bool>(fn), "checkpoint: the block function is empty");
-  return CheckpointFn::apply(at::TensorList(inputs), c10::make_intrusive<FnBox>(fn));
+  return CheckpointFn::apply(at::TensorList(inputs), fn);
 }
 
 }  // namespace hp::train

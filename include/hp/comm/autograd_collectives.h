@@ -8,6 +8,8 @@
 //   ulysses_head_to_seq(x, seq, head)    fwd all_to_all(split seq, concat head)
 //                                        bwd ulysses_seq_to_head of the gradient
 //   p2p_exchange(x, peer)                fwd send x to peer, receive peer's  bwd the same exchange
+//   all_reduce_forward(x)                fwd all_reduce(sum)          bwd identity
+//   all_reduce_backward(x)               fwd identity                 bwd all_reduce(sum)
 //
 // The group must outlive the autograd graph (groups live as long as their mesh/World).
 #pragma once
@@ -31,5 +33,9 @@ at::Tensor ulysses_head_to_seq(const at::Tensor& x, int64_t seq_dim, int64_t hea
                                const GroupPtr& group);
 
 at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group);
+
+// The tensor-parallel pair (Megatron's g and f).
+at::Tensor all_reduce_forward(const at::Tensor& x, const GroupPtr& group);
+at::Tensor all_reduce_backward(const at::Tensor& x, const GroupPtr& group);
 
 }  // namespace hp::comm
