@@ -27,6 +27,16 @@
 
 namespace {
 
+// The attention shape options both `attention` and `cp` take.
+void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,
+                       int64_t& head_dim, int64_t& batch) {
+  cmd->add_option("--seq", seq, "sequence length S (global)")->check(CLI::PositiveNumber);
+  cmd->add_option("--heads", heads, "query heads H")->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-heads", kv_heads, "key/value heads")->check(CLI::PositiveNumber);
+  cmd->add_option("--head-dim", head_dim, "head dim D")->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", batch, "batch B")->check(CLI::PositiveNumber);
+}
+
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
   return hp::train::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
 }
@@ -286,12 +296,8 @@ int main(int argc, char** argv) {
   c->add_option("--trace", comm.trace, "write a Chrome trace (one track per rank) to this file");
   AttentionArgs att;
   auto* at_cmd = app.add_subcommand("attention", "one attention layer, fwd and fwd+bwd");
-  at_cmd->add_option("--seq", att.bench.seq, "sequence length S")->check(CLI::PositiveNumber);
-  at_cmd->add_option("--heads", att.bench.heads, "query heads H")->check(CLI::PositiveNumber);
-  at_cmd->add_option("--kv-heads", att.bench.kv_heads, "key/value heads")
-      ->check(CLI::PositiveNumber);
-  at_cmd->add_option("--head-dim", att.bench.head_dim, "head dim D")->check(CLI::PositiveNumber);
-  at_cmd->add_option("--batch", att.bench.batch, "batch B")->check(CLI::PositiveNumber);
+  add_shape_options(at_cmd, att.bench.seq, att.bench.heads, att.bench.kv_heads, att.bench.head_dim,
+                    att.bench.batch);
   at_cmd->add_flag("--causal", att.bench.causal, "causal mask");
   at_cmd->add_option("--primitive", att.primitive, "math | blockwise | sdpa | all");
   at_cmd->add_option("--iters", att.bench.iters, "timed iterations")->check(CLI::Range(1, 1000));
@@ -301,12 +307,8 @@ int main(int argc, char** argv) {
   at_cmd->add_flag("--child", att.child, "internal")->group("");
   CPArgs cpa;
   auto* cp_cmd = app.add_subcommand("cp", "one CP attention layer, forward + backward");
-  cp_cmd->add_option("--seq", cpa.bench.seq, "global sequence length")->check(CLI::PositiveNumber);
-  cp_cmd->add_option("--heads", cpa.bench.heads, "query heads")->check(CLI::PositiveNumber);
-  cp_cmd->add_option("--kv-heads", cpa.bench.kv_heads, "key/value heads")
-      ->check(CLI::PositiveNumber);
-  cp_cmd->add_option("--head-dim", cpa.bench.head_dim, "head dim")->check(CLI::PositiveNumber);
-  cp_cmd->add_option("--batch", cpa.bench.batch, "batch")->check(CLI::PositiveNumber);
+  add_shape_options(cp_cmd, cpa.bench.seq, cpa.bench.heads, cpa.bench.kv_heads, cpa.bench.head_dim,
+                    cpa.bench.batch);
   cp_cmd->add_option("--cp,--nproc", cpa.nproc, "CP ranks (local processes)")
       ->check(CLI::Range(1, 64));
   cp_cmd->add_option("--cp-algo", cpa.algo, "all_gather | ulysses | hybrid");

@@ -108,24 +108,17 @@ TEST(Launcher, SetsRankVariablesAndThreadCounts) {
 }
 
 TEST(HpBenchComm, JsonReportsMeasuredBytesEqualToTheFormula) {
-  const std::string cmd =
-      std::string(HP_BENCH_BINARY) + " comm --nproc 2 --bytes 1048576 --iters 2 --json 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    out.append(buf.data(), n);
-  ASSERT_EQ(::pclose(pipe), 0) << out;
-  auto j = nlohmann::json::parse(out);
+  auto run = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " comm --nproc 2 --bytes 1048576 --iters 2 --json");
+  ASSERT_EQ(run.rc, 0) << run.out;
+  auto j = nlohmann::json::parse(run.out);
   EXPECT_EQ(j["nproc"], 2);
   std::set<std::string> ops;
-  for (const auto& r : j["results"]) {
-    ops.insert(r["op"]);
-    EXPECT_EQ(r["bytes_in"], 1048576);
-    EXPECT_EQ(r["bytes_sent_per_rank"], r["theory_bytes_per_rank"]) << r.dump();
-    EXPECT_GT(r["gbps"].get<double>(), 0.0);
+  for (const auto& row : j["results"]) {
+    ops.insert(row["op"]);
+    EXPECT_EQ(row["bytes_in"], 1048576);
+    EXPECT_EQ(row["bytes_sent_per_rank"], row["theory_bytes_per_rank"]) << row.dump();
+    EXPECT_GT(row["gbps"].get<double>(), 0.0);
   }
   EXPECT_EQ(ops,
             (std::set<std::string>{"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}));

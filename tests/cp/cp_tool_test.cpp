@@ -16,20 +16,8 @@
 
 namespace {
 
-struct Run {
-  int rc;
-  std::string out;
-};
-
-Run run(const std::string& cmd) {
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0)
-    out.append(buf, n);
-  int rc = ::pclose(p);
-  return {WEXITSTATUS(rc), out};
+hp::testing::CommandResult run(const std::string& cmd) {
+  return hp::testing::run_command(cmd);
 }
 
 void save(const std::string& path, const c10::Dict<std::string, at::Tensor>& d) {

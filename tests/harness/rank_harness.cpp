@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <thread>
@@ -100,6 +101,18 @@ std::vector<ProcessResult> run_rank_processes(int n, const std::function<void(co
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return results;
+}
+
+CommandResult run_command(const std::string& cmd) {
+  CommandResult r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  HP_CHECK(p != nullptr, "run_command: cannot start ", cmd);
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0)
+    r.out.append(buf, n);
+  r.rc = WEXITSTATUS(::pclose(p));
+  return r;
 }
 
 std::string error_of(const std::function<void()>& fn) {

@@ -46,6 +46,13 @@ std::vector<ProcessResult> run_rank_processes(
     int n, const std::function<void(comm::World&)>& fn, const RankOptions& options = {},
     std::chrono::milliseconds deadline = std::chrono::seconds(60));
 
+// Runs a shell command; its exit code and its stdout + stderr.
+struct CommandResult {
+  int rc = -1;
+  std::string out;
+};
+CommandResult run_command(const std::string& cmd);
+
 // The message of the hp::Error `fn` throws, or "(no error)".
 std::string error_of(const std::function<void()>& fn);
 

@@ -12,22 +12,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "rank_harness.h"
+
 namespace {
 
-struct Run {
-  int rc;
-  std::string out;
-};
-
-Run run(const std::string& args) {
-  const std::string cmd = std::string(HP_TRAIN_BINARY) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0)
-    out.append(buf, n);
-  return {WEXITSTATUS(::pclose(p)), out};
+hp::testing::CommandResult run(const std::string& args) {
+  return hp::testing::run_command(std::string(HP_TRAIN_BINARY) + " " + args);
 }
 
 nlohmann::json metrics(const std::string& path) {
