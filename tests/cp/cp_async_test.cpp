@@ -14,7 +14,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/config.h"
 #include "hp/cp/runtime.h"
-#include "hp/train/recompute.h"
+#include "hp/common/recompute.h"
 #include "rank_harness.h"
 
 namespace hp::cp {
@@ -217,7 +217,7 @@ TEST(CPAsync, TwoMicroBatchesInFlightAndRecompute) {
       // launches its own slots.
       m.zero_grad();
       auto c = shard(x1, 1, r, p).requires_grad_(true);
-      auto yc = train::checkpoint(
+      auto yc = common::checkpoint(
           [&](const std::vector<at::Tensor>& in) {
             return std::vector<at::Tensor>{m.forward(in[0])};
           },

@@ -9,11 +9,11 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace hp::train {
+namespace hp::common {
 
 using BlockFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 // Gradients reach `inputs` that require grad and every parameter `fn` uses.
 std::vector<at::Tensor> checkpoint(const BlockFn& fn, const std::vector<at::Tensor>& inputs);
 
-}  // namespace hp::train
+}  // namespace hp::common

@@ -1,4 +1,4 @@
-#include "hp/train/recompute.h"
+#include "hp/common/recompute.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -7,7 +7,7 @@
 #include "hp/common/capsule.h"
 #include "hp/common/check.h"
 
-namespace hp::train {
+namespace hp::common {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -62,4 +62,4 @@ std::vector<at::Tensor> checkpoint(const BlockFn& fn, const std::vector<at::Tens
   return CheckpointFn::apply(at::TensorList(inputs), fn);
 }
 
-}  // namespace hp::train
+}  // namespace hp::common
