@@ -256,7 +256,9 @@ TEST(FullyShard, UnfusedScheduleIssuesRsBeforeThePreviousArAndWaitsArsAtTheDrain
           << "RS(" << order[n] << ") before AR(" << order[n - 1] << ")";
     }
     for (size_t i = 0; i < ev.size(); ++i) {
-      if (ev[i].rfind("wait AR", 0) == 0) EXPECT_GT(i, drain) << ev[i];
+      if (ev[i].rfind("wait AR", 0) == 0) {
+        EXPECT_GT(i, drain) << ev[i];
+      }
     }
     EXPECT_LT(index_of(ev, "issue AR root"), index_of(ev, "wait AR root"));
     EXPECT_EQ(std::count(ev.begin(), ev.end(), "drain begin"), 1);
