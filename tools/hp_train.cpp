@@ -1,5 +1,6 @@
 // hp-train: trains the built-in Qwen3-style decoder with any legal TP x CP layout.
 //   hp-train [--nproc N] [--tp T] [--cp C] [--cp-algo all_gather|ulysses|hybrid]
+//     [--dp-shard Sd] [--dp-replicate R] [--comm-fusion on|off] [--grad-accum K] [--recompute]
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--seq-len S] [--batch B]
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
@@ -79,6 +80,14 @@ int main(int argc, char** argv) {
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
+  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas")->check(CLI::PositiveNumber);
+  std::string fusion = "off";
+  app.add_option("--comm-fusion", fusion, "HSDP fused per-unit reduce-scatter: on | off");
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
   app.add_option("--seq-len", o.seq_len, "global sequence length")->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "sequences per step")->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "training steps")->check(CLI::PositiveNumber);
@@ -111,6 +120,9 @@ int main(int argc, char** argv) {
     HP_CHECK(mode == "production" || mode == "validate", "hp-train: --mode '", mode,
              "' is not valid; valid: production, validate");
     o.validate_mode = mode == "validate";
+    HP_CHECK(fusion == "on" || fusion == "off", "hp-train: --comm-fusion '", fusion,
+             "' is not valid; valid: on, off");
+    o.comm_fusion = fusion == "on";
     if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance) {
       hp::cp::ContextParallelConfig c;
       c.algorithm = hp::cp::parse_algorithm(a.algo);
@@ -121,8 +133,10 @@ int main(int argc, char** argv) {
     }
     auto env = hp::comm::parse_launch_env(hp::comm::process_env());
     if (!env && a.nproc > 1) {
-      HP_CHECK(a.nproc == o.tp * o.cp, "hp-train: --nproc ", a.nproc, " but --tp ", o.tp,
-               " x --cp ", o.cp, " = ", o.tp * o.cp, "; the layout must use every rank");
+      const int64_t used = o.dp_replicate * o.dp_shard * o.cp * o.tp;
+      HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ",
+               o.dp_replicate, " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp,
+               " = ", used, "; the layout must use every rank");
       return hp::train::relaunch_as_local_ranks(a.nproc, argv_copy, "hp-train");
     }
     hp::comm::WorldOptions wo;
@@ -153,6 +167,11 @@ int main(int argc, char** argv) {
                              {{"nproc", world.size()},
                               {"tp", o.tp},
                               {"cp", o.cp},
+                              {"dp_shard", o.dp_shard},
+                              {"dp_replicate", o.dp_replicate},
+                              {"comm_fusion", fusion},
+                              {"grad_accum", o.grad_accum},
+                              {"recompute", o.model.recompute},
                               {"cp_algo", a.algo},
                               {"ulysses_degree", a.degree},
                               {"schedule", a.schedule},

@@ -6,6 +6,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "hp/common/check.h"
+#include "hp/common/recompute.h"
 
 namespace hp::model {
 namespace {
@@ -142,7 +143,8 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
   return y;
 }
 
-Qwen3Impl::Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp) : config_(c) {
+Qwen3Impl::Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp)
+    : config_(c), tp_(tp && tp->size() > 1) {
   validate(c, tp ? tp->size() : 1);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed);
   embed_tokens =
@@ -164,15 +166,54 @@ Qwen3Impl::Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp) : config_(c) {
 at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids) {
   HP_CHECK(input_ids.dim() == 2 && position_ids.sizes() == input_ids.sizes(),
            "Qwen3: input_ids and position_ids must both be [B, S_local]");
-  auto x = at::embedding(embed_tokens, input_ids);
-  if (checker_ != nullptr) {
-    // The ids entered with their layout (the caller registered it); the embedding keeps it.
-    checker_->check_input("embed_tokens", input_ids, first_layer_->in_layout);
-    checker_->set_output("embed_tokens", x, first_layer_->in_layout);
+  auto body = [&] {
+    auto x = at::embedding(embed_tokens, input_ids);
+    if (checker_ != nullptr) {
+      // The ids entered with their layout (the caller registered it); the embedding keeps it.
+      checker_->check_input("embed_tokens", input_ids, first_layer_->in_layout);
+      checker_->set_output("embed_tokens", x, first_layer_->in_layout);
+    }
+    return head(run_layers(x, position_ids));
+  };
+  return fully_shard_ != nullptr ? fully_shard_->forward_root(body) : body();
+}
+
+at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto fn = [&, i](const at::Tensor& in) { return layers[i]->forward(in, position_ids); };
+    if (fully_shard_ != nullptr) {
+      x = fully_shard_->forward_unit(i + 1, x, fn, config_.recompute);
+    } else if (config_.recompute && at::GradMode::is_enabled()) {
+      auto block = [fn](const std::vector<at::Tensor>& in) { return std::vector{fn(in[0])}; };
+      x = common::checkpoint(block, {x})[0];
+    } else {
+      x = fn(x);
+    }
   }
-  for (auto& layer : layers)
-    x = layer->forward(x, position_ids);
+  return x;
+}
+
+at::Tensor Qwen3Impl::head(const at::Tensor& x) {
   return at::matmul(norm->forward(x), lm_head.t());
+}
+
+std::vector<hsdp::UnitSpec> Qwen3Impl::fully_shard_units() {
+  std::vector<hsdp::UnitSpec> units(1 + layers.size());
+  units[0].name = "root";
+  units[0].params.push_back({"embed_tokens", embed_tokens});
+  units[0].params.push_back({"norm.weight", norm->weight});
+  if (!config_.tie_embeddings) units[0].params.push_back({"lm_head", lm_head});
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::string base = common::str_cat("layers.", i);
+    units[i + 1].name = base;
+    for (const auto& p : layers[i]->named_parameters()) {
+      // QK-norm weights act on this rank's heads: partial gradients under TP.
+      const bool partial = tp_ && (p.key().find("q_norm") != std::string::npos ||
+                                   p.key().find("k_norm") != std::string::npos);
+      units[i + 1].params.push_back({base + "." + p.key(), p.value(), partial});
+    }
+  }
+  return units;
 }
 
 std::vector<plan::AttentionModuleInfo> Qwen3Impl::attention_modules() {

@@ -17,8 +17,19 @@ std::string ShardingPlan::describe() const {
   }
   out += ")";
   if (cp_config) out += " cp: " + cp::describe(*cp_config, cp_size);
+  if (hsdp()) {
+    out += common::str_cat(" hsdp: R=", dp_replicate, " x Sd=", dp_shard * cp_size,
+                           " (dp_shard=", dp_shard, " x cp=", cp_size,
+                           "), comm_fusion=", hsdp_options.comm_fusion ? "on" : "off");
+  }
   out += common::str_cat(" modules=", modules.size());
   return out;
+}
+
+comm::MeshOptions ShardingPlan::mesh_options() const {
+  comm::MeshOptions o;
+  if (hsdp()) o.flattened.push_back({"dp_shard", "cp"});
+  return o;
 }
 
 ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanOptions& o,
@@ -33,13 +44,16 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   HP_CHECK(product == world_size, "plan: dp_replicate=", o.dp_replicate, " x dp_shard=", o.dp_shard,
            " x cp=", o.cp_size, " x tp=", o.tp_size, " = ", product, " but the world has ",
            world_size, " ranks; choose sizes whose product is ", world_size);
-  HP_CHECK(o.dp_shard == 1 && o.dp_replicate == 1,
-           "plan: dp_shard/dp_replicate > 1 (HSDP) is not available in this build yet; use 1");
   m.check_tp(o.tp_size);
   auto attns = m.attention_modules();
   ShardingPlan p;
   p.tp_size = o.tp_size;
   p.cp_size = o.cp_size;
+  p.dp_shard = o.dp_shard;
+  p.dp_replicate = o.dp_replicate;
+  p.hsdp_options.comm_fusion = o.comm_fusion;
+  p.hsdp_options.reshard_after_forward = o.reshard_after_forward;
+  p.hsdp_options.reduce_op = o.reduce_op;
   p.mesh_dims = {{"dp_replicate", o.dp_replicate},
                  {"dp_shard", o.dp_shard},
                  {"cp", o.cp_size},
@@ -99,15 +113,26 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
   } else {
     model.set_validation(nullptr, nullptr);
   }
-  if (!plan.cp_config) return lines;
-  auto topo = cp::CPTopology::build(mesh.world(), mesh.group_ptr({"cp"}), *plan.cp_config);
-  for (const auto& info : model.attention_modules()) {
-    auto it = plan.modules.find(info.path);
-    HP_CHECK(it != plan.modules.end(), "apply: module '", info.path,
-             "' is not in the plan; plan and apply the same model");
-    cp::CPApplyOptions o;
-    o.log = [&](const std::string& l) { lines.push_back(l); };
-    cp::apply_context_parallel(*info.host, it->second.cp, *plan.cp_config, topo, o);
+  if (plan.cp_config) {
+    auto topo = cp::CPTopology::build(mesh.world(), mesh.group_ptr({"cp"}), *plan.cp_config);
+    for (const auto& info : model.attention_modules()) {
+      auto it = plan.modules.find(info.path);
+      HP_CHECK(it != plan.modules.end(), "apply: module '", info.path,
+               "' is not in the plan; plan and apply the same model");
+      cp::CPApplyOptions o;
+      o.log = [&](const std::string& l) { lines.push_back(l); };
+      cp::apply_context_parallel(*info.host, it->second.cp, *plan.cp_config, topo, o);
+    }
+  }
+  model.set_fully_shard(nullptr);
+  plan.fully_shard.reset();
+  if (plan.hsdp()) {
+    hsdp::HsdpGroups groups{mesh.group_ptr({"dp_shard", "cp"}), mesh.group_ptr({"dp_replicate"}),
+                            plan.tp_size > 1 ? mesh.group_ptr({"tp"}) : nullptr};
+    plan.fully_shard = std::make_shared<hsdp::FullyShard>(model.fully_shard_units(),
+                                                          std::move(groups), plan.hsdp_options);
+    model.set_fully_shard(plan.fully_shard.get());
+    lines.push_back("fully_shard: " + plan.fully_shard->describe());
   }
   return lines;
 }

@@ -23,6 +23,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/sequence.h"
 #include "hp/plan/plan.h"
+#include "hp/train/checkpoint.h"
 
 namespace hp::train {
 namespace {
@@ -78,23 +79,6 @@ bool is_sharded(const std::string& name) {
   return false;
 }
 
-std::string step_dir(const std::string& root, int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "step_%08lld", static_cast<long long>(step));
-  return (fs::path(root) / buf).string();
-}
-
-int64_t latest_checkpoint(const std::string& root) {
-  int64_t best = 0;
-  if (!fs::exists(root)) return 0;
-  for (const auto& e : fs::directory_iterator(root)) {
-    const auto name = e.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "manifest.json")) continue;
-    best = std::max<int64_t>(best, std::stoll(name.substr(5)));
-  }
-  return best;
-}
-
 // One training run of `model` over `world`'s layout; also used for the single-process
 // reference of --validate (world of one rank, no CP).
 struct Runner {
@@ -102,8 +86,9 @@ struct Runner {
   comm::DeviceMesh& mesh;
   model::Qwen3 model;
   std::unique_ptr<torch::optim::AdamW> opt;
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  int64_t cp, cp_rank, tp_rank;
+  hsdp::FullyShard* fs = nullptr;
+  NamedTensors params;  // what the optimizer updates: parameters, or HSDP shards
+  int64_t cp, cp_rank, tp_rank, dp, dp_rank;
   bool lb;
 
   Runner(const TrainOptions& opts, comm::DeviceMesh& m,
@@ -112,9 +97,21 @@ struct Runner {
     cp = m.size("cp");
     cp_rank = m.coordinate("cp");
     tp_rank = m.coordinate("tp");
+    dp = m.size("dp_replicate") * m.size("dp_shard");
+    dp_rank = m.coordinate("dp_replicate") * m.size("dp_shard") + m.coordinate("dp_shard");
     lb = cfg && cfg->load_balance;
-    for (const auto& p : model->named_parameters())
-      params.emplace_back(p.key(), p.value());
+  }
+
+  // After the applier ran (HSDP replaces the parameters by shards).
+  void make_optimizer(hsdp::FullyShard* fully_shard) {
+    fs = fully_shard;
+    params.clear();
+    if (fs != nullptr) {
+      params = fs->sharded_parameters();
+    } else {
+      for (const auto& p : model->named_parameters())
+        params.emplace_back(p.key(), p.value());
+    }
     std::vector<at::Tensor> ps;
     for (auto& [n, p] : params)
       ps.push_back(p);
@@ -122,50 +119,76 @@ struct Runner {
         ps, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   }
 
-  std::map<std::string, at::Tensor> first_grads;  // --validate: gradients of the first step
+  std::map<std::string, at::Tensor> first_grads;  // --validate: full gradients of step 1
   plan::BoundaryChecker* checker = nullptr;       // validate mode
   plan::Layout input_layout;
 
-  // Forward + backward of one step; returns (global mean loss). Gradients reduced over CP/TP.
+  // Forward + backward of one step (grad_accum micro-batches); returns the global mean loss.
+  // Each rank's loss is its token sum over the global token count, so the gradient is a plain
+  // SUM over data-parallel and CP ranks (HSDP reduces with SUM; without HSDP the CP all-reduce).
   double forward_backward(int64_t step) {
-    at::Tensor ids, labels;
-    make_batch(o, step, ids, labels);
-    auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);
-    if (checker != nullptr) checker->set(b.input_ids, input_layout);
-    auto logits = model->forward(b.input_ids, b.position_ids);
-    auto local_sum = loss_sum(logits, b.labels);
-    auto count = b.labels.ne(-100).sum().to(at::kDouble);
-    auto& cpg = mesh.group("cp");
-    auto global_count = comm::all_reduce(cpg, count.view({1})).item<double>();
-    HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
-    (local_sum / global_count).backward();
-    for (auto& [n, p] : params) {
-      if (p.grad().defined() && cp > 1) p.mutable_grad() = comm::all_reduce(cpg, p.grad());
+    const double tp = static_cast<double>(mesh.size("tp"));
+    auto& world = mesh.world().group();
+    double loss = 0;
+    for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
+      TrainOptions global = o;
+      global.batch = o.batch * dp;  // the union of every data-parallel rank's rows
+      at::Tensor ids, labels;
+      make_batch(global, step, ids, labels, micro);
+      ids = ids.narrow(0, dp_rank * o.batch, o.batch);
+      labels = labels.narrow(0, dp_rank * o.batch, o.batch);
+      auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);
+      if (checker != nullptr) checker->set(b.input_ids, input_layout);
+      if (fs != nullptr) fs->set_requires_all_reduce(micro == o.grad_accum - 1);
+      auto logits = model->forward(b.input_ids, b.position_ids);
+      auto local_sum = loss_sum(logits, b.labels);
+      auto count = b.labels.ne(-100).sum().to(at::kDouble);
+      // Summed over the world: every TP rank holds the same tokens.
+      auto stats = comm::all_reduce(world, at::stack({count, local_sum.detach().to(at::kDouble)}));
+      const double global_count = stats[0].item<double>() / tp;
+      HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
+      (local_sum / (global_count * static_cast<double>(o.grad_accum))).backward();
+      loss += stats[1].item<double>() / tp / global_count / static_cast<double>(o.grad_accum);
     }
-    if (mesh.size("tp") > 1) {
-      for (auto& p : model->tp_partial_grad_parameters()) {
-        p.mutable_grad() = comm::all_reduce(mesh.group("tp"), p.grad());
+    if (fs == nullptr) {  // HSDP's drain did both reductions
+      for (auto& [n, p] : params) {
+        if (p.grad().defined() && cp > 1)
+          p.mutable_grad() = comm::all_reduce(mesh.group("cp"), p.grad());
+      }
+      if (mesh.size("tp") > 1) {
+        for (auto& p : model->tp_partial_grad_parameters()) {
+          p.mutable_grad() = comm::all_reduce(mesh.group("tp"), p.grad());
+        }
       }
     }
     if (o.validate && first_grads.empty()) {
       for (auto& [n, p] : params) {
-        if (p.grad().defined()) first_grads[n] = p.grad().clone();
+        if (fs != nullptr) {
+          first_grads[n] = fs->full_gradient(n);  // collective over the shard group
+        } else if (p.grad().defined()) {
+          first_grads[n] = p.grad().clone();
+        }
       }
     }
-    return comm::all_reduce(cpg, local_sum.detach().to(at::kDouble).view({1})).item<double>() /
-           global_count;
+    return loss;
   }
 
-  // Global-norm clipping (TP shards summed, replicated parameters counted once), then AdamW.
+  // Global-norm clipping (TP shards summed, TP-replicated parameters counted once, HSDP shards
+  // summed over the shard group, replicas once), then AdamW.
   double clip_and_step(int64_t step) {
     double local = 0;
     for (auto& [n, p] : params) {
       if (!p.grad().defined()) continue;
       if (is_sharded(n) || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
     }
+    // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank.
+    const double copies =
+        fs != nullptr ? static_cast<double>(mesh.size("dp_replicate")) : static_cast<double>(cp);
     double total = local;
-    if (mesh.size("tp") > 1) {
-      total = comm::all_reduce(mesh.group("tp"), at::full({1}, local, at::kDouble)).item<double>();
+    if (mesh.world().size() > 1) {
+      total =
+          comm::all_reduce(mesh.world().group(), at::full({1}, local, at::kDouble)).item<double>() /
+          copies;
     }
     const double norm = std::sqrt(total);
     if (o.clip > 0 && norm > o.clip) {
@@ -185,10 +208,12 @@ struct Runner {
 
 }  // namespace
 
-void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor& labels) {
+void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor& labels,
+                int64_t micro) {
   const int64_t s = o.seq_len;
-  auto gen =
-      at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919ULL + static_cast<uint64_t>(step));
+  uint64_t seed = o.seed * 7919ULL + static_cast<uint64_t>(step);
+  if (micro > 0) seed = seed * 1000003ULL + static_cast<uint64_t>(micro);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   if (o.data.empty()) {
     HP_CHECK(s % 2 == 0, "hp-train: --seq-len ", s, " must be even for the copy task");
     const int64_t half = s / 2;
@@ -230,15 +255,19 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   po.cp_size = o.cp;
   po.cp_config = o.cp_config;
   po.seq_len = o.seq_len;
-  HP_CHECK(o.steps >= 1 && o.batch >= 1 && o.seq_len >= 2,
-           "hp-train: --steps, --batch must be "
-           ">= 1 and --seq-len >= 2");
+  po.dp_shard = o.dp_shard;
+  po.dp_replicate = o.dp_replicate;
+  po.comm_fusion = o.comm_fusion;
+  po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
+  HP_CHECK(o.steps >= 1 && o.batch >= 1 && o.seq_len >= 2 && o.grad_accum >= 1,
+           "hp-train: --steps, --batch and --grad-accum must be >= 1 and --seq-len >= 2");
   model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
   auto plan = plan::ShardingPlanner().plan(*probe, world.size(), po);
-  comm::DeviceMesh mesh(world, plan.mesh_dims);
+  comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
   Runner run(o, mesh, plan.cp_config);
   auto apply_log = plan::ShardingApplier().apply(
       *run.model, plan, mesh, o.validate_mode ? plan::Mode::kValidate : plan::Mode::kProduction);
+  run.make_optimizer(plan.fully_shard.get());
   run.checker = plan.checker.get();
   run.input_layout = plan.activation_layout();
 
@@ -258,22 +287,19 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     const int64_t last = latest_checkpoint(o.checkpoint_dir);
     if (last > 0) {
       const auto dir = step_dir(o.checkpoint_dir, last);
-      torch::load(run.model,
-                  (fs::path(dir) / common::str_cat("rank", world.rank(), ".model.pt")).string());
-      torch::load(*run.opt,
-                  (fs::path(dir) / common::str_cat("rank", world.rank(), ".optim.pt")).string());
-      first = last + 1;
       std::ifstream mf(fs::path(dir) / "manifest.json");
       auto manifest = nlohmann::json::parse(mf);
       HP_CHECK(manifest["world_size"] == world.size() && manifest["tp"] == o.tp &&
-                   manifest["cp"] == o.cp && manifest["model"]["layers"] == o.model.layers &&
+                   manifest["cp"] == o.cp && manifest.value("dp_shard", 1) == o.dp_shard &&
+                   manifest.value("dp_replicate", 1) == o.dp_replicate &&
+                   manifest["model"]["layers"] == o.model.layers &&
                    manifest["model"]["hidden"] == o.model.hidden,
-               "hp-train --resume: checkpoint '", dir,
-               "' was written by another layout or model "
-               "(",
+               "hp-train --resume: checkpoint '", dir, "' was written by another layout or model (",
                manifest["plan"].get<std::string>(),
-               "); resume with the same --nproc/--tp/"
-               "--cp and model sizes");
+               "); resume with the same --nproc/--tp/--cp/--dp-shard/--dp-replicate and model "
+               "sizes");
+      load_rank(dir, world.rank(), run.params, *run.opt);
+      first = last + 1;
       if (rank0) std::printf("hp-train: resumed from %s\n", dir.c_str());
     }
   }
@@ -320,10 +346,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
       comm::barrier(world.group());
       // Each rank writes its part into the temporary directory; rank 0 renames it once all are
       // there (temp + rename: a crash never leaves a half-written step behind).
-      torch::save(run.model,
-                  (fs::path(tmp) / common::str_cat("rank", world.rank(), ".model.pt")).string());
-      torch::save(*run.opt,
-                  (fs::path(tmp) / common::str_cat("rank", world.rank(), ".optim.pt")).string());
+      save_rank(tmp, world.rank(), run.params, *run.opt);
       comm::barrier(world.group());
       if (rank0) {
         const auto& mc = o.model;
@@ -334,6 +357,9 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
             {"world_size", world.size()},
             {"tp", o.tp},
             {"cp", o.cp},
+            {"dp_shard", o.dp_shard},
+            {"dp_replicate", o.dp_replicate},
+            {"grad_accum", o.grad_accum},
             {"plan", result.plan},
             {"model",
              {{"vocab", mc.vocab},
@@ -371,7 +397,10 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
                                  {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}});
       TrainOptions ro = o;
       ro.validate = true;
+      ro.batch = o.batch * o.dp_shard * o.dp_replicate;  // the union of the data-parallel rows
+      ro.dp_shard = ro.dp_replicate = 1;
       Runner ref(ro, solo_mesh, std::nullopt);
+      ref.make_optimizer(nullptr);
       for (int64_t step = 1; step <= o.steps; ++step) {
         const double loss = ref.forward_backward(step);
         ref.clip_and_step(step);

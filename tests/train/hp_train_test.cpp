@@ -70,14 +70,15 @@ TEST(HpTrain, ValidateModeEqualsProductionBitwise) {
     EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>());
 }
 
-TEST(HpTrain, ResumeContinuesTheExactTrajectory) {
+// 6 steps in one run equal 3 steps + resume + 3 steps, bitwise, for `layout`.
+void expect_exact_resume(const std::string& name, const std::string& layout) {
   namespace fs = std::filesystem;
-  const std::string dir = ::testing::TempDir() + "/hp_train_ckpt";
+  const std::string dir = ::testing::TempDir() + "/hp_train_ckpt_" + name;
   fs::remove_all(dir);
-  const std::string common = "--nproc 2 --cp 2 --steps 6 --checkpoint-every 3 ";
+  const std::string common = layout + " --steps 6 --checkpoint-every 3 ";
   auto full = run(common + "--metrics-json " + dir + "_full.json");
   ASSERT_EQ(full.rc, 0) << full.out;
-  auto first = run("--nproc 2 --cp 2 --steps 3 --checkpoint-every 3 --checkpoint-dir " + dir +
+  auto first = run(layout + " --steps 3 --checkpoint-every 3 --checkpoint-dir " + dir +
                    " --metrics-json " + dir + "_a.json");
   ASSERT_EQ(first.rc, 0) << first.out;
   ASSERT_TRUE(fs::exists(dir + "/step_00000003/manifest.json"));
@@ -92,6 +93,36 @@ TEST(HpTrain, ResumeContinuesTheExactTrajectory) {
     EXPECT_EQ(b[i]["step"], a[i + 3]["step"]);
     EXPECT_EQ(b[i]["loss"].get<double>(), a[i + 3]["loss"].get<double>()) << "step " << i + 4;
   }
+}
+
+TEST(HpTrain, ResumeContinuesTheExactTrajectory) {
+  expect_exact_resume("cp", "--nproc 2 --cp 2");
+}
+
+// HSDP: each rank saves its shards and their optimizer state; another layout is refused.
+TEST(HpTrain, ShardedCheckpointsResumeUnderHsdp) {
+  expect_exact_resume("hsdp", "--nproc 4 --dp-shard 2 --dp-replicate 2 --comm-fusion on");
+  const std::string dir = ::testing::TempDir() + "/hp_train_ckpt_hsdp";
+  auto r = run("--nproc 4 --dp-shard 4 --steps 6 --checkpoint-dir " + dir + " --resume");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("was written by another layout or model"), std::string::npos) << r.out;
+}
+
+// HSDP with CP inside the shard group, accumulation and recompute: the single-process run on
+// the union of the data agrees.
+TEST(HpTrain, HsdpValidatesAgainstTheSingleProcessRun) {
+  const std::string m = ::testing::TempDir() + "/train_hsdp.json";
+  auto r =
+      run("--nproc 4 --dp-replicate 2 --cp 2 --cp-algo all_gather --load-balance --grad-accum 2 "
+          "--recompute --steps 4 --seq-len 64 --validate --metrics-json " +
+          m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = metrics(m);
+  EXPECT_LT(j["validate"]["max_abs_loss_diff"].get<double>(), 1e-4);
+  EXPECT_LT(j["validate"]["max_rel_grad_diff"].get<double>(), 1e-4);
+  EXPECT_GT(j["comm_bytes_per_step"]["reduce_scatter"].get<int64_t>(), 0);
+  EXPECT_GT(j["comm_bytes_per_step"]["all_reduce"].get<int64_t>(), 0);
+  EXPECT_NE(r.out.find("fully_shard: HSDP (R=2, Sd=2)"), std::string::npos) << r.out;
 }
 
 TEST(HpTrain, ConfigFileAndTrace) {
@@ -184,7 +215,12 @@ TEST(HpTrain, InterruptStopsEveryRank) {
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
   auto r = run("--nproc 4 --tp 3 --cp 1");
   EXPECT_EQ(r.rc, 1);
-  EXPECT_NE(r.out.find("--nproc 4 but --tp 3 x --cp 1 = 3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--nproc 4 but --dp-replicate 1 x --dp-shard 1 x --cp 1 x --tp 3 = 3"),
+            std::string::npos)
+      << r.out;
+  r = run("--nproc 4 --dp-shard 2 --comm-fusion maybe");
+  EXPECT_NE(r.out.find("--comm-fusion 'maybe' is not valid; valid: on, off"), std::string::npos)
+      << r.out;
   r = run("--nproc 2 --tp 2 --heads 3 --kv-heads 3");
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("heads=3 and kv_heads=3 must both be divisible by tp_size=2"),

@@ -34,6 +34,7 @@ struct Qwen3Config {
   bool tie_embeddings = false;
   uint64_t seed = 1234;
   std::string primitive = "blockwise";
+  bool recompute = false;  // activation recompute of every decoder layer in backward
 };
 
 // Checks sizes against tp_size: heads, kv_heads and ffn must divide; names what to change.
@@ -108,6 +109,9 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
   void check_tp(int64_t tp_size) const override { validate(config_, tp_size); }
   void set_validation(plan::BoundaryChecker* checker,
                       const std::map<std::string, plan::ModuleShardingSpec>* specs) override;
+  // HSDP units: root = embed_tokens, norm, lm_head; then one per decoder layer.
+  std::vector<hsdp::UnitSpec> fully_shard_units() override;
+  void set_fully_shard(hsdp::FullyShard* fs) override { fully_shard_ = fs; }
   // input_ids, position_ids [B, S_local] (global positions) -> logits [B, S_local, vocab].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids);
   const Qwen3Config& config() const { return config_; }
@@ -122,8 +126,13 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
 
  private:
   Qwen3Config config_;
+  at::Tensor run_layers(at::Tensor x, const at::Tensor& position_ids);
+  at::Tensor head(const at::Tensor& x);
+
   plan::BoundaryChecker* checker_ = nullptr;
   const plan::ModuleShardingSpec* first_layer_ = nullptr;
+  hsdp::FullyShard* fully_shard_ = nullptr;
+  bool tp_ = false;
 };
 TORCH_MODULE(Qwen3);
 

@@ -3,7 +3,9 @@
 //   ShardingPlan plan = ShardingPlanner().plan(model_config, world_size, options, overrides);
 //       every static check before any collective: mesh sizes multiply to the world size, heads
 //       and sequence divisibility, CP config normalisation, Ulysses heads after TP
-//   ShardingApplier().apply(model, plan, mesh);   installs CP on every attention module, logs
+//   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
+//   ShardingApplier().apply(model, plan, mesh);   installs CP on every attention module, then
+//                                                 HSDP (plan.fully_shard) when R*Sd > 1; logs
 #pragma once
 
 #include <map>
@@ -16,6 +18,7 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/apply.h"
 #include "hp/cp/config.h"
+#include "hp/hsdp/fully_shard.h"
 #include "hp/plan/layout.h"
 
 namespace hp::plan {
@@ -39,6 +42,10 @@ class Plannable {
   // Validate mode: check boundaries with `checker` against `specs` (null: production).
   virtual void set_validation(BoundaryChecker* checker,
                               const std::map<std::string, ModuleShardingSpec>* specs) = 0;
+  // HSDP: the model's units, root first (its parameters as this rank holds them after TP).
+  virtual std::vector<hsdp::UnitSpec> fully_shard_units() = 0;
+  // Route the forward through `fs` (null: plain forward). The model does not own it.
+  virtual void set_fully_shard(hsdp::FullyShard* fs) = 0;
 };
 
 struct PlanOptions {
@@ -48,6 +55,10 @@ struct PlanOptions {
   int64_t dp_shard = 1;
   int64_t dp_replicate = 1;
   int64_t seq_len = 0;  // global sequence length (0: not checked here)
+  // HSDP (dp_shard * dp_replicate > 1); the shard group is (dp_shard, cp).
+  bool comm_fusion = false;
+  bool reshard_after_forward = true;
+  hsdp::ReduceOp reduce_op = hsdp::ReduceOp::kAvg;
 };
 
 // What a module gets (DESIGN section 9); CP fields as in cp::CPModuleSpec.
@@ -64,9 +75,15 @@ struct ShardingPlan {
   std::optional<cp::ContextParallelConfig> cp_config;  // normalised; nullopt when cp_size == 1
   std::map<std::string, ModuleShardingSpec> modules;
   int64_t tp_size = 1, cp_size = 1;
+  int64_t dp_shard = 1, dp_replicate = 1;
+  hsdp::HsdpOptions hsdp_options;  // used when hsdp()
   int64_t seq_len = 0;
   Mode mode = Mode::kProduction;
-  std::unique_ptr<BoundaryChecker> checker;  // validate mode, set by the applier
+  std::unique_ptr<BoundaryChecker> checker;       // validate mode, set by the applier
+  std::shared_ptr<hsdp::FullyShard> fully_shard;  // HSDP, set by the applier
+  bool hsdp() const { return dp_shard * dp_replicate > 1; }
+  // The groups the applier needs besides one per dim: HSDP's shard group (dp_shard, cp).
+  comm::MeshOptions mesh_options() const;
   // The layout of activations between modules: sequence sharded over cp, replicated over tp.
   Layout activation_layout() const;
   std::string describe() const;
@@ -81,7 +98,9 @@ class ShardingPlanner {
 
 class ShardingApplier {
  public:
-  // Installs CP into every attention module of `model` (built with the mesh's TP group).
+  // Installs CP into every attention module of `model` (built with the mesh's TP group), then
+  // HSDP over (dp_replicate, (dp_shard, cp)) when plan.hsdp(); the mesh must have been built
+  // with plan.mesh_options().
   // Returns the apply log lines (also printed by the caller if it wants).
   std::vector<std::string> apply(Plannable& model, ShardingPlan& plan, const comm::DeviceMesh& mesh,
                                  Mode mode = Mode::kProduction) const;

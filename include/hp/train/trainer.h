@@ -18,9 +18,13 @@ struct TrainOptions {
   model::Qwen3Config model;
   int64_t tp = 1;
   int64_t cp = 1;
+  int64_t dp_shard = 1;      // HSDP shard degree (the shard group is dp_shard x cp)
+  int64_t dp_replicate = 1;  // HSDP replicas
+  bool comm_fusion = false;  // HSDP: fused per-unit reduce-scatter buckets
+  int64_t grad_accum = 1;    // micro-batches per step (HSDP: replicate all-reduce on the last)
   std::optional<cp::ContextParallelConfig> cp_config;
   int64_t seq_len = 512;
-  int64_t batch = 1;
+  int64_t batch = 1;  // sequences per data-parallel rank and micro-batch
   int64_t steps = 50;
   double lr = 3e-3;
   // Warm-up then cosine decay to 10% of lr at lr_decay_steps; independent of `steps`, so a run
@@ -65,7 +69,9 @@ struct TrainResult {
 // The embedded long-range task: a random block of tokens, then the same block again; the loss
 // counts only the second half, so it can fall only if attention reaches S/2 tokens back (across
 // CP shards). Deterministic in (seed, step).
-void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor& labels);
+// `micro` > 0 selects another micro-batch of the same step.
+void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor& labels,
+                int64_t micro = 0);
 
 // Collective over the world: one rank's part of the job. Rank 0's result carries the metrics.
 TrainResult train(const comm::World& world, const TrainOptions& options);
