@@ -4,6 +4,8 @@
 //                      [--primitive math|blockwise|all] [--iters K] [--json]
 //   hp-bench cp --seq S --heads H --kv-heads HK --head-dim D --cp P --cp-algo A
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
+//   hp-bench hsdp --nproc N --dp-shard Sd --dp-replicate R [--comm-fusion on|off]
+//                 [--layers L --hidden H --ffn F --seq S] [--iters K] [--json]
 // With --nproc N (N > 1) it spawns N local rank processes of itself; under torchrun / mpirun /
 // Slurm variables it is one rank of that job.
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include "hp/bench/attention_bench.h"
 #include "hp/bench/comm_bench.h"
 #include "hp/bench/cp_bench.h"
+#include "hp/bench/hsdp_bench.h"
 #include "hp/comm/launch_env.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
@@ -280,6 +283,94 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
   return 0;
 }
 
+struct HsdpArgs {
+  hp::bench::HsdpBenchOptions bench;
+  int nproc = 2;
+  std::string fusion = "off";
+  bool json = false;
+  double timeout_s = 600;
+};
+
+int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
+  HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-bench hsdp: --comm-fusion '", a.fusion,
+           "' is not valid; valid: on, off");
+  a.bench.comm_fusion = a.fusion == "on";
+  HP_CHECK(a.bench.dp_shard * a.bench.dp_replicate == a.nproc, "hp-bench hsdp: --dp-shard ",
+           a.bench.dp_shard, " x --dp-replicate ", a.bench.dp_replicate, " = ",
+           a.bench.dp_shard * a.bench.dp_replicate, " but --nproc is ", a.nproc,
+           "; make the product equal --nproc");
+  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "hsdp");
+  hp::comm::WorldOptions wo;
+  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
+                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
+  const int threads = hp::common::threads_per_rank(world.local_size());
+  hp::common::configure_threads(threads);
+  auto results = hp::bench::run_hsdp_bench(world, a.bench);
+  if (world.rank() != 0) return 0;
+  const auto& b = a.bench;
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& r : results) {
+    list.push_back({{"mode", r.mode},
+                    {"forward_s", r.forward_s},
+                    {"backward_s", r.backward_s},
+                    {"exposed_comm_s", r.exposed_comm_s},
+                    {"drain_s", r.drain_s},
+                    {"bytes_per_rank",
+                     {{"all_gather", r.bytes_all_gather},
+                      {"reduce_scatter", r.bytes_reduce_scatter},
+                      {"all_reduce", r.bytes_all_reduce}}},
+                    {"formula_bytes_per_rank",
+                     {{"all_gather", r.formula_all_gather},
+                      {"reduce_scatter", r.formula_reduce_scatter},
+                      {"all_reduce", r.formula_all_reduce}}},
+                    {"param_bytes_per_rank", r.param_bytes_per_rank},
+                    {"full_param_bytes", r.full_param_bytes}});
+  }
+  const double speedup =
+      results[1].backward_s > 0 ? results[0].backward_s / results[1].backward_s : 0.0;
+  if (a.json) {
+    std::cout << nlohmann::json{{"nproc", a.nproc},
+                                {"dp_shard", b.dp_shard},
+                                {"dp_replicate", b.dp_replicate},
+                                {"comm_fusion", a.fusion},
+                                {"threads_per_rank", threads},
+                                {"model",
+                                 {{"layers", b.layers},
+                                  {"hidden", b.hidden},
+                                  {"ffn", b.ffn},
+                                  {"seq", b.seq}}},
+                                {"results", list},
+                                {"backward_speedup", speedup}}
+                     .dump()
+              << std::endl;
+    return 0;
+  }
+  std::printf(
+      "hp-bench hsdp: R=%lld x Sd=%lld, comm_fusion=%s, %lld layers hidden=%lld ffn=%lld "
+      "S=%lld (%d thread(s) per rank; medians of the slowest rank)\n",
+      (long long)b.dp_replicate, (long long)b.dp_shard, a.fusion.c_str(), (long long)b.layers,
+      (long long)b.hidden, (long long)b.ffn, (long long)b.seq, threads);
+  std::printf("%-10s %10s %11s %12s %9s %26s %26s %26s\n", "mode", "forward_s", "backward_s",
+              "exposed_s", "drain_s", "all_gather B/rank (form.)", "reduce_scat B (form.)",
+              "all_reduce B (form.)");
+  for (const auto& r : results) {
+    std::printf(
+        "%-10s %10.3f %11.3f %12.3f %9.3f %13lld (%10lld) %13lld (%10lld) %13lld (%10lld)\n",
+        r.mode.c_str(), r.forward_s, r.backward_s, r.exposed_comm_s, r.drain_s,
+        (long long)r.bytes_all_gather, (long long)r.formula_all_gather,
+        (long long)r.bytes_reduce_scatter, (long long)r.formula_reduce_scatter,
+        (long long)r.bytes_all_reduce, (long long)r.formula_all_reduce);
+  }
+  std::printf("parameters per rank: %.2f MiB of %.2f MiB (1/%.2f); backward speedup %.2fx\n",
+              results[1].param_bytes_per_rank / 1048576.0, results[1].full_param_bytes / 1048576.0,
+              static_cast<double>(results[1].full_param_bytes) /
+                  static_cast<double>(std::max<int64_t>(1, results[1].param_bytes_per_rank)),
+              speedup);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -323,8 +414,24 @@ int main(int argc, char** argv) {
   cp_cmd->add_option("--iters", cpa.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   cp_cmd->add_option("--timeout", cpa.timeout_s, "per-group timeout in seconds");
   cp_cmd->add_flag("--json", cpa.json, "one JSON object on stdout");
+  HsdpArgs hs;
+  auto* hs_cmd = app.add_subcommand("hsdp", "decoder stack backward: HSDP pipeline vs baseline");
+  hs_cmd->add_option("--nproc", hs.nproc, "local rank processes")->check(CLI::Range(1, 64));
+  hs_cmd->add_option("--dp-shard", hs.bench.dp_shard, "shard degree Sd")
+      ->check(CLI::PositiveNumber);
+  hs_cmd->add_option("--dp-replicate", hs.bench.dp_replicate, "replicas R")
+      ->check(CLI::PositiveNumber);
+  hs_cmd->add_option("--comm-fusion", hs.fusion, "on | off");
+  hs_cmd->add_option("--layers", hs.bench.layers, "decoder layers")->check(CLI::PositiveNumber);
+  hs_cmd->add_option("--hidden", hs.bench.hidden, "hidden size")->check(CLI::PositiveNumber);
+  hs_cmd->add_option("--ffn", hs.bench.ffn, "MLP width")->check(CLI::PositiveNumber);
+  hs_cmd->add_option("--seq", hs.bench.seq, "tokens per rank")->check(CLI::PositiveNumber);
+  hs_cmd->add_option("--iters", hs.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
+  hs_cmd->add_option("--timeout", hs.timeout_s, "per-group timeout in seconds");
+  hs_cmd->add_flag("--json", hs.json, "one JSON object on stdout");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (hs_cmd->parsed()) return run_hsdp(hs, args);
     if (cp_cmd->parsed()) return run_cp(cpa, args);
     if (c->parsed()) return run_comm(comm, args);
     if (at_cmd->parsed()) return run_attention(att);
