@@ -187,6 +187,13 @@ GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string
     opts.timeout = timeout;
     try {
       transport = make_c10d_transport(store, group_rank, n, opts);
+      // Nobody leaves before every member finished connecting: a rank that raced ahead and
+      // exited would close its sockets under a peer still in the handshake.
+      store->set(common::str_cat("ready", group_rank), std::vector<uint8_t>{1});
+      std::vector<std::string> keys;
+      for (int r = 0; r < n; ++r)
+        keys.push_back(common::str_cat("ready", r));
+      store->wait(keys, timeout);
     } catch (const hp::Error&) {
       throw;
     } catch (const std::exception& e) {
