@@ -6,6 +6,8 @@
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
 //   hp-bench hsdp --nproc N --dp-shard Sd --dp-replicate R [--comm-fusion on|off]
 //                 [--layers L --hidden H --ffn F --seq S] [--iters K] [--json]
+// comm, cp and hsdp take --link-rate RATE: all ranks run in a network namespace whose loopback
+// is rate-limited (tc tbf); needs root and iproute2.
 // With --nproc N (N > 1) it spawns N local rank processes of itself; under torchrun / mpirun /
 // Slurm variables it is one rank of that job.
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include "hp/bench/comm_bench.h"
 #include "hp/bench/cp_bench.h"
 #include "hp/bench/hsdp_bench.h"
+#include "hp/bench/link.h"
 #include "hp/comm/launch_env.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
@@ -54,25 +57,32 @@ struct CommArgs {
 
 void print_comm(const std::vector<hp::bench::CommBenchResult>& results, int nproc, bool json) {
   if (json) {
-    nlohmann::json out = {{"nproc", nproc}, {"results", nlohmann::json::array()}};
+    nlohmann::json out = {{"nproc", nproc},
+                          {"link", hp::bench::emulated_link_rate().value_or("loopback")},
+                          {"results", nlohmann::json::array()}};
     for (const auto& r : results) {
       out["results"].push_back({{"op", r.op},
                                 {"bytes_in", r.bytes_in},
                                 {"bytes_sent_per_rank", r.bytes_sent_per_rank},
                                 {"theory_bytes_per_rank", r.theory_bytes_per_rank},
                                 {"median_s", r.median_s},
-                                {"gbps", r.gbps}});
+                                {"gbps", r.gbps},
+                                {"wire_bytes_per_rank", r.wire_bytes_per_rank}});
     }
     std::cout << out.dump() << std::endl;
     return;
   }
-  std::printf("hp-bench comm: %d ranks, median of the slowest rank\n", nproc);
-  std::printf("%-15s %14s %20s %22s %10s %8s\n", "op", "bytes_in", "bytes_sent_per_rank",
-              "theory_bytes_per_rank", "median_ms", "GB/s");
+  const auto link = hp::bench::emulated_link_rate();
+  std::printf("hp-bench comm: %d ranks, link %s, median of the slowest rank\n", nproc,
+              link ? (*link + " (emulated)").c_str() : "loopback");
+  std::printf("%-15s %14s %20s %22s %10s %8s%s\n", "op", "bytes_in", "bytes_sent_per_rank",
+              "theory_bytes_per_rank", "median_ms", "GB/s", link ? "   wire_bytes_per_rank" : "");
   for (const auto& r : results) {
-    std::printf("%-15s %14lld %20lld %22lld %10.2f %8.2f\n", r.op.c_str(),
+    std::printf("%-15s %14lld %20lld %22lld %10.2f %8.3f", r.op.c_str(),
                 static_cast<long long>(r.bytes_in), static_cast<long long>(r.bytes_sent_per_rank),
                 static_cast<long long>(r.theory_bytes_per_rank), r.median_s * 1e3, r.gbps);
+    if (link) std::printf(" %21lld", static_cast<long long>(r.wire_bytes_per_rank));
+    std::printf("\n");
   }
   std::fflush(stdout);
 }
@@ -245,6 +255,8 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
                     {"step_time_s", r.step_time_s},
                     {"comm_bytes_per_rank", r.comm_bytes_per_rank},
                     {"comm_bytes_theory", r.comm_bytes_theory},
+                    {"wire_bytes_per_rank", r.wire_bytes_per_rank},
+                    {"link", hp::bench::emulated_link_rate().value_or("loopback")},
                     {"peak_rss_bytes", r.peak_rss_bytes},
                     {"peak_rss_per_rank", r.peak_rss_per_rank},
                     {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank},
@@ -260,7 +272,7 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
         "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s%s "
         "(%d thread(s) per rank)\n  step %.3f s (median, slowest rank); comm %lld "
         "bytes/rank (formula %lld); peak RSS %.0f MiB (max rank)\n  exposed comm "
-        "%.3f s/step%s\n",
+        "%.3f s/step%s%s\n",
         r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
         (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
         (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
@@ -270,6 +282,11 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
         r.peak_rss_bytes / 1048576.0, r.exposed_comm_s,
         r.schedule == "async"
             ? hp::common::str_cat(" (overlap fraction ", r.overlap_fraction, ")").c_str()
+            : "",
+        r.wire_bytes_per_rank >= 0
+            ? hp::common::str_cat("; on the wire ", r.wire_bytes_per_rank, " bytes/rank (link ",
+                                  hp::bench::emulated_link_rate().value_or("?"), ")")
+                  .c_str()
             : "");
     double lo = 1e30, hi = 0;
     std::printf("  attention CPU s per rank:");
@@ -429,8 +446,16 @@ int main(int argc, char** argv) {
   hs_cmd->add_option("--iters", hs.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   hs_cmd->add_option("--timeout", hs.timeout_s, "per-group timeout in seconds");
   hs_cmd->add_flag("--json", hs.json, "one JSON object on stdout");
+  std::string link_rate;
+  for (auto* cmd : {c, cp_cmd, hs_cmd}) {
+    cmd->add_option("--link-rate", link_rate,
+                    "emulate a link of this rate (e.g. 1gbit) on a namespaced loopback; root");
+  }
   CLI11_PARSE(app, argc, argv);
   try {
+    if (!link_rate.empty() && !hp::bench::emulated_link_rate()) {
+      return hp::bench::run_in_emulated_link(link_rate, args);
+    }
     if (hs_cmd->parsed()) return run_hsdp(hs, args);
     if (cp_cmd->parsed()) return run_cp(cpa, args);
     if (c->parsed()) return run_comm(comm, args);

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include "hp/bench/link.h"
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
 
@@ -39,6 +40,11 @@ std::vector<CommBenchResult> run_comm_bench(const comm::World& world, const Comm
       c.run();
     auto& counters = world.context().counters;
     const int64_t before = counters.bytes(c.op, g.name());
+    const bool wire = emulated_link_rate().has_value();
+    // Barriers around the counter readings: a collective's bytes are all delivered (and
+    // counted) once every rank has finished it.
+    if (wire) comm::barrier(*timing);
+    const int64_t wire_before = wire ? loopback_tx_bytes() : 0;
     std::vector<double> times;
     for (int i = 0; i < o.iters; ++i) {
       comm::barrier(*timing);
@@ -52,6 +58,10 @@ std::vector<CommBenchResult> run_comm_bench(const comm::World& world, const Comm
     }
     std::sort(times.begin(), times.end());
     CommBenchResult r;
+    if (wire) {
+      comm::barrier(*timing);
+      r.wire_bytes_per_rank = (loopback_tx_bytes() - wire_before) / p / o.iters;
+    }
     r.op = comm::op_name(c.op);
     r.bytes_in = n * 4;
     r.bytes_sent_per_rank = (counters.bytes(c.op, g.name()) - before) / o.iters;

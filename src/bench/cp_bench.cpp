@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "hp/bench/cp_layer.h"
+#include "hp/bench/link.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -59,7 +60,7 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
     dout = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
   }
   std::vector<double> steps, cpu, waits;
-  int64_t bytes = 0;
+  int64_t bytes = 0, wire = -1;
   {
     CPAttentionLayer layer(world, cp_group, lo);
     auto step = [&] {
@@ -71,6 +72,9 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
     };
     step();  // warm-up
     auto& counters = world.context().counters;
+    const bool on_wire = emulated_link_rate().has_value();
+    if (on_wire) comm::barrier(timing);  // the warm-up's bytes are all delivered
+    const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
     for (int i = 0; i < o.iters; ++i) {
       comm::barrier(timing);
       const int64_t before = counters.total_bytes();
@@ -86,6 +90,10 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
       auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
       steps.push_back(slowest.item<double>());
     }
+    if (on_wire) {
+      comm::barrier(timing);
+      wire = (loopback_tx_bytes() - wire_before) / p / o.iters;
+    }
   }
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -100,6 +108,7 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
   r.ulysses_degree = cp::ulysses_degree_of(config, p);
   r.seq = o.seq;
   r.step_time_s = median(steps);
+  r.wire_bytes_per_rank = wire;
   r.comm_bytes_per_rank = bytes;
   cp::AttentionShape shape{o.seq, o.heads, o.kv_heads, o.head_dim, o.batch, 4};
   r.comm_bytes_theory = p > 1 ? 2 * cp::forward_bytes_per_rank(config, p, shape) : 0;

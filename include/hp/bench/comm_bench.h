@@ -22,6 +22,9 @@ struct CommBenchResult {
   int64_t theory_bytes_per_rank = 0;  // theory_bytes_per_rank()
   double median_s = 0;                // median over iterations of the slowest rank's time
   double gbps = 0;                    // bytes_sent_per_rank / median_s / 1e9
+  // Inside an emulated link (--link-rate): loopback bytes that crossed the wire per call and
+  // rank (the namespace's counter over the timed calls / P / iters; rank 0); -1 elsewhere.
+  int64_t wire_bytes_per_rank = -1;
 };
 
 // Collective over the world; every rank gets the same results.

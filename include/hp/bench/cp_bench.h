@@ -26,10 +26,11 @@ struct CPBenchOptions {
 struct CPBenchResult {
   std::string algorithm, schedule;
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
-  double step_time_s = 0;           // median over iterations of the slowest rank
-  int64_t comm_bytes_per_rank = 0;  // measured, one step (forward + backward), rank 0
-  int64_t comm_bytes_theory = 0;    // 2 x the forward formula
-  int64_t peak_rss_bytes = 0;       // max over ranks
+  double step_time_s = 0;            // median over iterations of the slowest rank
+  int64_t comm_bytes_per_rank = 0;   // measured, one step (forward + backward), rank 0
+  int64_t comm_bytes_theory = 0;     // 2 x the forward formula
+  int64_t wire_bytes_per_rank = -1;  // emulated link: loopback bytes per step / P (rank 0)
+  int64_t peak_rss_bytes = 0;        // max over ranks
   std::vector<int64_t> peak_rss_per_rank;
   // CPU time of the rank's main thread during a step (median): the attention compute.
   std::vector<double> attention_cpu_s_per_rank;
