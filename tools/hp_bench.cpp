@@ -20,6 +20,7 @@
 
 #include "hp/attention/attention.h"
 #include "hp/bench/attention_bench.h"
+#include "hp/bench/calibrate.h"
 #include "hp/bench/comm_bench.h"
 #include "hp/bench/cp_bench.h"
 #include "hp/bench/hsdp_bench.h"
@@ -29,6 +30,7 @@
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
+#include "hp/plan/cost_model.h"
 #include "hp/train/launcher.h"
 
 namespace {
@@ -219,7 +221,41 @@ struct CPArgs {
   double timeout_s = 600;
 };
 
+// --cp-algo auto: the cost model's fastest legal choice for this link; every candidate's
+// prediction is logged (once, by the launching process).
+void choose_cp_config(CPArgs& a, bool log) {
+  const std::string link = hp::bench::emulated_link_rate().value_or("loopback");
+  auto cal = hp::plan::load_calibration(hp::plan::default_calibration_path(link));
+  hp::plan::CPWorkload w;
+  w.seq = a.bench.seq;
+  w.heads = a.bench.heads;
+  w.kv_heads = a.bench.kv_heads;
+  w.head_dim = a.bench.head_dim;
+  w.batch = a.bench.batch;
+  w.causal = a.bench.causal;
+  w.projections = a.bench.projections;
+  w.load_balance = a.bench.config.load_balance;
+  w.ranks_on_node = a.nproc;
+  auto ranked = hp::plan::rank_cp_configs(cal, a.nproc, w);
+  if (log) {
+    std::printf("hp-bench cp: --cp-algo auto on link %s (calibration %s):\n", link.c_str(),
+                hp::plan::default_calibration_path(link).c_str());
+    for (const auto& r : ranked)
+      std::printf("  %s\n", hp::plan::describe(r).c_str());
+    std::printf("  chosen: %s\n", ranked.front().name.c_str());
+    std::fflush(stdout);
+  }
+  const auto& best = ranked.front().config;
+  a.algo = hp::cp::to_string(best.algorithm);
+  a.schedule = hp::cp::to_string(best.schedule);
+  a.degree = best.algorithm == hp::cp::CPAlgorithm::kHybrid ? *best.ulysses_degree : 0;
+  a.bench.config.load_balance = best.load_balance;
+}
+
 int run_cp(CPArgs a, const std::vector<std::string>& argv) {
+  if (a.algo == "auto") {
+    choose_cp_config(a, !hp::comm::parse_launch_env(hp::comm::process_env()).has_value());
+  }
   a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
   a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
   if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
@@ -388,6 +424,29 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
   return 0;
 }
 
+int run_calibrate(const std::string& out) {
+  hp::bench::CalibrateOptions o;
+  o.self_exe = hp::train::self_executable();
+  o.link = hp::bench::emulated_link_rate().value_or("loopback");
+  auto c = hp::bench::run_calibration(o);
+  const auto path = hp::plan::default_calibration_path(o.link);
+  hp::plan::save_calibration(path, c);
+  if (!out.empty()) hp::plan::save_calibration(out, c);
+  std::printf(
+      "hp-bench calibrate: link %s, %d cores: attention %.1f GF/s, matmul %.1f GF/s (one "
+      "thread)\n",
+      o.link.c_str(), c.cores, c.attention_gflops, c.matmul_gflops);
+  for (const auto& [kind, by_p] : c.collectives) {
+    for (const auto& [p, f] : by_p) {
+      std::printf("  %-15s P=%lld: latency %.3f ms, %.3f GB/s per rank\n", kind.c_str(),
+                  (long long)p, f.latency_s * 1e3,
+                  f.seconds_per_byte > 0 ? 1e-9 / f.seconds_per_byte : 0.0);
+    }
+  }
+  std::printf("hp-bench calibrate: wrote %s\n", path.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -419,7 +478,7 @@ int main(int argc, char** argv) {
                     cpa.bench.batch);
   cp_cmd->add_option("--cp,--nproc", cpa.nproc, "CP ranks (local processes)")
       ->check(CLI::Range(1, 64));
-  cp_cmd->add_option("--cp-algo", cpa.algo, "all_gather | ulysses | hybrid");
+  cp_cmd->add_option("--cp-algo", cpa.algo, "all_gather | ulysses | hybrid | auto");
   cp_cmd->add_option("--ulysses-degree", cpa.degree, "Ulysses degree (hybrid)");
   cp_cmd->add_option("--schedule", cpa.schedule, "sync | async");
   cp_cmd->add_option("--adapter", cpa.bench.adapter, "sdpa_qkv | sdpa_hf | flex_qkv | flex_hf");
@@ -446,8 +505,12 @@ int main(int argc, char** argv) {
   hs_cmd->add_option("--iters", hs.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   hs_cmd->add_option("--timeout", hs.timeout_s, "per-group timeout in seconds");
   hs_cmd->add_flag("--json", hs.json, "one JSON object on stdout");
+  auto* cal_cmd =
+      app.add_subcommand("calibrate", "measure the CP cost model's inputs for this link; cache");
+  std::string cal_out;
+  cal_cmd->add_option("--out", cal_out, "also write the calibration here");
   std::string link_rate;
-  for (auto* cmd : {c, cp_cmd, hs_cmd}) {
+  for (auto* cmd : {c, cp_cmd, hs_cmd, cal_cmd}) {
     cmd->add_option("--link-rate", link_rate,
                     "emulate a link of this rate (e.g. 1gbit) on a namespaced loopback; root");
   }
@@ -457,6 +520,7 @@ int main(int argc, char** argv) {
       return hp::bench::run_in_emulated_link(link_rate, args);
     }
     if (hs_cmd->parsed()) return run_hsdp(hs, args);
+    if (cal_cmd->parsed()) return run_calibrate(cal_out);
     if (cp_cmd->parsed()) return run_cp(cpa, args);
     if (c->parsed()) return run_comm(comm, args);
     if (at_cmd->parsed()) return run_attention(att);

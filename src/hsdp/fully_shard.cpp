@@ -147,17 +147,23 @@ void Impl::arm(size_t u) {
 }
 
 void Impl::pre_backward(size_t u) {
+  queue_drain();
   record("pre-backward", units[u].name);
   unshard(u);
   if (u > 1) prefetch(u - 1);  // the root (0) stays gathered through the backward
 }
 
-void Impl::root_pre_backward() {
+void Impl::queue_drain() {
   if (drain_queued) return;
   drain_queued = true;
-  // Runs when the backward that reached the root (the outermost one) finishes; a recompute's
-  // inner backward never gets here, so it cannot drain early.
+  // Runs when the backward that reached a unit's output (the outermost one: unit outputs are
+  // never inside a recompute) finishes; a recompute's inner backward cannot drain early.
   torch::autograd::Engine::get_default_engine().queue_callback([this] { drain(); });
+}
+
+void Impl::root_pre_backward() {
+  queue_drain();
+  unshard(0);  // a second backward through the same graph needs the root again
   if (units.size() > 1) prefetch(units.size() - 1);
 }
 
@@ -180,6 +186,17 @@ FullyShard::FullyShard(std::vector<UnitSpec> units, HsdpGroups groups, HsdpOptio
   s.sd = s.groups.shard->size();
   s.r = s.groups.replicate->size();
   s.shard_rank = s.groups.shard->rank();
+  // Ties first, before anything is sharded: two entries must not share memory.
+  std::map<const void*, std::string> owner;
+  for (const auto& unit : units) {
+    for (const auto& up : unit.params) {
+      HP_CHECK(up.param.defined(), "fully_shard: parameter '", up.name, "' is undefined");
+      const void* key = up.param.storage().unsafeGetStorageImpl();
+      auto [it, fresh] = owner.emplace(key, up.name);
+      HP_CHECK(fresh, "fully_shard: parameter '", up.name, "' shares its memory with '", it->second,
+               "' (a tied parameter); list it once");
+    }
+  }
   for (size_t u = 0; u < units.size(); ++u) {
     detail::Unit unit;
     unit.name = units[u].name;
@@ -187,10 +204,6 @@ FullyShard::FullyShard(std::vector<UnitSpec> units, HsdpGroups groups, HsdpOptio
     for (auto& up : units[u].params) {
       HP_CHECK(!s.by_name.count(up.name), "fully_shard: parameter '", up.name,
                "' is listed twice; each parameter belongs to exactly one unit");
-      for (const auto& other : s.params) {
-        HP_CHECK(!other.full.is_same(up.param), "fully_shard: parameter '", up.name,
-                 "' is the same tensor as '", other.name, "'; list a tied parameter once");
-      }
       s.by_name[up.name] = s.params.size();
       unit.params.push_back(s.params.size());
       s.params.push_back(
@@ -223,7 +236,9 @@ at::Tensor FullyShard::forward_root(const std::function<at::Tensor()>& fn) {
   auto& s = *impl_;
   HP_CHECK(!s.drain_queued && s.rs_in_flight.empty() && s.ar_in_flight.empty(),
            "fully_shard: forward started while the previous backward's gradients are still in "
-           "flight; finish that backward first");
+           "flight: that backward did not finish (it failed, or never reached a unit's output, "
+           "so the drain never ran); run the backward of the loss built from forward_root's "
+           "output");
   s.unshard(0);
   s.arm(0);
   s.prefetch(1);
@@ -231,9 +246,9 @@ at::Tensor FullyShard::forward_root(const std::function<at::Tensor()>& fn) {
   if (!at::GradMode::is_enabled() || !out.requires_grad()) {
     // No backward follows: free everything now, so no gathered copy can go stale after the
     // optimizer updates the shards.
+    // Units armed by an earlier forward keep their state for that forward's backward.
     for (size_t u = 0; u < s.units.size(); ++u) {
-      s.reshard(u);
-      s.units[u].armed = false;
+      if (!s.units[u].armed) s.reshard(u);
     }
     return out;
   }
@@ -323,6 +338,7 @@ ByteFormula FullyShard::bytes_per_step() const {
   const auto& s = *impl_;
   using comm::OpKind;
   ByteFormula f;
+  int64_t tp_bytes = 0;  // TP-partial gradient slices, all-reduced across TP at the drain
   for (const auto& unit : s.units) {
     // Bytes of this unit's shard per gather dtype and per reduce dtype (one bucket each).
     std::map<at::ScalarType, int64_t> gather_bytes, reduce_bytes;
@@ -342,16 +358,28 @@ ByteFormula FullyShard::bytes_per_step() const {
       f.all_gather +=
           gathers * comm::theory_bytes_per_rank(OpKind::kAllGather, bytes, static_cast<int>(s.sd));
     }
+    int64_t tp_partial_bytes = 0;
+    for (size_t i : unit.params) {
+      const auto& p = s.params[i];
+      if (p.tp_partial_grad) {
+        const auto rd = s.options.reduce_dtype.value_or(p.full.scalar_type());
+        tp_partial_bytes += p.shard_numel() * static_cast<int64_t>(c10::elementSize(rd));
+      }
+    }
+    tp_bytes += tp_partial_bytes;
     for (const auto& [dtype, bytes] : reduce_bytes) {
       if (s.options.comm_fusion) {
         f.reduce_scatter += comm::theory_bytes_per_rank(OpKind::kReduceScatter, bytes * s.sd,
                                                         static_cast<int>(s.sd));
       }
-      if (s.r > 1 && s.requires_all_reduce) {
+      if (s.r > 1) {
         f.all_reduce +=
             comm::theory_bytes_per_rank(OpKind::kAllReduce, bytes, static_cast<int>(s.r));
       }
     }
+  }
+  if (s.groups.tp && s.groups.tp->size() > 1 && tp_bytes > 0) {
+    f.all_reduce += comm::theory_bytes_per_rank(OpKind::kAllReduce, tp_bytes, s.groups.tp->size());
   }
   return f;
 }

@@ -192,9 +192,10 @@ void FullyShard::Impl::apply_ready() {
   for (auto& b : ready) {
     for (size_t k = 0; k < b.params.size(); ++k) {
       auto& p = params[b.params[k]];
-      auto g = b.reduced.narrow(0, b.offsets[k], p.shard_numel()).view(p.shard.sizes());
+      auto g = b.reduced.narrow(0, b.offsets[k], p.shard_numel())
+                   .view(p.shard.sizes())
+                   .to(p.shard.scalar_type());  // cast first: divide in the parameter dtype
       if (divisor != 1.0) g = g / divisor;
-      g = g.to(p.shard.scalar_type());
       if (p.shard.grad().defined()) {
         p.shard.mutable_grad().add_(g);
       } else {

@@ -18,6 +18,9 @@ ShardedParam make_sharded(const std::string& name, const at::Tensor& full, int64
                           int64_t shard_size, bool tp_partial_grad) {
   HP_CHECK(full.defined() && full.is_leaf() && full.requires_grad(), "fully_shard: parameter '",
            name, "' must be a leaf that requires grad");
+  HP_CHECK(full.storage().nbytes() > 0, "fully_shard: parameter '", name,
+           "' holds no memory: it is already sharded by another FullyShard (a model is sharded "
+           "once; build a new model to shard it again)");
   HP_CHECK(full.dim() >= 1, "fully_shard: parameter '", name,
            "' is a 0-d scalar; register it with shape [1]");
   ShardedParam p;

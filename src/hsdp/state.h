@@ -80,6 +80,7 @@ struct FullyShard::Impl {
   void arm(size_t u);
   void pre_backward(size_t u);
   void root_pre_backward();
+  void queue_drain();
   void on_grad_ready(size_t u);
 
   // Gradient side (grad_pipeline.cpp).

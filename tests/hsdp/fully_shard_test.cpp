@@ -344,6 +344,44 @@ TEST(FullyShard, ParameterMemoryIsOneOverSdAndBytesMatchTheFormula) {
   });
 }
 
+// An update of the shards (what the optimizer does) is what the next forward gathers; a no-grad
+// forward between a forward and its backward leaves that backward intact.
+TEST(FullyShard, NextForwardSeesUpdatedShardsAndEvalInBetweenIsSafe) {
+  RunOptions o;
+  o.r = 2;
+  o.sd = 2;
+  auto ref_stack = make_stack(o.layers);
+  {
+    at::NoGradGuard g;
+    for (auto& [n, t] : ref_stack.named)
+      t.sub_(0.01 * at::ones_like(t));
+  }
+  auto h = data(4).mm(ref_stack.w_in);
+  for (int i = 0; i < o.layers; ++i)
+    h = layer_fn(ref_stack, i, h);
+  const double ref_loss = (loss_of(h.mm(ref_stack.w_out)) / 16.0).item<double>();
+  run_ranks(4, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"dp_replicate", 2}, {"dp_shard", 2}});
+    auto s = make_stack(o.layers);
+    auto fs = shard_stack(s, mesh, o.hsdp);
+    auto loss = rank_loss(s, *fs, mesh, o, 0);
+    {
+      at::NoGradGuard g;
+      rank_loss(s, *fs, mesh, o, 0);  // an evaluation in the middle of the step
+    }
+    loss.backward();
+    {
+      at::NoGradGuard g;
+      for (auto& [name, shard] : fs->sharded_parameters())
+        shard.sub_(0.01 * at::ones_like(shard));  // padding rows change too: never gathered
+    }
+    auto next = rank_loss(s, *fs, mesh, o, 0).detach();
+    auto total = comm::all_reduce(w.group(), next).item<double>() / 4.0;
+    EXPECT_NEAR(total, ref_loss, 1e-5);
+    EXPECT_EQ(fs->stats().backwards, 1);
+  });
+}
+
 TEST(FullyShard, MisuseFailsClearly) {
   run_ranks(2, [&](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"dp_replicate", 1}, {"dp_shard", 2}});
@@ -359,10 +397,11 @@ TEST(FullyShard, MisuseFailsClearly) {
     loss.backward();
     rank_loss(s, *fs, mesh, o, 0).backward();  // fine again
     auto t = at::ones({4}).requires_grad_(true);
-    HP_EXPECT_ERROR(FullyShard({{"root", {{"a", t}, {"b", t}}}},
+    auto view = t.detach().view({2, 2}).requires_grad_(true);  // a tie through a view
+    HP_EXPECT_ERROR(FullyShard({{"root", {{"a", t}, {"b", view}}}},
                                HsdpGroups{mesh.group_ptr({"dp_shard"}),
                                           mesh.group_ptr({"dp_replicate"}), nullptr}),
-                    "is the same tensor as 'a'; list a tied parameter once");
+                    "parameter 'b' shares its memory with 'a' (a tied parameter); list it once");
   });
 }
 

@@ -31,7 +31,11 @@
 // the replicate all-reduce; their reduce-scattered shards are kept and added before the next
 // all-reduce. With R == 1 there is no all-reduce and gradients accumulate in the shards.
 //
-// All ranks must run the same units in the same order (the collectives are matched by order).
+// All ranks must run the same units in the same order, and every parameter must get a gradient
+// on every rank or on none (the collectives are matched by order). Do not wrap forward_unit in
+// an outer recompute: use its `recompute` argument. Once sharded, a model's parameters hold no
+// memory outside forward/backward; shard a model once, and keep the FullyShard alive as long
+// as the model is used.
 #pragma once
 
 #include <cstdint>
@@ -79,14 +83,16 @@ struct UnitSpec {
 
 struct HsdpStats {
   int64_t backwards = 0;    // drains run (one per outermost backward)
-  double exposed_s = 0;     // time blocked waiting on HSDP collectives (gather + RS + AR)
+  double exposed_s = 0;     // time blocked in waits of HSDP's async collectives (AG, RS, AR)
   double drain_s = 0;       // time inside drains
   int64_t shard_numel = 0;  // this rank's parameter elements (shards, padding included)
   int64_t full_numel = 0;   // this rank's unsharded parameter elements (TP-local)
   int64_t resident_unsharded_numel = 0;  // full parameters currently holding memory
 };
 
-// Bytes this rank sends per training step (forward + backward), by the comm layer's formulas.
+// Bytes this rank sends in one forward + backward that ends with the replicate all-reduce (a
+// step, or its last micro-step), by the comm layer's formulas; includes the TP all-reduce of
+// TP-partial gradients.
 struct ByteFormula {
   int64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0;
 };

@@ -1,0 +1,76 @@
+// A measured cost model for one CP attention layer step (forward + backward), and the choice
+// behind `--cp-algo auto`.
+//
+//   Calibration (hp-bench calibrate; cached per machine and link, inputs recorded):
+//     per collective kind and world size: t = latency + bytes_sent_per_rank * seconds_per_byte
+//     (all ranks share the link, so each world size has its own fit); one-thread blockwise
+//     attention and matmul throughput.
+//   Prediction for (algorithm, ulysses_degree, schedule) on P ranks:
+//     compute = slowest rank's attention flops / (attention GF/s x core share)
+//             + projection flops / (matmul GF/s x core share)
+//     comm    = sum over the step's collectives (volume formulas of cp/volume.h) of t(kind, P)
+//     exposed = comm (sync); async: the collectives it launches early hide behind the
+//               projection work that follows them, up to `overlap_budget` of it
+//     step    = compute + exposed
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "hp/cp/config.h"
+
+namespace hp::plan {
+
+struct CollectiveFit {
+  double latency_s = 0;
+  double seconds_per_byte = 0;
+  double time(double bytes) const { return latency_s + bytes * seconds_per_byte; }
+};
+
+struct Calibration {
+  std::string link = "loopback";  // or the emulated rate, e.g. "1gbit"
+  int cores = 1;                  // cores of the machine the ranks share
+  // "all_gather" | "reduce_scatter" | "all_to_all" | "all_reduce" -> world size -> fit
+  std::map<std::string, std::map<int64_t, CollectiveFit>> collectives;
+  double attention_gflops = 0;     // blockwise fwd+bwd, causal, one thread (3.5x forward flops)
+  double matmul_gflops = 0;        // one thread
+  double overlap_budget = 0.5;     // share of the projection work async can hide collectives behind
+  std::string inputs_json = "{}";  // what the calibration ran (commands, sizes, raw results)
+
+  const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;
+};
+
+std::string to_json(const Calibration& c);
+Calibration calibration_from_json(const std::string& json);
+void save_calibration(const std::string& path, const Calibration& c);
+// Throws a clear error naming the command that creates it when `path` does not exist.
+Calibration load_calibration(const std::string& path);
+// $HP_CALIBRATION, else ${XDG_CACHE_HOME:-$HOME/.cache}/hyperparallel/calibration-<link>.json
+std::string default_calibration_path(const std::string& link);
+
+struct CPWorkload {
+  int64_t seq = 0, heads = 0, kv_heads = 0, head_dim = 0, batch = 1;
+  bool causal = true;
+  bool projections = true;  // Q/K/V/O projections around attention (async hides behind them)
+  int64_t hidden = 0;       // model width (0: heads * head_dim)
+  bool load_balance = false;
+  int ranks_on_node = 0;  // ranks sharing the machine's cores (0: P)
+};
+
+struct CPPrediction {
+  cp::ContextParallelConfig config;
+  std::string name;  // "ulysses/async", "hybrid(U=2)/sync", ...
+  double compute_s = 0, comm_s = 0, exposed_comm_s = 0, step_s = 0;
+};
+
+// Every legal (algorithm, ulysses_degree, schedule) for P ranks and these heads.
+std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkload& w);
+CPPrediction predict_cp_step(const Calibration& c, const cp::ContextParallelConfig& config,
+                             int64_t p, const CPWorkload& w);
+// Predictions for every legal choice, fastest first.
+std::vector<CPPrediction> rank_cp_configs(const Calibration& c, int64_t p, const CPWorkload& w);
+std::string describe(const CPPrediction& p);  // one log line
+
+}  // namespace hp::plan

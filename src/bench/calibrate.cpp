@@ -1,0 +1,84 @@
+#include "hp/bench/calibrate.h"
+
+#include <cstdio>
+
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include "hp/bench/attention_bench.h"
+#include "hp/common/check.h"
+#include "hp/common/threads.h"
+
+namespace hp::bench {
+
+std::string run_for_json(const std::string& cmd) {
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  HP_CHECK(pipe != nullptr, "cannot start: ", cmd);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0)
+    out.append(buf, n);
+  const int rc = ::pclose(pipe);
+  const auto brace = out.find('{');
+  HP_CHECK(rc == 0 && brace != std::string::npos, "command failed (exit ", rc, "): ", cmd, "\n",
+           out);
+  return out.substr(brace);
+}
+
+plan::Calibration run_calibration(const CalibrateOptions& o) {
+  plan::Calibration c;
+  c.link = o.link;
+  c.cores = common::available_cores();
+  nlohmann::json inputs;
+  inputs["comm_sizes_bytes"] = {o.small_bytes, o.large_bytes};
+  for (int p : {2, 4}) {
+    std::map<std::string, std::vector<std::pair<double, double>>> points;  // kind -> (bytes, s)
+    for (int64_t bytes : {o.small_bytes, o.large_bytes}) {
+      const std::string cmd = common::str_cat(o.self_exe, " comm --nproc ", p, " --bytes ", bytes,
+                                              " --iters ", o.comm_iters, " --json");
+      std::printf("hp-bench calibrate: %s\n", cmd.c_str());
+      std::fflush(stdout);
+      auto j = nlohmann::json::parse(run_for_json(cmd));
+      inputs["comm"].push_back({{"command", cmd}, {"result", j}});
+      for (const auto& r : j["results"]) {
+        points[r["op"]].emplace_back(r["bytes_sent_per_rank"].get<double>(),
+                                     r["median_s"].get<double>());
+      }
+    }
+    for (auto& [kind, pts] : points) {
+      HP_INTERNAL_ASSERT(pts.size() == 2, "two sizes per kind");
+      const double slope =
+          std::max(0.0, (pts[1].second - pts[0].second) / (pts[1].first - pts[0].first));
+      c.collectives[kind][p] = {std::max(0.0, pts[0].second - slope * pts[0].first), slope};
+    }
+  }
+  {
+    common::ScopedBlasThreads one(1);
+    at::set_num_threads(1);
+    AttentionBenchOptions a;
+    a.seq = 4096;
+    a.heads = 8;
+    a.kv_heads = 8;
+    a.head_dim = 64;
+    a.causal = true;
+    a.iters = 2;
+    std::printf("hp-bench calibrate: one-thread blockwise attention S=4096 and matmul\n");
+    std::fflush(stdout);
+    auto r = run_attention_bench(a, "blockwise");
+    c.attention_gflops = r.fwd_bwd_gflops;
+    c.matmul_gflops = measure_matmul_gflops();
+    inputs["attention"] = {{"seq", a.seq},
+                           {"heads", a.heads},
+                           {"head_dim", a.head_dim},
+                           {"causal", true},
+                           {"threads", 1},
+                           {"fwd_bwd_s", r.fwd_bwd_s},
+                           {"gflops", c.attention_gflops},
+                           {"matmul_gflops", c.matmul_gflops}};
+  }
+  c.inputs_json = inputs.dump();
+  return c;
+}
+
+}  // namespace hp::bench

@@ -1,0 +1,210 @@
+#include "hp/plan/cost_model.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "hp/common/check.h"
+
+namespace hp::plan {
+namespace fs = std::filesystem;
+
+const CollectiveFit& Calibration::fit(const std::string& kind, int64_t world_size) const {
+  auto it = collectives.find(kind);
+  HP_CHECK(it != collectives.end() && !it->second.empty(), "cost model: the calibration for link '",
+           link, "' has no '", kind, "' measurements; rerun hp-bench calibrate");
+  // The fit for this world size, else the nearest measured one.
+  const CollectiveFit* best = nullptr;
+  int64_t best_gap = 0;
+  for (const auto& [p, f] : it->second) {
+    const int64_t gap = std::llabs(p - world_size);
+    if (best == nullptr || gap < best_gap) {
+      best = &f;
+      best_gap = gap;
+    }
+  }
+  return *best;
+}
+
+std::string to_json(const Calibration& c) {
+  nlohmann::json j;
+  j["link"] = c.link;
+  j["cores"] = c.cores;
+  j["attention_gflops"] = c.attention_gflops;
+  j["matmul_gflops"] = c.matmul_gflops;
+  j["overlap_budget"] = c.overlap_budget;
+  for (const auto& [kind, by_p] : c.collectives) {
+    for (const auto& [p, f] : by_p) {
+      j["collectives"][kind][std::to_string(p)] = {{"latency_s", f.latency_s},
+                                                   {"seconds_per_byte", f.seconds_per_byte}};
+    }
+  }
+  j["inputs"] = nlohmann::json::parse(c.inputs_json);
+  return j.dump(2);
+}
+
+Calibration calibration_from_json(const std::string& text) {
+  auto j = nlohmann::json::parse(text);
+  Calibration c;
+  c.link = j.at("link");
+  c.cores = j.at("cores");
+  c.attention_gflops = j.at("attention_gflops");
+  c.matmul_gflops = j.at("matmul_gflops");
+  c.overlap_budget = j.value("overlap_budget", 0.5);
+  for (const auto& [kind, by_p] : j.at("collectives").items()) {
+    for (const auto& [p, f] : by_p.items()) {
+      c.collectives[kind][std::stoll(p)] = {f.at("latency_s"), f.at("seconds_per_byte")};
+    }
+  }
+  c.inputs_json = j.value("inputs", nlohmann::json::object()).dump();
+  return c;
+}
+
+void save_calibration(const std::string& path, const Calibration& c) {
+  const fs::path p(path);
+  if (p.has_parent_path()) fs::create_directories(p.parent_path());
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << to_json(c) << "\n";
+  fs::rename(tmp, path);
+}
+
+Calibration load_calibration(const std::string& path) {
+  std::ifstream f(path);
+  HP_CHECK(f.good(), "cost model: no calibration at '", path,
+           "'; run `hp-bench calibrate [--link-rate RATE]` once on this machine and link (or "
+           "set HP_CALIBRATION to a calibration file)");
+  std::string text((std::istreambuf_iterator<char>(f)), {});
+  try {
+    return calibration_from_json(text);
+  } catch (const nlohmann::json::exception& e) {
+    HP_CHECK(false, "cost model: '", path, "' is not a calibration file (", e.what(),
+             "); rerun hp-bench calibrate");
+  }
+  return {};
+}
+
+std::string default_calibration_path(const std::string& link) {
+  if (const char* env = std::getenv("HP_CALIBRATION"); env != nullptr && *env != '\0') return env;
+  std::string base;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') {
+    base = x;
+  } else if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') {
+    base = std::string(h) + "/.cache";
+  } else {
+    base = "/tmp";
+  }
+  return base + "/hyperparallel/calibration-" + link + ".json";
+}
+
+std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkload& w) {
+  std::vector<cp::ContextParallelConfig> out;
+  auto add = [&](cp::CPAlgorithm a, std::optional<int64_t> u) {
+    for (auto s : {cp::CPSchedule::kSync, cp::CPSchedule::kAsync}) {
+      cp::ContextParallelConfig c;
+      c.algorithm = a;
+      c.ulysses_degree = u;
+      c.schedule = s;
+      c.load_balance = w.load_balance && a != cp::CPAlgorithm::kUlysses;
+      try {  // the same checks the planner runs
+        auto n = cp::normalize(c, p);
+        if (!n) continue;
+        cp::check_heads(*n, p, w.heads, w.kv_heads);
+        cp::check_sequence(*n, p, w.seq);
+        out.push_back(*n);
+      } catch (const hp::Error&) {
+      }
+    }
+  };
+  if (p < 2) return out;
+  add(cp::CPAlgorithm::kAllGather, std::nullopt);
+  add(cp::CPAlgorithm::kUlysses, std::nullopt);
+  for (int64_t u = 2; u < p; ++u) {
+    if (p % u == 0) add(cp::CPAlgorithm::kHybrid, u);
+  }
+  return out;
+}
+
+namespace {
+
+// Share of the full problem's attention work on the slowest rank.
+double attention_share(int64_t p, int64_t u, bool causal, bool balanced) {
+  const double c = static_cast<double>(p / u);
+  const double per_ulysses = 1.0 / static_cast<double>(u);
+  if (!causal || balanced || c == 1) return per_ulysses / c;
+  return per_ulysses * (2 * c - 1) / (c * c);  // the last contiguous chunk sees every key
+}
+
+}  // namespace
+
+CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelConfig& config,
+                             int64_t p, const CPWorkload& w) {
+  CPPrediction out;
+  out.config = config;
+  const int64_t u = cp::ulysses_degree_of(config, p), c = p / u;
+  const bool async = config.schedule == cp::CPSchedule::kAsync;
+  out.name = cp::to_string(config.algorithm) +
+             (config.algorithm == cp::CPAlgorithm::kHybrid ? "(U=" + std::to_string(u) + ")" : "") +
+             "/" + cp::to_string(config.schedule);
+  const int ranks = w.ranks_on_node > 0 ? w.ranks_on_node : static_cast<int>(p);
+  const double share = std::min(1.0, static_cast<double>(cal.cores) / ranks);
+  const double s = static_cast<double>(w.seq), b = static_cast<double>(w.batch);
+  const double h = static_cast<double>(w.heads * w.head_dim);
+  const double hkv = static_cast<double>(w.kv_heads * w.head_dim);
+  const double hidden = w.hidden > 0 ? static_cast<double>(w.hidden) : h;
+  // Compute.
+  const double attn_flops = 3.5 * 4.0 * b * w.heads * s * s * w.head_dim * (w.causal ? 0.5 : 1.0) *
+                            attention_share(p, u, w.causal, config.load_balance);
+  double proj_flops = 0;
+  if (w.projections) {
+    const double s_local = s / static_cast<double>(p);
+    proj_flops = 3.0 * 2.0 * b * s_local * hidden * (2 * h + 2 * hkv);
+  }
+  const double proj_s = proj_flops / (cal.matmul_gflops * 1e9 * share);
+  out.compute_s = attn_flops / (cal.attention_gflops * 1e9 * share) + proj_s;
+  // Communication, forward + backward, e = 4 bytes.
+  const double e = 4.0 * b, local = s / static_cast<double>(p);
+  double early = 0, late = 0;  // early: launched at a handoff (async can hide it)
+  if (u > 1) {
+    const double frac = static_cast<double>(u - 1) / static_cast<double>(u);
+    const auto& a2a = cal.fit("all_to_all", p);
+    for (double width : {h, hkv, hkv})
+      early += 2 * a2a.time(local * width * e * frac);
+    late += 2 * a2a.time(local * h * e * frac);  // the output all-to-all and its inverse
+  }
+  if (c > 1) {
+    const double n = local * hkv * e;  // per rank, per tensor
+    const auto& ag = cal.fit("all_gather", p);
+    const auto& rs = cal.fit("reduce_scatter", p);
+    const double gathers =
+        2 * ag.time(n * static_cast<double>(c - 1)) + 2 * rs.time(n * static_cast<double>(c - 1));
+    // Hybrid keeps its cross-group all-gather synchronous.
+    (config.algorithm == cp::CPAlgorithm::kHybrid ? late : early) += gathers;
+  }
+  out.comm_s = early + late;
+  const double hidden_s = async ? std::min(early, cal.overlap_budget * proj_s) : 0.0;
+  out.exposed_comm_s = out.comm_s - hidden_s;
+  out.step_s = out.compute_s + out.exposed_comm_s;
+  return out;
+}
+
+std::vector<CPPrediction> rank_cp_configs(const Calibration& c, int64_t p, const CPWorkload& w) {
+  std::vector<CPPrediction> out;
+  for (const auto& cfg : legal_cp_configs(p, w))
+    out.push_back(predict_cp_step(c, cfg, p, w));
+  HP_CHECK(!out.empty(), "--cp-algo auto: no CP algorithm is legal for cp=", p, ", heads=", w.heads,
+           ", kv_heads=", w.kv_heads, ", seq=", w.seq,
+           "; change the sizes (see the errors of an explicit --cp-algo)");
+  std::stable_sort(out.begin(), out.end(),
+                   [](const auto& a, const auto& b) { return a.step_s < b.step_s; });
+  return out;
+}
+
+std::string describe(const CPPrediction& p) {
+  return common::str_cat("predicted ", p.name, ": step ", p.step_s, " s = compute ", p.compute_s,
+                         " + exposed comm ", p.exposed_comm_s, " (of ", p.comm_s, ")");
+}
+
+}  // namespace hp::plan
