@@ -28,6 +28,7 @@ struct Args {
   std::string algo = "all_gather", schedule = "sync", config_file;
   int64_t degree = 0;
   bool load_balance = false;
+  bool auto_algo = false;
   double timeout_s = 600;
 };
 
@@ -76,7 +77,7 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--cp", o.cp, "context-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--cp-algo", a.algo, "all_gather | ulysses | hybrid");
+  app.add_option("--cp-algo", a.algo, "all_gather | ulysses | hybrid | auto (cost model)");
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
@@ -123,6 +124,12 @@ int main(int argc, char** argv) {
     HP_CHECK(fusion == "on" || fusion == "off", "hp-train: --comm-fusion '", fusion,
              "' is not valid; valid: on, off");
     o.comm_fusion = fusion == "on";
+    o.cp_auto = a.algo == "auto";
+    if (o.cp_auto) {
+      HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
+      a.algo = "all_gather";  // placeholder: the planner replaces it (load_balance is kept)
+      a.auto_algo = true;
+    }
     if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance) {
       hp::cp::ContextParallelConfig c;
       c.algorithm = hp::cp::parse_algorithm(a.algo);
@@ -172,7 +179,7 @@ int main(int argc, char** argv) {
                               {"comm_fusion", fusion},
                               {"grad_accum", o.grad_accum},
                               {"recompute", o.model.recompute},
-                              {"cp_algo", a.algo},
+                              {"cp_algo", a.auto_algo ? std::string("auto") : a.algo},
                               {"ulysses_degree", a.degree},
                               {"schedule", a.schedule},
                               {"load_balance", a.load_balance},

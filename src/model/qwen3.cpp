@@ -219,8 +219,14 @@ std::vector<hsdp::UnitSpec> Qwen3Impl::fully_shard_units() {
 std::vector<plan::AttentionModuleInfo> Qwen3Impl::attention_modules() {
   std::vector<plan::AttentionModuleInfo> out;
   for (size_t i = 0; i < layers.size(); ++i) {
-    out.push_back({common::str_cat("layers.", i, ".self_attn"), config_.heads, config_.kv_heads,
-                   &layers[i]->self_attn->host()});
+    plan::AttentionModuleInfo info;
+    info.path = common::str_cat("layers.", i, ".self_attn");
+    info.heads = config_.heads;
+    info.kv_heads = config_.kv_heads;
+    info.head_dim = config_.head_dim;
+    info.hidden = config_.hidden;
+    info.host = &layers[i]->self_attn->host();
+    out.push_back(info);
   }
   return out;
 }

@@ -86,6 +86,11 @@ Calibration load_calibration(const std::string& path) {
   return {};
 }
 
+std::string current_link() {
+  const char* v = std::getenv("HP_LINK_RATE");
+  return v != nullptr && *v != '\0' ? std::string(v) : std::string("loopback");
+}
+
 std::string default_calibration_path(const std::string& link) {
   if (const char* env = std::getenv("HP_CALIBRATION"); env != nullptr && *env != '\0') return env;
   std::string base;

@@ -58,7 +58,32 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
                  {"dp_shard", o.dp_shard},
                  {"cp", o.cp_size},
                  {"tp", o.tp_size}};
-  p.cp_config = cp::normalize(o.cp_config, o.cp_size);
+  if (o.cp_auto && o.cp_size > 1) {
+    HP_CHECK(o.calibration.has_value(),
+             "plan: --cp-algo auto needs a calibration of this machine and link; run "
+             "`hp-bench calibrate [--link-rate RATE]` first");
+    HP_CHECK(!attns.empty(), "plan: --cp-algo auto: the model has no attention modules");
+    HP_CHECK(o.seq_len > 0, "plan: --cp-algo auto needs the sequence length (seq_len)");
+    const auto& a = attns.front();
+    CPWorkload w;
+    w.seq = o.seq_len;
+    w.heads = a.heads / o.tp_size;
+    w.kv_heads = a.kv_heads / o.tp_size;
+    w.head_dim = a.head_dim;
+    w.hidden = a.hidden;
+    w.batch = o.batch;
+    w.load_balance = o.cp_config && o.cp_config->load_balance;
+    w.ranks_on_node = static_cast<int>(world_size);
+    auto ranked = rank_cp_configs(*o.calibration, o.cp_size, w);
+    p.log.push_back(common::str_cat("cp auto: link ", o.calibration->link, ", ", ranked.size(),
+                                    " legal choices for cp=", o.cp_size, " S=", o.seq_len));
+    for (const auto& r : ranked)
+      p.log.push_back("  " + describe(r));
+    p.log.push_back("cp auto: chose " + ranked.front().name);
+    p.cp_config = ranked.front().config;
+  } else {
+    p.cp_config = cp::normalize(o.cp_config, o.cp_size);
+  }
   if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
   p.seq_len = o.seq_len;
   const Layout act = p.activation_layout();

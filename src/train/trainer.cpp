@@ -259,6 +259,11 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   po.dp_replicate = o.dp_replicate;
   po.comm_fusion = o.comm_fusion;
   po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
+  po.batch = o.batch;
+  if (o.cp_auto && o.cp > 1) {
+    po.cp_auto = true;
+    po.calibration = plan::load_calibration(plan::default_calibration_path(plan::current_link()));
+  }
   HP_CHECK(o.steps >= 1 && o.batch >= 1 && o.seq_len >= 2 && o.grad_accum >= 1,
            "hp-train: --steps, --batch and --grad-accum must be >= 1 and --seq-len >= 2");
   model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
@@ -277,6 +282,8 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   if (rank0) {
     std::printf("hp-train: plan %s (%s mode)\n", result.plan.c_str(),
                 o.validate_mode ? "validate" : "production");
+    for (const auto& l : plan.log)
+      std::printf("  %s\n", l.c_str());
     for (const auto& l : apply_log)
       std::printf("  %s\n", l.c_str());
     std::fflush(stdout);

@@ -47,6 +47,9 @@ Calibration calibration_from_json(const std::string& json);
 void save_calibration(const std::string& path, const Calibration& c);
 // Throws a clear error naming the command that creates it when `path` does not exist.
 Calibration load_calibration(const std::string& path);
+// The link this process runs on: the emulated rate inside `hp-bench --link-rate` (HP_LINK_RATE),
+// else "loopback".
+std::string current_link();
 // $HP_CALIBRATION, else ${XDG_CACHE_HOME:-$HOME/.cache}/hyperparallel/calibration-<link>.json
 std::string default_calibration_path(const std::string& link);
 

@@ -19,6 +19,7 @@
 #include "hp/cp/apply.h"
 #include "hp/cp/config.h"
 #include "hp/hsdp/fully_shard.h"
+#include "hp/plan/cost_model.h"
 #include "hp/plan/layout.h"
 
 namespace hp::plan {
@@ -30,6 +31,8 @@ struct AttentionModuleInfo {
   std::string path;      // e.g. "layers.0.self_attn"
   int64_t heads = 0;     // global query heads
   int64_t kv_heads = 0;  // global key/value heads
+  int64_t head_dim = 0;
+  int64_t hidden = 0;  // the model width the Q/K/V/O projections map from and to
   attention::AttentionHost* host = nullptr;
 };
 
@@ -59,6 +62,11 @@ struct PlanOptions {
   bool comm_fusion = false;
   bool reshard_after_forward = true;
   hsdp::ReduceOp reduce_op = hsdp::ReduceOp::kAvg;
+  // --cp-algo auto: the cost model picks (algorithm, ulysses_degree, schedule) for cp_size > 1
+  // (cp_config, if set, contributes load_balance only); needs a calibration.
+  bool cp_auto = false;
+  std::optional<Calibration> calibration;
+  int64_t batch = 1;  // sequences per rank (auto's workload)
 };
 
 // What a module gets (DESIGN section 9); CP fields as in cp::CPModuleSpec.
@@ -79,6 +87,7 @@ struct ShardingPlan {
   hsdp::HsdpOptions hsdp_options;  // used when hsdp()
   int64_t seq_len = 0;
   Mode mode = Mode::kProduction;
+  std::vector<std::string> log;  // planner decisions (auto's prediction for every candidate)
   std::unique_ptr<BoundaryChecker> checker;       // validate mode, set by the applier
   std::shared_ptr<hsdp::FullyShard> fully_shard;  // HSDP, set by the applier
   bool hsdp() const { return dp_shard * dp_replicate > 1; }

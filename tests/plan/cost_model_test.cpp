@@ -1,0 +1,138 @@
+// The CP cost model: legal candidates, the shape of its predictions on synthetic calibrations,
+// calibration files, and the planner's --cp-algo auto (choice and log).
+#include <cstdlib>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "hp/model/qwen3.h"
+#include "hp/plan/cost_model.h"
+#include "hp/plan/plan.h"
+#include "rank_harness.h"
+
+namespace hp::plan {
+namespace {
+
+Calibration synthetic(double seconds_per_byte, int cores = 64) {
+  Calibration c;
+  c.link = "test";
+  c.cores = cores;
+  c.attention_gflops = 100;
+  c.matmul_gflops = 100;
+  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}) {
+    for (int p : {2, 4}) c.collectives[kind][p] = {1e-4, seconds_per_byte};
+  }
+  return c;
+}
+
+CPWorkload workload(int64_t heads = 8, int64_t kv_heads = 8) {
+  CPWorkload w;
+  w.seq = 16384;
+  w.heads = heads;
+  w.kv_heads = kv_heads;
+  w.head_dim = 64;
+  return w;
+}
+
+cp::ContextParallelConfig config(const char* algo, bool lb = false, int64_t u = 0) {
+  cp::ContextParallelConfig c;
+  c.algorithm = cp::parse_algorithm(algo);
+  if (u > 0) c.ulysses_degree = u;
+  c.load_balance = lb;
+  return c;
+}
+
+TEST(CostModel, LegalCandidatesFollowTheHeadChecks) {
+  auto names = [](int64_t p, const CPWorkload& w) {
+    std::vector<std::string> out;
+    for (const auto& c : legal_cp_configs(p, w)) {
+      out.push_back(std::string(cp::to_string(c.algorithm)) + "/" + cp::to_string(c.schedule) +
+                    (c.ulysses_degree ? "/U" + std::to_string(*c.ulysses_degree) : ""));
+    }
+    return out;
+  };
+  // kv_heads = 2 over 4 ranks: Ulysses is illegal, hybrid U=2 is legal.
+  EXPECT_EQ(names(4, workload(8, 2)),
+            (std::vector<std::string>{"all_gather/sync/U1", "all_gather/async/U1",
+                                      "hybrid/sync/U2", "hybrid/async/U2"}));
+  EXPECT_EQ(names(2, workload()).size(), 4u);
+  EXPECT_TRUE(legal_cp_configs(1, workload()).empty());
+}
+
+TEST(CostModel, ComputeSharesFollowTheCausalLayout) {
+  auto free_link = synthetic(0);
+  auto w = workload();
+  w.projections = false;
+  const double contiguous = predict_cp_step(free_link, config("all_gather"), 2, w).compute_s;
+  const double balanced = predict_cp_step(free_link, config("all_gather", true), 2, w).compute_s;
+  const double ulysses = predict_cp_step(free_link, config("ulysses"), 2, w).compute_s;
+  EXPECT_NEAR(contiguous / balanced, 1.5, 1e-9);  // (2P-1)/P^2 against 1/P
+  EXPECT_NEAR(ulysses, balanced, 1e-12);
+  // More ranks than cores: each rank runs at its share of a core.
+  auto two_cores = synthetic(0, 2);
+  EXPECT_NEAR(predict_cp_step(two_cores, config("ulysses"), 4, w).compute_s,
+              2 * predict_cp_step(free_link, config("ulysses"), 4, w).compute_s, 1e-9);
+}
+
+TEST(CostModel, SlowLinksFavourUlyssesAndAsyncHidesBehindProjections) {
+  auto slow = synthetic(1.0 / 125e6);  // ~1 Gbit/s
+  auto w = workload();
+  auto ag = predict_cp_step(slow, config("all_gather", true), 4, w);
+  auto ul = predict_cp_step(slow, config("ulysses"), 4, w);
+  EXPECT_LT(ul.comm_s, ag.comm_s);  // volume 1/P against (P-1)/P of K/V
+  auto async = config("ulysses");
+  async.schedule = cp::CPSchedule::kAsync;
+  auto ua = predict_cp_step(slow, async, 4, w);
+  EXPECT_LT(ua.exposed_comm_s, ul.exposed_comm_s);
+  EXPECT_DOUBLE_EQ(ua.comm_s, ul.comm_s);
+  auto ranked = rank_cp_configs(slow, 4, w);
+  for (size_t i = 1; i < ranked.size(); ++i) EXPECT_LE(ranked[i - 1].step_s, ranked[i].step_s);
+}
+
+TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
+  auto c = synthetic(2e-9);
+  c.inputs_json = R"({"comm":[{"command":"hp-bench comm --nproc 2"}]})";
+  const std::string path = ::testing::TempDir() + "/hp_cal/calibration-test.json";
+  save_calibration(path, c);
+  auto back = load_calibration(path);
+  EXPECT_EQ(back.link, "test");
+  EXPECT_DOUBLE_EQ(back.fit("all_to_all", 4).seconds_per_byte, 2e-9);
+  EXPECT_DOUBLE_EQ(back.fit("all_to_all", 8).seconds_per_byte, 2e-9);  // nearest measured P
+  EXPECT_NE(back.inputs_json.find("hp-bench comm --nproc 2"), std::string::npos);
+  HP_EXPECT_ERROR(load_calibration(path + ".missing"),
+                  "run `hp-bench calibrate [--link-rate RATE]` once on this machine and link");
+}
+
+TEST(CostModel, PlannerAutoChoosesAndLogsEveryCandidate) {
+  model::Qwen3Config mc;
+  mc.heads = 8;
+  mc.kv_heads = 8;
+  mc.head_dim = 16;
+  mc.hidden = 128;
+  model::Qwen3 m(mc);
+  PlanOptions po;
+  po.cp_size = 4;
+  po.seq_len = 4096;
+  po.cp_auto = true;
+  HP_EXPECT_ERROR(ShardingPlanner().plan(*m, 4, po), "run `hp-bench calibrate");
+  po.calibration = synthetic(1.0 / 125e6);
+  auto p = ShardingPlanner().plan(*m, 4, po);
+  ASSERT_TRUE(p.cp_config.has_value());
+  CPWorkload w;
+  w.seq = 4096;
+  w.heads = 8;
+  w.kv_heads = 8;
+  w.head_dim = 16;
+  w.hidden = 128;
+  w.ranks_on_node = 4;
+  auto ranked = rank_cp_configs(*po.calibration, 4, w);
+  EXPECT_EQ(p.cp_config->algorithm, ranked.front().config.algorithm);
+  EXPECT_EQ(p.cp_config->schedule, ranked.front().config.schedule);
+  size_t predicted = 0;
+  for (const auto& l : p.log) predicted += l.find("predicted ") != std::string::npos;
+  EXPECT_EQ(predicted, ranked.size());
+  EXPECT_EQ(p.log.back(), "cp auto: chose " + ranked.front().name);
+}
+
+}  // namespace
+}  // namespace hp::plan
