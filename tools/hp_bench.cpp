@@ -4,6 +4,8 @@
 //                      [--primitive math|blockwise|all] [--iters K] [--json]
 //   hp-bench cp --seq S --heads H --kv-heads HK --head-dim D --cp P --cp-algo A
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
+//   hp-bench calibrate [--link-rate RATE] [--out FILE]
+//   hp-bench report [--link-rate RATE ...] [--out docs/benchmarks] [--recalibrate]
 //   hp-bench hsdp --nproc N --dp-shard Sd --dp-replicate R [--comm-fusion on|off]
 //                 [--layers L --hidden H --ffn F --seq S] [--iters K] [--json]
 // comm, cp and hsdp take --link-rate RATE: all ranks run in a network namespace whose loopback
@@ -32,6 +34,15 @@
 #include "hp/common/trace.h"
 #include "hp/plan/cost_model.h"
 #include "hp/train/launcher.h"
+#include "hp_bench_cmds.h"
+
+namespace hp_bench {
+int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
+  return hp::train::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
+}
+}  // namespace hp_bench
+
+using namespace hp_bench;
 
 namespace {
 
@@ -43,10 +54,6 @@ void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_
   cmd->add_option("--kv-heads", kv_heads, "key/value heads")->check(CLI::PositiveNumber);
   cmd->add_option("--head-dim", head_dim, "head dim D")->check(CLI::PositiveNumber);
   cmd->add_option("--batch", batch, "batch B")->check(CLI::PositiveNumber);
-}
-
-int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
-  return hp::train::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
 }
 
 struct CommArgs {
@@ -212,241 +219,6 @@ int run_attention(const AttentionArgs& a) {
   return 0;
 }
 
-struct CPArgs {
-  hp::bench::CPBenchOptions bench;
-  int nproc = 2;
-  std::string algo = "all_gather", schedule = "sync";
-  int64_t degree = 0;
-  bool json = false;
-  double timeout_s = 600;
-};
-
-// --cp-algo auto: the cost model's fastest legal choice for this link; every candidate's
-// prediction is logged (once, by the launching process).
-void choose_cp_config(CPArgs& a, bool log) {
-  const std::string link = hp::bench::emulated_link_rate().value_or("loopback");
-  auto cal = hp::plan::load_calibration(hp::plan::default_calibration_path(link));
-  hp::plan::CPWorkload w;
-  w.seq = a.bench.seq;
-  w.heads = a.bench.heads;
-  w.kv_heads = a.bench.kv_heads;
-  w.head_dim = a.bench.head_dim;
-  w.batch = a.bench.batch;
-  w.causal = a.bench.causal;
-  w.projections = a.bench.projections;
-  w.load_balance = a.bench.config.load_balance;
-  w.ranks_on_node = a.nproc;
-  auto ranked = hp::plan::rank_cp_configs(cal, a.nproc, w);
-  if (log) {
-    std::printf("hp-bench cp: --cp-algo auto on link %s (calibration %s):\n", link.c_str(),
-                hp::plan::default_calibration_path(link).c_str());
-    for (const auto& r : ranked)
-      std::printf("  %s\n", hp::plan::describe(r).c_str());
-    std::printf("  chosen: %s\n", ranked.front().name.c_str());
-    std::fflush(stdout);
-  }
-  const auto& best = ranked.front().config;
-  a.algo = hp::cp::to_string(best.algorithm);
-  a.schedule = hp::cp::to_string(best.schedule);
-  a.degree = best.algorithm == hp::cp::CPAlgorithm::kHybrid ? *best.ulysses_degree : 0;
-  a.bench.config.load_balance = best.load_balance;
-}
-
-int run_cp(CPArgs a, const std::vector<std::string>& argv) {
-  if (a.algo == "auto") {
-    choose_cp_config(a, !hp::comm::parse_launch_env(hp::comm::process_env()).has_value());
-  }
-  a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
-  a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
-  if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
-  // Static checks before any process starts.
-  auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
-  if (normalized) {
-    hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
-    hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
-  }
-  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");
-  hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
-  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
-                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
-  hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
-  auto results = hp::bench::run_cp_bench(world, a.bench);
-  if (world.rank() != 0) return 0;
-  nlohmann::json list = nlohmann::json::array();
-  for (const auto& r : results) {
-    list.push_back({{"algorithm", r.algorithm},
-                    {"schedule", r.schedule},
-                    {"cp", r.cp},
-                    {"ulysses_degree", r.ulysses_degree},
-                    {"seq", r.seq},
-                    {"heads", a.bench.heads},
-                    {"kv_heads", a.bench.kv_heads},
-                    {"head_dim", a.bench.head_dim},
-                    {"causal", a.bench.causal},
-                    {"projections", a.bench.projections},
-                    {"load_balance", a.bench.config.load_balance},
-                    {"threads_per_rank", hp::common::threads_per_rank(world.local_size())},
-                    {"step_time_s", r.step_time_s},
-                    {"comm_bytes_per_rank", r.comm_bytes_per_rank},
-                    {"comm_bytes_theory", r.comm_bytes_theory},
-                    {"wire_bytes_per_rank", r.wire_bytes_per_rank},
-                    {"link", hp::bench::emulated_link_rate().value_or("loopback")},
-                    {"peak_rss_bytes", r.peak_rss_bytes},
-                    {"peak_rss_per_rank", r.peak_rss_per_rank},
-                    {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank},
-                    {"exposed_comm_s", r.exposed_comm_s},
-                    {"overlap_fraction", r.overlap_fraction}});
-  }
-  if (a.json) {
-    std::cout << nlohmann::json{{"results", list}}.dump() << std::endl;
-    return 0;
-  }
-  for (const auto& r : results) {
-    std::printf(
-        "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s%s "
-        "(%d thread(s) per rank)\n  step %.3f s (median, slowest rank); comm %lld "
-        "bytes/rank (formula %lld); peak RSS %.0f MiB (max rank)\n  exposed comm "
-        "%.3f s/step%s%s\n",
-        r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
-        (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
-        (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
-        a.bench.projections ? " +projections" : "",
-        hp::common::threads_per_rank(world.local_size()), r.step_time_s,
-        (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
-        r.peak_rss_bytes / 1048576.0, r.exposed_comm_s,
-        r.schedule == "async"
-            ? hp::common::str_cat(" (overlap fraction ", r.overlap_fraction, ")").c_str()
-            : "",
-        r.wire_bytes_per_rank >= 0
-            ? hp::common::str_cat("; on the wire ", r.wire_bytes_per_rank, " bytes/rank (link ",
-                                  hp::bench::emulated_link_rate().value_or("?"), ")")
-                  .c_str()
-            : "");
-    double lo = 1e30, hi = 0;
-    std::printf("  attention CPU s per rank:");
-    for (double c : r.attention_cpu_s_per_rank) {
-      lo = std::min(lo, c);
-      hi = std::max(hi, c);
-      std::printf(" %.3f", c);
-    }
-    std::printf("  (max/min %.2f)\n", lo > 0 ? hi / lo : 0.0);
-  }
-  return 0;
-}
-
-struct HsdpArgs {
-  hp::bench::HsdpBenchOptions bench;
-  int nproc = 2;
-  std::string fusion = "off";
-  bool json = false;
-  double timeout_s = 600;
-};
-
-int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
-  HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-bench hsdp: --comm-fusion '", a.fusion,
-           "' is not valid; valid: on, off");
-  a.bench.comm_fusion = a.fusion == "on";
-  HP_CHECK(a.bench.dp_shard * a.bench.dp_replicate == a.nproc, "hp-bench hsdp: --dp-shard ",
-           a.bench.dp_shard, " x --dp-replicate ", a.bench.dp_replicate, " = ",
-           a.bench.dp_shard * a.bench.dp_replicate, " but --nproc is ", a.nproc,
-           "; make the product equal --nproc");
-  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "hsdp");
-  hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
-  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
-                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
-  const int threads = hp::common::threads_per_rank(world.local_size());
-  hp::common::configure_threads(threads);
-  auto results = hp::bench::run_hsdp_bench(world, a.bench);
-  if (world.rank() != 0) return 0;
-  const auto& b = a.bench;
-  nlohmann::json list = nlohmann::json::array();
-  for (const auto& r : results) {
-    list.push_back({{"mode", r.mode},
-                    {"forward_s", r.forward_s},
-                    {"backward_s", r.backward_s},
-                    {"exposed_comm_s", r.exposed_comm_s},
-                    {"drain_s", r.drain_s},
-                    {"bytes_per_rank",
-                     {{"all_gather", r.bytes_all_gather},
-                      {"reduce_scatter", r.bytes_reduce_scatter},
-                      {"all_reduce", r.bytes_all_reduce}}},
-                    {"formula_bytes_per_rank",
-                     {{"all_gather", r.formula_all_gather},
-                      {"reduce_scatter", r.formula_reduce_scatter},
-                      {"all_reduce", r.formula_all_reduce}}},
-                    {"param_bytes_per_rank", r.param_bytes_per_rank},
-                    {"full_param_bytes", r.full_param_bytes}});
-  }
-  const double speedup =
-      results[1].backward_s > 0 ? results[0].backward_s / results[1].backward_s : 0.0;
-  if (a.json) {
-    std::cout << nlohmann::json{{"nproc", a.nproc},
-                                {"dp_shard", b.dp_shard},
-                                {"dp_replicate", b.dp_replicate},
-                                {"comm_fusion", a.fusion},
-                                {"threads_per_rank", threads},
-                                {"model",
-                                 {{"layers", b.layers},
-                                  {"hidden", b.hidden},
-                                  {"ffn", b.ffn},
-                                  {"seq", b.seq}}},
-                                {"results", list},
-                                {"backward_speedup", speedup}}
-                     .dump()
-              << std::endl;
-    return 0;
-  }
-  std::printf(
-      "hp-bench hsdp: R=%lld x Sd=%lld, comm_fusion=%s, %lld layers hidden=%lld ffn=%lld "
-      "S=%lld (%d thread(s) per rank; medians of the slowest rank)\n",
-      (long long)b.dp_replicate, (long long)b.dp_shard, a.fusion.c_str(), (long long)b.layers,
-      (long long)b.hidden, (long long)b.ffn, (long long)b.seq, threads);
-  std::printf("%-10s %10s %11s %12s %9s %26s %26s %26s\n", "mode", "forward_s", "backward_s",
-              "exposed_s", "drain_s", "all_gather B/rank (form.)", "reduce_scat B (form.)",
-              "all_reduce B (form.)");
-  for (const auto& r : results) {
-    std::printf(
-        "%-10s %10.3f %11.3f %12.3f %9.3f %13lld (%10lld) %13lld (%10lld) %13lld (%10lld)\n",
-        r.mode.c_str(), r.forward_s, r.backward_s, r.exposed_comm_s, r.drain_s,
-        (long long)r.bytes_all_gather, (long long)r.formula_all_gather,
-        (long long)r.bytes_reduce_scatter, (long long)r.formula_reduce_scatter,
-        (long long)r.bytes_all_reduce, (long long)r.formula_all_reduce);
-  }
-  std::printf("parameters per rank: %.2f MiB of %.2f MiB (1/%.2f); backward speedup %.2fx\n",
-              results[1].param_bytes_per_rank / 1048576.0, results[1].full_param_bytes / 1048576.0,
-              static_cast<double>(results[1].full_param_bytes) /
-                  static_cast<double>(std::max<int64_t>(1, results[1].param_bytes_per_rank)),
-              speedup);
-  return 0;
-}
-
-int run_calibrate(const std::string& out) {
-  hp::bench::CalibrateOptions o;
-  o.self_exe = hp::train::self_executable();
-  o.link = hp::bench::emulated_link_rate().value_or("loopback");
-  auto c = hp::bench::run_calibration(o);
-  const auto path = hp::plan::default_calibration_path(o.link);
-  hp::plan::save_calibration(path, c);
-  if (!out.empty()) hp::plan::save_calibration(out, c);
-  std::printf(
-      "hp-bench calibrate: link %s, %d cores: attention %.1f GF/s, matmul %.1f GF/s (one "
-      "thread)\n",
-      o.link.c_str(), c.cores, c.attention_gflops, c.matmul_gflops);
-  for (const auto& [kind, by_p] : c.collectives) {
-    for (const auto& [p, f] : by_p) {
-      std::printf("  %-15s P=%lld: latency %.3f ms, %.3f GB/s per rank\n", kind.c_str(),
-                  (long long)p, f.latency_s * 1e3,
-                  f.seconds_per_byte > 0 ? 1e-9 / f.seconds_per_byte : 0.0);
-    }
-  }
-  std::printf("hp-bench calibrate: wrote %s\n", path.c_str());
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -509,6 +281,16 @@ int main(int argc, char** argv) {
       app.add_subcommand("calibrate", "measure the CP cost model's inputs for this link; cache");
   std::string cal_out;
   cal_cmd->add_option("--out", cal_out, "also write the calibration here");
+  hp::bench::ReportOptions rep;
+  auto* rep_cmd = app.add_subcommand("report", "the benchmark report (docs/benchmarks/)");
+  rep_cmd->add_option("--link-rate", rep.links,
+                      "links to report on (e.g. 1gbit; 'loopback' for plain loopback); the first "
+                      "is the main one; default loopback");
+  rep_cmd->add_option("--out", rep.out_dir, "output directory");
+  rep_cmd->add_flag("--recalibrate", rep.recalibrate, "redo the cached calibrations");
+  rep_cmd->add_option("--seqs", rep.seqs, "sequence lengths of the grid");
+  rep_cmd->add_option("--ranks", rep.ranks, "CP sizes of the grid");
+  rep_cmd->add_option("--iters", rep.iters_small, "timed steps per CP run below S=16384");
   std::string link_rate;
   for (auto* cmd : {c, cp_cmd, hs_cmd, cal_cmd}) {
     cmd->add_option("--link-rate", link_rate,
@@ -521,6 +303,7 @@ int main(int argc, char** argv) {
     }
     if (hs_cmd->parsed()) return run_hsdp(hs, args);
     if (cal_cmd->parsed()) return run_calibrate(cal_out);
+    if (rep_cmd->parsed()) return run_report_cmd(rep);
     if (cp_cmd->parsed()) return run_cp(cpa, args);
     if (c->parsed()) return run_comm(comm, args);
     if (at_cmd->parsed()) return run_attention(att);

@@ -1,0 +1,37 @@
+// `hp-bench report`: the benchmark report (docs/benchmarks/). Runs, as child processes of the
+// hp-bench binary (each emulated link in its own network namespace):
+//   the calibration of every link (cached; --recalibrate redoes it),
+//   the CP grid: algorithms (all_gather with head-tail balance, ulysses, hybrid U=2 when P >= 4)
+//     x schedules (sync, async) x P x S, causal, with the Q/K/V/O projections, one core per rank
+//     at P = 2 (two ranks per core at P = 4), plus contiguous all_gather at the largest S, P = 2,
+//   the loopback contrast of the async cases at the largest S, P = 2 (when a link is emulated),
+//   the attention bench (blockwise) at each S and the HSDP bench,
+// then writes results.json (every measurement with the cost model's prediction,
+// "cost_model": {"max_rel_error": ..}, "auto_selection": [...]), results.md, chart.svg (step
+// time per algorithm and schedule, exposed communication shaded) and timeline.svg (one
+// hp-train run's per-rank collectives and waits, from its Chrome trace).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hp::bench {
+
+struct ReportOptions {
+  std::string self_exe;            // hp-bench
+  std::string train_exe;           // hp-train (timeline); empty: no timeline
+  std::vector<std::string> links;  // "1gbit", "loopback", ...; the first is the main one
+  std::string out_dir = "docs/benchmarks";
+  std::vector<int64_t> seqs{4096, 16384};
+  std::vector<int64_t> ranks{2, 4};
+  int64_t heads = 8, kv_heads = 8, head_dim = 64;
+  int iters_small = 3, iters_large = 2;  // timed steps at S < 16384 / at S >= 16384
+  bool recalibrate = false;
+  bool with_attention = true, with_hsdp = true;
+};
+
+// Returns the path of results.json.
+std::string run_report(const ReportOptions& options);
+
+}  // namespace hp::bench

@@ -1,0 +1,278 @@
+#include "hp/bench/report.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "hp/bench/calibrate.h"
+#include "hp/bench/svg.h"
+#include "hp/common/check.h"
+#include "hp/common/threads.h"
+#include "hp/plan/cost_model.h"
+
+namespace hp::bench {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string link_flag(const std::string& link) {
+  return link == "loopback" ? "" : " --link-rate " + link;
+}
+
+void progress(const std::string& what, std::chrono::steady_clock::time_point t0) {
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("hp-bench report [%6.0f s] %s\n", s, what.c_str());
+  std::fflush(stdout);
+}
+
+struct Choice {
+  std::string algo;
+  int64_t degree = 0;
+  bool load_balance = false;
+};
+
+std::string choice_name(const std::string& algo, int64_t u, const std::string& schedule,
+                        bool contiguous_ag) {
+  std::string n = algo;
+  if (algo == "hybrid") n += "(U=" + std::to_string(u) + ")";
+  if (contiguous_ag) n += "(contiguous)";
+  return n + "/" + schedule;
+}
+
+}  // namespace
+
+std::string run_report(const ReportOptions& o) {
+  HP_CHECK(!o.links.empty(), "hp-bench report: no link given");
+  const auto t0 = std::chrono::steady_clock::now();
+  fs::create_directories(o.out_dir);
+  const int cores = common::available_cores();
+  json results;
+  results["machine"] = {{"cores", cores},
+                        {"note",
+                         "ranks share the machine's cores: P = 2 gives each rank one "
+                         "core, P = 4 half a core (per-rank figures then mean less "
+                         "than totals)"}};
+  results["commands"] = json::array();
+  results["measurements"] = json::array();
+  results["auto_selection"] = json::array();
+  double max_rel = 0;
+  std::vector<BarGroup> groups;
+  const int64_t s_max = *std::max_element(o.seqs.begin(), o.seqs.end());
+  auto run_cp = [&](const std::string& link, int64_t p, int64_t s, const Choice& c,
+                    const std::string& schedule, const plan::Calibration* cal) {
+    const int iters = s >= 16384 ? o.iters_large : o.iters_small;
+    std::string cmd = common::str_cat(
+        o.self_exe, " cp --seq ", s, " --heads ", o.heads, " --kv-heads ", o.kv_heads,
+        " --head-dim ", o.head_dim, " --cp ", p, " --cp-algo ", c.algo, " --schedule ", schedule,
+        " --projections --causal --iters ", iters, c.load_balance ? " --load-balance" : "",
+        c.degree > 0 ? common::str_cat(" --ulysses-degree ", c.degree) : std::string(),
+        link_flag(link), " --json");
+    progress(cmd, t0);
+    results["commands"].push_back(cmd);
+    auto j = json::parse(run_for_json(cmd));
+    std::vector<json> out;
+    for (auto& m : j["results"]) {
+      const std::string sched = m["schedule"];
+      const bool contiguous = c.algo == "all_gather" && !c.load_balance;
+      m["name"] = choice_name(c.algo, m["ulysses_degree"], sched, contiguous);
+      m["link"] = link;
+      m["threads_per_rank"] = m["threads_per_rank"];
+      m["cores_per_rank"] = std::min(1.0, static_cast<double>(cores) / static_cast<double>(p));
+      if (cal != nullptr) {
+        cp::ContextParallelConfig cfg;
+        cfg.algorithm = cp::parse_algorithm(c.algo);
+        cfg.schedule = cp::parse_schedule(sched);
+        if (c.degree > 0) cfg.ulysses_degree = c.degree;
+        cfg.load_balance = c.load_balance;
+        plan::CPWorkload w;
+        w.seq = s;
+        w.heads = o.heads;
+        w.kv_heads = o.kv_heads;
+        w.head_dim = o.head_dim;
+        w.load_balance = c.load_balance;
+        w.ranks_on_node = static_cast<int>(p);
+        auto pred = plan::predict_cp_step(*cal, *cp::normalize(cfg, p), p, w);
+        const double meas = m["step_time_s"];
+        const double rel = std::abs(pred.step_s - meas) / meas;
+        m["predicted_step_time_s"] = pred.step_s;
+        m["predicted_exposed_comm_s"] = pred.exposed_comm_s;
+        m["prediction_rel_error"] = rel;
+        if (!contiguous) max_rel = std::max(max_rel, rel);
+      }
+      results["measurements"].push_back(m);
+      out.push_back(m);
+    }
+    return out;
+  };
+
+  for (size_t li = 0; li < o.links.size(); ++li) {
+    const std::string& link = o.links[li];
+    const auto cal_path = plan::default_calibration_path(link);
+    if (o.recalibrate || !fs::exists(cal_path)) {
+      const std::string cmd = o.self_exe + " calibrate" + link_flag(link);
+      progress(cmd, t0);
+      results["commands"].push_back(cmd);
+      HP_CHECK(std::system(cmd.c_str()) == 0, "hp-bench report: calibration failed: ", cmd);
+    }
+    const auto cal = plan::load_calibration(cal_path);
+    results["calibrations"][link] = json::parse(plan::to_json(cal));
+    for (int64_t p : o.ranks) {
+      for (int64_t s : o.seqs) {
+        std::vector<Choice> choices{{"all_gather", 0, true}, {"ulysses", 0, false}};
+        if (p >= 4) choices.push_back({"hybrid", 2, false});
+        BarGroup g;
+        g.title = common::str_cat("P=", p, " S=", s, " ", link);
+        std::map<std::string, double> measured;
+        for (const auto& c : choices) {
+          for (const auto& m : run_cp(link, p, s, c, "async", &cal)) {
+            measured[m["name"]] = m["step_time_s"];
+            g.bars.push_back({m["name"], m["step_time_s"], m["exposed_comm_s"]});
+          }
+        }
+        if (p == 2 && s == s_max) {  // head-tail balance against contiguous all_gather
+          for (const auto& m : run_cp(link, p, s, {"all_gather", 0, false}, "sync", &cal)) {
+            g.bars.push_back({m["name"], m["step_time_s"], m["exposed_comm_s"]});
+          }
+        }
+        groups.push_back(g);
+        plan::CPWorkload w;
+        w.seq = s;
+        w.heads = o.heads;
+        w.kv_heads = o.kv_heads;
+        w.head_dim = o.head_dim;
+        w.load_balance = true;
+        w.ranks_on_node = static_cast<int>(p);
+        const auto ranked = plan::rank_cp_configs(cal, p, w);
+        json predictions = json::array();
+        for (const auto& r : ranked)
+          predictions.push_back({{"choice", r.name}, {"predicted_step_time_s", r.step_s}});
+        auto best =
+            std::min_element(measured.begin(), measured.end(),
+                             [](const auto& a, const auto& b) { return a.second < b.second; });
+        const auto& auto_name = ranked.front().name;
+        const double auto_time = measured.count(auto_name) ? measured[auto_name] : -1;
+        results["auto_selection"].push_back(
+            {{"case", {{"link", link}, {"cp", p}, {"seq", s}, {"causal", true}}},
+             {"auto_choice", auto_name},
+             {"auto_step_time_s", auto_time},
+             {"best_choice", best->first},
+             {"best_step_time_s", best->second},
+             {"auto_over_best", auto_time > 0 ? auto_time / best->second : -1},
+             {"predictions", predictions}});
+      }
+    }
+  }
+  results["cost_model"] = {{"max_rel_error", max_rel},
+                           {"over", "every grid measurement (contiguous all_gather excluded)"}};
+  // The honest contrast: the same async cases on plain loopback.
+  if (std::find(o.links.begin(), o.links.end(), "loopback") == o.links.end()) {
+    BarGroup g;
+    g.title = common::str_cat("P=2 S=", s_max, " loopback");
+    for (const auto& c : {Choice{"all_gather", 0, true}, Choice{"ulysses", 0, false}}) {
+      for (const auto& m : run_cp("loopback", 2, s_max, c, "async", nullptr)) {
+        g.bars.push_back({m["name"], m["step_time_s"], m["exposed_comm_s"]});
+      }
+    }
+    groups.push_back(g);
+  }
+  if (o.with_attention) {
+    for (int64_t s : o.seqs) {
+      const std::string cmd = common::str_cat(
+          o.self_exe, " attention --seq ", s, " --heads ", o.heads, " --kv-heads ", o.kv_heads,
+          " --head-dim ", o.head_dim, " --causal --primitive blockwise --iters 1 --json");
+      progress(cmd, t0);
+      results["commands"].push_back(cmd);
+      results["attention"].push_back(json::parse(run_for_json(cmd)));
+    }
+  }
+  if (o.with_hsdp) {
+    const std::string cmd = o.self_exe +
+                            " hsdp --nproc 4 --dp-shard 2 --dp-replicate 2 --iters 3 --json" +
+                            link_flag(o.links.front());
+    progress(cmd, t0);
+    results["commands"].push_back(cmd);
+    results["hsdp"] = json::parse(run_for_json(cmd));
+  }
+  const std::string chart = (fs::path(o.out_dir) / "chart.svg").string();
+  std::ofstream(chart) << bar_chart_svg(
+      "CP layer step (forward + backward, causal, projections): step time, exposed "
+      "communication shaded",
+      groups);
+  if (!o.train_exe.empty()) {
+    const std::string trace = (fs::path(o.out_dir) / "timeline_trace.json").string();
+    const std::string cmd = o.train_exe +
+                            " --nproc 2 --cp 2 --cp-algo all_gather --schedule async --steps 3 "
+                            "--seq-len 4096 --trace " +
+                            trace;
+    progress(cmd, t0);
+    results["commands"].push_back(cmd);
+    HP_CHECK(std::system((cmd + " > /dev/null").c_str()) == 0, "hp-bench report: failed: ", cmd);
+    auto events = common::read_chrome_trace(trace);
+    int64_t lo = INT64_MAX, hi = 0;
+    for (const auto& e : events) {
+      lo = std::min(lo, e.begin_us);
+      hi = std::max(hi, e.end_us);
+    }
+    // The last third: the final step, past start-up.
+    std::ofstream((fs::path(o.out_dir) / "timeline.svg").string()) << timeline_svg(
+        "hp-train --nproc 2 --cp 2 all_gather async, S=4096 (last step; "
+        "loopback)",
+        events, hi - (hi - lo) / 3, hi);
+    fs::remove(trace);
+  }
+  results["wall_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string path = (fs::path(o.out_dir) / "results.json").string();
+  std::ofstream(path) << results.dump(2) << "\n";
+  // Markdown table.
+  std::ofstream md((fs::path(o.out_dir) / "results.md").string());
+  md << "# CP benchmark report\n\nGenerated by `hp-bench report`; every command is listed in "
+        "results.json. Causal attention with Q/K/V/O projections, H = "
+     << o.heads << ", H_kv = " << o.kv_heads << ", D = " << o.head_dim << ", fp32. " << cores
+     << " cores: P = 2 gives each rank one core, P = 4 half a core.\n\n"
+     << "![chart](chart.svg)\n\n| link | P | S | choice | step s | predicted s | rel. error | "
+        "exposed comm s | hidden by async | comm bytes/rank | on the wire/rank |\n"
+     << "|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& m : results["measurements"]) {
+    char row[512];
+    std::snprintf(
+        row, sizeof(row), "| %s | %lld | %lld | %s | %.3f | %s | %s | %.3f | %s | %lld | %s |\n",
+        m["link"].get<std::string>().c_str(), (long long)m["cp"].get<int64_t>(),
+        (long long)m["seq"].get<int64_t>(), m["name"].get<std::string>().c_str(),
+        m["step_time_s"].get<double>(),
+        m.contains("predicted_step_time_s")
+            ? common::str_cat(m["predicted_step_time_s"].get<double>()).substr(0, 6).c_str()
+            : "-",
+        m.contains("prediction_rel_error")
+            ? common::str_cat(m["prediction_rel_error"].get<double>()).substr(0, 5).c_str()
+            : "-",
+        m["exposed_comm_s"].get<double>(),
+        m["schedule"] == "async"
+            ? common::str_cat(m["overlap_fraction"].get<double>()).substr(0, 5).c_str()
+            : "-",
+        (long long)m["comm_bytes_per_rank"].get<int64_t>(),
+        m["wire_bytes_per_rank"].get<int64_t>() >= 0
+            ? std::to_string(m["wire_bytes_per_rank"].get<int64_t>()).c_str()
+            : "-");
+    md << row;
+  }
+  md << "\nCost model: max relative error " << max_rel << " over the grid.\n\n## --cp-algo auto\n\n"
+     << "| case | auto choice | its step s | best measured | best s | auto / best |\n"
+        "|---|---|---|---|---|---|\n";
+  for (const auto& a : results["auto_selection"]) {
+    md << "| " << a["case"]["link"].get<std::string>() << " P=" << a["case"]["cp"]
+       << " S=" << a["case"]["seq"] << " | " << a["auto_choice"].get<std::string>() << " | "
+       << a["auto_step_time_s"] << " | " << a["best_choice"].get<std::string>() << " | "
+       << a["best_step_time_s"] << " | " << a["auto_over_best"] << " |\n";
+  }
+  if (!o.train_exe.empty()) md << "\n![per-rank timeline](timeline.svg)\n";
+  progress("wrote " + path, t0);
+  return path;
+}
+
+}  // namespace hp::bench
