@@ -37,6 +37,12 @@ struct Choice {
   bool load_balance = false;
 };
 
+std::string fixed(double v, int digits = 3) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
 std::string choice_name(const std::string& algo, int64_t u, const std::string& schedule,
                         bool contiguous_ag) {
   std::string n = algo;
@@ -239,36 +245,24 @@ std::string run_report(const ReportOptions& o) {
         "exposed comm s | hidden by async | comm bytes/rank | on the wire/rank |\n"
      << "|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& m : results["measurements"]) {
-    char row[512];
-    std::snprintf(
-        row, sizeof(row), "| %s | %lld | %lld | %s | %.3f | %s | %s | %.3f | %s | %lld | %s |\n",
-        m["link"].get<std::string>().c_str(), (long long)m["cp"].get<int64_t>(),
-        (long long)m["seq"].get<int64_t>(), m["name"].get<std::string>().c_str(),
-        m["step_time_s"].get<double>(),
-        m.contains("predicted_step_time_s")
-            ? common::str_cat(m["predicted_step_time_s"].get<double>()).substr(0, 6).c_str()
-            : "-",
-        m.contains("prediction_rel_error")
-            ? common::str_cat(m["prediction_rel_error"].get<double>()).substr(0, 5).c_str()
-            : "-",
-        m["exposed_comm_s"].get<double>(),
-        m["schedule"] == "async"
-            ? common::str_cat(m["overlap_fraction"].get<double>()).substr(0, 5).c_str()
-            : "-",
-        (long long)m["comm_bytes_per_rank"].get<int64_t>(),
-        m["wire_bytes_per_rank"].get<int64_t>() >= 0
-            ? std::to_string(m["wire_bytes_per_rank"].get<int64_t>()).c_str()
-            : "-");
-    md << row;
+    const int64_t wire = m["wire_bytes_per_rank"];
+    md << "| " << m["link"].get<std::string>() << " | " << m["cp"] << " | " << m["seq"] << " | "
+       << m["name"].get<std::string>() << " | " << fixed(m["step_time_s"]) << " | "
+       << (m.contains("predicted_step_time_s") ? fixed(m["predicted_step_time_s"]) : "-") << " | "
+       << (m.contains("prediction_rel_error") ? fixed(m["prediction_rel_error"], 2) : "-") << " | "
+       << fixed(m["exposed_comm_s"]) << " | "
+       << (m["schedule"] == "async" ? fixed(m["overlap_fraction"], 2) : "-") << " | "
+       << m["comm_bytes_per_rank"] << " | " << (wire >= 0 ? std::to_string(wire) : "-") << " |\n";
   }
-  md << "\nCost model: max relative error " << max_rel << " over the grid.\n\n## --cp-algo auto\n\n"
+  md << "\nCost model: max relative error " << fixed(max_rel, 2)
+     << " over the grid.\n\n## --cp-algo auto\n\n"
      << "| case | auto choice | its step s | best measured | best s | auto / best |\n"
         "|---|---|---|---|---|---|\n";
   for (const auto& a : results["auto_selection"]) {
     md << "| " << a["case"]["link"].get<std::string>() << " P=" << a["case"]["cp"]
        << " S=" << a["case"]["seq"] << " | " << a["auto_choice"].get<std::string>() << " | "
-       << a["auto_step_time_s"] << " | " << a["best_choice"].get<std::string>() << " | "
-       << a["best_step_time_s"] << " | " << a["auto_over_best"] << " |\n";
+       << fixed(a["auto_step_time_s"]) << " | " << a["best_choice"].get<std::string>() << " | "
+       << fixed(a["best_step_time_s"]) << " | " << fixed(a["auto_over_best"], 2) << " |\n";
   }
   if (!o.train_exe.empty()) md << "\n![per-rank timeline](timeline.svg)\n";
   progress("wrote " + path, t0);
