@@ -168,7 +168,14 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     proj_flops = 3.0 * 2.0 * b * s_local * hidden * (2 * h + 2 * hkv);
   }
   const double proj_s = proj_flops / (cal.matmul_gflops * 1e9 * share);
-  out.compute_s = attn_flops / (cal.attention_gflops * 1e9 * share) + proj_s;
+  // Attention: the slowest rank's work on one core, or all ranks' work on the cores they
+  // share, whichever is longer (with more ranks than cores, a rank that finishes early frees
+  // its core for the others).
+  const double full_attn = attn_flops / attention_share(p, u, w.causal, config.load_balance);
+  const double busy_cores = std::min<double>(cal.cores, ranks);
+  const double attn_s = std::max(full_attn / (cal.attention_gflops * 1e9 * busy_cores),
+                                 attn_flops / (cal.attention_gflops * 1e9));
+  out.compute_s = attn_s + proj_s;
   // Communication, forward + backward, e = 4 bytes.
   const double e = 4.0 * b, local = s / static_cast<double>(p);
   double early = 0, late = 0;  // early: launched at a handoff (async can hide it)

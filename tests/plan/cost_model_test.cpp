@@ -20,7 +20,8 @@ Calibration synthetic(double seconds_per_byte, int cores = 64) {
   c.attention_gflops = 100;
   c.matmul_gflops = 100;
   for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}) {
-    for (int p : {2, 4}) c.collectives[kind][p] = {1e-4, seconds_per_byte};
+    for (int p : {2, 4})
+      c.collectives[kind][p] = {1e-4, seconds_per_byte};
   }
   return c;
 }
@@ -53,8 +54,8 @@ TEST(CostModel, LegalCandidatesFollowTheHeadChecks) {
   };
   // kv_heads = 2 over 4 ranks: Ulysses is illegal, hybrid U=2 is legal.
   EXPECT_EQ(names(4, workload(8, 2)),
-            (std::vector<std::string>{"all_gather/sync/U1", "all_gather/async/U1",
-                                      "hybrid/sync/U2", "hybrid/async/U2"}));
+            (std::vector<std::string>{"all_gather/sync/U1", "all_gather/async/U1", "hybrid/sync/U2",
+                                      "hybrid/async/U2"}));
   EXPECT_EQ(names(2, workload()).size(), 4u);
   EXPECT_TRUE(legal_cp_configs(1, workload()).empty());
 }
@@ -86,7 +87,8 @@ TEST(CostModel, SlowLinksFavourUlyssesAndAsyncHidesBehindProjections) {
   EXPECT_LT(ua.exposed_comm_s, ul.exposed_comm_s);
   EXPECT_DOUBLE_EQ(ua.comm_s, ul.comm_s);
   auto ranked = rank_cp_configs(slow, 4, w);
-  for (size_t i = 1; i < ranked.size(); ++i) EXPECT_LE(ranked[i - 1].step_s, ranked[i].step_s);
+  for (size_t i = 1; i < ranked.size(); ++i)
+    EXPECT_LE(ranked[i - 1].step_s, ranked[i].step_s);
 }
 
 TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
@@ -129,7 +131,8 @@ TEST(CostModel, PlannerAutoChoosesAndLogsEveryCandidate) {
   EXPECT_EQ(p.cp_config->algorithm, ranked.front().config.algorithm);
   EXPECT_EQ(p.cp_config->schedule, ranked.front().config.schedule);
   size_t predicted = 0;
-  for (const auto& l : p.log) predicted += l.find("predicted ") != std::string::npos;
+  for (const auto& l : p.log)
+    predicted += l.find("predicted ") != std::string::npos;
   EXPECT_EQ(predicted, ranked.size());
   EXPECT_EQ(p.log.back(), "cp auto: chose " + ranked.front().name);
 }

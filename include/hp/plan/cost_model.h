@@ -6,8 +6,9 @@
 //     (all ranks share the link, so each world size has its own fit); one-thread blockwise
 //     attention and matmul throughput.
 //   Prediction for (algorithm, ulysses_degree, schedule) on P ranks:
-//     compute = slowest rank's attention flops / (attention GF/s x core share)
-//             + projection flops / (matmul GF/s x core share)
+//     compute = max(slowest rank's attention flops on one core,
+//                   all ranks' attention flops on min(cores, P) cores)     (attention GF/s)
+//             + the rank's projection flops / (matmul GF/s x its core share min(1, cores/P))
 //     comm    = sum over the step's collectives (volume formulas of cp/volume.h) of t(kind, P)
 //     exposed = comm (sync); async: the collectives it launches early hide behind the
 //               projection work that follows them, up to `overlap_budget` of it
