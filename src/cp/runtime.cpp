@@ -10,6 +10,7 @@
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 #include "hp/cp/config.h"
+#include "overlap.h"
 
 namespace hp::cp {
 CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
@@ -76,6 +77,13 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
                                                 const attention::AttentionFn& inner) {
   validate(q, k, v, options);
   ++calls_in_forward_;
+  if (async_ && detail::can_overlap(*strategy_, ctx_, options)) {
+    // all_gather: attention on the local K/V chunks hides the gathers (overlap.cpp).
+    auto consume = [this](QKVRole role, const at::Tensor& x) { return state_->consume(role, x); };
+    return {
+        detail::overlapped_attention(q, k, v, options, inner, *adapter_, *strategy_, ctx_, consume),
+        at::Tensor()};
+  }
   PreparedQKV prepared;
   if (async_) {
     // The moved roles' collectives started at their handoff points: wait for them here.
