@@ -23,20 +23,30 @@ namespace {
 // queries see no remote key), so every rank launches their inverse collectives, K and V from
 // the same node and hence in the same order on every rank.
 struct GatheredAnchor : torch::autograd::Function<GatheredAnchor> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& k,
-                            const at::Tensor& v) {
-    ctx->saved_data["k_sizes"] = k.sizes().vec();
-    ctx->saved_data["v_sizes"] = v.sizes().vec();
-    ctx->saved_data["dtype"] = static_cast<int64_t>(k.scalar_type());
-    return at::zeros({}, k.options());
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList xs) {
+    ctx->saved_data["n"] = static_cast<int64_t>(xs.size());
+    for (size_t i = 0; i < xs.size(); ++i) {
+      ctx->saved_data["sizes" + std::to_string(i)] = xs[i].sizes().vec();
+      ctx->saved_data["dtype" + std::to_string(i)] = static_cast<int64_t>(xs[i].scalar_type());
+    }
+    return at::zeros({}, xs[0].options());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list) {
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {at::zeros(ctx->saved_data["k_sizes"].toIntVector(), at::dtype(dtype)),
-            at::zeros(ctx->saved_data["v_sizes"].toIntVector(), at::dtype(dtype))};
+    torch::autograd::variable_list out;
+    for (int64_t i = 0; i < ctx->saved_data["n"].toInt(); ++i) {
+      const auto dtype =
+          static_cast<at::ScalarType>(ctx->saved_data["dtype" + std::to_string(i)].toInt());
+      out.push_back(
+          at::zeros(ctx->saved_data["sizes" + std::to_string(i)].toIntVector(), at::dtype(dtype)));
+    }
+    return out;
   }
 };
+
+at::Tensor anchored(const at::Tensor& out, std::vector<at::Tensor> gathered) {
+  return out + GatheredAnchor::apply(at::TensorList(gathered)).to(out.scalar_type());
+}
 
 struct Range {
   int64_t begin = 0, end = 0;  // global positions [begin, end)
@@ -64,14 +74,35 @@ at::Tensor merge(const std::vector<attention::AttentionResult>& parts, const QKV
   return out;
 }
 
+struct Env {
+  const attention::AttentionOptions& options;
+  const attention::AttentionFn& inner;
+  const CPAdapter& adapter;
+  const CPStrategy& strategy;
+  int64_t seq;
+};
+
+// Attention of queries at global positions [q_begin, ..) against keys at [key_begin, ..).
+attention::AttentionResult sub_call(const Env& e, CallState st, const at::Tensor& q,
+                                    int64_t q_begin, const at::Tensor& k, const at::Tensor& v,
+                                    int64_t key_begin) {
+  st.causal = {q_begin - key_begin, q.size(e.seq), k.size(e.seq)};
+  auto opts = e.adapter.rewrite(e.options, st, e.strategy);
+  if (opts.causal && key_begin + k.size(e.seq) <= q_begin + 1) {
+    opts.causal = false;  // every key precedes (or is) the first query: no mask
+    opts.causal_meta.reset();
+  }
+  return e.inner(q, k, v, opts);
+}
+
 }  // namespace
 
 bool can_overlap(const CPStrategy& strategy, const CPRuntimeContext& ctx,
                  const attention::AttentionOptions& options) {
   const bool layout_ok = (ctx.layout.seq_dim == 2 && ctx.layout.head_dim == 1) ||
                          (ctx.layout.seq_dim == 1 && ctx.layout.head_dim == 2);
-  return strategy.name() == "all_gather" && layout_ok && !options.mask.defined() &&
-         !options.mask_fn &&
+  const bool strategy_ok = strategy.name() == "all_gather" || strategy.name() == "ulysses";
+  return strategy_ok && layout_ok && !options.mask.defined() && !options.mask_fn &&
          (!ctx.load_balance || ctx.load_balance_form == LoadBalanceForm::kDataOrder) &&
          ctx.topology->cp_size > 1;
 }
@@ -101,17 +132,10 @@ at::Tensor overlapped_attention(const at::Tensor& q, const at::Tensor& k, const 
     local_offset.push_back(off);
     off += p.q.size(seq);
   }
+  const Env env{options, inner, adapter, strategy, seq};
   auto call = [&](const QueryPart& part, const at::Tensor& kk, const at::Tensor& vv,
                   int64_t key_begin) {
-    CallState st = part.state;
-    const int64_t q_begin = part.state.causal.q_offset;
-    st.causal = {q_begin - key_begin, part.q.size(seq), kk.size(seq)};
-    auto opts = adapter.rewrite(options, st, strategy);
-    if (opts.causal && key_begin + kk.size(seq) <= q_begin + 1) {
-      opts.causal = false;  // every key precedes (or is) the part's first query: no mask
-      opts.causal_meta.reset();
-    }
-    return inner(part.q, kk, vv, opts);
+    return sub_call(env, part.state, part.q, part.state.causal.q_offset, kk, vv, key_begin);
   };
   std::vector<std::vector<attention::AttentionResult>> results(parts.size());
   auto visible_end = [&](const QueryPart& p) {
@@ -155,8 +179,63 @@ at::Tensor overlapped_attention(const at::Tensor& q, const at::Tensor& k, const 
   std::vector<at::Tensor> outs;
   for (const auto& r : results)
     outs.push_back(merge(r, ctx.layout));
-  outs[0] = outs[0] + GatheredAnchor::apply(kg, vg).to(outs[0].scalar_type());
+  outs[0] = anchored(outs[0], {kg, vg});
   return ctx.load_balance ? head_tail_restore(outs, ctx) : outs[0];
+}
+
+// Ulysses: the rank's own head group at its own positions is local before any all-to-all;
+// its diagonal block is computed while Q, K, V travel, then the rest of the sequence:
+//   queries [0, r*s)          x keys [0, r*s)   (causal)
+//   queries [r*s, (r+1)*s)    x diagonal (local, first) + keys [0, r*s) (+ [(r+1)*s, S) dense)
+//   queries [(r+1)*s, S)      x keys [0, S)     (causal, offset (r+1)*s)
+at::Tensor overlapped_ulysses(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const attention::AttentionOptions& options,
+                              const attention::AttentionFn& inner, const CPAdapter& adapter,
+                              const CPStrategy& strategy, const CPRuntimeContext& ctx,
+                              const ConsumeFn& consume) {
+  const auto& l = ctx.layout;
+  const int64_t seq = l.seq_dim, p = ctx.topology->ulysses_degree, r = ctx.topology->ulysses_rank;
+  const int64_t s = q.size(seq), total = s * p;
+  const int64_t nq = q.size(l.head_dim) / p, nkv = k.size(l.head_dim) / p;
+  const Env env{options, inner, adapter, strategy, seq};
+  CallState st;
+  st.local_seq = s;
+  st.head_offset = r * nq;
+  const int64_t own = r * s, own_end = own + s;
+  // 1. The diagonal block of the own head group, from the local tensors.
+  auto diag = sub_call(env, st, q.narrow(l.head_dim, r * nq, nq), own,
+                       k.narrow(l.head_dim, r * nkv, nkv), v.narrow(l.head_dim, r * nkv, nkv), own);
+  // 2. Q, K, V with the own head group over the whole sequence.
+  auto qg = consume(QKVRole::kQ, q), kg = consume(QKVRole::kK, k), vg = consume(QKVRole::kV, v);
+  auto keys = [&](int64_t b, int64_t e) {
+    return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
+  };
+  // 3. The rest, as query segments in sequence order.
+  std::vector<at::Tensor> segments;
+  if (own > 0) {
+    auto kv = keys(0, options.causal ? own : total);
+    segments.push_back(sub_call(env, st, qg.narrow(seq, 0, own), 0, kv.first, kv.second, 0).out);
+  }
+  std::vector<attention::AttentionResult> own_parts{diag};
+  auto q_own = qg.narrow(seq, own, s);
+  if (own > 0) {
+    auto kv = keys(0, own);
+    own_parts.push_back(sub_call(env, st, q_own, own, kv.first, kv.second, 0));
+  }
+  if (!options.causal && own_end < total) {
+    auto kv = keys(own_end, total);
+    own_parts.push_back(sub_call(env, st, q_own, own, kv.first, kv.second, own_end));
+  }
+  segments.push_back(merge(own_parts, l));
+  if (own_end < total) {
+    auto kv = keys(0, total);
+    segments.push_back(
+        sub_call(env, st, qg.narrow(seq, own_end, total - own_end), own_end, kv.first, kv.second, 0)
+            .out);
+  }
+  auto out = segments.size() == 1 ? segments[0] : at::cat(segments, seq);
+  out = anchored(out, {qg, kg, vg});
+  return strategy.restore_output({out}, PreparedQKV{}, ctx);
 }
 
 }  // namespace hp::cp::detail

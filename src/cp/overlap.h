@@ -11,8 +11,8 @@ namespace hp::cp::detail {
 
 using ConsumeFn = std::function<at::Tensor(QKVRole, const at::Tensor&)>;
 
-// Whether the overlapped call applies: all_gather, data-order (or no) load balance, no mask
-// tensor or mask function (their frames start at key 0), BNSD or BSHD.
+// Whether the overlapped call applies: all_gather or ulysses, data-order (or no) load balance, no
+// mask tensor or mask function (their frames start at key 0), BNSD or BSHD.
 bool can_overlap(const CPStrategy& strategy, const CPRuntimeContext& ctx,
                  const attention::AttentionOptions& options);
 
@@ -24,5 +24,13 @@ at::Tensor overlapped_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const attention::AttentionFn& inner, const CPAdapter& adapter,
                                 const CPStrategy& strategy, const CPRuntimeContext& ctx,
                                 const ConsumeFn& consume);
+
+// Ulysses: the own head group's diagonal block first (local), then the rest once Q, K, V
+// arrive; the output all-to-all as in the sync schedule.
+at::Tensor overlapped_ulysses(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const attention::AttentionOptions& options,
+                              const attention::AttentionFn& inner, const CPAdapter& adapter,
+                              const CPStrategy& strategy, const CPRuntimeContext& ctx,
+                              const ConsumeFn& consume);
 
 }  // namespace hp::cp::detail

@@ -78,11 +78,12 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
   validate(q, k, v, options);
   ++calls_in_forward_;
   if (async_ && detail::can_overlap(*strategy_, ctx_, options)) {
-    // all_gather: attention on the local K/V chunks hides the gathers (overlap.cpp).
+    // all_gather / ulysses: attention on what is already local hides the collectives
+    // (overlap.cpp).
     auto consume = [this](QKVRole role, const at::Tensor& x) { return state_->consume(role, x); };
-    return {
-        detail::overlapped_attention(q, k, v, options, inner, *adapter_, *strategy_, ctx_, consume),
-        at::Tensor()};
+    auto fn =
+        strategy_->name() == "ulysses" ? detail::overlapped_ulysses : detail::overlapped_attention;
+    return {fn(q, k, v, options, inner, *adapter_, *strategy_, ctx_, consume), at::Tensor()};
   }
   PreparedQKV prepared;
   if (async_) {

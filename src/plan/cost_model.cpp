@@ -196,7 +196,17 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     (config.algorithm == cp::CPAlgorithm::kHybrid ? late : early) += gathers;
   }
   out.comm_s = early + late;
-  const double hidden_s = async ? std::min(early, cal.overlap_budget * proj_s) : 0.0;
+  // Async hides the early collectives behind the projection work that follows them and, for
+  // all_gather and ulysses, behind attention on what is already local (cp/overlap.cpp): the
+  // own K/V chunks (1/P of the rank's attention) or the own head group's diagonal block
+  // (1/P^2).
+  double local_share = 0;
+  if (config.algorithm == cp::CPAlgorithm::kAllGather) local_share = 1.0 / static_cast<double>(c);
+  if (config.algorithm == cp::CPAlgorithm::kUlysses) {
+    local_share = 1.0 / static_cast<double>(u * u);
+  }
+  const double hidden_s =
+      async ? std::min(early, cal.overlap_budget * proj_s + local_share * attn_s) : 0.0;
   out.exposed_comm_s = out.comm_s - hidden_s;
   out.step_s = out.compute_s + out.exposed_comm_s;
   return out;

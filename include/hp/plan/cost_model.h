@@ -11,7 +11,8 @@
 //             + the rank's projection flops / (matmul GF/s x its core share min(1, cores/P))
 //     comm    = sum over the step's collectives (volume formulas of cp/volume.h) of t(kind, P)
 //     exposed = comm (sync); async: the collectives it launches early hide behind the
-//               projection work that follows them, up to `overlap_budget` of it
+//               projection work that follows them (up to `overlap_budget` of it) and behind
+//               attention on local data (all_gather: 1/P of it; ulysses: 1/P^2)
 //     step    = compute + exposed
 #pragma once
 
