@@ -8,6 +8,7 @@
 #include "hp/bench/attention_bench.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
+#include "hp/cp/config.h"
 
 namespace hp::bench {
 
@@ -76,6 +77,33 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
                            {"fwd_bwd_s", r.fwd_bwd_s},
                            {"gflops", c.attention_gflops},
                            {"matmul_gflops", c.matmul_gflops}};
+  }
+  // The per-token overhead: one CP layer outside the report's grid (S = 2048, P = 2, ulysses,
+  // sync, causal, projections), measured minus what the flop and link terms predict.
+  {
+    const std::string cmd = common::str_cat(
+        o.self_exe,
+        " cp --cp 2 --seq 2048 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses "
+        "--schedule sync --projections --causal --iters 3 --json");
+    std::printf("hp-bench calibrate: %s\n", cmd.c_str());
+    std::fflush(stdout);
+    auto j = nlohmann::json::parse(run_for_json(cmd));
+    const double measured = j["results"][0]["step_time_s"];
+    plan::CPWorkload w;
+    w.seq = 2048;
+    w.heads = 8;
+    w.kv_heads = 8;
+    w.head_dim = 64;
+    w.ranks_on_node = 2;
+    cp::ContextParallelConfig cfg;
+    cfg.algorithm = cp::CPAlgorithm::kUlysses;
+    auto pred = plan::predict_cp_step(c, *cp::normalize(cfg, 2), 2, w);
+    const double share = std::min(1.0, static_cast<double>(c.cores) / 2.0);
+    c.seconds_per_token = std::max(0.0, (measured - pred.step_s) * share / (2048.0 / 2.0));
+    inputs["overhead"] = {{"command", cmd},
+                          {"measured_step_s", measured},
+                          {"predicted_without_overhead_s", pred.step_s},
+                          {"seconds_per_token", c.seconds_per_token}};
   }
   c.inputs_json = inputs.dump();
   return c;

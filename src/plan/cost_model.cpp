@@ -36,6 +36,7 @@ std::string to_json(const Calibration& c) {
   j["attention_gflops"] = c.attention_gflops;
   j["matmul_gflops"] = c.matmul_gflops;
   j["overlap_budget"] = c.overlap_budget;
+  j["seconds_per_token"] = c.seconds_per_token;
   for (const auto& [kind, by_p] : c.collectives) {
     for (const auto& [p, f] : by_p) {
       j["collectives"][kind][std::to_string(p)] = {{"latency_s", f.latency_s},
@@ -54,6 +55,7 @@ Calibration calibration_from_json(const std::string& text) {
   c.attention_gflops = j.at("attention_gflops");
   c.matmul_gflops = j.at("matmul_gflops");
   c.overlap_budget = j.value("overlap_budget", 0.5);
+  c.seconds_per_token = j.value("seconds_per_token", 0.0);
   for (const auto& [kind, by_p] : j.at("collectives").items()) {
     for (const auto& [p, f] : by_p.items()) {
       c.collectives[kind][std::stoll(p)] = {f.at("latency_s"), f.at("seconds_per_byte")};
@@ -208,6 +210,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const double hidden_s =
       async ? std::min(early, cal.overlap_budget * proj_s + local_share * attn_s) : 0.0;
   out.exposed_comm_s = out.comm_s - hidden_s;
+  out.compute_s += cal.seconds_per_token * b * local / share;
   out.step_s = out.compute_s + out.exposed_comm_s;
   return out;
 }

@@ -13,7 +13,7 @@
 //     exposed = comm (sync); async: the collectives it launches early hide behind the
 //               projection work that follows them (up to `overlap_budget` of it) and behind
 //               attention on local data (all_gather: 1/P of it; ulysses: 1/P^2)
-//     step    = compute + exposed
+//     step    = compute + exposed + seconds_per_token x local tokens / core share
 #pragma once
 
 #include <cstdint>
@@ -36,9 +36,12 @@ struct Calibration {
   int cores = 1;                  // cores of the machine the ranks share
   // "all_gather" | "reduce_scatter" | "all_to_all" | "all_reduce" -> world size -> fit
   std::map<std::string, std::map<int64_t, CollectiveFit>> collectives;
-  double attention_gflops = 0;     // blockwise fwd+bwd, causal, one thread (3.5x forward flops)
-  double matmul_gflops = 0;        // one thread
-  double overlap_budget = 0.5;     // share of the projection work async can hide collectives behind
+  double attention_gflops = 0;  // blockwise fwd+bwd, causal, one thread (3.5x forward flops)
+  double matmul_gflops = 0;     // one thread
+  double overlap_budget = 0.5;  // share of the projection work async can hide collectives behind
+  // Per-token cost the flop counts miss (norms, copies, re-layouts, autograd), seconds per
+  // local token at one core: fitted by hp-bench calibrate on a CP layer outside the grid.
+  double seconds_per_token = 0;
   std::string inputs_json = "{}";  // what the calibration ran (commands, sizes, raw results)
 
   const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;
