@@ -167,6 +167,7 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
                      {{"all_gather", r.formula_all_gather},
                       {"reduce_scatter", r.formula_reduce_scatter},
                       {"all_reduce", r.formula_all_reduce}}},
+                    {"wire_bytes_per_rank", r.wire_bytes_per_rank},
                     {"param_bytes_per_rank", r.param_bytes_per_rank},
                     {"full_param_bytes", r.full_param_bytes}});
   }
@@ -204,6 +205,11 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
         (long long)r.bytes_all_gather, (long long)r.formula_all_gather,
         (long long)r.bytes_reduce_scatter, (long long)r.formula_reduce_scatter,
         (long long)r.bytes_all_reduce, (long long)r.formula_all_reduce);
+    if (r.wire_bytes_per_rank >= 0) {
+      std::printf("%-10s on the wire: %lld bytes/rank per step (counted: %lld)\n", "",
+                  (long long)r.wire_bytes_per_rank,
+                  (long long)(r.bytes_all_gather + r.bytes_reduce_scatter + r.bytes_all_reduce));
+    }
   }
   std::printf("parameters per rank: %.2f MiB of %.2f MiB (1/%.2f); backward speedup %.2fx\n",
               results[1].param_bytes_per_rank / 1048576.0, results[1].full_param_bytes / 1048576.0,

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "hp/bench/link.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -55,6 +56,8 @@ HsdpBenchResult run_mode(const comm::World& world, const HsdpBenchOptions& o, bo
   std::vector<double> fwd, bwd, exposed, drain;
   for (int it = -1; it < o.iters; ++it) {  // one warm-up
     comm::barrier(world.group());
+    const bool wire = it == 0 && emulated_link_rate().has_value();
+    const int64_t wire_before = wire ? loopback_tx_bytes() : 0;
     counters.reset();
     const auto before = fs.stats();
     auto t0 = std::chrono::steady_clock::now();
@@ -65,6 +68,10 @@ HsdpBenchResult run_mode(const comm::World& world, const HsdpBenchOptions& o, bo
     loss.backward();
     const double b = seconds_since(t0);
     const auto after = fs.stats();
+    if (wire) {
+      comm::barrier(world.group());  // every collective of the step delivered (and counted)
+      r.wire_bytes_per_rank = (loopback_tx_bytes() - wire_before) / world.size();
+    }
     for (auto& [name, shard] : fs.sharded_parameters())
       shard.mutable_grad() = at::Tensor();
     if (it < 0) {

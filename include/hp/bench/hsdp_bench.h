@@ -26,6 +26,7 @@ struct HsdpBenchResult {
   double drain_s = 0;                    // inside the root drain (median, max rank)
   int64_t bytes_all_gather = 0, bytes_reduce_scatter = 0, bytes_all_reduce = 0;  // rank 0
   int64_t formula_all_gather = 0, formula_reduce_scatter = 0, formula_all_reduce = 0;
+  int64_t wire_bytes_per_rank = -1;  // emulated link: loopback bytes per step / P (rank 0)
   int64_t param_bytes_per_rank = 0;  // shards (padding included)
   int64_t full_param_bytes = 0;      // the unsharded model (this rank's TP view)
 };
