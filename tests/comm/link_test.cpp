@@ -39,8 +39,10 @@ TEST(LinkRate, WireBytesMatchTheCountAndTheFormula) {
     const double wire = op["wire_bytes_per_rank"];
     EXPECT_EQ(counted, formula) << op.dump();
     EXPECT_NEAR(wire / counted, 1.0, 0.05) << op.dump();
-    // Two ranks share one 1 Gbit/s loopback: at most 125 MB/s in total.
-    EXPECT_GT(op["median_s"].get<double>(), 0.9 * 2 * counted / 125e6) << op.dump();
+    // Two ranks share one 1 Gbit/s loopback: at most 125 MB/s in total, except that the
+    // token bucket lets its burst (256 KiB) through at once, so allow half the ideal time
+    // (plain loopback is ~10x faster than that).
+    EXPECT_GT(op["median_s"].get<double>(), 0.5 * 2 * counted / 125e6) << op.dump();
   }
   auto ns = hp::testing::run_command("ip netns list");
   EXPECT_EQ(ns.out.find("hp-link-"), std::string::npos) << ns.out;
