@@ -144,16 +144,7 @@ nlohmann::json run_attention_child(const AttentionArgs& a, const std::string& pr
       " --heads ", b.heads, " --kv-heads ", b.kv_heads, " --head-dim ", b.head_dim, " --batch ",
       b.batch, " --iters ", b.iters, " --block-q ", b.block_q, " --block-kv ", b.block_kv,
       b.causal ? " --causal" : "");
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  HP_CHECK(pipe != nullptr, "hp-bench attention: cannot start ", cmd);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0)
-    out.append(buf, n);
-  const int rc = ::pclose(pipe);
-  HP_CHECK(rc == 0, "hp-bench attention: primitive '", primitive, "' failed: ", out);
-  return nlohmann::json::parse(out);
+  return nlohmann::json::parse(hp::bench::run_for_json(cmd));
 }
 
 int run_attention(const AttentionArgs& a) {

@@ -59,7 +59,6 @@ HsdpBenchResult run_mode(const comm::World& world, const HsdpBenchOptions& o, bo
     const bool wire = it == 0 && emulated_link_rate().has_value();
     const int64_t wire_before = wire ? loopback_tx_bytes() : 0;
     counters.reset();
-    const auto before = fs.stats();
     auto t0 = std::chrono::steady_clock::now();
     auto loss = model->forward(ids, pos).pow(2).mean();
     const double f = seconds_since(t0);
@@ -75,7 +74,6 @@ HsdpBenchResult run_mode(const comm::World& world, const HsdpBenchOptions& o, bo
     for (auto& [name, shard] : fs.sharded_parameters())
       shard.mutable_grad() = at::Tensor();
     if (it < 0) {
-      (void)before;
       continue;
     }
     fwd.push_back(f);

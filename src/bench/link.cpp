@@ -10,11 +10,10 @@
 #include <sstream>
 
 #include "hp/common/check.h"
+#include "hp/plan/cost_model.h"
 
 namespace hp::bench {
 namespace {
-
-constexpr const char* kRateEnv = "HP_LINK_RATE";
 
 bool on_path(const std::string& tool) {
   const char* path = std::getenv("PATH");
@@ -77,9 +76,9 @@ int64_t parse_link_rate(const std::string& rate) {
 }
 
 std::optional<std::string> emulated_link_rate() {
-  const char* v = std::getenv(kRateEnv);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
+  auto link = plan::current_link();
+  if (link == "loopback") return std::nullopt;
+  return link;
 }
 
 std::vector<std::string> strip_link_rate(const std::vector<std::string>& argv) {
@@ -123,7 +122,7 @@ int run_in_emulated_link(const std::string& rate, const std::vector<std::string>
       "--link-rate: 'tc qdisc add dev lo root tbf' failed in namespace ", ns,
       "; the kernel may lack sch_tbf (drop --link-rate)");
   std::vector<std::string> cmd{"ip", "netns", "exec",
-                               ns,   "env",   std::string(kRateEnv) + "=" + rate};
+                               ns,   "env",   std::string(plan::kLinkRateEnv) + "=" + rate};
   char self[4096];
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   auto args = strip_link_rate(argv);

@@ -37,6 +37,17 @@ struct Choice {
   bool load_balance = false;
 };
 
+plan::CPWorkload workload(const ReportOptions& o, int64_t s, int64_t p, bool load_balance) {
+  plan::CPWorkload w;  // causal, with projections (the defaults), as the grid runs
+  w.seq = s;
+  w.heads = o.heads;
+  w.kv_heads = o.kv_heads;
+  w.head_dim = o.head_dim;
+  w.load_balance = load_balance;
+  w.ranks_on_node = static_cast<int>(p);
+  return w;
+}
+
 std::string fixed(double v, int digits = 3) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
@@ -96,14 +107,8 @@ std::string run_report(const ReportOptions& o) {
         cfg.schedule = cp::parse_schedule(sched);
         if (c.degree > 0) cfg.ulysses_degree = c.degree;
         cfg.load_balance = c.load_balance;
-        plan::CPWorkload w;
-        w.seq = s;
-        w.heads = o.heads;
-        w.kv_heads = o.kv_heads;
-        w.head_dim = o.head_dim;
-        w.load_balance = c.load_balance;
-        w.ranks_on_node = static_cast<int>(p);
-        auto pred = plan::predict_cp_step(*cal, *cp::normalize(cfg, p), p, w);
+        auto pred = plan::predict_cp_step(*cal, *cp::normalize(cfg, p), p,
+                                          workload(o, s, p, c.load_balance));
         const double meas = m["step_time_s"];
         const double rel = std::abs(pred.step_s - meas) / meas;
         m["predicted_step_time_s"] = pred.step_s;
@@ -147,14 +152,7 @@ std::string run_report(const ReportOptions& o) {
           }
         }
         groups.push_back(g);
-        plan::CPWorkload w;
-        w.seq = s;
-        w.heads = o.heads;
-        w.kv_heads = o.kv_heads;
-        w.head_dim = o.head_dim;
-        w.load_balance = true;
-        w.ranks_on_node = static_cast<int>(p);
-        const auto ranked = plan::rank_cp_configs(cal, p, w);
+        const auto ranked = plan::rank_cp_configs(cal, p, workload(o, s, p, true));
         json predictions = json::array();
         for (const auto& r : ranked)
           predictions.push_back({{"choice", r.name}, {"predicted_step_time_s", r.step_s}});

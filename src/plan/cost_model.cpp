@@ -89,7 +89,7 @@ Calibration load_calibration(const std::string& path) {
 }
 
 std::string current_link() {
-  const char* v = std::getenv("HP_LINK_RATE");
+  const char* v = std::getenv(kLinkRateEnv);
   return v != nullptr && *v != '\0' ? std::string(v) : std::string("loopback");
 }
 

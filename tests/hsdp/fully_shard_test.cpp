@@ -232,18 +232,24 @@ size_t index_of(const std::vector<std::string>& ev, const std::string& e, size_t
   return static_cast<size_t>(it - ev.begin());
 }
 
+// The recorded HSDP events of one backward over (R=2, Sd=2) and a 4-layer stack.
+std::vector<std::string> recorded_schedule(comm::World& w, bool fusion) {
+  comm::DeviceMesh mesh(w, {{"dp_replicate", 2}, {"dp_shard", 2}});
+  RunOptions o;
+  o.r = 2;
+  o.sd = 2;
+  o.layers = 4;
+  o.hsdp.record_schedule = true;
+  o.hsdp.comm_fusion = fusion;
+  auto s = make_stack(o.layers);
+  auto fs = shard_stack(s, mesh, o.hsdp);
+  rank_loss(s, *fs, mesh, o, 0).backward();
+  return fs->schedule();
+}
+
 TEST(FullyShard, UnfusedScheduleIssuesRsBeforeThePreviousArAndWaitsArsAtTheDrain) {
   run_ranks(4, [&](comm::World& w) {
-    comm::DeviceMesh mesh(w, {{"dp_replicate", 2}, {"dp_shard", 2}});
-    RunOptions o;
-    o.r = 2;
-    o.sd = 2;
-    o.layers = 4;
-    o.hsdp.record_schedule = true;
-    auto s = make_stack(o.layers);
-    auto fs = shard_stack(s, mesh, o.hsdp);
-    rank_loss(s, *fs, mesh, o, 0).backward();
-    const auto& ev = fs->schedule();
+    const auto ev = recorded_schedule(w, false);
     const size_t drain = index_of(ev, "drain begin");
     // Backward order: layers.3, layers.2, layers.1, layers.0, root.
     const std::vector<std::string> order{"layers.3", "layers.2", "layers.1", "layers.0", "root"};
@@ -267,17 +273,7 @@ TEST(FullyShard, UnfusedScheduleIssuesRsBeforeThePreviousArAndWaitsArsAtTheDrain
 
 TEST(FullyShard, FusedScheduleWaitsArTwoUnitsBack) {
   run_ranks(4, [&](comm::World& w) {
-    comm::DeviceMesh mesh(w, {{"dp_replicate", 2}, {"dp_shard", 2}});
-    RunOptions o;
-    o.r = 2;
-    o.sd = 2;
-    o.layers = 4;
-    o.hsdp.record_schedule = true;
-    o.hsdp.comm_fusion = true;
-    auto s = make_stack(o.layers);
-    auto fs = shard_stack(s, mesh, o.hsdp);
-    rank_loss(s, *fs, mesh, o, 0).backward();
-    const auto& ev = fs->schedule();
+    const auto ev = recorded_schedule(w, true);
     // Post-backward of layers.1 (N): wait AR(layers.3) -> wait RS(layers.2), issue AR(layers.2)
     // -> issue RS(layers.1).
     const size_t a = index_of(ev, "wait AR layers.3");

@@ -52,8 +52,10 @@ Calibration calibration_from_json(const std::string& json);
 void save_calibration(const std::string& path, const Calibration& c);
 // Throws a clear error naming the command that creates it when `path` does not exist.
 Calibration load_calibration(const std::string& path);
-// The link this process runs on: the emulated rate inside `hp-bench --link-rate` (HP_LINK_RATE),
-// else "loopback".
+// Set by `hp-bench --link-rate` for the run inside the emulated link: its rate.
+inline constexpr const char* kLinkRateEnv = "HP_LINK_RATE";
+// The link this process runs on: the emulated rate inside `hp-bench --link-rate`, else
+// "loopback".
 std::string current_link();
 // $HP_CALIBRATION, else ${XDG_CACHE_HOME:-$HOME/.cache}/hyperparallel/calibration-<link>.json
 std::string default_calibration_path(const std::string& link);
