@@ -102,6 +102,19 @@ struct ExchangeFn : torch::autograd::Function<ExchangeFn> {
   }
 };
 
+struct ShiftFn : torch::autograd::Function<ShiftFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t offset, GroupPtr g) {
+    save_group(ctx, g);
+    ctx->saved_data["offset"] = offset;
+    return shift(*g, x, static_cast<int>(offset));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto dx = shift(saved_group(ctx), grads[0].contiguous(),
+                    -static_cast<int>(ctx->saved_data["offset"].toInt()));
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
 void check_seq_head(const at::Tensor& x, int64_t& seq_dim, int64_t& head_dim, const char* fn) {
   HP_CHECK(x.defined(), fn, ": the input tensor is undefined");
   const int64_t nd = x.dim();
@@ -154,6 +167,11 @@ at::Tensor all_reduce_backward(const at::Tensor& x, const GroupPtr& group) {
 at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group) {
   checked(group, "p2p_exchange");
   return ExchangeFn::apply(x, static_cast<int64_t>(peer), group);
+}
+
+at::Tensor ring_shift(const at::Tensor& x, int offset, const GroupPtr& group) {
+  checked(group, "ring_shift");
+  return ShiftFn::apply(x, static_cast<int64_t>(offset), group);
 }
 
 }  // namespace hp::comm

@@ -321,6 +321,18 @@ at::Tensor exchange(Group& g, const at::Tensor& t, int peer) {
   return r.wait();
 }
 
+at::Tensor shift(Group& g, const at::Tensor& t, int offset) {
+  check_defined(OpKind::kSend, g, t);
+  const int p = g.size();
+  const int to = ((g.rank() + offset) % p + p) % p, from = ((g.rank() - offset) % p + p) % p;
+  if (to == g.rank()) return t.clone();
+  // Both legs in flight together; tags pair per (peer, direction), so the order is free.
+  auto r = recv_async(g, t.sizes(), t.scalar_type(), from);
+  auto s = send_async(g, t, to);
+  s.wait();
+  return r.wait();
+}
+
 void barrier(Group& g) {
   auto pending = g.transport().barrier();
   CommHandle(g, OpKind::kBarrier, 0, std::move(pending), {}, nullptr).wait();

@@ -3,23 +3,17 @@
 
 namespace hp::cp {
 
-std::vector<std::string> adapter_names() {
-  return {"sdpa_qkv", "sdpa_hf", "flex_qkv", "flex_hf"};
-}
-
-bool is_adapter_name(const std::string& name) {
-  for (const auto& n : adapter_names()) {
-    if (n == name) return true;
-  }
-  return false;
-}
-
-std::shared_ptr<const CPAdapter> adapter_for(const std::string& name) {
-  if (name == "sdpa_qkv") return make_sdpa_qkv_adapter();
-  if (name == "sdpa_hf") return make_sdpa_hf_adapter();
-  if (name == "flex_qkv") return make_flex_qkv_adapter();
-  if (name == "flex_hf") return make_flex_hf_adapter();
-  HP_CHECK(false, "unknown CP adapter '", name, "'; valid: sdpa_qkv, sdpa_hf, flex_qkv, flex_hf");
+const AdapterRegistry& AdapterRegistry::builtin() {
+  // Built once, never modified afterwards: immutable shared state, not a mutable global.
+  static const AdapterRegistry registry = [] {
+    AdapterRegistry r;
+    r.add(make_sdpa_qkv_adapter());
+    r.add(make_sdpa_hf_adapter());
+    r.add(make_flex_qkv_adapter());
+    r.add(make_flex_hf_adapter());
+    return r;
+  }();
+  return registry;
 }
 
 namespace detail {

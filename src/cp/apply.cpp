@@ -17,23 +17,32 @@ std::string handoff_str(const std::map<std::string, std::string>& h) {
   return out + "}";
 }
 
-void check_backend(const CPTopology& t, const CPStrategy& s) {
+void check_backend(const CPTopology& t, const CPStrategy& s, const StrategyRegistry& registry) {
   for (const auto& g : {t.cp, t.ulysses, t.co}) {
     if (!g || g->size() == 1) continue;
     for (auto op : s.required_ops()) {
-      HP_CHECK(g->transport().supports(op), "CP strategy '", s.name(), "' needs ",
-               comm::op_name(op), " on group '", g->name(), "', which backend '",
-               g->transport().backend_name(),
-               "' does not provide; choose a strategy whose collectives it has (all_gather "
-               "needs all_gather + reduce_scatter, ulysses needs all_to_all)");
+      if (g->transport().supports(op)) continue;
+      std::string usable;
+      for (const auto& n : registry.names()) {
+        bool ok = true;
+        for (auto need : registry.get(n)->required_ops())
+          ok = ok && g->transport().supports(need);
+        if (ok) usable += common::str_cat(usable.empty() ? "" : ", ", n);
+      }
+      HP_CHECK(false, "CP strategy '", s.name(), "' needs ", comm::op_name(op), " on group '",
+               g->name(), "', which backend '", g->transport().backend_name(),
+               "' does not provide; choose a strategy whose collectives it has (",
+               usable.empty() ? "none here" : usable, ")");
     }
   }
 }
 
 }  // namespace
 
-void LegacyWrapperRegistry::add(const std::string& name, LegacyWrapperFn fn) {
-  HP_CHECK(!is_adapter_name(name), "legacy CP wrapper name '", name,
+void LegacyWrapperRegistry::add(const std::string& name, LegacyWrapperFn fn,
+                                const AdapterRegistry* adapters) {
+  const auto& a = adapters != nullptr ? *adapters : AdapterRegistry::builtin();
+  HP_CHECK(!a.contains(name), "legacy CP wrapper name '", name,
            "' is taken by a built-in adapter; pick another name");
   HP_CHECK(static_cast<bool>(fn), "legacy CP wrapper '", name, "' has no function");
   wrappers_[name] = std::move(fn);
@@ -58,9 +67,12 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
   HP_CHECK(topology != nullptr, "apply_context_parallel('", spec.module_path,
            "'): no CP topology; build one with CPTopology::build at apply time");
   const auto& t = *topology;
-  HP_CHECK(spec.cp_seq_dim != spec.cp_head_dim, "module '", spec.module_path,
-           "': cp_seq_dim and cp_head_dim are both ", spec.cp_seq_dim,
-           "; they must name different dims (BNSD: cp_seq_dim=2, cp_head_dim=1; BSHD: 1, 2)");
+  const auto& adapters =
+      options.adapters != nullptr ? *options.adapters : AdapterRegistry::builtin();
+  const auto& strategies =
+      options.strategies != nullptr ? *options.strategies : StrategyRegistry::builtin();
+  const QKVLayout layout{spec.cp_seq_dim, spec.cp_head_dim};
+  layout.check(common::str_cat("module '", spec.module_path, "'"));
   HP_CHECK(ulysses_degree_of(config, t.cp_size) == t.ulysses_degree, "module '", spec.module_path,
            "': the CP topology was built for ulysses_degree=", t.ulysses_degree,
            " but the config says ", ulysses_degree_of(config, t.cp_size));
@@ -69,11 +81,11 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
   std::string fallback;  // set when async falls back to sync
   std::string schedule = to_string(config.schedule);
   std::string strategy_name = to_string(config.algorithm);
-  if (!is_adapter_name(spec.inner_wrapper)) {
+  if (!adapters.contains(spec.inner_wrapper)) {
     const LegacyWrapperFn* legacy =
         options.legacy ? options.legacy->find(spec.inner_wrapper) : nullptr;
     if (legacy == nullptr) {
-      std::string valid = "sdpa_qkv, sdpa_hf, flex_qkv, flex_hf";
+      std::string valid = adapters.names_list();
       if (options.legacy) {
         for (const auto& n : options.legacy->names())
           valid += ", " + n;
@@ -86,15 +98,14 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
              "module '", spec.module_path, "': legacy wrapper '", spec.inner_wrapper,
              "' implements only all_gather + sync, but the plan asks for algorithm=",
              to_string(config.algorithm), " schedule=", to_string(config.schedule),
-             config.load_balance ? " load_balance=true" : "",
-             "; use a built-in adapter (sdpa_qkv, sdpa_hf, flex_qkv, flex_hf) or all_gather + "
-             "sync");
+             config.load_balance ? " load_balance=true" : "", "; use an adapter (",
+             adapters.names_list(), ") or all_gather + sync");
     (*legacy)(host, t.cp);
     adapter_name = "legacy:" + spec.inner_wrapper;
   } else {
-    auto adapter = adapter_for(adapter_name);
-    auto strategy = strategy_for(strategy_name);
-    check_backend(t, *strategy);
+    auto adapter = adapters.get(adapter_name);
+    auto strategy = strategies.get(strategy_name);
+    check_backend(t, *strategy, strategies);
     // Async: every moved role needs a handoff point on this module.
     std::vector<std::pair<QKVRole, attention::HandoffPoint*>> points;
     if (config.schedule == CPSchedule::kAsync) {
@@ -126,10 +137,10 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
       }
     }
     const bool async = config.schedule == CPSchedule::kAsync && fallback.empty();
-    auto runtime = std::make_shared<CPRuntime>(
-        adapter, strategy, topology,
-        CPRuntimeOptions{spec.module_path, QKVLayout{spec.cp_seq_dim, spec.cp_head_dim},
-                         config.load_balance, config.load_balance_form, async});
+    auto runtime =
+        std::make_shared<CPRuntime>(adapter, strategy, topology,
+                                    CPRuntimeOptions{spec.module_path, layout, config.load_balance,
+                                                     config.load_balance_form, async});
     host.install(adapter->slot(), runtime);
     auto* installed = static_cast<CPRuntime*>(host.installed(adapter->slot()));
     auto shared = std::static_pointer_cast<CPRuntime>(installed->shared_from_this());

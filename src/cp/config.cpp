@@ -1,19 +1,14 @@
 #include "hp/cp/config.h"
 
+#include <algorithm>
+
 #include "hp/common/check.h"
+#include "hp/cp/strategy.h"
 
 namespace hp::cp {
 
-const char* to_string(CPAlgorithm a) {
-  switch (a) {
-    case CPAlgorithm::kAllGather:
-      return "all_gather";
-    case CPAlgorithm::kUlysses:
-      return "ulysses";
-    case CPAlgorithm::kHybrid:
-      return "hybrid";
-  }
-  return "?";
+const std::string& to_string(const CPAlgorithm& a) {
+  return a.name();
 }
 
 const char* to_string(CPSchedule s) {
@@ -27,11 +22,18 @@ const char* to_string(LoadBalanceForm f) {
   return f == LoadBalanceForm::kDataOrder ? "data_order" : "runtime_swap";
 }
 
-CPAlgorithm parse_algorithm(const std::string& s) {
-  if (s == "all_gather") return CPAlgorithm::kAllGather;
-  if (s == "ulysses") return CPAlgorithm::kUlysses;
-  if (s == "hybrid") return CPAlgorithm::kHybrid;
-  HP_CHECK(false, "cp algorithm '", s, "' is not valid; valid: all_gather, ulysses, hybrid");
+namespace {
+
+const StrategyRegistry& registry_or_builtin(const StrategyRegistry* r) {
+  return r != nullptr ? *r : StrategyRegistry::builtin();
+}
+
+}  // namespace
+
+CPAlgorithm parse_algorithm(const std::string& s, const StrategyRegistry* strategies) {
+  const auto& r = registry_or_builtin(strategies);
+  HP_CHECK(r.contains(s), "cp algorithm '", s, "' is not valid; valid: ", r.names_list());
+  return CPAlgorithm(s);
 }
 
 CPSchedule parse_schedule(const std::string& s) {
@@ -63,58 +65,35 @@ ContextParallelConfig from_legacy_degree(int64_t degree, int64_t cp_size) {
 }
 
 std::optional<ContextParallelConfig> normalize(const std::optional<ContextParallelConfig>& config,
-                                               int64_t cp_size) {
+                                               int64_t cp_size,
+                                               const StrategyRegistry* strategies) {
   HP_CHECK(cp_size >= 1, "cp_size=", cp_size, " must be >= 1");
   if (cp_size == 1) return std::nullopt;
+  const auto& registry = registry_or_builtin(strategies);
   ContextParallelConfig c = config.value_or(ContextParallelConfig{});
-  switch (c.algorithm) {
-    case CPAlgorithm::kAllGather:
-      HP_CHECK(!c.ulysses_degree || *c.ulysses_degree == 1,
-               "cp_config.ulysses_degree=", *c.ulysses_degree,
-               " with algorithm=all_gather: all_gather uses no Ulysses "
-               "groups; drop ulysses_degree, or choose algorithm=hybrid (1 < degree < cp_size=",
-               cp_size, ") or ulysses (degree == cp_size)");
-      c.ulysses_degree = 1;
-      break;
-    case CPAlgorithm::kUlysses:
-      if (!c.ulysses_degree) c.ulysses_degree = cp_size;
-      HP_CHECK(cp_size % *c.ulysses_degree == 0, "cp_size=", cp_size,
-               " is not divisible by cp_config.ulysses_degree=", *c.ulysses_degree,
-               "; choose a divisor of ", cp_size);
-      HP_CHECK(*c.ulysses_degree == cp_size, "cp_config.ulysses_degree=", *c.ulysses_degree,
-               " with algorithm=ulysses must equal cp_size=", cp_size,
-               "; use algorithm=hybrid for a smaller degree");
-      break;
-    case CPAlgorithm::kHybrid:
-      HP_CHECK(c.ulysses_degree.has_value(), "algorithm=hybrid needs cp_config.ulysses_degree, ",
-               "an integer in (1, cp_size=", cp_size, ") that divides ", cp_size);
-      HP_CHECK(*c.ulysses_degree > 1 && *c.ulysses_degree < cp_size,
-               "cp_config.ulysses_degree=", *c.ulysses_degree,
-               " with algorithm=hybrid must lie strictly between 1 and cp_size=", cp_size,
-               "; degree 1 is all_gather and degree ", cp_size, " is ulysses");
-      HP_CHECK(cp_size % *c.ulysses_degree == 0, "cp_size=", cp_size,
-               " is not divisible by cp_config.ulysses_degree=", *c.ulysses_degree,
-               "; choose a divisor of ", cp_size);
-      break;
+  HP_CHECK(registry.contains(c.algorithm.name()), "cp_config.algorithm='", c.algorithm.name(),
+           "' is not a CP strategy; valid: ", registry.names_list());
+  const auto strategy = registry.get(c.algorithm.name());
+  strategy->normalize(c, cp_size);
+  HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
+                     strategy->name(), "' left an invalid ulysses_degree");
+  if (c.load_balance && !strategy->supports_load_balance()) {
+    std::string balanced;
+    for (const auto& n : registry.names()) {
+      if (registry.get(n)->supports_load_balance()) {
+        balanced += common::str_cat(balanced.empty() ? "" : " or ", n);
+      }
+    }
+    HP_CHECK(false, "cp_config.load_balance=true requires algorithm=", balanced, " (got ",
+             c.algorithm.name(), "); ", strategy->name(),
+             " needs no head-tail balancing: set load_balance=false or use ", balanced);
   }
-  HP_CHECK(!c.load_balance || c.algorithm == CPAlgorithm::kAllGather,
-           "cp_config.load_balance=true requires algorithm=all_gather (got ",
-           to_string(c.algorithm),
-           "); Ulysses attends over the full sequence and needs no "
-           "balancing: set load_balance=false or use all_gather");
   return c;
 }
 
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
-  switch (c.algorithm) {
-    case CPAlgorithm::kAllGather:
-      return 1;
-    case CPAlgorithm::kUlysses:
-      return cp_size;
-    case CPAlgorithm::kHybrid:
-      return c.ulysses_degree.value_or(1);
-  }
-  return 1;
+  if (c.ulysses_degree) return *c.ulysses_degree;
+  return *normalize(c, std::max<int64_t>(cp_size, 2))->ulysses_degree;
 }
 
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
@@ -123,14 +102,19 @@ int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
 
 void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_q_heads,
                  int64_t local_kv_heads, int64_t tp_size) {
-  const int64_t u = ulysses_degree_of(c, cp_size);
+  check_heads_for_degree(c.algorithm.name(), ulysses_degree_of(c, cp_size), local_q_heads,
+                         local_kv_heads, tp_size);
+}
+
+void check_heads_for_degree(const std::string& algorithm, int64_t u, int64_t local_q_heads,
+                            int64_t local_kv_heads, int64_t tp_size) {
   if (u == 1) return;
   const char* after_tp = tp_size > 1 ? " (after TP)" : "";
-  HP_CHECK(local_q_heads % u == 0, "algorithm=", to_string(c.algorithm), ": query heads", after_tp,
-           " = ", local_q_heads, " are not divisible by the Ulysses degree ", u,
+  HP_CHECK(local_q_heads % u == 0, "algorithm=", algorithm, ": query heads", after_tp, " = ",
+           local_q_heads, " are not divisible by the Ulysses degree ", u,
            "; use algorithm=all_gather or a smaller ulysses_degree that divides ", local_q_heads);
-  HP_CHECK(local_kv_heads % u == 0, "algorithm=", to_string(c.algorithm), ": key/value heads",
-           after_tp, " = ", local_kv_heads, " are not divisible by the Ulysses degree ", u,
+  HP_CHECK(local_kv_heads % u == 0, "algorithm=", algorithm, ": key/value heads", after_tp, " = ",
+           local_kv_heads, " are not divisible by the Ulysses degree ", u,
            "; K/V heads are never repeated silently: use algorithm=all_gather or a smaller "
            "ulysses_degree that divides ",
            local_kv_heads);

@@ -2,11 +2,24 @@
 //
 //   q [B, N,   S/P, D]  ----------------------------------------> attention q (offset r*S/P)
 //   k [B, Nkv, S/P, D]  -- all_gather(seq, cp) --> [B, Nkv, S, D] --> attention k
-//   v [B, Nkv, S/P, D]  -- all_gather(seq, cp) --> [B, Nkv, S, D] --> attention v
-//   out [B, N, S/P, D]  stays local
+//   v [B, Nkv, S/P, Dv] -- all_gather(seq, cp) --> [B, Nkv, S, Dv] -> attention v
+//   out [B, N, S/P, Dv] stays local
 //   backward: dK, dV reduce-scatter(seq, cp); dQ local. No head constraint.
 //   head-tail load balance: two query parts (see load_balance.cpp), K/V as above (put back in
 //   natural order for data-order shards).
+//
+// Async (run_async): the gathers were launched at the K/V handoff points; attention on what is
+// already local hides them:
+//   rank r holds K/V chunk(s) L (one, or two under head-tail balance); its queries Q (same
+//   positions).
+//     1. for each query part: attention(Q_part, K[L ∩ visible]) per local chunk  -> (o, lse)
+//     2. wait K, V (all_gather)                                   (they flew during step 1)
+//     3. for each query part: attention(Q_part, K[gap]) per visible gap outside L  -> (o, lse)
+//     4. out_part = Σ o_i · exp(lse_i − logsumexp_i lse_i)
+//   Backward runs 3 before 2's inverse (dK, dV reduce-scatter) and 1 after it, so the
+//   reduce-scatter flies while the local chunks' backward computes.
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include "hp/comm/autograd_collectives.h"
@@ -40,9 +53,35 @@ comm::CommHandle detail::gather_seq_grad_async(const at::Tensor& g, const comm::
 
 namespace {
 
+struct Range {
+  int64_t begin = 0, end = 0;  // global positions [begin, end)
+};
+
 class AllGatherStrategy final : public CPStrategy {
  public:
   std::string name() const override { return "all_gather"; }
+  std::string summary() const override {
+    return "K/V all-gathered along the sequence; Q and the output stay local (any head count; "
+           "head-tail load balance)";
+  }
+  void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
+    HP_CHECK(!c.ulysses_degree || *c.ulysses_degree == 1,
+             "cp_config.ulysses_degree=", c.ulysses_degree.value_or(0),
+             " with algorithm=all_gather: all_gather uses no Ulysses groups; drop "
+             "ulysses_degree, or choose algorithm=hybrid (1 < degree < cp_size=",
+             cp_size, ") or ulysses (degree == cp_size)");
+    c.ulysses_degree = 1;
+  }
+  bool supports_load_balance() const override { return true; }
+  int64_t forward_bytes_per_rank(const ContextParallelConfig& c, int64_t p, const AttentionShape& s,
+                                 int64_t cp_rank) const override {
+    const int64_t gathered = CPStrategy::forward_bytes_per_rank(c, p, s, cp_rank);
+    const bool swaps = c.load_balance && c.load_balance_form == LoadBalanceForm::kRuntimeSwap &&
+                       p - 1 - cp_rank != cp_rank;
+    // The query tail goes to the mirror rank, the output tail comes back.
+    const int64_t tail = (s.seq / (2 * p)) * s.q_heads * s.element_size * s.batch;
+    return gathered + (swaps ? tail * (s.qk_dim + s.v_dim_or_qk()) : 0);
+  }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
   }
@@ -60,16 +99,15 @@ class AllGatherStrategy final : public CPStrategy {
                                    const CPRuntimeContext& ctx) const override {
     return detail::gather_seq_grad_async(g, ctx.topology->cp, ctx.layout);
   }
-  void check_inputs(const at::Tensor& q, const CPRuntimeContext& ctx) const override {
-    if (ctx.load_balance) detail::check_head_tail(q, ctx);
+  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
+                    const std::string&) const override {
+    if (ctx.load_balance) detail::check_head_tail(x, ctx);
   }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const CPRuntimeContext& ctx) const override {
-    const auto& t = *ctx.topology;
-    const int64_t seq = ctx.layout.seq_dim;
     PreparedQKV p{k, v, {}};
-    const int64_t kv_len = p.k.size(seq);
+    const int64_t kv_len = p.k.size(ctx.layout.seq_dim);
     if (ctx.load_balance) {
       if (ctx.load_balance_form == LoadBalanceForm::kDataOrder) {
         p.k = detail::natural_order(p.k, ctx);
@@ -78,16 +116,103 @@ class AllGatherStrategy final : public CPStrategy {
       p.parts = detail::head_tail_parts(q, ctx, kv_len);
       return p;
     }
-    const int64_t s_local = q_local.size(seq);
-    QueryPart part{q, {}};
-    part.state.local_seq = s_local;
-    part.state.causal = {t.cp_rank * s_local, s_local, kv_len};
-    p.parts.push_back(part);
+    p.parts.push_back(local_part(q_local, ctx, kv_len));
     return p;
   }
 
   at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
                             const CPRuntimeContext& ctx) const override {
+    return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
+  }
+
+  at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const AttentionCall& call, const CPRuntimeContext& ctx,
+                       const ArrivedFn& arrived) const override {
+    const bool runtime_swap =
+        ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
+    if (!can_split_call(call) || runtime_swap || ctx.topology->cp_size == 1) {
+      return CPStrategy::run_async(q, k, v, call, ctx, arrived);
+    }
+    return overlapped(q, k, v, call, ctx, arrived);
+  }
+
+ private:
+  // The caller's contiguous shard: queries at r * s_local, all gathered keys.
+  static QueryPart local_part(const at::Tensor& q, const CPRuntimeContext& ctx, int64_t kv_len) {
+    const int64_t s_local = q.size(ctx.layout.seq_dim);
+    QueryPart part{q, {}};
+    part.state.local_seq = s_local;
+    part.state.causal = {ctx.topology->cp_rank * s_local, s_local, kv_len};
+    return part;
+  }
+
+  at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const AttentionCall& call, const CPRuntimeContext& ctx,
+                        const ArrivedFn& arrived) const {
+    const int64_t seq = ctx.layout.seq_dim;
+    const int64_t total = q.size(seq) * ctx.topology->cp_size;
+    // Query parts with their global ranges; the local K/V chunks sit at the same positions.
+    std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
+                                                    : std::vector{local_part(q, ctx, total)};
+    std::vector<Range> local;
+    std::vector<int64_t> local_offset;
+    int64_t off = 0;
+    for (const auto& p : parts) {
+      local.push_back({p.state.causal.q_offset, p.state.causal.q_offset + p.q.size(seq)});
+      local_offset.push_back(off);
+      off += p.q.size(seq);
+    }
+    // Attention of a part against keys at global positions [key_begin, ..).
+    auto block = [&](const QueryPart& part, const at::Tensor& kk, const at::Tensor& vv,
+                     int64_t key_begin) {
+      CallState st = part.state;
+      st.causal = {part.state.causal.q_offset - key_begin, part.q.size(seq), kk.size(seq)};
+      return call(part.q, kk, vv, st);
+    };
+    auto visible_end = [&](const QueryPart& p) {
+      return call.options().causal ? p.state.causal.q_offset + p.q.size(seq) : total;
+    };
+    std::vector<std::vector<attention::AttentionResult>> results(parts.size());
+    // 1. Local chunks, while the all-gathers fly.
+    for (size_t i = 0; i < parts.size(); ++i) {
+      for (size_t c = 0; c < local.size(); ++c) {
+        const int64_t end = std::min(local[c].end, visible_end(parts[i]));
+        if (end <= local[c].begin) continue;
+        const int64_t len = end - local[c].begin;
+        results[i].push_back(block(parts[i], k.narrow(seq, local_offset[c], len),
+                                   v.narrow(seq, local_offset[c], len), local[c].begin));
+      }
+    }
+    // 2. The gathered K/V (natural order).
+    auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
+    if (ctx.load_balance) {
+      kg = detail::natural_order(kg, ctx);
+      vg = detail::natural_order(vg, ctx);
+    }
+    // 3. The visible key ranges outside this rank's chunks.
+    std::vector<Range> sorted = local;
+    std::sort(sorted.begin(), sorted.end(),
+              [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t vis = visible_end(parts[i]);
+      int64_t at_pos = 0;
+      auto gap = [&](int64_t b, int64_t e) {
+        e = std::min(e, vis);
+        if (e <= b) return;
+        results[i].push_back(
+            block(parts[i], kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b), b));
+      };
+      for (const auto& r : sorted) {
+        gap(at_pos, r.begin);
+        at_pos = r.end;
+      }
+      gap(at_pos, total);
+    }
+    // 4. Merge per part, then the output layout.
+    std::vector<at::Tensor> outs;
+    for (const auto& r : results)
+      outs.push_back(merge_by_lse(r, ctx.layout));
+    outs[0] = anchored(outs[0], {kg, vg});
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
   }
 };

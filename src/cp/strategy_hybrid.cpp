@@ -11,6 +11,7 @@
 //   synchronous (as in the original system).
 #include <ATen/ATen.h>
 
+#include "hp/common/check.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -19,6 +20,21 @@ namespace {
 class HybridStrategy final : public detail::UlyssesMoves {
  public:
   std::string name() const override { return "hybrid"; }
+  std::string summary() const override {
+    return "Ulysses inside groups of ulysses_degree ranks x K/V all-gather across them (heads "
+           "divisible by the degree)";
+  }
+  void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
+    HP_CHECK(c.ulysses_degree.has_value(), "algorithm=hybrid needs cp_config.ulysses_degree, ",
+             "an integer in (1, cp_size=", cp_size, ") that divides ", cp_size);
+    HP_CHECK(*c.ulysses_degree > 1 && *c.ulysses_degree < cp_size,
+             "cp_config.ulysses_degree=", *c.ulysses_degree,
+             " with algorithm=hybrid must lie strictly between 1 and cp_size=", cp_size,
+             "; degree 1 is all_gather and degree ", cp_size, " is ulysses");
+    HP_CHECK(cp_size % *c.ulysses_degree == 0, "cp_size=", cp_size,
+             " is not divisible by cp_config.ulysses_degree=", *c.ulysses_degree,
+             "; choose a divisor of ", cp_size);
+  }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
   }
@@ -33,7 +49,7 @@ class HybridStrategy final : public detail::UlyssesMoves {
     const int64_t s_block = q.size(l.seq_dim);  // S / C
     part.state.local_seq = q_local.size(l.seq_dim);
     part.state.causal = {t.co_rank * s_block, s_block, p.k.size(l.seq_dim)};
-    part.state.head_offset = t.ulysses_rank * q.size(l.head_dim);
+    part.state.head_offset = t.ulysses_rank * q.size(l.heads_dim);
     p.parts.push_back(part);
     return p;
   }

@@ -1,14 +1,20 @@
-// Internal to cp/: the two communication pieces every strategy is made of. Hybrid composes
-// them over its sub-groups; all_gather and ulysses use one each over the whole CP group.
+// Internal to cp/: the pieces strategies are made of. The communication pieces exist once:
+// hybrid composes the all-gather and Ulysses pieces over its sub-groups; all_gather and ulysses
+// use one each over the whole CP group. The merge and the anchor serve every strategy whose
+// attention step runs several calls per query block.
 #pragma once
+
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
+#include "hp/attention/attention.h"
 #include "hp/comm/group.h"
 #include "hp/cp/strategy.h"
 
 namespace hp::cp::detail {
 
+// ---- all-gather piece (strategy_all_gather.cpp) ----
 // K and V all-gathered along seq over `group` (rank order): [.., S/C, ..] -> [.., S, ..].
 // Backward: reduce-scatter of dK, dV.
 void gather_kv(at::Tensor& k, at::Tensor& v, const comm::GroupPtr& group, const QKVLayout& l);
@@ -18,6 +24,7 @@ comm::CommHandle gather_seq_async(const at::Tensor& x, const comm::GroupPtr& gro
 comm::CommHandle gather_seq_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
                                        const QKVLayout& l);  // reduce-scatter
 
+// ---- Ulysses piece (strategy_ulysses.cpp) ----
 // seq -> head all-to-all over `group` of size U: [.., S_l, .., N, ..] -> [.., U*S_l, .., N/U, ..].
 at::Tensor scatter_heads(const at::Tensor& x, const comm::GroupPtr& group, const QKVLayout& l);
 // Inverse: [.., U*S_l, .., N/U, ..] -> [.., S_l, .., N, ..].
@@ -28,7 +35,7 @@ comm::CommHandle scatter_heads_grad_async(const at::Tensor& g, const comm::Group
                                           const QKVLayout& l);  // the inverse all-to-all
 
 // The Ulysses way of moving q, k and v (seq -> head all-to-all in the Ulysses group): what the
-// ulysses and hybrid strategies share (strategy_ulysses.cpp).
+// ulysses and hybrid strategies share.
 class UlyssesMoves : public CPStrategy {
  public:
   std::vector<QKVRole> moved_roles() const override;
@@ -40,11 +47,18 @@ class UlyssesMoves : public CPStrategy {
   // The output's way back: head -> seq all-to-all in the Ulysses group.
   at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV& prepared,
                             const CPRuntimeContext& ctx) const override;
+  // A tensor mask cannot follow the head re-layout.
+  void check_options(const attention::AttentionOptions& options,
+                     const std::string& who) const override;
+  // Heads divisible by the Ulysses degree, before the all-to-all.
+  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
+                    const std::string& who) const override;
 };
 
-// Head-tail load balance (load_balance.cpp): the two query parts of this rank with their
-// global offsets (swapping the tail with the mirror rank in the runtime form), the inverse for
-// the outputs, and the gathered K/V of data-order shards put back in natural order.
+// ---- head-tail load balance (load_balance.cpp) ----
+// The two query parts of this rank with their global offsets (swapping the tail with the mirror
+// rank in the runtime form), the inverse for the outputs, and the gathered K/V of data-order
+// shards put back in natural order.
 void check_head_tail(const at::Tensor& q, const CPRuntimeContext& ctx);  // before any collective
 std::vector<QueryPart> head_tail_parts(const at::Tensor& q, const CPRuntimeContext& ctx,
                                        int64_t kv_len);

@@ -1,15 +1,22 @@
 // ulysses: Q, K, V seq->head all-to-all, attention on the full sequence with local heads,
 // output head->seq all-to-all.
 //
-//   q [B, N,   S/P, D] -- A2A(split head, concat seq) --> [B, N/P,   S, D] --> attention
-//   k [B, Nkv, S/P, D] -- A2A ----------------------------> [B, Nkv/P, S, D]   (plain causal,
-//   v [B, Nkv, S/P, D] -- A2A ----------------------------> [B, Nkv/P, S, D]    offset 0)
-//   out [B, N/P, S, D] -- A2A(split seq, concat head) --> [B, N, S/P, D]
+//   q [B, N,   S/P, D]  -- A2A(split head, concat seq) --> [B, N/P,   S, D] --> attention
+//   k [B, Nkv, S/P, D]  -- A2A ----------------------------> [B, Nkv/P, S, D]   (plain causal,
+//   v [B, Nkv, S/P, Dv] -- A2A ----------------------------> [B, Nkv/P, S, Dv]  offset 0)
+//   out [B, N/P, S, Dv] -- A2A(split seq, concat head) --> [B, N, S/P, Dv]
 //   backward: the inverse all-to-alls. Needs Q and KV heads divisible by P.
+//
+// Async (run_async): the rank's own head group at its own positions is local before any
+// all-to-all; its diagonal block is computed while Q, K, V travel, then the rest:
+//   queries [0, r*s)          x keys [0, r*s)   (causal)
+//   queries [r*s, (r+1)*s)    x diagonal (local, first) + keys [0, r*s) (+ [(r+1)*s, S) dense)
+//   queries [(r+1)*s, S)      x keys [0, S)     (causal, offset (r+1)*s)
 #include <ATen/ATen.h>
 
 #include "hp/comm/autograd_collectives.h"
 #include "hp/comm/collectives.h"
+#include "hp/common/check.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -17,23 +24,23 @@ namespace hp::cp {
 at::Tensor detail::scatter_heads(const at::Tensor& x, const comm::GroupPtr& group,
                                  const QKVLayout& l) {
   if (group->size() == 1) return x;
-  return comm::ulysses_seq_to_head(x, l.seq_dim, l.head_dim, group);
+  return comm::ulysses_seq_to_head(x, l.seq_dim, l.heads_dim, group);
 }
 
 at::Tensor detail::gather_heads(const at::Tensor& x, const comm::GroupPtr& group,
                                 const QKVLayout& l) {
   if (group->size() == 1) return x;
-  return comm::ulysses_head_to_seq(x, l.seq_dim, l.head_dim, group);
+  return comm::ulysses_head_to_seq(x, l.seq_dim, l.heads_dim, group);
 }
 
 comm::CommHandle detail::scatter_heads_async(const at::Tensor& x, const comm::GroupPtr& group,
                                              const QKVLayout& l) {
-  return comm::all_to_all_async(*group, x, l.head_dim, l.seq_dim);
+  return comm::all_to_all_async(*group, x, l.heads_dim, l.seq_dim);
 }
 
 comm::CommHandle detail::scatter_heads_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
                                                   const QKVLayout& l) {
-  return comm::all_to_all_async(*group, g, l.seq_dim, l.head_dim);
+  return comm::all_to_all_async(*group, g, l.seq_dim, l.heads_dim);
 }
 
 std::vector<QKVRole> detail::UlyssesMoves::moved_roles() const {
@@ -61,11 +68,39 @@ at::Tensor detail::UlyssesMoves::restore_output(const std::vector<at::Tensor>& o
   return gather_heads(outs[0], ctx.topology->ulysses, ctx.layout);
 }
 
+void detail::UlyssesMoves::check_options(const attention::AttentionOptions& options,
+                                         const std::string& who) const {
+  HP_CHECK(!options.mask.defined(), who,
+           ": a tensor mask cannot follow the Ulysses re-layout; express it as a mask "
+           "function and use the flex_qkv or flex_hf adapter");
+}
+
+void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
+                                        const std::string& who) const {
+  const int64_t u = ctx.topology->ulysses_degree;
+  const int64_t heads = x.size(ctx.layout.heads_dim);
+  HP_CHECK(heads % u == 0, who, " has ", heads, " heads, not divisible by the Ulysses degree ", u,
+           "; use algorithm=all_gather or a smaller ulysses_degree");
+}
+
 namespace {
 
 class UlyssesStrategy final : public detail::UlyssesMoves {
  public:
   std::string name() const override { return "ulysses"; }
+  std::string summary() const override {
+    return "Q/K/V seq->head all-to-all, attention on P-th of the heads over the whole sequence "
+           "(heads divisible by cp)";
+  }
+  void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
+    if (!c.ulysses_degree) c.ulysses_degree = cp_size;
+    HP_CHECK(*c.ulysses_degree >= 1 && cp_size % *c.ulysses_degree == 0, "cp_size=", cp_size,
+             " is not divisible by cp_config.ulysses_degree=", *c.ulysses_degree,
+             "; choose a divisor of ", cp_size);
+    HP_CHECK(*c.ulysses_degree == cp_size, "cp_config.ulysses_degree=", *c.ulysses_degree,
+             " with algorithm=ulysses must equal cp_size=", cp_size,
+             "; use algorithm=hybrid for a smaller degree");
+  }
   std::vector<comm::OpKind> required_ops() const override { return {comm::OpKind::kAllToAll}; }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
@@ -74,8 +109,73 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     QueryPart part{q, {}};
     part.state.local_seq = q_local.size(l.seq_dim);
     part.state.causal = {0, q.size(l.seq_dim), k.size(l.seq_dim)};
-    part.state.head_offset = ctx.topology->ulysses_rank * q.size(l.head_dim);
+    part.state.head_offset = ctx.topology->ulysses_rank * q.size(l.heads_dim);
     return PreparedQKV{k, v, {part}};
+  }
+
+  at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const AttentionCall& call, const CPRuntimeContext& ctx,
+                       const ArrivedFn& arrived) const override {
+    if (!can_split_call(call) || ctx.topology->cp_size == 1) {
+      return CPStrategy::run_async(q, k, v, call, ctx, arrived);
+    }
+    return overlapped(q, k, v, call, ctx, arrived);
+  }
+
+ private:
+  at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const AttentionCall& call, const CPRuntimeContext& ctx,
+                        const ArrivedFn& arrived) const {
+    const auto& l = ctx.layout;
+    const int64_t seq = l.seq_dim, p = ctx.topology->ulysses_degree;
+    const int64_t r = ctx.topology->ulysses_rank;
+    const int64_t s = q.size(seq), total = s * p;
+    const int64_t nq = q.size(l.heads_dim) / p, nkv = k.size(l.heads_dim) / p;
+    const bool causal = call.options().causal;
+    CallState st;
+    st.local_seq = s;
+    st.head_offset = r * nq;
+    // Queries at global [q_begin, ..) against keys at [key_begin, ..).
+    auto block = [&](const at::Tensor& qq, int64_t q_begin, const at::Tensor& kk,
+                     const at::Tensor& vv, int64_t key_begin) {
+      CallState b = st;
+      b.causal = {q_begin - key_begin, qq.size(seq), kk.size(seq)};
+      return call(qq, kk, vv, b);
+    };
+    const int64_t own = r * s, own_end = own + s;
+    // 1. The diagonal block of the own head group, from the local tensors.
+    auto diag = block(q.narrow(l.heads_dim, r * nq, nq), own, k.narrow(l.heads_dim, r * nkv, nkv),
+                      v.narrow(l.heads_dim, r * nkv, nkv), own);
+    // 2. Q, K, V with the own head group over the whole sequence.
+    auto qg = arrived(QKVRole::kQ, q), kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
+    auto keys = [&](int64_t b, int64_t e) {
+      return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
+    };
+    // 3. The rest, as query segments in sequence order.
+    std::vector<at::Tensor> segments;
+    if (own > 0) {
+      auto kv = keys(0, causal ? own : total);
+      segments.push_back(block(qg.narrow(seq, 0, own), 0, kv.first, kv.second, 0).out);
+    }
+    std::vector<attention::AttentionResult> own_parts{diag};
+    auto q_own = qg.narrow(seq, own, s);
+    if (own > 0) {
+      auto kv = keys(0, own);
+      own_parts.push_back(block(q_own, own, kv.first, kv.second, 0));
+    }
+    if (!causal && own_end < total) {
+      auto kv = keys(own_end, total);
+      own_parts.push_back(block(q_own, own, kv.first, kv.second, own_end));
+    }
+    segments.push_back(merge_by_lse(own_parts, l));
+    if (own_end < total) {
+      auto kv = keys(0, total);
+      segments.push_back(
+          block(qg.narrow(seq, own_end, total - own_end), own_end, kv.first, kv.second, 0).out);
+    }
+    auto out = segments.size() == 1 ? segments[0] : at::cat(segments, seq);
+    out = anchored(out, {qg, kg, vg});
+    return restore_output({out}, PreparedQKV{}, ctx);
   }
 };
 

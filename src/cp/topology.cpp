@@ -53,7 +53,7 @@ std::shared_ptr<const CPTopology> CPTopologyCache::get(const comm::World& world,
                                                        const ContextParallelConfig& config) {
   HP_CHECK(cp_group != nullptr, "CP topology: this rank has no CP group");
   const int64_t u = ulysses_degree_of(config, cp_group->size());
-  auto key = std::make_tuple(cp_group->world_ranks(), u, static_cast<int>(config.algorithm));
+  auto key = std::make_tuple(cp_group->world_ranks(), u, config.algorithm.name());
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   auto t = CPTopology::build(world, cp_group, config);

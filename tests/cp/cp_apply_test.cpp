@@ -112,7 +112,8 @@ TEST(CPApply, LegacyWrapperOnlyWithAllGatherSync) {
   HP_EXPECT_ERROR(
       apply_context_parallel(core2.host(), spec, hy.config, hy.topo, o),
       "legacy wrapper 'old_cp' implements only all_gather + sync, but the plan asks for "
-      "algorithm=hybrid schedule=sync; use a built-in adapter");
+      "algorithm=hybrid schedule=sync; use an adapter (sdpa_qkv, sdpa_hf, flex_qkv, flex_hf) or "
+      "all_gather + sync");
   EXPECT_EQ(calls, 1);
   HP_EXPECT_ERROR(legacy.add("sdpa_hf", [](attention::AttentionHost&, const comm::GroupPtr&) {}),
                   "is taken by a built-in adapter");
@@ -240,9 +241,15 @@ TEST(CPApply, BadInputsFailBeforeAnyCollective) {
   check(
       "sdpa_qkv",
       [&](attention::CoreAttention& c) {
-        c.forward(q, kv, at::randn({1, 4, 8, 8}));
+        c.forward(q, kv, at::randn({1, 4, 6, 16}));
       },
-      "must have the same shape");
+      "must agree in every dim but the last");
+  check(
+      "sdpa_qkv",
+      [&](attention::CoreAttention& c) {
+        c.forward(q, at::randn({1, 4, 8, 8}), at::randn({1, 4, 8, 8}));
+      },
+      "must share the per-head feature size (last dim)");
   check(
       "sdpa_qkv",
       [&](attention::CoreAttention& c) {

@@ -8,6 +8,7 @@
 //   ulysses_head_to_seq(x, seq, head)    fwd all_to_all(split seq, concat head)
 //                                        bwd ulysses_seq_to_head of the gradient
 //   p2p_exchange(x, peer)                fwd send x to peer, receive peer's  bwd the same exchange
+//   ring_shift(x, offset)                fwd shift by offset (to rank+offset) bwd shift by -offset
 //   all_reduce_forward(x)                fwd all_reduce(sum)          bwd identity
 //   all_reduce_backward(x)               fwd identity                 bwd all_reduce(sum)
 //
@@ -33,6 +34,7 @@ at::Tensor ulysses_head_to_seq(const at::Tensor& x, int64_t seq_dim, int64_t hea
                                const GroupPtr& group);
 
 at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group);
+at::Tensor ring_shift(const at::Tensor& x, int offset, const GroupPtr& group);
 
 // The tensor-parallel pair (Megatron's g and f).
 at::Tensor all_reduce_forward(const at::Tensor& x, const GroupPtr& group);

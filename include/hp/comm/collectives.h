@@ -55,6 +55,11 @@ CommHandle recv_async(Group& group, at::IntArrayRef shape, at::ScalarType dtype,
 // peer == group.rank() returns a copy of `t`.
 at::Tensor exchange(Group& group, const at::Tensor& t, int peer);
 
+// One ring step: sends `t` to group rank (rank + offset) mod P and returns what rank
+// (rank - offset) mod P sent (same shape and dtype on every rank). offset = 0 mod P returns a
+// copy of `t`.
+at::Tensor shift(Group& group, const at::Tensor& t, int offset);
+
 void barrier(Group& group);
 
 }  // namespace hp::comm

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hp/attention/host.h"
+#include "hp/common/registry.h"
 #include "hp/cp/strategy.h"
 
 namespace hp::cp {
@@ -34,9 +35,13 @@ std::shared_ptr<const CPAdapter> make_sdpa_hf_adapter();
 std::shared_ptr<const CPAdapter> make_flex_qkv_adapter();
 std::shared_ptr<const CPAdapter> make_flex_hf_adapter();
 
-bool is_adapter_name(const std::string& name);
-std::shared_ptr<const CPAdapter> adapter_for(const std::string& name);  // errors list the names
-std::vector<std::string> adapter_names();
+// Name -> adapter. builtin() holds sdpa_qkv, sdpa_hf, flex_qkv and flex_hf and is immutable;
+// to add an adapter, copy it, add(), and hand the registry to apply through CPApplyOptions.
+class AdapterRegistry : public common::NamedRegistry<CPAdapter> {
+ public:
+  AdapterRegistry() : NamedRegistry("CP adapter") {}
+  static const AdapterRegistry& builtin();
+};
 
 namespace detail {
 // Causal: the strategy's metadata replaces is-causal (never inferred from q_len != kv_len).

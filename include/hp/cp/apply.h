@@ -14,6 +14,11 @@
 #include "hp/cp/topology.h"
 
 namespace hp::cp {
+class StrategyRegistry;  // strategy.h
+class AdapterRegistry;   // adapter.h
+}  // namespace hp::cp
+
+namespace hp::cp {
 
 // The CP fields of a module's sharding spec (DESIGN section 9).
 struct CPModuleSpec {
@@ -36,7 +41,8 @@ using LegacyWrapperFn =
 
 class LegacyWrapperRegistry {
  public:
-  void add(const std::string& name, LegacyWrapperFn fn);
+  // `name` must not be an adapter of `adapters` (null: AdapterRegistry::builtin()).
+  void add(const std::string& name, LegacyWrapperFn fn, const AdapterRegistry* adapters = nullptr);
   const LegacyWrapperFn* find(const std::string& name) const;
   std::vector<std::string> names() const;
 
@@ -46,7 +52,9 @@ class LegacyWrapperRegistry {
 
 struct CPApplyOptions {
   const LegacyWrapperRegistry* legacy = nullptr;
-  std::function<void(const std::string&)> log;  // receives the apply log line; null: stderr
+  const StrategyRegistry* strategies = nullptr;  // null: StrategyRegistry::builtin()
+  const AdapterRegistry* adapters = nullptr;     // null: AdapterRegistry::builtin()
+  std::function<void(const std::string&)> log;   // receives the apply log line; null: stderr
 };
 
 // Resolves adapter + strategy, runs the apply-time checks (layout, schedule, backend support),

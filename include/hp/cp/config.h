@@ -3,11 +3,32 @@
 
 #include <cstdint>
 #include <optional>
+#include <ostream>
 #include <string>
 
 namespace hp::cp {
 
-enum class CPAlgorithm { kAllGather, kUlysses, kHybrid };
+class StrategyRegistry;  // strategy.h
+
+// A CP strategy by name: a key of a StrategyRegistry (strategy.h). The built-in names have
+// constants; a strategy added to a registry is named by its own string.
+class CPAlgorithm {
+ public:
+  static constexpr const char* kAllGather = "all_gather";
+  static constexpr const char* kUlysses = "ulysses";
+  static constexpr const char* kHybrid = "hybrid";
+
+  CPAlgorithm(const char* name = kAllGather) : name_(name) {}  // NOLINT: implicit by design
+  CPAlgorithm(std::string name) : name_(std::move(name)) {}    // NOLINT: implicit by design
+  const std::string& name() const { return name_; }
+
+  friend bool operator==(const CPAlgorithm& a, const CPAlgorithm& b) { return a.name_ == b.name_; }
+  friend bool operator!=(const CPAlgorithm& a, const CPAlgorithm& b) { return a.name_ != b.name_; }
+  friend std::ostream& operator<<(std::ostream& os, const CPAlgorithm& a) { return os << a.name_; }
+
+ private:
+  std::string name_;
+};
 enum class CPSchedule { kSync, kAsync };
 enum class AsyncFallback { kError, kSync };
 // Head-tail load balance comes in two forms (DESIGN section 5.4):
@@ -21,18 +42,19 @@ struct ContextParallelConfig {
   CPAlgorithm algorithm = CPAlgorithm::kAllGather;
   CPSchedule schedule = CPSchedule::kSync;
   std::optional<int64_t> ulysses_degree;  // ulysses: cp (default); hybrid: required, in (1, cp)
-  bool load_balance = false;              // head-tail balance, all_gather only
+  bool load_balance = false;  // head-tail balance (strategies that support it: all_gather)
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   AsyncFallback async_fallback = AsyncFallback::kError;
 };
 
-const char* to_string(CPAlgorithm a);      // "all_gather", "ulysses", "hybrid"
-const char* to_string(CPSchedule s);       // "sync", "async"
-const char* to_string(AsyncFallback f);    // "error", "sync"
-const char* to_string(LoadBalanceForm f);  // "data_order", "runtime_swap"
+const std::string& to_string(const CPAlgorithm& a);  // the strategy name
+const char* to_string(CPSchedule s);                 // "sync", "async"
+const char* to_string(AsyncFallback f);              // "error", "sync"
+const char* to_string(LoadBalanceForm f);            // "data_order", "runtime_swap"
 
-// Parse the string forms; errors list the valid values.
-CPAlgorithm parse_algorithm(const std::string& s);
+// Parse the string forms; errors list the valid values. Algorithms are the names of
+// `strategies` (null: StrategyRegistry::builtin()).
+CPAlgorithm parse_algorithm(const std::string& s, const StrategyRegistry* strategies = nullptr);
 CPSchedule parse_schedule(const std::string& s);
 AsyncFallback parse_async_fallback(const std::string& s);
 
@@ -41,21 +63,26 @@ AsyncFallback parse_async_fallback(const std::string& s);
 ContextParallelConfig from_legacy_degree(int64_t degree, int64_t cp_size);
 
 // Normalisation: cp_size == 1 -> nullopt (CP ignored); cp_size > 1 without a config ->
-// all_gather + sync; otherwise the config with ulysses_degree filled in (ulysses: cp_size;
-// all_gather: 1). Runs every static check that needs only the config and cp_size:
-//   cp_size % ulysses_degree, ulysses degree == cp, hybrid degree in (1, cp),
-//   load_balance only with all_gather.
+// all_gather + sync; otherwise the config with ulysses_degree filled in by its strategy
+// (ulysses: cp_size; all_gather: 1). Runs every static check that needs only the config and
+// cp_size: the algorithm is a name of `strategies` (null: the built-in registry), the strategy's
+// own checks (CPStrategy::normalize: cp_size % ulysses_degree, ulysses degree == cp, hybrid
+// degree in (1, cp)), load_balance only with a strategy that supports it.
 std::optional<ContextParallelConfig> normalize(const std::optional<ContextParallelConfig>& config,
-                                               int64_t cp_size);
+                                               int64_t cp_size,
+                                               const StrategyRegistry* strategies = nullptr);
 
-// Effective degrees of a normalised config.
+// Effective degrees of a normalised config (the Ulysses degree it filled in; 1 when unset).
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 
-// Head divisibility with the local head counts after TP (ulysses/hybrid need q and kv heads
-// divisible by the Ulysses degree; no silent K/V repeat).
+// Head divisibility with the local head counts after TP (a Ulysses degree U > 1 needs q and kv
+// heads divisible by U; no silent K/V repeat).
 void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_q_heads,
                  int64_t local_kv_heads, int64_t tp_size = 1);
+// The same rule by degree; `algorithm` names the strategy in the message.
+void check_heads_for_degree(const std::string& algorithm, int64_t ulysses_degree,
+                            int64_t local_q_heads, int64_t local_kv_heads, int64_t tp_size = 1);
 
 // The global sequence length must split into cp equal shards (2*cp with load balance).
 void check_sequence(const ContextParallelConfig& c, int64_t cp_size, int64_t global_seq_len);

@@ -1,44 +1,73 @@
-// CP strategies: *what* is communicated around one attention call (DESIGN section 5.2).
+// CP strategies: *what* is communicated around one attention call (DESIGN sections 5.2, 14).
 // Adapters decide *how* attention is reached; any adapter works with any strategy.
 //
-//   prepared = strategy.prepare_qkv(q, k, v, ctx)     local shards -> what attention consumes
-//   outs[i]  = attention(part.q, prepared.k, prepared.v, causal_metadata(part.state))
-//              for each query part (one, or two under head-tail load balance)
-//   out      = strategy.restore_output(outs, prepared, ctx)   -> local sequence shard
+// A strategy owns the whole CP attention step of one call:
 //
-// Tensors are in the module's layout (ctx.layout: seq_dim / head_dim, any 4-d layout with the
-// head dim size D last); every collective is differentiable (backward = inverse collective).
+//   sync:   out = strategy.run_sync(q, k, v, call, ctx)
+//   async:  out = strategy.run_async(q, k, v, call, ctx, arrived)
+//
+// where `call` runs the module's own attention on one (query block, key block) with the
+// options the adapter rewrote for that block's causal state, and returns {out, lse}. The
+// defaults are the move -> finish -> attend -> restore pipeline:
+//
+//   prepared = prepare_qkv(q, k, v, ctx)         move each moved role (a differentiable
+//                                                collective), then finish(): what attention
+//                                                consumes, one or more query parts
+//   outs[i]  = attend(prepared, call, ctx)[i]    one call per query part, K/V cut at the part's
+//                                                causal prefix
+//   out      = restore_output(outs, prepared, ctx)   -> the caller's local sequence shard
+//
+// A strategy that exchanges data *during* attention (ring: K/V blocks travel while each block is
+// attended, partial results merged by their log-sum-exp) overrides run_sync; one that overlaps
+// its collectives with attention on what is already local overrides run_async. Nothing outside
+// the strategy's own file knows which strategy runs.
+//
+// Tensors are in the module's layout (ctx.layout: seq_dim / heads_dim, any 4-d layout with the
+// per-head feature dim last; V may have another last dim than Q/K); every collective is
+// differentiable (backward = inverse collective).
 #pragma once
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
+#include "hp/attention/host.h"
 #include "hp/attention/masks.h"
 #include "hp/comm/comm_handle.h"
 #include "hp/comm/types.h"
+#include "hp/common/registry.h"
+#include "hp/cp/config.h"
 #include "hp/cp/topology.h"
+#include "hp/cp/volume.h"
 
 namespace hp::cp {
 
+class CPAdapter;
+class CPStrategy;
+
+// Where the sequence and the heads sit in q/k/v: indices of dims, not sizes.
 struct QKVLayout {
   int64_t seq_dim = 2;  // BNSD default
-  int64_t head_dim = 1;
+  int64_t heads_dim = 1;
+  // The one check that seq_dim and heads_dim name different dims; `who` names the module.
+  void check(const std::string& who) const;
 };
 
 struct CPRuntimeContext {
   std::shared_ptr<const CPTopology> topology;
   QKVLayout layout;
-  // Head-tail load balance (all_gather only): whether, and in which of the two forms.
+  // Head-tail load balance (strategies that support it): whether, and in which of the two forms.
   bool load_balance = false;
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
 };
 
-// Per-call state a strategy hands from prepare_qkv to restore_output and the adapters.
+// Per-call state a strategy hands from finish() to the attention calls and restore_output.
 struct CallState {
-  attention::CausalMetadata causal;  // q_offset, q_len, kv_len of the post-strategy tensors
+  attention::CausalMetadata causal;  // q_offset, q_len, kv_len of the tensors attention sees
   int64_t head_offset = 0;           // global index of the first query head attention sees
   int64_t local_seq = 0;             // the caller's local sequence length
 };
@@ -58,52 +87,131 @@ struct PreparedQKV {
 enum class QKVRole { kQ = 0, kK = 1, kV = 2 };
 const char* role_name(QKVRole role);  // "q", "k", "v"
 
-// A strategy is: the collective each of q/k/v goes through ("moving" it), then `finish`, which
-// turns the moved tensors into the attention call(s). The sync schedule moves each role with
-// a differentiable collective; the async schedule launches the same collective at the role's
-// handoff point and waits for it at the attention call (backward: the inverse, launched by
-// the wait and waited at the handoff).
+// The module's own attention, reached through the adapter. Built by the runtime for one
+// intercepted call; strategies call it once per (query block, key block).
+class AttentionCall {
+ public:
+  AttentionCall(const attention::AttentionOptions& options, const attention::AttentionFn& inner,
+                const CPAdapter& adapter, const CPStrategy& strategy, const QKVLayout& layout);
+
+  // Attention of `q` against `k`, `v` (in ctx.layout) for the block described by `state`:
+  // state.causal.q_offset is the position of q's first row relative to k's first row. Under
+  // causal masking, keys past the block's last query are cut off (never computed), and a
+  // block whose keys all precede its first query runs unmasked. Returns {out, lse}; lse is
+  // [B, N, Sq] in the primitive frame (see lse_like_out).
+  attention::AttentionResult operator()(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const CallState& state) const;
+
+  // The caller's options, before any rewrite (causal flag, masks).
+  const attention::AttentionOptions& options() const { return options_; }
+  const QKVLayout& layout() const { return layout_; }
+
+ private:
+  const attention::AttentionOptions& options_;
+  const attention::AttentionFn& inner_;
+  const CPAdapter& adapter_;
+  const CPStrategy& strategy_;
+  QKVLayout layout_;
+};
+
+// Waits for the collective `role` started at its handoff point; returns the moved tensor
+// (differentiably). `x` is the tensor that reached attention for that role.
+using ArrivedFn = std::function<at::Tensor(QKVRole role, const at::Tensor& x)>;
+
 class CPStrategy {
  public:
   virtual ~CPStrategy() = default;
   virtual std::string name() const = 0;
+  // One line for help texts and listings.
+  virtual std::string summary() const = 0;
+
+  // ---- plan level (before any communication) ----
+  // Fills c.ulysses_degree for this strategy (1 when it uses no Ulysses groups) and checks
+  // every field only this strategy constrains; messages name field, value and fix.
+  virtual void normalize(ContextParallelConfig& c, int64_t cp_size) const = 0;
+  // Whether head-tail load balance applies (config.load_balance).
+  virtual bool supports_load_balance() const { return false; }
+  // Forward bytes one CP rank sends in one attention layer (the formula the benches and
+  // hp-cp-run report beside the counted bytes). The default is the Ulysses x all-gather
+  // composition by the config's degrees: (2h + 2h_kv)(S/P)e(U-1)/U + 2 S h_kv e (C-1)/(C U).
+  virtual int64_t forward_bytes_per_rank(const ContextParallelConfig& c, int64_t cp_size,
+                                         const AttentionShape& shape, int64_t cp_rank) const;
   // Collectives the strategy issues (checked against the backend at apply time).
   virtual std::vector<comm::OpKind> required_ops() const = 0;
 
+  // ---- call level ----
+  // Checks of one call's options that must pass before any collective (e.g. a tensor mask
+  // cannot follow a head re-layout). `who` starts the message.
+  virtual void check_options(const attention::AttentionOptions& /*options*/,
+                             const std::string& /*who*/) const {}
+  // Checks of one input tensor (q in the sync schedule; each role's tensor at its handoff in
+  // the async schedule) that must pass before its collective. `who` starts the message.
+  virtual void check_inputs(const at::Tensor& /*x*/, const CPRuntimeContext& /*ctx*/,
+                            const std::string& /*who*/) const {}
+
   // Roles that go through a collective before attention (all_gather: k, v; ulysses and
-  // hybrid: q, k, v), in the order they are moved.
+  // hybrid: q, k, v), in the order they are moved. Empty for a strategy that moves nothing
+  // before attention (ring). The async schedule needs a handoff point for each.
   virtual std::vector<QKVRole> moved_roles() const = 0;
-  virtual at::Tensor move(QKVRole role, const at::Tensor& x, const CPRuntimeContext& ctx) const = 0;
+  virtual at::Tensor move(QKVRole role, const at::Tensor& x, const CPRuntimeContext& ctx) const;
   virtual comm::CommHandle move_async(QKVRole role, const at::Tensor& x,
-                                      const CPRuntimeContext& ctx) const = 0;
+                                      const CPRuntimeContext& ctx) const;
   // The inverse collective of a gradient of the moved tensor.
   virtual comm::CommHandle move_grad_async(QKVRole role, const at::Tensor& grad,
-                                           const CPRuntimeContext& ctx) const = 0;
+                                           const CPRuntimeContext& ctx) const;
   // From the moved q/k/v (roles that are not moved are passed as given) to what attention
   // consumes. `q_local` is the caller's query shard.
   virtual PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, const CPRuntimeContext& ctx) const = 0;
-
-  // Sync schedule: checks, moves every moved role, finishes.
-  PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const CPRuntimeContext& ctx) const;
-  // Checks that must pass before any collective of this call (sync or async).
-  virtual void check_inputs(const at::Tensor& /*q*/, const CPRuntimeContext& /*ctx*/) const {}
+                             const at::Tensor& v, const CPRuntimeContext& ctx) const;
   // `outs[i]` is the attention output of prepared.parts[i].
   virtual at::Tensor restore_output(const std::vector<at::Tensor>& outs,
-                                    const PreparedQKV& prepared,
-                                    const CPRuntimeContext& ctx) const = 0;
+                                    const PreparedQKV& prepared, const CPRuntimeContext& ctx) const;
   virtual attention::CausalMetadata causal_metadata(const CallState& state) const {
     return state.causal;
   }
+
+  // The attention step over prepared tensors: one call per query part over the prepared K/V.
+  virtual std::vector<at::Tensor> attend(const PreparedQKV& prepared, const AttentionCall& call,
+                                         const CPRuntimeContext& ctx) const;
+  // Sync schedule: check_inputs(q), move every moved role, finish, attend, restore_output.
+  virtual at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const AttentionCall& call, const CPRuntimeContext& ctx) const;
+  // Async schedule: the moved roles' collectives started at their handoff points; `arrived`
+  // waits for each. Default: wait for every moved role, then finish, attend, restore_output.
+  virtual at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionCall& call, const CPRuntimeContext& ctx,
+                               const ArrivedFn& arrived) const;
+
+  // check_inputs(q), then every moved role moved, then finish (the sync half of run_sync).
+  PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const CPRuntimeContext& ctx) const;
+};
+
+// ---- pieces for strategies whose attention step runs several calls per query block ----
+// Whether a call may be split into blocks merged by lse: BNSD or BSHD (the merge broadcasts the
+// lse against the output), no tensor mask and no mask function (their frames start at key 0 of
+// the whole call).
+bool can_split_call(const AttentionCall& call);
+// Partial results of one query block over disjoint key ranges -> the block's output:
+// out = sum_i out_i * exp(lse_i - logsumexp_i lse_i), differentiable (through out and lse).
+at::Tensor merge_by_lse(const std::vector<attention::AttentionResult>& parts,
+                        const QKVLayout& layout);
+// `out` plus a zero that depends on every tensor of `moved`: every rank's graph then uses all
+// of them (even a rank whose queries read none), so every rank runs their inverse collectives
+// in backward, from one node and hence in the same order on every rank.
+at::Tensor anchored(const at::Tensor& out, const std::vector<at::Tensor>& moved);
+
+// Name -> strategy. builtin() holds all_gather, ulysses and hybrid and is immutable; to add a
+// strategy, copy it (or start empty), add(), and hand the registry to normalize / apply through
+// their options. Adding a strategy is one file pair plus one add().
+class StrategyRegistry : public common::NamedRegistry<CPStrategy> {
+ public:
+  StrategyRegistry() : NamedRegistry("CP strategy") {}
+  static const StrategyRegistry& builtin();
 };
 
 std::shared_ptr<const CPStrategy> make_all_gather_strategy();
 std::shared_ptr<const CPStrategy> make_ulysses_strategy();
 std::shared_ptr<const CPStrategy> make_hybrid_strategy();
-
-// "all_gather", "ulysses", "hybrid" -> strategy; errors list the valid names.
-std::shared_ptr<const CPStrategy> strategy_for(const std::string& name);
-std::vector<std::string> strategy_names();
 
 }  // namespace hp::cp

@@ -43,7 +43,8 @@ class CPTopologyCache {
                                         const ContextParallelConfig& config);
 
  private:
-  std::map<std::tuple<std::vector<int>, int64_t, int>, std::shared_ptr<const CPTopology>> cache_;
+  std::map<std::tuple<std::vector<int>, int64_t, std::string>, std::shared_ptr<const CPTopology>>
+      cache_;
 };
 
 }  // namespace hp::cp

@@ -1,5 +1,5 @@
 // Communication volume of one CP attention layer per rank (DESIGN section 5.2); the benches
-// and hp-cp-run report measured bytes next to these.
+// and hp-cp-run report counted bytes next to these.
 #pragma once
 
 #include <cstdint>
@@ -10,14 +10,17 @@ namespace hp::cp {
 
 struct AttentionShape {
   int64_t seq = 0;       // global sequence length S
-  int64_t q_heads = 0;   // h = q_heads * head_dim
-  int64_t kv_heads = 0;  // h_kv = kv_heads * head_dim
-  int64_t head_dim = 0;
+  int64_t q_heads = 0;   // h = q_heads * qk_dim
+  int64_t kv_heads = 0;  // h_kv = kv_heads * qk_dim (K), kv_heads * v_dim (V)
+  int64_t qk_dim = 0;    // per-head feature size of Q and K
   int64_t batch = 1;
   int64_t element_size = 4;
+  int64_t v_dim = 0;  // per-head feature size of V (and the output); 0: qk_dim
+  int64_t v_dim_or_qk() const { return v_dim > 0 ? v_dim : qk_dim; }
 };
 
-// Forward bytes sent per rank:
+// Forward bytes sent per rank, by the config's strategy (CPStrategy::forward_bytes_per_rank;
+// `strategies` null: the built-in registry). The built-in ones (Dv = Dqk):
 //   all_gather  2 * S * h_kv * e * (P-1)/P
 //   ulysses     (2h + 2h_kv) * (S/P) * e * (P-1)/P
 //   hybrid      (2h + 2h_kv) * (S/P) * e * (U-1)/U  +  2 * S * h_kv * e * (C-1)/(C*U)
@@ -26,6 +29,7 @@ struct AttentionShape {
 // The backward moves the same bytes again (reduce-scatter / inverse all-to-alls / the swaps),
 // so forward + backward is twice this.
 int64_t forward_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
-                               const AttentionShape& shape, int64_t cp_rank = 0);
+                               const AttentionShape& shape, int64_t cp_rank = 0,
+                               const StrategyRegistry* strategies = nullptr);
 
 }  // namespace hp::cp

@@ -1,0 +1,140 @@
+// The defaults of CPStrategy (the move -> finish -> attend -> restore pipeline) and the
+// AttentionCall every strategy's attention step goes through.
+#include "hp/cp/strategy.h"
+
+#include <algorithm>
+
+#include "hp/common/check.h"
+#include "hp/cp/adapter.h"
+
+namespace hp::cp {
+
+const char* role_name(QKVRole role) {
+  switch (role) {
+    case QKVRole::kQ:
+      return "q";
+    case QKVRole::kK:
+      return "k";
+    case QKVRole::kV:
+      return "v";
+  }
+  return "?";
+}
+
+void QKVLayout::check(const std::string& who) const {
+  HP_CHECK(seq_dim != heads_dim, who, ": cp_seq_dim and cp_head_dim are both ", seq_dim,
+           "; they must name different dims (BNSD: cp_seq_dim=2, cp_head_dim=1; BSHD: 1, 2)");
+  HP_CHECK(seq_dim >= 0 && heads_dim >= 0, who, ": cp_seq_dim=", seq_dim,
+           " and cp_head_dim=", heads_dim, " must be >= 0");
+}
+
+AttentionCall::AttentionCall(const attention::AttentionOptions& options,
+                             const attention::AttentionFn& inner, const CPAdapter& adapter,
+                             const CPStrategy& strategy, const QKVLayout& layout)
+    : options_(options), inner_(inner), adapter_(adapter), strategy_(strategy), layout_(layout) {}
+
+attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v,
+                                                     const CallState& state) const {
+  auto opts = adapter_.rewrite(options_, state, strategy_);
+  if (!opts.causal || !opts.causal_meta) return inner_(q, k, v, opts);
+  auto& meta = *opts.causal_meta;
+  const int64_t seq = layout_.seq_dim;
+  // Keys past the block's last query are invisible to all its queries: cut them off. The
+  // narrow runs on every rank, even where it keeps everything, so all ranks build the same
+  // autograd graph and issue their backward collectives in the same order (with two groups in
+  // play, as in hybrid, a rank-dependent order could deadlock).
+  const int64_t prefix = std::min(meta.kv_len, meta.q_offset + meta.q_len);
+  auto pk = k.narrow(seq, 0, prefix), pv = v.narrow(seq, 0, prefix);
+  if (opts.mask.defined()) opts.mask = opts.mask.narrow(-1, 0, prefix);
+  meta.kv_len = prefix;
+  if (meta.q_offset + 1 >= prefix) {
+    opts.causal = false;  // every key precedes (or is) the first query: nothing to mask
+    opts.causal_meta.reset();
+  }
+  return inner_(q, pk, pv, opts);
+}
+
+// ---- the default pipeline ----
+
+int64_t CPStrategy::forward_bytes_per_rank(const ContextParallelConfig& config, int64_t p,
+                                           const AttentionShape& s, int64_t /*cp_rank*/) const {
+  const int64_t e = s.element_size * s.batch;
+  const int64_t h = s.q_heads * s.qk_dim;
+  const int64_t hk = s.kv_heads * s.qk_dim, hv = s.kv_heads * s.v_dim_or_qk();
+  const int64_t u = ulysses_degree_of(config, p), c = p / u;
+  // Per-rank chunk sizes first, then the fraction that leaves the rank: exact in integers.
+  const int64_t a2a = u > 1 ? (2 * h + hk + hv) * (s.seq / p) * e / u * (u - 1) : 0;
+  // After the A2A each rank holds S/C positions of h_kv/U: (S/P) * h_kv elements per tensor.
+  const int64_t gather = c > 1 ? (hk + hv) * (s.seq / p) * e * (c - 1) : 0;
+  return a2a + gather;
+}
+
+at::Tensor CPStrategy::move(QKVRole role, const at::Tensor&, const CPRuntimeContext&) const {
+  HP_INTERNAL_ASSERT(false, "strategy '", name(), "' moves ", role_name(role),
+                     " but does not implement move()");
+}
+
+comm::CommHandle CPStrategy::move_async(QKVRole role, const at::Tensor&,
+                                        const CPRuntimeContext&) const {
+  HP_INTERNAL_ASSERT(false, "strategy '", name(), "' moves ", role_name(role),
+                     " but does not implement move_async()");
+}
+
+comm::CommHandle CPStrategy::move_grad_async(QKVRole role, const at::Tensor&,
+                                             const CPRuntimeContext&) const {
+  HP_INTERNAL_ASSERT(false, "strategy '", name(), "' moves ", role_name(role),
+                     " but does not implement move_grad_async()");
+}
+
+PreparedQKV CPStrategy::finish(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const CPRuntimeContext&) const {
+  HP_INTERNAL_ASSERT(false, "strategy '", name(),
+                     "' runs the default pipeline but does not implement finish()");
+}
+
+at::Tensor CPStrategy::restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
+                                      const CPRuntimeContext&) const {
+  HP_INTERNAL_ASSERT(outs.size() == 1, "strategy '", name(), "' has ", outs.size(),
+                     " query parts but does not implement restore_output()");
+  return outs[0];
+}
+
+PreparedQKV CPStrategy::prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const CPRuntimeContext& ctx) const {
+  check_inputs(q, ctx, common::str_cat("CP strategy '", name(), "': q"));
+  at::Tensor moved[3] = {q, k, v};
+  for (auto role : moved_roles()) {
+    auto& x = moved[static_cast<int>(role)];
+    x = move(role, x, ctx);
+  }
+  return finish(q, moved[0], moved[1], moved[2], ctx);
+}
+
+std::vector<at::Tensor> CPStrategy::attend(const PreparedQKV& prepared, const AttentionCall& call,
+                                           const CPRuntimeContext&) const {
+  std::vector<at::Tensor> outs;
+  for (const auto& part : prepared.parts)
+    outs.push_back(call(part.q, prepared.k, prepared.v, part.state).out);
+  return outs;
+}
+
+at::Tensor CPStrategy::run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const AttentionCall& call, const CPRuntimeContext& ctx) const {
+  auto prepared = prepare_qkv(q, k, v, ctx);
+  return restore_output(attend(prepared, call, ctx), prepared, ctx);
+}
+
+at::Tensor CPStrategy::run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const AttentionCall& call, const CPRuntimeContext& ctx,
+                                 const ArrivedFn& arrived) const {
+  at::Tensor moved[3] = {q, k, v};
+  for (auto role : moved_roles()) {
+    auto& x = moved[static_cast<int>(role)];
+    x = arrived(role, x);
+  }
+  auto prepared = finish(q, moved[0], moved[1], moved[2], ctx);
+  return restore_output(attend(prepared, call, ctx), prepared, ctx);
+}
+
+}  // namespace hp::cp
