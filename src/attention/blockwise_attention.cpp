@@ -1,17 +1,24 @@
-// Blockwise (flash-style) attention on CPU.
+// Blockwise (flash-style) attention on CPU. q and k share the last dim Dqk; v and out have
+// their own last dim Dv (MLA: Dqk 192, Dv 128).
 //
-//   q [B, Nq, Sq, D] --view--> [B, Nkv, G, Sq, D]; a q block of bq rows, all G heads that
-//   share a KV head, is one [B, Nkv, G*bq, D] matrix (GQA by index mapping, no K/V repeat).
+//   q [B, Nq, Sq, Dqk] --view--> [B, Nkv, G, Sq, Dqk]; a q block of bq rows, all G heads that
+//   share a KV head, is one [B, Nkv, G*bq, Dqk] matrix (GQA by index mapping, no K/V repeat).
 //
-//   forward, per q block:                       backward, per kv block (dK, dV accumulate
-//     for each visible kv block [B,Nkv,bk,D]:   locally), per visible q block:
-//       s   = (q*scale) k^T      [.., G*bq, bk]   p   = exp(s - lse)
-//       m'  = max(m, rowmax s)                     dV += p^T dO
-//       p   = exp(s - m')                          dP  = dO V^T
-//       l   = l*exp(m-m') + rowsum p               dS  = p * (dP - delta),  delta = rowsum(dO*O) -
-//       dlse acc = acc*exp(m-m') + p V                  dQ += dS K          (times scale at the
-//       end)
-//     out = acc / l,  lse = m + log l              dK += dS^T (q*scale)
+//   forward, per q block, for each visible kv block (k [bk, Dqk], v [bk, Dv]):
+//     s   = (q*scale) k^T                  [G*bq, bk]
+//     m'  = max(m, rowmax s)
+//     p   = exp(s - m')
+//     l   = l*exp(m-m') + rowsum p
+//     acc = acc*exp(m-m') + p v            [G*bq, Dv]
+//   out = acc / l  [.., Dv],  lse = m + log l
+//
+//   backward, per kv block (dK [bk, Dqk], dV [bk, Dv] accumulate locally), per visible q block:
+//     p   = exp(s - lse)
+//     dV += p^T dO                         dO [G*bq, Dv]
+//     dP  = dO v^T                         [G*bq, bk]
+//     dS  = p * (dP - delta),  delta = rowsum(dO*O) - dlse
+//     dQ += dS k                           [G*bq, Dqk]  (times scale at the end)
+//     dK += dS^T (q*scale)
 //
 // Tiles wholly above the causal diagonal (after q_offset) or wholly hidden by a mask are
 // skipped (TileMask::kind); no [Sq, Skv] tensor exists in forward or backward: memory is
@@ -137,9 +144,9 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
   const TileMask& t = st.tiles;
   const int64_t heads = p.batch * p.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
-  auto k3 = k.view({heads, p.kv_len, p.head_dim});
-  auto v3 = v.view({heads, p.kv_len, p.head_dim});
-  auto qblocks = grouped_blocks(p, t, q.mul(p.scale), p.head_dim);
+  auto k3 = k.view({heads, p.kv_len, p.qk_dim});
+  auto v3 = v.view({heads, p.kv_len, p.v_dim});
+  auto qblocks = grouped_blocks(p, t, q.mul(p.scale), p.qk_dim);
   auto order = by_work(t.num_q_blocks(), [&](int64_t qb) { return visible_tiles_in_row(t, qb); });
   const int threads = at::get_num_threads();
   common::ScopedBlasThreads one_blas_thread(1);
@@ -155,7 +162,7 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
     auto m = at::full({rows}, neg_inf, q.options());
     auto l = at::zeros({rows}, q.options());
     auto alpha = at::empty({rows}, q.options());
-    auto acc = at::zeros({rows, p.head_dim}, q.options());
+    auto acc = at::zeros({rows, p.v_dim}, q.options());
     for (int64_t kb = 0; kb < t.num_kv_blocks(); ++kb) {
       const BlockKind kind = t.kind(qb, kb);
       if (kind == BlockKind::kEmpty) continue;
@@ -173,7 +180,7 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
     auto lse = m.masked_fill(m.isneginf(), 0.0).add_(l.log());
     acc.div_(l.masked_fill(l.eq(0), 1.0).unsqueeze(1));
     const int64_t b = hh / p.kv_heads, kvh = hh % p.kv_heads;
-    out_g[b][kvh].slice(1, qs, qe).copy_(acc.view({p.group, bq, p.head_dim}));
+    out_g[b][kvh].slice(1, qs, qe).copy_(acc.view({p.group, bq, p.v_dim}));
     lse_g[b][kvh].slice(1, qs, qe).copy_(lse.view({p.group, bq}));
   });
 }
@@ -185,12 +192,12 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
   const Problem& p = st.problem;
   const TileMask& t = st.tiles;
   const int64_t heads = p.batch * p.kv_heads;
-  auto k3 = k.view({heads, p.kv_len, p.head_dim});
-  auto v3 = v.view({heads, p.kv_len, p.head_dim});
-  auto dk3 = dk.view({heads, p.kv_len, p.head_dim});
-  auto dv3 = dv.view({heads, p.kv_len, p.head_dim});
-  auto qblk = grouped_blocks(p, t, q.mul(p.scale), p.head_dim);
-  auto doblk = grouped_blocks(p, t, dout, p.head_dim);
+  auto k3 = k.view({heads, p.kv_len, p.qk_dim});
+  auto v3 = v.view({heads, p.kv_len, p.v_dim});
+  auto dk3 = dk.view({heads, p.kv_len, p.qk_dim});
+  auto dv3 = dv.view({heads, p.kv_len, p.v_dim});
+  auto qblk = grouped_blocks(p, t, q.mul(p.scale), p.qk_dim);
+  auto doblk = grouped_blocks(p, t, dout, p.v_dim);
   auto lseblk = grouped_blocks(p, t, lse, 1);
   auto deltablk = grouped_blocks(p, t, delta, 1);
   const int64_t nqb = t.num_q_blocks();
@@ -211,8 +218,8 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
     }
     auto kblk = k3[hh].slice(0, ks, ke);
     auto vblk = v3[hh].slice(0, ks, ke);
-    auto dk_acc = at::zeros({bk, p.head_dim}, q.options());
-    auto dv_acc = at::zeros({bk, p.head_dim}, q.options());
+    auto dk_acc = at::zeros({bk, p.qk_dim}, q.options());
+    auto dv_acc = at::zeros({bk, p.v_dim}, q.options());
     for (int64_t qb = 0; qb < nqb; ++qb) {
       const BlockKind kind = t.kind(qb, kb);
       if (kind == BlockKind::kEmpty) continue;
@@ -246,7 +253,7 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       if (slot >= static_cast<int>(dq_part.size()) || dq_part[slot].empty()) continue;
       const auto& part = dq_part[slot][qb];
       if (!part.defined()) continue;
-      dst.add_(part.view({p.batch, p.kv_heads, p.group, qe - qs, p.head_dim}));
+      dst.add_(part.view({p.batch, p.kv_heads, p.group, qe - qs, p.qk_dim}));
     }
   }
   dq_g.mul_(p.scale);
@@ -259,14 +266,14 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
     auto qc = q.detach().to(p.compute_dtype).contiguous();
     auto kc = k.detach().to(p.compute_dtype).contiguous();
     auto vc = v.detach().to(p.compute_dtype).contiguous();
-    auto out_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.head_dim}, qc.options());
+    auto out_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.v_dim}, qc.options());
     auto lse_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len}, qc.options());
     if (p.compute_dtype == at::kDouble) {
       forward_kernel<double>(*st, qc, kc, vc, out_g, lse_g);
     } else {
       forward_kernel<float>(*st, qc, kc, vc, out_g, lse_g);
     }
-    auto out = out_g.view({p.batch, p.q_heads, p.q_len, p.head_dim});
+    auto out = out_g.view({p.batch, p.q_heads, p.q_len, p.v_dim});
     auto lse = lse_g.view({p.batch, p.q_heads, p.q_len});
     ctx->save_for_backward({qc, kc, vc, out, lse});
     ctx->saved_data["state"] = c10::IValue::make_capsule(st);
@@ -288,7 +295,7 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
     auto dout = grads[0].defined() ? grads[0].to(ct).contiguous() : at::zeros_like(out);
     auto delta = (dout * out).sum(-1);  // [B, Nq, Sq]
     if (grads[1].defined()) delta = delta - grads[1].to(ct);
-    auto dq_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.head_dim}, q.options());
+    auto dq_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.qk_dim}, q.options());
     auto dk = at::zeros_like(k);
     auto dv = at::zeros_like(v);
     if (ct == at::kDouble) {
@@ -297,7 +304,7 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
       backward_kernel<float>(st, q, k, v, dout, lse, delta, dq_g, dk, dv);
     }
     const auto in_dtype = static_cast<at::ScalarType>(ctx->saved_data["in_dtype"].toInt());
-    auto dq = dq_g.view({p.batch, p.q_heads, p.q_len, p.head_dim}).to(in_dtype);
+    auto dq = dq_g.view({p.batch, p.q_heads, p.q_len, p.qk_dim}).to(in_dtype);
     return {dq, dk.to(in_dtype), dv.to(in_dtype), at::Tensor()};
   }
 };

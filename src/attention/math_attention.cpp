@@ -1,5 +1,6 @@
 // The reference primitive: explicit [B, Nkv, G*Sq, Skv] scores, fp32 softmax, LibTorch
-// autograd for the backward. GQA by viewing q as [B, Nkv, G*Sq, D] against k [B, Nkv, Skv, D].
+// autograd for the backward. GQA by viewing q as [B, Nkv, G*Sq, Dqk] against k [B, Nkv, Skv, Dqk];
+// probs [B, Nkv, G*Sq, Skv] @ v [B, Nkv, Skv, Dv] -> out [B, Nq, Sq, Dv].
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -19,7 +20,7 @@ class MathAttention final : public AttentionPrimitive {
     auto p = detail::validate(q, k, v, options, "attention 'math'");
     const auto in_dtype = q.scalar_type();
     const auto ct = p.compute_dtype;
-    auto qg = q.to(ct).reshape({p.batch, p.kv_heads, p.group * p.q_len, p.head_dim});
+    auto qg = q.to(ct).reshape({p.batch, p.kv_heads, p.group * p.q_len, p.qk_dim});
     auto scores = at::matmul(qg, k.to(ct).transpose(-2, -1)) * p.scale;
     if (p.q_len > 0 && p.kv_len > 0) {
       // One tile covering everything: the same masking code as the blockwise kernel.
@@ -40,7 +41,7 @@ class MathAttention final : public AttentionPrimitive {
                   at::logsumexp(safe, -1, /*keepdim=*/true));
     auto out = at::matmul(probs, v.to(ct));
     AttentionResult r;
-    r.out = out.reshape({p.batch, p.q_heads, p.q_len, p.head_dim}).to(in_dtype);
+    r.out = out.reshape({p.batch, p.q_heads, p.q_len, p.v_dim}).to(in_dtype);
     r.lse = lse.reshape({p.batch, p.q_heads, p.q_len});
     return r;
   }

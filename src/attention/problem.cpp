@@ -18,16 +18,17 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.batch = q.size(0);
   p.q_heads = q.size(1);
   p.q_len = q.size(2);
-  p.head_dim = q.size(3);
+  p.qk_dim = q.size(3);
   p.kv_heads = k.size(1);
   p.kv_len = k.size(2);
+  p.v_dim = v.size(3);
   HP_CHECK(k.size(0) == p.batch && v.size(0) == p.batch, who, ": batch sizes differ: q ", p.batch,
            ", k ", k.size(0), ", v ", v.size(0));
-  HP_CHECK(k.size(3) == p.head_dim, who, ": head dim of q (", p.head_dim, ") and k (", k.size(3),
-           ") differ; q and k must share D");
-  HP_CHECK(v.size(1) == p.kv_heads && v.size(2) == p.kv_len && v.size(3) == p.head_dim, who, ": v ",
+  HP_CHECK(k.size(3) == p.qk_dim, who, ": last dim of q (", p.qk_dim, ") and k (", k.size(3),
+           ") differ; q and k must share Dqk (only v may have its own last dim Dv)");
+  HP_CHECK(v.size(1) == p.kv_heads && v.size(2) == p.kv_len, who, ": v ",
            common::shape_str(v.sizes()), " must match k ", common::shape_str(k.sizes()),
-           " (this kernel requires the value head dim to equal D)");
+           " in Nkv and Skv (dims 1 and 2; only the last dim Dv may differ)");
   HP_CHECK(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, who, ": Nq=", p.q_heads,
            " is not a multiple of Nkv=", p.kv_heads,
            "; GQA needs every KV head to serve the same number of query heads");
@@ -38,7 +39,7 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   HP_CHECK(at::isFloatingType(q.scalar_type()), who, ": dtype ", c10::toString(q.scalar_type()),
            " is not floating point");
   p.compute_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  p.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  p.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.qk_dim)));
   HP_CHECK(std::isfinite(p.scale), who, ": scale=", p.scale, " must be finite");
   p.causal = o.causal;
   if (o.causal_meta) {

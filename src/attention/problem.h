@@ -15,7 +15,9 @@ namespace hp::attention::detail {
 
 struct Problem {
   int64_t batch = 0, q_heads = 0, kv_heads = 0, group = 1;  // group = q_heads / kv_heads
-  int64_t q_len = 0, kv_len = 0, head_dim = 0;
+  int64_t q_len = 0, kv_len = 0;
+  int64_t qk_dim = 0;  // Dqk: last dim of q and k (the score contraction)
+  int64_t v_dim = 0;   // Dv: last dim of v and of out (may differ from Dqk, e.g. MLA)
   double scale = 1.0;
   bool causal = false;
   int64_t q_offset = 0;
@@ -26,7 +28,8 @@ struct Problem {
 };
 
 // Checks q/k/v/options (rank, head multiple, matching dims, mask shape, causal metadata) and
-// throws hp::Error naming `who`, the field, the value and the fix.
+// throws hp::Error naming `who`, the field, the value and the fix. q and k must share their last
+// dim (qk_dim); v shares B, Nkv and Skv with k and has its own last dim (v_dim).
 Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const AttentionOptions& options, const char* who);
 

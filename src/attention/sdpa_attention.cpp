@@ -1,7 +1,9 @@
 // `sdpa`: LibTorch's at::scaled_dot_product_attention (LibTorch >= 2), registered only where
 // the found LibTorch has it (compat::kHasSdpa). It returns no lse, so the lse is recomputed
 // with one pass of scores per 512-row query block (no [Sq, Skv] tensor). GQA: Nq must equal
-// Nkv here (older LibTorch 2.x sdpa has no GQA mapping and we never repeat K/V).
+// Nkv here (older LibTorch 2.x sdpa has no GQA mapping and we never repeat K/V). v may have its
+// own last dim Dv (out [B, N, Sq, Dv]; at::scaled_dot_product_attention allows it); the lse
+// needs only q and k.
 #include <limits>
 
 #include <ATen/ATen.h>

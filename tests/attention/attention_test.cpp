@@ -323,9 +323,17 @@ TEST(Attention, BadInputGetsAClearError) {
   EXPECT_NE(error_of([&] { prim.forward(q, k3, k3, o); }).find("Nq=8 is not a multiple of Nkv=3"),
             std::string::npos);
   auto k64 = at::zeros({1, 2, 16, 64});
-  EXPECT_NE(
-      error_of([&] { prim.forward(q, k64, k64, o); }).find("head dim of q (32) and k (64) differ"),
-      std::string::npos);
+  EXPECT_NE(error_of([&] {
+              prim.forward(q, k64, k64, o);
+            }).find("last dim of q (32) and k (64) differ; q and k must share Dqk"),
+            std::string::npos);
+  // v may have its own last dim, but not its own heads or length.
+  EXPECT_EQ(error_of([&] { prim.forward(q, kv, k64, o); }), "");
+  auto v15 = at::zeros({1, 2, 15, 48});
+  EXPECT_NE(error_of([&] {
+              prim.forward(q, kv, v15, o);
+            }).find("v [1,2,15,48] must match k [1,2,16,32] in Nkv and Skv"),
+            std::string::npos);
   AttentionOptions bad_mask;
   bad_mask.mask = at::ones({16, 15}, at::kBool);
   EXPECT_NE(error_of([&] {

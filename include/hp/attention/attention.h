@@ -2,10 +2,12 @@
 //
 //   AttentionPrimitive::forward(q, k, v, options) -> {out, lse}      differentiable in q, k, v
 //
-// Layout BNSD: q [B, Nq, Sq, D], k and v [B, Nkv, Skv, D]; out [B, Nq, Sq, D] in q's dtype,
-// lse [B, Nq, Sq] float32, float64 for double inputs (natural-log sum of exp of the scaled, masked
-// scores). GQA/MQA: Nq must be a multiple of Nkv; query head h reads kv head h / (Nq / Nkv) by
-// index mapping (K/V are never repeated in memory).
+// Layout BNSD: q [B, Nq, Sq, Dqk], k [B, Nkv, Skv, Dqk], v [B, Nkv, Skv, Dv];
+// out [B, Nq, Sq, Dv] in q's dtype, lse [B, Nq, Sq] float32, float64 for double inputs
+// (natural-log sum of exp of the scaled, masked scores). q and k share Dqk (the score
+// contraction); v may have its own last dim Dv (MLA: Dqk 192, Dv 128). q, k, v share one dtype.
+// GQA/MQA: Nq must be a multiple of Nkv; query head h reads kv head h / (Nq / Nkv) by index
+// mapping (K/V are never repeated in memory).
 //
 // Visibility of key j to local query i is the AND of
 //   * causal (when options.causal):  j <= causal.q_offset + i
@@ -31,7 +33,7 @@ struct AttentionOptions {
   // Where this rank's queries and keys sit in the global sequence (CP). Unset: q_offset 0 and
   // the lengths of q and k. When set, q_len/kv_len must match the tensors (-1: take them).
   std::optional<CausalMetadata> causal_meta;
-  std::optional<double> scale;  // default 1/sqrt(D)
+  std::optional<double> scale;  // default 1/sqrt(Dqk)
   at::Tensor mask;              // optional bool (true = attend) or additive float mask
   std::optional<MaskFunction> mask_fn;
   // Blockwise kernel tiling (rows of Q per block, rows of K/V per block).
@@ -40,7 +42,7 @@ struct AttentionOptions {
 };
 
 struct AttentionResult {
-  at::Tensor out;  // [B, Nq, Sq, D]
+  at::Tensor out;  // [B, Nq, Sq, Dv]
   at::Tensor lse;  // [B, Nq, Sq], float32 (float64 for double inputs)
 };
 
