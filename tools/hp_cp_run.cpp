@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
             co.attention.causal = causal;
             co.primitive = primitive;
             co.seq_dim = seq;
-            co.head_dim = head;
+            co.heads_dim = head;
             hp::attention::CoreAttention core(co);
             auto q1 = q.detach().requires_grad_(true), k1 = k.detach().requires_grad_(true),
                  v1 = v.detach().requires_grad_(true);

@@ -8,10 +8,10 @@ namespace hp::attention {
 
 CoreAttention::CoreAttention(CoreAttentionOptions options)
     : options_(std::move(options)), host_(options_.primitive) {
-  const bool bnsd = options_.seq_dim == 2 && options_.head_dim == 1;
-  const bool bshd = options_.seq_dim == 1 && options_.head_dim == 2;
+  const bool bnsd = options_.seq_dim == 2 && options_.heads_dim == 1;
+  const bool bshd = options_.seq_dim == 1 && options_.heads_dim == 2;
   HP_CHECK(bnsd || bshd, "CoreAttention: seq_dim=", options_.seq_dim,
-           " head_dim=", options_.head_dim, " is neither BNSD (2, 1) nor BSHD (1, 2)");
+           " heads_dim=", options_.heads_dim, " is neither BNSD (2, 1) nor BSHD (1, 2)");
 }
 
 at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

@@ -76,7 +76,7 @@ class CPAttentionLayer::Module {
     c.primitive = o.primitive;
     if (o.bshd) {
       c.seq_dim = 1;
-      c.head_dim = 2;
+      c.heads_dim = 2;
     }
     return c;
   }

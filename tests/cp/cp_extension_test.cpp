@@ -170,6 +170,7 @@ TEST(CPExtension, ToyRingEqualsTheReference) {
       run_toy_ring(p, causal, 4, 2, 16);
     }
   }
+  run_toy_ring(3, true, 4, 2, 8);  // a value head dim of its own
 }
 
 }  // namespace

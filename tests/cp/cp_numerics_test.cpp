@@ -116,7 +116,7 @@ void check_variant(comm::World& /*w*/, const std::shared_ptr<const CPTopology>& 
     co.attention = options_for(v);
     if (v.bshd) {
       co.seq_dim = 1;
-      co.head_dim = 2;
+      co.heads_dim = 2;
       spec.cp_seq_dim = 1;
       spec.cp_head_dim = 2;
     }

@@ -12,9 +12,9 @@ namespace hp::attention {
 struct CoreAttentionOptions {
   AttentionOptions attention;  // causal, scale, masks, block sizes
   // Dim *indices* (not sizes) of the sequence and the heads: BNSD [B, N, S, D] is seq_dim 2,
-  // head_dim 1; BSHD [B, S, N, D] is seq_dim 1, head_dim 2.
+  // heads_dim 1; BSHD [B, S, N, D] is seq_dim 1, heads_dim 2.
   int64_t seq_dim = 2;
-  int64_t head_dim = 1;
+  int64_t heads_dim = 1;
   std::string primitive = "blockwise";
 };
 

@@ -1,0 +1,140 @@
+// The whole CP path in float64 against the plain-formula reference (tests/harness, no code
+// shared with the kernels): every built-in strategy (all_gather plain and with both head-tail
+// forms, ulysses, hybrid), sync and async, causal and not, P in {2, 3, 4}, GQA, and a value
+// head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "cp_test_util.h"
+#include "hp/attention/core_attention.h"
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/cp/config.h"
+#include "hp/cp/sequence.h"
+#include "rank_harness.h"
+#include "reference_attention.h"
+
+namespace hp::cp {
+namespace {
+
+using hp::cp::testing::quiet;
+using hp::testing::expect_close;
+using hp::testing::run_ranks;
+
+constexpr int64_t kB = 2, kNq = 12, kNkv = 6, kS = 48, kDqk = 8, kDv = 6;
+
+at::Tensor f64(uint64_t seed, at::IntArrayRef shape) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kDouble);
+}
+
+// q/k/v through handoff points into a CoreAttention, so the async schedule has its launch
+// sites (the module boundary slot: sdpa_qkv).
+struct Direct {
+  explicit Direct(bool causal) : core(options(causal)) {
+    for (auto* h : {&hq, &hk, &hv})
+      core.host().add_handoff(h);
+  }
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return core.forward(hq(q), hk(k), hv(v));
+  }
+  static attention::CoreAttentionOptions options(bool causal) {
+    attention::CoreAttentionOptions o;
+    o.attention.causal = causal;
+    o.attention.block_q = 5;  // tiles that do not divide the shards
+    o.attention.block_kv = 7;
+    return o;
+  }
+  attention::CoreAttention core;
+  attention::HandoffPoint hq{"hq"}, hk{"hk"}, hv{"hv"};
+};
+
+struct Case {
+  std::string algorithm;
+  std::optional<int64_t> degree;
+  bool load_balance = false;
+  LoadBalanceForm form = LoadBalanceForm::kDataOrder;
+  std::string name() const {
+    std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
+    if (load_balance) n += std::string("+lb:") + to_string(form);
+    return n;
+  }
+};
+
+void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
+  auto q = f64(1, {kB, kNq, kS, kDqk}), k = f64(2, {kB, kNkv, kS, kDqk}),
+       v = f64(3, {kB, kNkv, kS, kDv}), dout = f64(4, {kB, kNq, kS, kDv});
+  auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
+       rv = v.clone().requires_grad_(true);
+  auto ref = hp::testing::reference_attention(rq, rk, rv, Direct::options(causal).attention).out;
+  ref.backward(dout);
+  ContextParallelConfig cfg;
+  cfg.algorithm = c.algorithm;
+  cfg.ulysses_degree = c.degree;
+  cfg.schedule = schedule;
+  cfg.load_balance = c.load_balance;
+  cfg.load_balance_form = c.form;
+  cfg = *normalize(cfg, p);
+  // Data-order head-tail shards hold chunks {2r, 2P-2r-1}; every other case contiguous shards.
+  const bool data_order = c.load_balance && c.form == LoadBalanceForm::kDataOrder;
+  run_ranks(p, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", p}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+    Direct m(causal);
+    CPModuleSpec spec;
+    spec.module_path = "attn";
+    spec.inner_wrapper = "sdpa_qkv";
+    spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
+    apply_context_parallel(m.core.host(), spec, cfg, topo, quiet());
+    ASSERT_EQ(spec.resolved_schedule, to_string(schedule));
+    const int64_t r = w.rank();
+    auto mine = [&](const at::Tensor& full) {
+      return shard_sequence(full, 2, r, p, data_order);
+    };
+    auto lq = mine(q).requires_grad_(true), lk = mine(k).requires_grad_(true),
+         lv = mine(v).requires_grad_(true);
+    auto out = m.forward(lq, lk, lv);
+    out.backward(mine(dout));
+    const std::string what = c.name() + " " + to_string(schedule) + (causal ? " causal" : " dense") +
+                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
+    ASSERT_EQ(out.scalar_type(), at::kDouble) << what;
+    ASSERT_EQ(out.size(-1), kDv) << what;
+    expect_close(out, mine(ref.detach()), what + " out", 1e-10, 1e-10);
+    expect_close(lq.grad(), mine(rq.grad()), what + " dq", 1e-10, 1e-10);
+    expect_close(lk.grad(), mine(rk.grad()), what + " dk", 1e-10, 1e-10);
+    expect_close(lv.grad(), mine(rv.grad()), what + " dv", 1e-10, 1e-10);
+  });
+}
+
+void run_grid(const Case& c, std::vector<int> ps) {
+  for (int p : ps) {
+    for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+      for (bool causal : {true, false}) {
+        SCOPED_TRACE(c.name() + " P=" + std::to_string(p));
+        run_case(c, p, schedule, causal);
+      }
+    }
+  }
+}
+
+TEST(CPFloat64, AllGather) {
+  run_grid({"all_gather", std::nullopt}, {2, 3, 4});
+}
+TEST(CPFloat64, AllGatherHeadTailDataOrder) {
+  run_grid({"all_gather", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
+}
+TEST(CPFloat64, AllGatherHeadTailRuntimeSwap) {
+  run_grid({"all_gather", std::nullopt, true, LoadBalanceForm::kRuntimeSwap}, {2, 3, 4});
+}
+TEST(CPFloat64, Ulysses) {
+  run_grid({"ulysses", std::nullopt}, {2, 3});
+}
+TEST(CPFloat64, HybridU2) {
+  run_grid({"hybrid", 2}, {4});
+}
+TEST(CPFloat64, HybridU3) {
+  run_grid({"hybrid", 3}, {6});
+}
+
+}  // namespace
+}  // namespace hp::cp
