@@ -1,5 +1,6 @@
-// Collectives: argument checks, re-layout to the transport's [P, chunk] form, accounting, and
-// the continuation that lays the result back out.
+// Collectives: argument checks, re-layout to the transport's [P, chunk] form, one launch path
+// (accounting from what the transport handed its backend, launch errors), and the continuation
+// that lays the result back out.
 //
 //   all_gather(t[.., s_d, ..], d)        in  t (contiguous)        out [P, *t.shape]
 //                                        -> movedim(0, d) + flatten  -> [.., P*s_d, ..]
@@ -9,6 +10,8 @@
 //   reduce_scatter(t, d)                 in  [P, chunk] as above; native RS, or all_to_all and
 //                                        a local reduction over dim 0  -> d shrinks by P
 #include "hp/comm/collectives.h"
+
+#include <functional>
 
 #include <ATen/ATen.h>
 
@@ -51,19 +54,21 @@ void verify_same_shapes(OpKind op, Group& g, const at::Tensor& t) {
   constexpr int64_t kMaxDims = 12;
   HP_CHECK(t.dim() <= kMaxDims, op_name(op), ": verify_shapes supports up to ", kMaxDims,
            " dims, got ", t.dim());
-  auto desc = at::full({kMaxDims + 2}, -1, at::kLong);
+  auto desc = at::full({kMaxDims + 2}, -1, at::kLong);  // filled on the CPU, sent from t's device
   auto acc = desc.accessor<int64_t, 1>();
   acc[0] = static_cast<int64_t>(t.scalar_type());
   acc[1] = t.dim();
   for (int64_t i = 0; i < t.dim(); ++i)
     acc[2 + i] = t.size(i);
-  auto all = at::empty({g.size(), kMaxDims + 2}, at::kLong);
-  auto pending = g.transport().all_gather(all, desc);
+  auto wire_desc = desc.to(t.device());
+  auto all = at::empty({g.size(), kMaxDims + 2}, wire_desc.options());
+  auto pending = g.transport().all_gather(all, wire_desc);
   try {
     pending->wait();
   } catch (const std::exception& e) {
     detail::throw_comm_failure(op, g, detail::backend_message(e), "verifying shapes");
   }
+  all = all.cpu();
   if (at::equal(all, desc.unsqueeze(0).expand_as(all))) return;
   std::string listing;
   for (int r = 0; r < g.size(); ++r) {
@@ -79,9 +84,14 @@ void verify_same_shapes(OpKind op, Group& g, const at::Tensor& t) {
            "); every rank must pass the same shape and dtype");
 }
 
-void account(OpKind op, Group& g, const at::Tensor& t, int64_t bytes_sent, int peer = -1) {
+// The counters get what the transport handed its backend for other ranks (PendingOp::
+// bytes_sent) and, beside it, the formula for the op (theory_bytes_per_rank); the recorder gets
+// the call. Barriers are not traffic.
+void account(OpKind op, Group& g, const at::Tensor& t, int64_t bytes_sent, int64_t formula,
+             int peer) {
+  if (op == OpKind::kBarrier) return;
   auto& ctx = g.context();
-  ctx.counters.add(op, g.name(), bytes_sent);
+  ctx.counters.add(op, g.name(), bytes_sent, formula);
   if (ctx.recorder) {
     ctx.recorder->record(
         {op, g.name(), {t.sizes().vec()}, c10::toString(t.scalar_type()), bytes_sent, peer});
@@ -150,8 +160,26 @@ at::Tensor finish_avg(at::Tensor t, ReduceOp op, int64_t p) {
   return t.div_(p);
 }
 
-CommHandle launch_failed(OpKind op, Group& g, const std::exception& e) {
-  detail::throw_comm_failure(op, g, detail::backend_message(e), "launching");
+// Starts one transport call, accounts what it handed the backend, and wraps it in a handle that
+// owns `buffers` until completion. Every collective launches through here, so a backend error
+// while launching always becomes the same CommError naming op, group and rank.
+CommHandle launch(OpKind op, Group& g, const at::Tensor& input, int64_t formula, int peer,
+                  std::vector<at::Tensor> buffers,
+                  const std::function<std::unique_ptr<PendingOp>()>& start,
+                  CommHandle::Continuation then) {
+  std::unique_ptr<PendingOp> pending;
+  try {
+    pending = start();
+  } catch (const std::exception& e) {
+    detail::throw_comm_failure(op, g, detail::backend_message(e), "launching");
+  }
+  const int64_t sent = pending->bytes_sent();
+  account(op, g, input, sent, formula, peer);
+  return CommHandle(g, op, sent, std::move(pending), std::move(buffers), std::move(then));
+}
+
+int64_t formula(OpKind op, Group& g, const at::Tensor& t) {
+  return theory_bytes_per_rank(op, nbytes(t), g.size());
 }
 
 }  // namespace
@@ -161,25 +189,15 @@ CommHandle all_gather_async(Group& g, const at::Tensor& t, int64_t dim) {
   check_defined(kOp, g, t);
   const int64_t d = check_dim(kOp, g, t, dim, "dim");
   verify_same_shapes(kOp, g, t);
-  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
-  account(kOp, g, t, sent);
   auto in = to_wire(g.transport(), t);
-  auto out = at::empty(
-      [&] {
-        auto s = in.sizes().vec();
-        s.insert(s.begin(), g.size());
-        return s;
-      }(),
-      in.options());
-  std::unique_ptr<PendingOp> pending;
-  try {
-    pending = g.transport().all_gather(out, in);
-  } catch (const std::exception& e) {
-    return launch_failed(kOp, g, e);
-  }
+  auto shape = in.sizes().vec();
+  shape.insert(shape.begin(), g.size());
+  auto out = at::empty(shape, in.options());
   const auto dtype = t.scalar_type();
-  return CommHandle(g, kOp, sent, std::move(pending), {in, out},
-                    [out, d, dtype] { return concat_major(from_wire(out, dtype), d); });
+  return launch(
+      kOp, g, t, formula(kOp, g, t), -1, {in, out},
+      [&] { return g.transport().all_gather(out, in); },
+      [out, d, dtype] { return concat_major(from_wire(out, dtype), d); });
 }
 
 CommHandle reduce_scatter_async(Group& g, const at::Tensor& t, int64_t dim, ReduceOp op) {
@@ -189,35 +207,26 @@ CommHandle reduce_scatter_async(Group& g, const at::Tensor& t, int64_t dim, Redu
   check_divisible(kOp, g, t, d, "dim");
   verify_same_shapes(kOp, g, t);
   const int64_t p = g.size();
-  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
-  account(kOp, g, t, sent);
   const auto dtype = t.scalar_type();
   auto& tr = g.transport();
-  std::unique_ptr<PendingOp> pending;
   if (tr.has_native_reduce_scatter()) {
     const bool upcast = !tr.reduces_dtype(dtype);
     auto in = split_major(upcast ? t.to(at::kFloat) : t, d, p);
     auto out = at::empty(in.sizes().slice(1), in.options());
-    try {
-      pending = tr.reduce_scatter(out, in, wire_op(op));
-    } catch (const std::exception& e) {
-      return launch_failed(kOp, g, e);
-    }
-    return CommHandle(g, kOp, sent, std::move(pending), {in, out},
-                      [out, op, p, dtype] { return finish_avg(out, op, p).to(dtype); });
+    return launch(
+        kOp, g, t, formula(kOp, g, t), -1, {in, out},
+        [&] { return tr.reduce_scatter(out, in, wire_op(op)); },
+        [out, op, p, dtype] { return finish_avg(out, op, p).to(dtype); });
   }
   // One all-to-all: chunk j of every rank lands on rank j, which reduces the P chunks locally.
   auto in = to_wire(tr, split_major(t, d, p));
   auto out = at::empty_like(in);
-  try {
-    pending = tr.all_to_all(out, in);
-  } catch (const std::exception& e) {
-    return launch_failed(kOp, g, e);
-  }
-  return CommHandle(g, kOp, sent, std::move(pending), {in, out}, [out, op, p, dtype] {
-    auto stacked = from_wire(out, dtype);
-    return finish_avg(reduce_local(stacked, op), op, p);  // chunk r, in t's dim order
-  });
+  return launch(
+      kOp, g, t, formula(kOp, g, t), -1, {in, out}, [&] { return tr.all_to_all(out, in); },
+      [out, op, p, dtype] {
+        auto stacked = from_wire(out, dtype);
+        return finish_avg(reduce_local(stacked, op), op, p);  // chunk r, in t's dim order
+      });
 }
 
 CommHandle all_to_all_async(Group& g, const at::Tensor& t, int64_t split_dim, int64_t concat_dim) {
@@ -227,39 +236,27 @@ CommHandle all_to_all_async(Group& g, const at::Tensor& t, int64_t split_dim, in
   const int64_t c = check_dim(kOp, g, t, concat_dim, "concat_dim");
   check_divisible(kOp, g, t, s, "split_dim");
   verify_same_shapes(kOp, g, t);
-  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
-  account(kOp, g, t, sent);
   auto in = to_wire(g.transport(), split_major(t, s, g.size()));
   auto out = at::empty_like(in);
-  std::unique_ptr<PendingOp> pending;
-  try {
-    pending = g.transport().all_to_all(out, in);
-  } catch (const std::exception& e) {
-    return launch_failed(kOp, g, e);
-  }
   const auto dtype = t.scalar_type();
-  return CommHandle(g, kOp, sent, std::move(pending), {in, out},
-                    [out, c, dtype] { return concat_major(from_wire(out, dtype), c); });
+  return launch(
+      kOp, g, t, formula(kOp, g, t), -1, {in, out},
+      [&] { return g.transport().all_to_all(out, in); },
+      [out, c, dtype] { return concat_major(from_wire(out, dtype), c); });
 }
 
 CommHandle all_reduce_async(Group& g, const at::Tensor& t, ReduceOp op) {
   constexpr OpKind kOp = OpKind::kAllReduce;
   check_defined(kOp, g, t);
   verify_same_shapes(kOp, g, t);
-  const int64_t sent = theory_bytes_per_rank(kOp, nbytes(t), g.size());
-  account(kOp, g, t, sent);
   const auto dtype = t.scalar_type();
   const bool upcast = !g.transport().reduces_dtype(dtype);
   auto buf = upcast ? t.to(at::kFloat).contiguous() : t.contiguous().clone();
-  std::unique_ptr<PendingOp> pending;
-  try {
-    pending = g.transport().all_reduce(buf, wire_op(op));
-  } catch (const std::exception& e) {
-    return launch_failed(kOp, g, e);
-  }
   const int64_t p = g.size();
-  return CommHandle(g, kOp, sent, std::move(pending), {buf},
-                    [buf, op, p, dtype] { return finish_avg(buf, op, p).to(dtype); });
+  return launch(
+      kOp, g, t, formula(kOp, g, t), -1, {buf},
+      [&] { return g.transport().all_reduce(buf, wire_op(op)); },
+      [buf, op, p, dtype] { return finish_avg(buf, op, p).to(dtype); });
 }
 
 namespace {
@@ -276,33 +273,22 @@ CommHandle send_async(Group& g, const at::Tensor& t, int dst) {
   constexpr OpKind kOp = OpKind::kSend;
   check_defined(kOp, g, t);
   check_peer(kOp, g, dst, "dst");
-  const int64_t sent = nbytes(t);
-  account(kOp, g, t, sent, dst);
   auto buf = to_wire(g.transport(), t);
   const int tag = g.next_p2p_tag(dst, /*sending=*/true);
-  std::unique_ptr<PendingOp> pending;
-  try {
-    pending = g.transport().send(buf, dst, tag);
-  } catch (const std::exception& e) {
-    return launch_failed(kOp, g, e);
-  }
-  return CommHandle(g, kOp, sent, std::move(pending), {buf}, [] { return at::Tensor(); });
+  return launch(
+      kOp, g, t, formula(kOp, g, t), dst, {buf}, [&] { return g.transport().send(buf, dst, tag); },
+      [] { return at::Tensor(); });
 }
 
-CommHandle recv_async(Group& g, at::IntArrayRef shape, at::ScalarType dtype, int src) {
+CommHandle recv_async(Group& g, at::IntArrayRef shape, const at::TensorOptions& options, int src) {
   constexpr OpKind kOp = OpKind::kRecv;
   check_peer(kOp, g, src, "src");
-  auto result = at::empty(shape, at::TensorOptions().dtype(dtype));
-  account(kOp, g, result, 0, src);
+  auto result = at::empty(shape, options);
   auto buf = to_wire(g.transport(), result);
   const int tag = g.next_p2p_tag(src, /*sending=*/false);
-  std::unique_ptr<PendingOp> pending;
-  try {
-    pending = g.transport().recv(buf, src, tag);
-  } catch (const std::exception& e) {
-    return launch_failed(kOp, g, e);
-  }
-  return CommHandle(g, kOp, 0, std::move(pending), {buf}, [result] { return result; });
+  return launch(
+      kOp, g, result, 0, src, {buf}, [&] { return g.transport().recv(buf, src, tag); },
+      [result] { return result; });
 }
 
 at::Tensor exchange(Group& g, const at::Tensor& t, int peer) {
@@ -312,9 +298,9 @@ at::Tensor exchange(Group& g, const at::Tensor& t, int peer) {
   CommHandle s, r;
   if (g.rank() < peer) {
     s = send_async(g, t, peer);
-    r = recv_async(g, t.sizes(), t.scalar_type(), peer);
+    r = recv_async(g, t.sizes(), t.options(), peer);
   } else {
-    r = recv_async(g, t.sizes(), t.scalar_type(), peer);
+    r = recv_async(g, t.sizes(), t.options(), peer);
     s = send_async(g, t, peer);
   }
   s.wait();
@@ -327,15 +313,17 @@ at::Tensor shift(Group& g, const at::Tensor& t, int offset) {
   const int to = ((g.rank() + offset) % p + p) % p, from = ((g.rank() - offset) % p + p) % p;
   if (to == g.rank()) return t.clone();
   // Both legs in flight together; tags pair per (peer, direction), so the order is free.
-  auto r = recv_async(g, t.sizes(), t.scalar_type(), from);
+  auto r = recv_async(g, t.sizes(), t.options(), from);
   auto s = send_async(g, t, to);
   s.wait();
   return r.wait();
 }
 
 void barrier(Group& g) {
-  auto pending = g.transport().barrier();
-  CommHandle(g, OpKind::kBarrier, 0, std::move(pending), {}, nullptr).wait();
+  launch(
+      OpKind::kBarrier, g, at::Tensor(), 0, -1, {}, [&] { return g.transport().barrier(); },
+      nullptr)
+      .wait();
 }
 
 at::Tensor all_gather(Group& g, const at::Tensor& t, int64_t dim) {
@@ -353,8 +341,8 @@ at::Tensor all_reduce(Group& g, const at::Tensor& t, ReduceOp op) {
 void send(Group& g, const at::Tensor& t, int dst) {
   send_async(g, t, dst).wait();
 }
-at::Tensor recv(Group& g, at::IntArrayRef shape, at::ScalarType dtype, int src) {
-  return recv_async(g, shape, dtype, src).wait();
+at::Tensor recv(Group& g, at::IntArrayRef shape, const at::TensorOptions& options, int src) {
+  return recv_async(g, shape, options, src).wait();
 }
 
 }  // namespace hp::comm

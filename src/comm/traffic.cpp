@@ -46,10 +46,12 @@ int64_t theory_bytes_per_rank(OpKind op, int64_t bytes_in, int group_size) {
   return 0;
 }
 
-void TrafficCounters::add(OpKind op, const std::string& group, int64_t bytes_sent) {
+void TrafficCounters::add(OpKind op, const std::string& group, int64_t bytes_sent,
+                          int64_t bytes_formula) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& e = entries_[{op, group}];
   e.bytes_sent += bytes_sent;
+  e.bytes_formula += bytes_formula;
   e.calls += 1;
 }
 
@@ -76,6 +78,21 @@ int64_t TrafficCounters::bytes(OpKind op, const std::string& group) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find({op, group});
   return it == entries_.end() ? 0 : it->second.bytes_sent;
+}
+
+int64_t TrafficCounters::formula_bytes(OpKind op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const auto& [key, e] : entries_) {
+    if (key.first == op) total += e.bytes_formula;
+  }
+  return total;
+}
+
+int64_t TrafficCounters::formula_bytes(OpKind op, const std::string& group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find({op, group});
+  return it == entries_.end() ? 0 : it->second.bytes_formula;
 }
 
 int64_t TrafficCounters::total_bytes() const {

@@ -1,5 +1,8 @@
-// Transport over a c10d backend (Gloo here; NCCL on GPU builds). Every version difference of
-// the c10d API is in common/torch_compat.h.
+// Transport over a c10d backend: Gloo always, NCCL where LibTorch was built with it (tensors
+// stay on their device; nothing here allocates on the CPU). Every version difference of the
+// c10d API is in common/torch_compat.h. Each call records the bytes it hands the backend for
+// other ranks on its PendingOp (PendingOp::bytes_sent).
+#include <algorithm>
 #include <atomic>
 #include <memory>
 
@@ -32,9 +35,19 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   HP_INTERNAL_ASSERT(false, "kAvg must be lowered to kSum before the transport");
 }
 
+int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+// Bytes of the chunks of `in` [P, ...] that go to ranks other than `me`.
+int64_t chunks_for_peers(const at::Tensor& in, int me) {
+  return nbytes(in) - nbytes(in[me]);
+}
+
 class C10dPending final : public PendingOp {
  public:
-  explicit C10dPending(compat::WorkPtr work) : work_(std::move(work)) {
+  C10dPending(compat::WorkPtr work, int64_t bytes_sent) : work_(std::move(work)) {
+    set_bytes_sent(bytes_sent);
     done_at_ = std::make_shared<std::atomic<int64_t>>(-1);
     if (auto fut = compat::work_future(work_)) {
       auto done_at = done_at_;
@@ -54,7 +67,9 @@ class C10dPending final : public PendingOp {
 // Several works that complete together (the point-to-point legs of one collective).
 class MultiPending final : public PendingOp {
  public:
-  explicit MultiPending(std::vector<compat::WorkPtr> works) : works_(std::move(works)) {}
+  MultiPending(std::vector<compat::WorkPtr> works, int64_t bytes_sent) : works_(std::move(works)) {
+    set_bytes_sent(bytes_sent);
+  }
   void wait() override {
     std::exception_ptr first;
     for (auto& w : works_) {
@@ -88,7 +103,8 @@ class C10dTransport final : public Transport {
   }
   bool reduces_dtype(at::ScalarType t) const override {
     return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kInt ||
-           t == at::kLong || t == at::kChar || t == at::kByte;
+           t == at::kLong || t == at::kChar || t == at::kByte ||
+           (t == at::kBFloat16 && name_ == "nccl");
   }
   bool moves_dtype(at::ScalarType t) const override { return reduces_dtype(t); }
 
@@ -100,47 +116,53 @@ class C10dTransport final : public Transport {
     const int me = rank_;
     const int tag = kAllGatherTagBase + static_cast<int>(gather_seq_++ % kAllGatherTagSpan);
     std::vector<compat::WorkPtr> works;
+    int64_t sent = 0;
     for (int k = 1; k < p; ++k) {
       const int to = (me + k) % p;
       const int from = (me - k + p) % p;
       std::vector<at::Tensor> s{in};
       works.push_back(backend_->send(s, to, tag));
+      sent += nbytes(s[0]);
       std::vector<at::Tensor> r{out[from]};
       works.push_back(backend_->recv(r, from, tag));
     }
     out[me].copy_(in);
-    return std::make_unique<MultiPending>(std::move(works));
+    return std::make_unique<MultiPending>(std::move(works), sent);
   }
   std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) override {
     std::vector<int64_t> equal_splits;
-    return wrap(backend_->alltoall_base(out, in, equal_splits, equal_splits));
+    const int64_t sent = chunks_for_peers(in, rank_);
+    return wrap(backend_->alltoall_base(out, in, equal_splits, equal_splits), sent);
   }
   std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp op) override {
+    const int64_t sent = nbytes(inout);
     std::vector<at::Tensor> tensors{std::move(inout)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    return wrap(backend_->allreduce(tensors, opts));
+    return wrap(backend_->allreduce(tensors, opts), sent);
   }
   std::unique_ptr<PendingOp> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) override {
+    const int64_t sent = chunks_for_peers(in, rank_);
     std::vector<at::Tensor> outputs{std::move(out)};
     std::vector<std::vector<at::Tensor>> inputs{in.unbind(0)};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(op);
-    return wrap(backend_->reduce_scatter(outputs, inputs, opts));
+    return wrap(backend_->reduce_scatter(outputs, inputs, opts), sent);
   }
   std::unique_ptr<PendingOp> send(at::Tensor t, int dst, int tag) override {
+    const int64_t sent = nbytes(t);
     std::vector<at::Tensor> tensors{std::move(t)};
-    return wrap(backend_->send(tensors, dst, tag));
+    return wrap(backend_->send(tensors, dst, tag), sent);
   }
   std::unique_ptr<PendingOp> recv(at::Tensor t, int src, int tag) override {
     std::vector<at::Tensor> tensors{std::move(t)};
-    return wrap(backend_->recv(tensors, src, tag));
+    return wrap(backend_->recv(tensors, src, tag), 0);
   }
-  std::unique_ptr<PendingOp> barrier() override { return wrap(backend_->barrier()); }
+  std::unique_ptr<PendingOp> barrier() override { return wrap(backend_->barrier(), 0); }
 
  private:
-  static std::unique_ptr<PendingOp> wrap(compat::WorkPtr work) {
-    return std::make_unique<C10dPending>(std::move(work));
+  static std::unique_ptr<PendingOp> wrap(compat::WorkPtr work, int64_t sent) {
+    return std::make_unique<C10dPending>(std::move(work), sent);
   }
 
   // Tags of the all-gather legs live above the user point-to-point tags.
@@ -155,12 +177,26 @@ class C10dTransport final : public Transport {
 
 }  // namespace
 
+std::vector<std::string> available_c10d_backends() {
+  std::vector<std::string> out{"gloo"};
+  if (compat::kHasNccl) out.push_back("nccl");
+  return out;
+}
+
 std::unique_ptr<Transport> make_c10d_transport(const c10::intrusive_ptr<c10d::Store>& store,
                                                int rank, int size,
                                                const C10dTransportOptions& options) {
-  HP_CHECK(options.backend == "gloo", "comm backend '", options.backend,
-           "' is not available in this build; valid: gloo");
-  auto backend = compat::make_gloo_backend(store, rank, size, options.timeout, options.hostname);
+  const auto available = available_c10d_backends();
+  std::string valid;
+  for (const auto& b : available)
+    valid += (valid.empty() ? "" : ", ") + b;
+  HP_CHECK(std::find(available.begin(), available.end(), options.backend) != available.end(),
+           "comm backend '", options.backend, "' is not available in this build; valid: ", valid,
+           options.backend == "nccl" ? " (NCCL needs a LibTorch built with CUDA and NCCL)" : "");
+  auto backend =
+      options.backend == "nccl"
+          ? compat::make_nccl_backend(store, rank, size, options.timeout)
+          : compat::make_gloo_backend(store, rank, size, options.timeout, options.hostname);
   return std::make_unique<C10dTransport>(std::move(backend), options.backend, rank);
 }
 

@@ -7,11 +7,18 @@
 namespace hp::comm {
 namespace {
 
+// A fake group counts what a real one would hand its backend, so schedules and counters read
+// the same as on real ranks; a group of one sends nothing.
 class DonePending final : public PendingOp {
  public:
+  explicit DonePending(int64_t bytes_sent) { set_bytes_sent(bytes_sent); }
   void wait() override {}
   bool is_completed() override { return true; }
 };
+
+int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
 
 class LocalTransport final : public Transport {
  public:
@@ -25,30 +32,34 @@ class LocalTransport final : public Transport {
   std::unique_ptr<PendingOp> all_gather(at::Tensor out, at::Tensor in) override {
     for (int i = 0; i < size_; ++i)
       out[i].copy_(in);
-    return done();
+    return done((size_ - 1) * nbytes(in));
   }
   std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) override {
     out.copy_(in);
-    return done();
+    return done(nbytes(in) - nbytes(in[0]));
   }
-  std::unique_ptr<PendingOp> all_reduce(at::Tensor, ReduceOp) override { return done(); }
+  std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp) override {
+    return done(size_ > 1 ? nbytes(inout) : 0);
+  }
   std::unique_ptr<PendingOp> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp) override {
     out.copy_(in[0]);
-    return done();
+    return done(nbytes(in) - nbytes(in[0]));
   }
-  std::unique_ptr<PendingOp> send(at::Tensor, int dst, int) override {
+  std::unique_ptr<PendingOp> send(at::Tensor t, int dst, int) override {
     HP_CHECK(fake_, "send to rank ", dst, " in a group of one rank; a peer must be another rank");
-    return done();
+    return done(nbytes(t));
   }
   std::unique_ptr<PendingOp> recv(at::Tensor t, int src, int) override {
     HP_CHECK(fake_, "recv from rank ", src, " in a group of one rank; a peer must be another rank");
     t.zero_();
-    return done();
+    return done(0);
   }
-  std::unique_ptr<PendingOp> barrier() override { return done(); }
+  std::unique_ptr<PendingOp> barrier() override { return done(0); }
 
  private:
-  static std::unique_ptr<PendingOp> done() { return std::make_unique<DonePending>(); }
+  static std::unique_ptr<PendingOp> done(int64_t sent) {
+    return std::make_unique<DonePending>(sent);
+  }
   int size_;
   bool fake_;
 };

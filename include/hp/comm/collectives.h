@@ -2,8 +2,10 @@
 //
 // Every call checks its input before any communication (undefined tensor, dim out of range,
 // size not divisible by the group size) and throws hp::Error naming the op, the value and what
-// would be valid. Every call counts the bytes it sends (theory_bytes_per_rank) into the
-// group's CommContext, appends to its CollectiveRecorder and Tracer when present.
+// would be valid. Every call counts the bytes the transport handed its backend for other ranks
+// (PendingOp::bytes_sent; never a formula) into the group's CommContext, with the op's formula
+// (theory_bytes_per_rank) beside it, and appends to its CollectiveRecorder and Tracer when
+// present. Tensors stay on their device (results are allocated like the inputs).
 // All ranks of the group must issue the same collectives in the same order.
 //
 // Dtypes: what the backend cannot move natively (bfloat16 on Gloo) travels as raw bytes,
@@ -14,6 +16,7 @@
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
 
 #include "hp/comm/comm_handle.h"
 #include "hp/comm/group.h"
@@ -48,8 +51,10 @@ CommHandle all_reduce_async(Group& group, const at::Tensor& t, ReduceOp op = Red
 // peer with the same shape and dtype.
 void send(Group& group, const at::Tensor& t, int dst);
 CommHandle send_async(Group& group, const at::Tensor& t, int dst);
-at::Tensor recv(Group& group, at::IntArrayRef shape, at::ScalarType dtype, int src);
-CommHandle recv_async(Group& group, at::IntArrayRef shape, at::ScalarType dtype, int src);
+// `options` give the dtype and device of the received tensor (a dtype converts implicitly).
+at::Tensor recv(Group& group, at::IntArrayRef shape, const at::TensorOptions& options, int src);
+CommHandle recv_async(Group& group, at::IntArrayRef shape, const at::TensorOptions& options,
+                      int src);
 
 // Sends `t` to `peer` and returns what `peer` sent (same shape and dtype on both sides).
 // peer == group.rank() returns a copy of `t`.

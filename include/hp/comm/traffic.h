@@ -21,21 +21,25 @@ class Tracer;
 namespace hp::comm {
 
 struct TrafficEntry {
-  int64_t bytes_sent = 0;  // bytes this rank put on the wire (theory_bytes_per_rank per call)
+  int64_t bytes_sent = 0;     // counted: bytes of the tensors handed to the backend for peers
+  int64_t bytes_formula = 0;  // the op's formula (theory_bytes_per_rank), summed per call
   int64_t calls = 0;
   int64_t wait_us = 0;  // time this rank spent blocked in CommHandle::wait
 };
 
-// Bytes sent per rank, per (op kind, group). Resettable.
+// Bytes sent per rank, per (op kind, group), counted from the tensors and, separately, by
+// formula (benches and tests compare the two). Resettable.
 class TrafficCounters {
  public:
-  void add(OpKind op, const std::string& group, int64_t bytes_sent);
+  void add(OpKind op, const std::string& group, int64_t bytes_sent, int64_t bytes_formula);
   void add_wait(OpKind op, const std::string& group, int64_t wait_us);
   void reset();
 
-  int64_t bytes(OpKind op) const;  // summed over groups
+  int64_t bytes(OpKind op) const;  // counted, summed over groups
   int64_t bytes(OpKind op, const std::string& group) const;
   int64_t total_bytes() const;
+  int64_t formula_bytes(OpKind op) const;  // the formula, summed over groups
+  int64_t formula_bytes(OpKind op, const std::string& group) const;
   int64_t calls(OpKind op) const;
   int64_t wait_us() const;  // summed over everything
   std::map<std::pair<OpKind, std::string>, TrafficEntry> snapshot() const;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -33,6 +34,16 @@ class PendingOp {
   virtual bool is_completed() = 0;
   // Monotonic microseconds at which the backend finished, or -1 when it cannot tell.
   virtual int64_t completed_at_us() const { return -1; }
+  // Bytes of the tensors this call handed to the backend for other ranks (the traffic counters
+  // read this; they never compute a formula): all_gather its input once per peer, all_to_all
+  // and reduce_scatter the chunks addressed to other ranks, send its tensor, all_reduce the
+  // buffer it contributes (the backend's ring then moves 2(P-1)/P of it per rank), recv and
+  // barrier nothing.
+  int64_t bytes_sent() const { return bytes_sent_; }
+  void set_bytes_sent(int64_t bytes) { bytes_sent_ = bytes; }
+
+ private:
+  int64_t bytes_sent_ = 0;
 };
 
 class Transport {
@@ -62,6 +73,8 @@ class Transport {
 };
 
 struct C10dTransportOptions {
+  // Any c10d backend the found LibTorch provides: "gloo" (always), "nccl" where LibTorch was
+  // built with it (tensors stay on their CUDA device). available_c10d_backends() lists them.
   std::string backend = "gloo";
   std::string hostname = "127.0.0.1";  // interface Gloo binds to
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
@@ -72,6 +85,9 @@ struct C10dTransportOptions {
 std::unique_ptr<Transport> make_c10d_transport(const c10::intrusive_ptr<c10d::Store>& store,
                                                int rank, int size,
                                                const C10dTransportOptions& options);
+
+// The c10d backends this build can create ("gloo", and "nccl" when LibTorch has it).
+std::vector<std::string> available_c10d_backends();
 
 // A group of one rank: collectives are local copies.
 std::unique_ptr<Transport> make_self_transport();

@@ -13,6 +13,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#if defined(USE_C10D_NCCL)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace hp::compat {
 
@@ -28,6 +31,14 @@ inline constexpr bool kHasSdpa = false;
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
+// NCCL exists where LibTorch was built with it and the build defines USE_C10D_NCCL (CMake does
+// when it finds LibTorch's CUDA libraries; HP_WITH_NCCL).
+#if defined(USE_C10D_NCCL)
+inline constexpr bool kHasNccl = true;
+#else
+inline constexpr bool kHasNccl = false;
+#endif
+
 // Whether the named c10d backend implements a native reduce-scatter that we trust.
 // Gloo in 1.13 has none ("ProcessGroupGloo does not support reduce_scatter").
 inline bool backend_has_native_reduce_scatter(const std::string& backend_name) {
@@ -42,6 +53,20 @@ inline c10::intrusive_ptr<C10dBackend> make_gloo_backend(
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
   options->threads = 2;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+// Creates a NCCL backend over `store` (tensors on CUDA devices); throws where there is none.
+inline c10::intrusive_ptr<C10dBackend> make_nccl_backend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout) {
+#if defined(USE_C10D_NCCL)
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+  (void)store, (void)rank, (void)size, (void)timeout;
+  TORCH_CHECK(false, "this LibTorch was built without NCCL");
+#endif
 }
 
 // at::scaled_dot_product_attention where it exists (LibTorch >= 2.1 takes `scale`); the
