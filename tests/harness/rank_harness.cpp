@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -113,6 +114,22 @@ CommandResult run_command(const std::string& cmd) {
     r.out.append(buf, n);
   r.rc = WEXITSTATUS(::pclose(p));
   return r;
+}
+
+const std::string& scratch_dir() {
+  struct Dir {
+    std::string path;
+    Dir() : path(::testing::TempDir() + "hp-test-" + std::to_string(::getpid())) {
+      std::filesystem::remove_all(path);  // a leftover of a process with the same pid
+      std::filesystem::create_directories(path);
+    }
+    ~Dir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
 }
 
 std::string error_of(const std::function<void()>& fn) {

@@ -53,6 +53,11 @@ struct CommandResult {
 };
 CommandResult run_command(const std::string& cmd);
 
+// A directory of this test process's own under ::testing::TempDir() (created on first use,
+// removed when the process exits), so concurrent runs of a suite (several worktrees, ctest -j)
+// never share or delete each other's files. Ends without a slash.
+const std::string& scratch_dir();
+
 // The message of the hp::Error `fn` throws, or "(no error)".
 std::string error_of(const std::function<void()>& fn);
 

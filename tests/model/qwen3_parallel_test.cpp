@@ -1,7 +1,13 @@
-// The Qwen3-style model under TP x CP equals its single-process twin: loss and every parameter
-// gradient (TP-sharded parameters against the matching slice), for each CP algorithm.
+// The Qwen3-style model under TP x CP equals its single-process twin: logits, loss and every
+// parameter gradient (TP-sharded parameters against the matching slice), for each CP algorithm
+// and through the planner in production and validate modes.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
@@ -50,6 +56,7 @@ at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
 struct Reference {
   double loss;
   std::map<std::string, at::Tensor> grads;
+  at::Tensor logits;  // [1, kS, vocab]
 };
 
 Reference reference(const Qwen3Config& cfg) {
@@ -58,9 +65,10 @@ Reference reference(const Qwen3Config& cfg) {
     layer->self_attn->host().set_primitive("math");
   auto b = batch();
   auto pos = at::arange(kS).view({1, kS});
-  auto loss = loss_sum(m->forward(b.ids, pos), b.labels) / kS;
+  auto logits = m->forward(b.ids, pos);
+  auto loss = loss_sum(logits, b.labels) / kS;
   loss.backward();
-  Reference r{loss.item<double>(), {}};
+  Reference r{loss.item<double>(), {}, logits.detach()};
   for (const auto& p : m->named_parameters())
     r.grads[p.key()] = p.value().grad();
   return r;
@@ -99,7 +107,11 @@ void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<in
     auto b = batch();
     const int64_t r = mesh.coordinate("cp");
     auto sharded = cp::shard_batch(b.ids, b.labels, r, cp, false);
-    auto local = loss_sum(m->forward(sharded.input_ids, sharded.position_ids), sharded.labels);
+    auto logits = m->forward(sharded.input_ids, sharded.position_ids);
+    // Contiguous CP shards: gathered in rank order they are the full sequence's logits.
+    expect_close(comm::all_gather(mesh.group("cp"), logits.detach(), 1), ref.logits,
+                 algo + " tp=" + std::to_string(tp) + " logits", 1e-4, 1e-5);
+    auto local = loss_sum(logits, sharded.labels);
     (local / kS).backward();
     auto global = comm::all_reduce(mesh.group("cp"), local.detach()).item<double>() / kS;
     EXPECT_NEAR(global, ref.loss, 1e-5);
@@ -117,11 +129,67 @@ void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<in
   });
 }
 
-TEST(Qwen3Parallel, SingleProcessRuns) {
-  Qwen3 m(small());
+// A model laid out by the planner against the single-process reference: gathered CP
+// logits, global loss (`local_sum`: this rank's token sum) and every gradient (of the token
+// sum; reduced over CP, and over TP for the TP-partial ones; TP-sharded against their slice).
+void expect_like_reference(comm::DeviceMesh& mesh, Qwen3Impl& m, const at::Tensor& logits,
+                           const at::Tensor& local_sum, const Reference& ref,
+                           const std::string& what) {
+  auto& cp = mesh.group("cp");
+  auto& tp = mesh.group("tp");
+  expect_close(comm::all_gather(cp, logits.detach(), 1), ref.logits, what + " logits", 1e-4, 1e-5);
+  EXPECT_NEAR(comm::all_reduce(cp, local_sum.detach()).item<double>() / kS, ref.loss, 1e-5) << what;
+  std::set<const void*> partial;
+  for (const auto& p : m.tp_partial_grad_parameters())
+    partial.insert(p.unsafeGetTensorImpl());
+  const int64_t t = mesh.coordinate("tp"), tp_size = mesh.size("tp");
+  auto named = m.named_parameters();
+  EXPECT_EQ(named.size(), ref.grads.size()) << what;
+  for (const auto& p : named) {
+    auto g = p.value().grad();
+    ASSERT_TRUE(g.defined()) << what << " " << p.key();
+    if (partial.count(p.value().unsafeGetTensorImpl())) g = comm::all_reduce(tp, g);
+    g = comm::all_reduce(cp, g) / kS;
+    auto expect = ref.grads.at(p.key());
+    const int dim = shard_dim(p.key());
+    if (dim >= 0) expect = expect.chunk(tp_size, dim)[t];
+    expect_close(g, expect, what + " " + p.key(), 1e-4, 1e-5);
+  }
+}
+
+// The single-process twin every layout is compared with: finite logits of the right shape, the
+// same with the blockwise kernel (what the parallel models run) as with the math reference
+// (what reference() runs), and causal: a token changes no logit before its position.
+TEST(Qwen3Parallel, SingleProcessModelIsCausalAndKernelIndependent) {
+  Qwen3 blockwise(small());
+  Qwen3 math(small());
+  for (auto& layer : math->layers)
+    layer->self_attn->host().set_primitive("math");
+  ASSERT_EQ(blockwise->layers[0]->self_attn->host().primitive_name(), "blockwise");
   auto b = batch();
-  auto logits = m->forward(b.ids, at::arange(kS).view({1, kS}));
-  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{1, kS, 64}));
+  auto pos = at::arange(kS).view({1, kS});
+  auto lb = blockwise->forward(b.ids, pos);
+  auto lm = math->forward(b.ids, pos);
+  EXPECT_EQ(lb.sizes(), (std::vector<int64_t>{1, kS, 64}));
+  EXPECT_TRUE(at::isfinite(lb).all().item<bool>());
+  expect_close(lb, lm, "blockwise vs math logits", 1e-4, 1e-5);
+  loss_sum(lb, b.labels).backward();
+  loss_sum(lm, b.labels).backward();
+  auto mp = math->named_parameters();
+  for (const auto& p : blockwise->named_parameters())
+    expect_close(p.value().grad(), mp[p.key()].grad(), "blockwise vs math " + p.key(), 1e-4, 1e-5);
+
+  const int64_t t = kS / 2;
+  auto ids = b.ids.clone();
+  ids[0][t] = (ids[0][t].item<int64_t>() + 1) % 64;
+  at::NoGradGuard no_grad;
+  auto changed = blockwise->forward(ids, pos);
+  expect_close(changed.narrow(1, 0, t), lb.detach().narrow(1, 0, t), "logits before the change", 0,
+               1e-6);
+  EXPECT_GT(
+      (changed.narrow(1, t, kS - t) - lb.detach().narrow(1, t, kS - t)).abs().max().item<double>(),
+      1e-3)
+      << "changing token " << t << " must change the logits from position " << t << " on";
 }
 
 TEST(Qwen3Parallel, CP2AllGather) {
@@ -153,9 +221,11 @@ TEST(Qwen3Parallel, TP1CP4Hybrid) {
   run_tp_cp(1, 4, "hybrid", 2);
 }
 
-// Production and validate modes run the same kernels: identical losses and gradients; validate
-// checks every boundary and names module, expected and actual layout on a mismatch.
+// Production and validate modes run the same kernels: identical losses and gradients, both equal
+// to the single-process model's; validate checks every boundary and names module, expected and
+// actual layout on a mismatch.
 TEST(Qwen3Parallel, ValidateModeEqualsProductionAndCatchesPlacementMismatches) {
+  const auto ref = reference(small(8, 4));
   run_ranks(4, [&](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 2}, {"tp", 2}});
     auto run_mode = [&](plan::Mode mode, bool break_plan) {
@@ -172,14 +242,21 @@ TEST(Qwen3Parallel, ValidateModeEqualsProductionAndCatchesPlacementMismatches) {
       plan::ShardingApplier().apply(*m, p, mesh, mode);
       auto b = batch();
       auto sb = cp::shard_batch(b.ids, b.labels, mesh.coordinate("cp"), 2, false);
+      // Validate mode installs the boundary checker; production runs without one.
+      EXPECT_EQ(p.checker != nullptr, mode == plan::Mode::kValidate);
       if (p.checker) p.checker->set(sb.input_ids, p.activation_layout());
-      auto loss = loss_sum(m->forward(sb.input_ids, sb.position_ids), sb.labels);
+      auto logits = m->forward(sb.input_ids, sb.position_ids);
+      auto loss = loss_sum(logits, sb.labels);
       loss.backward();
       std::vector<at::Tensor> grads{loss.detach()};
       for (auto& par : m->parameters())
         grads.push_back(par.grad());
       if (p.checker) {
         EXPECT_EQ(p.checker->checks(), 1 + 3 * 2);  // embedding + 3 per layer
+      }
+      if (!break_plan) {
+        expect_like_reference(mesh, *m, logits, loss, ref,
+                              mode == plan::Mode::kValidate ? "validate" : "production");
       }
       return grads;
     };

@@ -1,23 +1,76 @@
 // hp-bench calibrate / cp --cp-algo auto / report end to end on plain loopback, with the
-// calibration cache redirected (HP_CALIBRATION) so the user's cache is never touched.
+// calibration cache redirected (HP_CALIBRATION) so the user's cache is never touched. The
+// report's contents are checked for coherence: every grid case with its fields, positive
+// measured and predicted times, the prediction errors and their maximum recomputed, bytes
+// counted equal to the volume formula, the auto choice among the candidates and its time the
+// measured one, every case in the markdown tables, and both SVGs well-formed with their bars,
+// tracks and events.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "rank_harness.h"
+#include "xml_lite.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 std::string with_cache(const std::string& cal, const std::string& args) {
   return "HP_CALIBRATION=" + cal + " " + std::string(HP_BENCH_BINARY) + " " + args;
 }
 
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+std::string fixed(double v, int digits) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+// Forward + backward bytes one rank sends in one CP attention layer (DESIGN 5.2), written out
+// here independently of hp::cp::forward_bytes_per_rank: fp32, batch 1, data-order balance.
+int64_t cp_layer_bytes(const json& m) {
+  const int64_t s = m["seq"], p = m["cp"], d = m["head_dim"];
+  const int64_t h = m["heads"].get<int64_t>() * d, hkv = m["kv_heads"].get<int64_t>() * d;
+  const int64_t e = 4;
+  if (m["algorithm"] == "all_gather") return 2 * (2 * s * hkv * e * (p - 1) / p);
+  if (m["algorithm"] == "ulysses") return 2 * ((2 * h + 2 * hkv) * (s / p) * e * (p - 1) / p);
+  ADD_FAILURE() << "no formula here for " << m["algorithm"];
+  return -1;
+}
+
+// The "predicted NAME: step T s" lines of `hp-bench cp --cp-algo auto`, in printed order.
+std::vector<std::pair<std::string, double>> printed_predictions(const std::string& out) {
+  std::vector<std::pair<std::string, double>> got;
+  std::istringstream in(out);
+  std::string line;
+  while (std::getline(in, line)) {
+    char name[64];
+    double step = 0;
+    if (std::sscanf(line.c_str(), " predicted %63[^:]: step %lf s", name, &step) == 2) {
+      got.emplace_back(name, step);
+    }
+  }
+  return got;
+}
+
 TEST(Report, CalibrateAutoAndReport) {
-  const std::string dir = ::testing::TempDir() + "/hp_report";
+  const std::string dir = hp::testing::scratch_dir() + "/hp_report";
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string cal = dir + "/calibration.json";
@@ -29,46 +82,224 @@ TEST(Report, CalibrateAutoAndReport) {
 
   auto c = hp::testing::run_command(with_cache(cal, "calibrate"));
   ASSERT_EQ(c.rc, 0) << c.out;
-  auto calibration = nlohmann::json::parse(std::ifstream(cal));
+  auto calibration = json::parse(std::ifstream(cal));
   EXPECT_EQ(calibration["link"], "loopback");
   EXPECT_GT(calibration["attention_gflops"].get<double>(), 0);
   EXPECT_GT(calibration["collectives"]["all_to_all"]["2"]["seconds_per_byte"].get<double>(), 0);
   EXPECT_EQ(calibration["inputs"]["comm"].size(), 4u);  // P in {2, 4} x two sizes
 
+  // auto: every legal candidate predicted (positive), the cheapest chosen, and that one runs.
   auto a = hp::testing::run_command(
       with_cache(cal,
                  "cp --cp 2 --seq 512 --heads 4 --kv-heads 4 --head-dim 16 --causal --projections "
                  "--cp-algo auto --iters 1"));
   ASSERT_EQ(a.rc, 0) << a.out;
-  for (const char* choice : {"predicted all_gather/sync", "predicted all_gather/async",
-                             "predicted ulysses/sync", "predicted ulysses/async", "chosen: "}) {
-    EXPECT_NE(a.out.find(choice), std::string::npos) << choice << "\n" << a.out;
+  auto predicted = printed_predictions(a.out);
+  std::set<std::string> names;
+  for (const auto& [name, step] : predicted) {
+    names.insert(name);
+    EXPECT_GT(step, 0) << name;
   }
+  EXPECT_EQ(names, (std::set<std::string>{"all_gather/sync", "all_gather/async", "ulysses/sync",
+                                          "ulysses/async"}))
+      << a.out;
+  ASSERT_FALSE(predicted.empty()) << a.out;
+  const auto cheapest =
+      *std::min_element(predicted.begin(), predicted.end(),
+                        [](const auto& x, const auto& y) { return x.second < y.second; });
+  EXPECT_NE(a.out.find("  chosen: " + cheapest.first + "\n"), std::string::npos)
+      << cheapest.first << "\n"
+      << a.out;
+  const auto slash = cheapest.first.find('/');
+  EXPECT_NE(a.out.find("hp-bench cp: " + cheapest.first.substr(0, slash) + " " +
+                       cheapest.first.substr(slash + 1) + " cp=2"),
+            std::string::npos)
+      << "the chosen configuration is the one measured\n"
+      << a.out;
 
   auto r = hp::testing::run_command(
       with_cache(cal, "report --seqs 512 --ranks 2 --iters 1 --out " + dir + "/out"));
   ASSERT_EQ(r.rc, 0) << r.out;
-  auto j = nlohmann::json::parse(std::ifstream(dir + "/out/results.json"));
-  // all_gather (balanced) and ulysses x sync/async, plus contiguous all_gather.
-  EXPECT_EQ(j["measurements"].size(), 5u);
+  auto j = json::parse(std::ifstream(dir + "/out/results.json"));
+
+  // The grid at P = 2, S = 512: all_gather (head-tail balance) and ulysses, each sync and async,
+  // plus contiguous all_gather (sync) at the largest S.
+  const std::set<std::string> candidates{"all_gather/sync", "all_gather/async", "ulysses/sync",
+                                         "ulysses/async"};
+  ASSERT_EQ(j["measurements"].size(), 5u);
+  std::map<std::string, json> by_name;
+  double max_rel = 0;
   for (const auto& m : j["measurements"]) {
-    EXPECT_GT(m["step_time_s"].get<double>(), 0);
-    EXPECT_GT(m["predicted_step_time_s"].get<double>(), 0);
-    EXPECT_EQ(m["comm_bytes_per_rank"], m["comm_bytes_theory"]);
+    for (const char* key : {"name",
+                            "algorithm",
+                            "schedule",
+                            "cp",
+                            "ulysses_degree",
+                            "seq",
+                            "heads",
+                            "kv_heads",
+                            "head_dim",
+                            "causal",
+                            "projections",
+                            "load_balance",
+                            "link",
+                            "step_time_s",
+                            "exposed_comm_s",
+                            "overlap_fraction",
+                            "comm_bytes_per_rank",
+                            "comm_bytes_theory",
+                            "wire_bytes_per_rank",
+                            "predicted_step_time_s",
+                            "predicted_exposed_comm_s",
+                            "prediction_rel_error"}) {
+      ASSERT_TRUE(m.contains(key)) << key << " missing in " << m.dump();
+    }
+    const std::string name = m["name"];
+    EXPECT_TRUE(by_name.emplace(name, m).second) << "case measured twice: " << name;
+    const bool contiguous = name == "all_gather(contiguous)/sync";
+    EXPECT_TRUE(contiguous || candidates.count(name)) << name;
+    // The name says what ran.
+    EXPECT_EQ(name, m["algorithm"].get<std::string>() + (contiguous ? "(contiguous)" : "") + "/" +
+                        m["schedule"].get<std::string>());
+    EXPECT_EQ(m["load_balance"], m["algorithm"] == "all_gather" && !contiguous) << name;
+    EXPECT_EQ(m["ulysses_degree"], m["algorithm"] == "ulysses" ? 2 : 1) << name;
+    EXPECT_EQ(m["cp"], 2);
+    EXPECT_EQ(m["seq"], 512);
+    EXPECT_EQ(m["link"], "loopback");
+    EXPECT_EQ(m["causal"], true);
+    EXPECT_EQ(m["projections"], true);
+    const double meas = m["step_time_s"], pred = m["predicted_step_time_s"];
+    EXPECT_GT(meas, 0) << name;
+    EXPECT_GT(pred, 0) << name;
+    EXPECT_GE(m["exposed_comm_s"].get<double>(), 0) << name;
+    EXPECT_GE(m["predicted_exposed_comm_s"].get<double>(), 0) << name;
+    EXPECT_NEAR(m["prediction_rel_error"].get<double>(), std::abs(pred - meas) / meas, 1e-9)
+        << name;
+    if (!contiguous) max_rel = std::max(max_rel, m["prediction_rel_error"].get<double>());
+    // Bytes: counted by the comm layer = the formula, computed here and by the bench.
+    EXPECT_EQ(m["comm_bytes_per_rank"].get<int64_t>(), cp_layer_bytes(m)) << name;
+    EXPECT_EQ(m["comm_bytes_theory"].get<int64_t>(), cp_layer_bytes(m)) << name;
+    EXPECT_EQ(m["wire_bytes_per_rank"].get<int64_t>(), -1) << name << ": no emulated link";
   }
-  EXPECT_TRUE(j["cost_model"].contains("max_rel_error"));
+  std::set<std::string> measured;
+  for (const auto& [name, m] : by_name)
+    measured.insert(name);
+  std::set<std::string> grid = candidates;
+  grid.insert("all_gather(contiguous)/sync");
+  EXPECT_EQ(measured, grid);
+  EXPECT_DOUBLE_EQ(j["cost_model"]["max_rel_error"].get<double>(), max_rel);
+
+  // auto: predictions for exactly the candidates, ascending; the choice is the cheapest
+  // prediction, its time is its measurement, the best is the fastest measured candidate.
   ASSERT_EQ(j["auto_selection"].size(), 1u);
-  for (const char* key :
-       {"case", "auto_choice", "auto_step_time_s", "best_choice", "best_step_time_s"}) {
-    EXPECT_TRUE(j["auto_selection"][0].contains(key)) << key;
+  const auto& sel = j["auto_selection"][0];
+  EXPECT_EQ(sel["case"], (json{{"link", "loopback"}, {"cp", 2}, {"seq", 512}, {"causal", true}}));
+  std::set<std::string> predicted_names;
+  double previous = 0;
+  for (const auto& p : sel["predictions"]) {
+    predicted_names.insert(p["choice"].get<std::string>());
+    const double t = p["predicted_step_time_s"];
+    EXPECT_GT(t, 0) << p.dump();
+    EXPECT_GE(t, previous) << "predictions are ranked, cheapest first";
+    previous = t;
   }
-  for (const char* f : {"results.md", "chart.svg", "timeline.svg"}) {
-    EXPECT_TRUE(fs::exists(dir + "/out/" + f)) << f;
+  EXPECT_EQ(predicted_names, candidates);
+  const std::string choice = sel["auto_choice"];
+  EXPECT_EQ(choice, sel["predictions"][0]["choice"]);
+  ASSERT_TRUE(candidates.count(choice)) << choice;
+  EXPECT_EQ(sel["auto_step_time_s"].get<double>(), by_name[choice]["step_time_s"].get<double>());
+  std::string best;
+  for (const auto& n : candidates) {
+    if (best.empty() ||
+        by_name[n]["step_time_s"].get<double>() < by_name[best]["step_time_s"].get<double>()) {
+      best = n;
+    }
   }
-  std::ifstream svg(dir + "/out/chart.svg");
-  std::string text((std::istreambuf_iterator<char>(svg)), {});
-  EXPECT_NE(text.find("<svg"), std::string::npos);
-  EXPECT_NE(text.find("exposed communication"), std::string::npos);
+  EXPECT_EQ(sel["best_choice"], best);
+  EXPECT_EQ(sel["best_step_time_s"].get<double>(), by_name[best]["step_time_s"].get<double>());
+  EXPECT_NEAR(sel["auto_over_best"].get<double>(),
+              sel["auto_step_time_s"].get<double>() / sel["best_step_time_s"].get<double>(), 1e-12);
+  EXPECT_GE(sel["auto_over_best"].get<double>(), 1.0);
+
+  // The rest of what the report claims to hold.
+  EXPECT_EQ(j["calibrations"]["loopback"]["link"], "loopback");
+  EXPECT_EQ(j["attention"].size(), 1u);  // one per S
+  EXPECT_TRUE(j["hsdp"].contains("results")) << j["hsdp"].dump();
+  EXPECT_GT(j["wall_s"].get<double>(), 0);
+  int cp_commands = 0;
+  for (const auto& cmd : j["commands"])
+    cp_commands += cmd.get<std::string>().find(" cp --seq 512 ") != std::string::npos;
+  EXPECT_EQ(cp_commands, 3);  // balanced all_gather, ulysses (each runs sync + async), contiguous
+
+  // results.md: a row per measurement with its numbers, the cost model line, the auto row.
+  const std::string md = read_file(dir + "/out/results.md");
+  for (const auto& [name, m] : by_name) {
+    const std::string row = "| loopback | 2 | 512 | " + name + " | " + fixed(m["step_time_s"], 3) +
+                            " | " + fixed(m["predicted_step_time_s"], 3) + " | " +
+                            fixed(m["prediction_rel_error"], 2) + " | ";
+    EXPECT_NE(md.find(row), std::string::npos) << row << "\n" << md;
+  }
+  EXPECT_NE(md.find("Cost model: max relative error " + fixed(max_rel, 2) + " over the grid."),
+            std::string::npos)
+      << md;
+  const std::string auto_row = "| loopback P=2 S=512 | " + choice + " | " +
+                               fixed(sel["auto_step_time_s"], 3) + " | " + best + " | ";
+  EXPECT_NE(md.find(auto_row), std::string::npos) << auto_row << "\n" << md;
+  for (const char* img : {"![chart](chart.svg)", "![per-rank timeline](timeline.svg)"})
+    EXPECT_NE(md.find(img), std::string::npos) << img;
+
+  // chart.svg: well-formed; one titled bar per measurement, named in the legend.
+  std::unique_ptr<hp::testing::XmlElement> chart;
+  try {
+    chart = hp::testing::parse_xml(read_file(dir + "/out/chart.svg"));
+  } catch (const std::exception& e) {
+    FAIL() << "chart.svg: " << e.what();
+  }
+  EXPECT_EQ(chart->name, "svg");
+  EXPECT_EQ(chart->attrs["xmlns"], "http://www.w3.org/2000/svg");
+  std::multiset<std::string> bars;
+  for (const auto* rect : chart->find_all("rect")) {
+    if (const auto* title = rect->child("title")) {
+      bars.insert(title->text.substr(0, title->text.find(':')));
+      EXPECT_GT(std::stod(rect->attrs.at("height")), 0) << title->text;
+    }
+  }
+  EXPECT_EQ(bars, (std::multiset<std::string>(measured.begin(), measured.end())));
+  std::set<std::string> texts;
+  for (const auto* t : chart->find_all("text"))
+    texts.insert(t->text);
+  for (const auto& name : measured)
+    EXPECT_TRUE(texts.count(name)) << "legend entry " << name;
+  EXPECT_TRUE(texts.count("exposed communication"));
+  EXPECT_TRUE(texts.count("P=2 S=512 loopback"));
+
+  // timeline.svg: well-formed; a track per rank, with collectives and waits on both.
+  std::unique_ptr<hp::testing::XmlElement> timeline;
+  try {
+    timeline = hp::testing::parse_xml(read_file(dir + "/out/timeline.svg"));
+  } catch (const std::exception& e) {
+    FAIL() << "timeline.svg: " << e.what();
+  }
+  EXPECT_EQ(timeline->name, "svg");
+  texts.clear();
+  for (const auto* t : timeline->find_all("text"))
+    texts.insert(t->text);
+  EXPECT_TRUE(texts.count("rank 0") && texts.count("rank 1") && !texts.count("rank 2"));
+  // Track r spans y in [40 + 34r, 40 + 34(r + 1)) (svg.cpp's layout).
+  std::map<int, std::vector<std::string>> titles;  // "NAME GROUP T ms"
+  for (const auto* rect : timeline->find_all("rect")) {
+    const auto* title = rect->child("title");
+    if (title == nullptr) continue;
+    titles[static_cast<int>((std::stod(rect->attrs.at("y")) - 40) / 34)].push_back(title->text);
+  }
+  EXPECT_EQ(titles.size(), 2u);
+  for (int rank : {0, 1}) {
+    for (const std::string prefix : {"all_gather cp ", "wait all_gather cp "}) {
+      EXPECT_TRUE(std::any_of(titles[rank].begin(), titles[rank].end(),
+                              [&](const std::string& t) { return t.rfind(prefix, 0) == 0; }))
+          << "rank " << rank << " has no '" << prefix << "' event";
+    }
+  }
 }
 
 }  // namespace
