@@ -216,17 +216,24 @@ std::vector<hsdp::UnitSpec> Qwen3Impl::fully_shard_units() {
   return units;
 }
 
-std::vector<plan::AttentionModuleInfo> Qwen3Impl::attention_modules() {
-  std::vector<plan::AttentionModuleInfo> out;
+std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
+  std::vector<plan::ModuleInfo> out;
   for (size_t i = 0; i < layers.size(); ++i) {
-    plan::AttentionModuleInfo info;
-    info.path = common::str_cat("layers.", i, ".self_attn");
-    info.heads = config_.heads;
-    info.kv_heads = config_.kv_heads;
-    info.head_dim = config_.head_dim;
-    info.hidden = config_.hidden;
-    info.host = &layers[i]->self_attn->host();
-    out.push_back(info);
+    const std::string base = common::str_cat("layers.", i);
+    auto& attn = layers[i]->self_attn;
+    out.push_back({base, {}, std::nullopt});
+    plan::AttentionSlotInfo slot;
+    slot.heads = config_.heads;
+    slot.kv_heads = config_.kv_heads;
+    slot.head_dim = config_.head_dim;
+    slot.hidden = config_.hidden;
+    slot.host = &attn->host();
+    slot.adapter = "sdpa_hf";
+    slot.handoffs = {{"q", attn->q_handoff.name()},
+                     {"k", attn->k_handoff.name()},
+                     {"v", attn->v_handoff.name()}};
+    out.push_back({base + ".self_attn", tp::tp_shard_dims(*attn), slot});
+    out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt});
   }
   return out;
 }

@@ -1,5 +1,7 @@
 #include "hp/plan/plan.h"
 
+#include <cstdio>
+
 #include "hp/common/check.h"
 #include "hp/cp/topology.h"
 
@@ -26,6 +28,29 @@ std::string ShardingPlan::describe() const {
   return out;
 }
 
+std::optional<int64_t> ShardingPlan::tp_shard_dim(const std::string& fqn) const {
+  for (const auto& [path, spec] : modules) {
+    if (fqn.size() <= path.size() || fqn.compare(0, path.size(), path) != 0 ||
+        fqn[path.size()] != '.') {
+      continue;
+    }
+    auto it = spec.param_placements.find(fqn.substr(path.size() + 1));
+    if (it == spec.param_placements.end()) continue;
+    int64_t dim = -1;
+    if (std::sscanf(it->second.c_str(), "Shard(%ld)", &dim) == 1) return dim;
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+std::vector<ModuleInfo> attention_modules(Plannable& model) {
+  std::vector<ModuleInfo> out;
+  for (auto& m : model.plan_modules()) {
+    if (m.attention) out.push_back(std::move(m));
+  }
+  return out;
+}
+
 comm::MeshOptions ShardingPlan::mesh_options() const {
   comm::MeshOptions o;
   if (hsdp()) o.flattened.push_back({"dp_shard", "cp"});
@@ -45,7 +70,8 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
            " x cp=", o.cp_size, " x tp=", o.tp_size, " = ", product, " but the world has ",
            world_size, " ranks; choose sizes whose product is ", world_size);
   m.check_tp(o.tp_size);
-  auto attns = m.attention_modules();
+  const auto infos = m.plan_modules();
+  const auto attns = attention_modules(m);
   ShardingPlan p;
   p.tp_size = o.tp_size;
   p.cp_size = o.cp_size;
@@ -64,7 +90,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
              "`hp-bench calibrate [--link-rate RATE]` first");
     HP_CHECK(!attns.empty(), "plan: --cp-algo auto: the model has no attention modules");
     HP_CHECK(o.seq_len > 0, "plan: --cp-algo auto needs the sequence length (seq_len)");
-    const auto& a = attns.front();
+    const auto& a = *attns.front().attention;
     CPWorkload w;
     w.seq = o.seq_len;
     w.heads = a.heads / o.tp_size;
@@ -87,39 +113,34 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
   p.seq_len = o.seq_len;
   const Layout act = p.activation_layout();
-  for (const auto& info : attns) {
-    if (p.cp_config) {
-      cp::check_heads(*p.cp_config, o.cp_size, info.heads / o.tp_size, info.kv_heads / o.tp_size,
-                      o.tp_size);
+  for (const auto& info : infos) {
+    ModuleShardingSpec spec;
+    spec.path = info.path;
+    spec.in_layout = spec.out_layout = act;
+    for (const auto& [name, dim] : info.tp_shard_dims) {
+      spec.param_placements[name] =
+          o.tp_size > 1 && dim >= 0 ? common::str_cat("Shard(", dim, ")") : "Replicate";
     }
-    const std::string base = info.path.substr(0, info.path.rfind('.'));
-    ModuleShardingSpec layer;
-    layer.path = base;
-    layer.in_layout = layer.out_layout = act;
-    p.modules[layer.path] = layer;
-    ModuleShardingSpec attn;
-    attn.path = info.path;
-    attn.in_layout = attn.out_layout = act;
-    attn.is_attention = true;
-    const char* col = o.tp_size > 1 ? "Shard(0)" : "Replicate";
-    const char* row = o.tp_size > 1 ? "Shard(1)" : "Replicate";
-    attn.param_placements = {{"q_proj.weight", col},         {"k_proj.weight", col},
-                             {"v_proj.weight", col},         {"o_proj.weight", row},
-                             {"q_norm.weight", "Replicate"}, {"k_norm.weight", "Replicate"}};
-    attn.cp.module_path = attn.path;
-    attn.cp.inner_wrapper = "sdpa_hf";
-    attn.cp.cp_handoff_targets = {{"q", "q_handoff"}, {"k", "k_handoff"}, {"v", "v_handoff"}};
-    if (auto it = overrides.find(attn.path); it != overrides.end()) {
-      attn.cp = it->second;
-      attn.cp.module_path = attn.path;
+    if (info.attention) {
+      const auto& a = *info.attention;
+      if (p.cp_config) {
+        cp::check_heads(*p.cp_config, o.cp_size, a.heads / o.tp_size, a.kv_heads / o.tp_size,
+                        o.tp_size);
+      }
+      spec.is_attention = true;
+      spec.cp.module_path = info.path;
+      spec.cp.inner_wrapper = a.adapter;
+      spec.cp.cp_seq_dim = a.seq_dim;
+      spec.cp.cp_head_dim = a.heads_dim;
+      spec.cp.cp_handoff_targets = a.handoffs;
+      if (auto it = overrides.find(info.path); it != overrides.end()) {
+        spec.cp = it->second;
+        spec.cp.module_path = info.path;
+      }
     }
-    p.modules[attn.path] = attn;
-    ModuleShardingSpec mlp;
-    mlp.path = base + ".mlp";
-    mlp.in_layout = mlp.out_layout = act;
-    mlp.param_placements = {
-        {"gate_proj.weight", col}, {"up_proj.weight", col}, {"down_proj.weight", row}};
-    p.modules[mlp.path] = mlp;
+    HP_CHECK(p.modules.emplace(info.path, std::move(spec)).second,
+             "plan: the model reports module '", info.path,
+             "' twice; every module path must be unique");
   }
   return p;
 }
@@ -140,13 +161,13 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
   }
   if (plan.cp_config) {
     auto topo = cp::CPTopology::build(mesh.world(), mesh.group_ptr({"cp"}), *plan.cp_config);
-    for (const auto& info : model.attention_modules()) {
+    for (const auto& info : attention_modules(model)) {
       auto it = plan.modules.find(info.path);
       HP_CHECK(it != plan.modules.end(), "apply: module '", info.path,
                "' is not in the plan; plan and apply the same model");
       cp::CPApplyOptions o;
       o.log = [&](const std::string& l) { lines.push_back(l); };
-      cp::apply_context_parallel(*info.host, it->second.cp, *plan.cp_config, topo, o);
+      cp::apply_context_parallel(*info.attention->host, it->second.cp, *plan.cp_config, topo, o);
     }
   }
   model.set_fully_shard(nullptr);

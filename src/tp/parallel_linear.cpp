@@ -57,4 +57,21 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   return reduce_from_tp(at::matmul(x, weight.t()), tp_);
 }
 
+std::map<std::string, int64_t> tp_shard_dims(const torch::nn::Module& module) {
+  std::map<std::string, int64_t> out;
+  for (const auto& p : module.named_parameters())
+    out[p.key()] = -1;
+  auto dim_of = [](const torch::nn::Module* m) -> int64_t {
+    if (dynamic_cast<const ColumnParallelLinearImpl*>(m) != nullptr) return 0;
+    if (dynamic_cast<const RowParallelLinearImpl*>(m) != nullptr) return 1;
+    return -1;
+  };
+  if (const int64_t d = dim_of(&module); d >= 0) out["weight"] = d;
+  // Not include_self: the module need not be held by a shared_ptr.
+  for (const auto& m : module.named_modules("", /*include_self=*/false)) {
+    if (const int64_t d = dim_of(m.value().get()); d >= 0) out[m.key() + ".weight"] = d;
+  }
+  return out;
+}
+
 }  // namespace hp::tp

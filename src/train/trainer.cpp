@@ -71,14 +71,6 @@ at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
                                 at::Reduction::Sum, -100);
 }
 
-bool is_sharded(const std::string& name) {
-  for (const char* s :
-       {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj"}) {
-    if (name.find(s) != std::string::npos) return true;
-  }
-  return false;
-}
-
 // One training run of `model` over `world`'s layout; also used for the single-process
 // reference of --validate (world of one rank, no CP).
 struct Runner {
@@ -90,6 +82,8 @@ struct Runner {
   NamedTensors params;  // what the optimizer updates: parameters, or HSDP shards
   int64_t cp, cp_rank, tp_rank, dp, dp_rank;
   bool lb;
+
+  const plan::ShardingPlan* plan = nullptr;  // TP placements (null: nothing is TP-sharded)
 
   Runner(const TrainOptions& opts, comm::DeviceMesh& m,
          const std::optional<cp::ContextParallelConfig>& cfg)
@@ -179,7 +173,8 @@ struct Runner {
     double local = 0;
     for (auto& [n, p] : params) {
       if (!p.grad().defined()) continue;
-      if (is_sharded(n) || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
+      const bool tp_sharded = plan != nullptr && plan->tp_shard_dim(n).has_value();
+      if (tp_sharded || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
     }
     // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank.
     const double copies =
@@ -270,6 +265,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   auto plan = plan::ShardingPlanner().plan(*probe, world.size(), po);
   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
   Runner run(o, mesh, plan.cp_config);
+  run.plan = &plan;
   auto apply_log = plan::ShardingApplier().apply(
       *run.model, plan, mesh, o.validate_mode ? plan::Mode::kValidate : plan::Mode::kProduction);
   run.make_optimizer(plan.fully_shard.get());
@@ -415,13 +411,8 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
       }
       for (const auto& [n, g] : run.first_grads) {
         auto r = ref.first_grads.at(n);
-        if (r.sizes() != g.sizes()) {
-          // TP-sharded: this rank (TP rank 0) holds the first slice.
-          const int64_t dim =
-              (n.find("o_proj") != std::string::npos || n.find("down_proj") != std::string::npos)
-                  ? 1
-                  : 0;
-          r = r.narrow(dim, 0, g.size(dim));
+        if (auto dim = plan.tp_shard_dim(n); dim && r.sizes() != g.sizes()) {
+          r = r.narrow(*dim, 0, g.size(*dim));  // this rank (TP rank 0) holds the first slice
         }
         const double rel = ((g - r).norm() / (r.norm() + 1e-12)).item<double>();
         max_rel = std::max(max_rel, rel);

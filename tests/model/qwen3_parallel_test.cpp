@@ -16,6 +16,7 @@
 #include "hp/cp/sequence.h"
 #include "hp/model/qwen3.h"
 #include "hp/plan/plan.h"
+#include "hp/tp/parallel_linear.h"
 #include "rank_harness.h"
 
 namespace hp::model {
@@ -74,14 +75,9 @@ Reference reference(const Qwen3Config& cfg) {
   return r;
 }
 
-int shard_dim(const std::string& name) {
-  for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
-    if (name.find(col) != std::string::npos) return 0;
-  }
-  for (const char* row : {"o_proj", "down_proj"}) {
-    if (name.find(row) != std::string::npos) return 1;
-  }
-  return -1;
+// The dim TP splits a parameter along, as the model's own layers say (never a name table).
+int shard_dim(torch::nn::Module& model, const std::string& name) {
+  return static_cast<int>(tp::tp_shard_dims(model).at(name));
 }
 
 void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<int64_t> u,
@@ -122,7 +118,7 @@ void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<in
     for (const auto& p : m->named_parameters()) {
       auto g = comm::all_reduce(mesh.group("cp"), p.value().grad());  // replicated over CP
       auto expect = ref.grads.at(p.key());
-      const int dim = shard_dim(p.key());
+      const int dim = shard_dim(*m, p.key());
       if (dim >= 0) expect = expect.chunk(tp, dim)[t];
       expect_close(g, expect, algo + " tp=" + std::to_string(tp) + " " + p.key(), 1e-4, 1e-5);
     }
@@ -151,7 +147,7 @@ void expect_like_reference(comm::DeviceMesh& mesh, Qwen3Impl& m, const at::Tenso
     if (partial.count(p.value().unsafeGetTensorImpl())) g = comm::all_reduce(tp, g);
     g = comm::all_reduce(cp, g) / kS;
     auto expect = ref.grads.at(p.key());
-    const int dim = shard_dim(p.key());
+    const int dim = shard_dim(m, p.key());
     if (dim >= 0) expect = expect.chunk(tp_size, dim)[t];
     expect_close(g, expect, what + " " + p.key(), 1e-4, 1e-5);
   }

@@ -105,7 +105,9 @@ TORCH_MODULE(Qwen3DecoderLayer);
 class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
  public:
   explicit Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp = nullptr);
-  std::vector<plan::AttentionModuleInfo> attention_modules() override;
+  // Per decoder layer: the layer, its self_attn (the attention slot, handoffs q/k/v_handoff,
+  // reached through the primitive call: sdpa_hf) and its mlp; TP dims from the linear types.
+  std::vector<plan::ModuleInfo> plan_modules() override;
   void check_tp(int64_t tp_size) const override { validate(config_, tp_size); }
   void set_validation(plan::BoundaryChecker* checker,
                       const std::map<std::string, plan::ModuleShardingSpec>* specs) override;

@@ -27,19 +27,36 @@ namespace hp::plan {
 struct ModuleShardingSpec;
 
 // What the planner needs to know of a model (plan/ sits below model/: models implement this).
-struct AttentionModuleInfo {
-  std::string path;      // e.g. "layers.0.self_attn"
+// The planner knows no model by name: every module, parameter, handoff point and attention slot
+// it plans comes from here.
+
+// A module whose attention CP is installed into.
+struct AttentionSlotInfo {
   int64_t heads = 0;     // global query heads
   int64_t kv_heads = 0;  // global key/value heads
-  int64_t head_dim = 0;
-  int64_t hidden = 0;  // the model width the Q/K/V/O projections map from and to
+  int64_t head_dim = 0;  // per-head feature size of Q/K
+  int64_t hidden = 0;    // the model width the Q/K/V/O projections map from and to
   attention::AttentionHost* host = nullptr;
+  std::string adapter = "sdpa_hf";  // the CP adapter for how the module reaches attention
+  // Role ("q", "k", "v") -> the handoff point emitting it (async schedule), e.g. q -> q_handoff.
+  std::map<std::string, std::string> handoffs;
+  int64_t seq_dim = 2;  // q/k/v layout at the attention call: BNSD by default
+  int64_t heads_dim = 1;
+};
+
+struct ModuleInfo {
+  std::string path;  // e.g. "layers.0.self_attn"
+  // Every parameter the module holds directly or below it (relative names) -> the dim TP
+  // splits it along, -1 when every TP rank holds it whole (tp::tp_shard_dims).
+  std::map<std::string, int64_t> tp_shard_dims;
+  std::optional<AttentionSlotInfo> attention;  // set for attention modules
 };
 
 class Plannable {
  public:
   virtual ~Plannable() = default;
-  virtual std::vector<AttentionModuleInfo> attention_modules() = 0;
+  // Every module the plan covers (its boundaries are checked in validate mode), outer first.
+  virtual std::vector<ModuleInfo> plan_modules() = 0;
   // Throws hp::Error when the model cannot be split over tp_size ranks.
   virtual void check_tp(int64_t tp_size) const = 0;
   // Validate mode: check boundaries with `checker` against `specs` (null: production).
@@ -50,6 +67,9 @@ class Plannable {
   // Route the forward through `fs` (null: plain forward). The model does not own it.
   virtual void set_fully_shard(hsdp::FullyShard* fs) = 0;
 };
+
+// The attention modules of plan_modules(), in order.
+std::vector<ModuleInfo> attention_modules(Plannable& model);
 
 struct PlanOptions {
   int64_t tp_size = 1;
@@ -72,7 +92,8 @@ struct PlanOptions {
 // What a module gets (DESIGN section 9); CP fields as in cp::CPModuleSpec.
 struct ModuleShardingSpec {
   std::string path;
-  std::map<std::string, std::string> param_placements;  // "weight" -> "Shard(0)" / "Replicate"
+  // Parameter (relative name) -> its placement over tp: "Shard(0)", "Shard(1)", "Replicate".
+  std::map<std::string, std::string> param_placements;
   Layout in_layout, out_layout;  // boundary layouts (validate mode checks them)
   cp::CPModuleSpec cp;           // attention modules only
   bool is_attention = false;
@@ -95,6 +116,9 @@ struct ShardingPlan {
   comm::MeshOptions mesh_options() const;
   // The layout of activations between modules: sequence sharded over cp, replicated over tp.
   Layout activation_layout() const;
+  // The dim TP splits parameter `fqn` (e.g. "layers.0.mlp.down_proj.weight") along, from the
+  // placements; nullopt when it is replicated over TP (or tp_size == 1) or not planned.
+  std::optional<int64_t> tp_shard_dim(const std::string& fqn) const;
   std::string describe() const;
 };
 

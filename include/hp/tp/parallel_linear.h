@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -47,6 +49,11 @@ class RowParallelLinearImpl : public torch::nn::Module {
  private:
   comm::GroupPtr tp_;
 };
+
+// Every parameter of `module` (recursively, names as named_parameters gives them) -> the dim
+// TP splits it along: 0 for a column-parallel weight, 1 for a row-parallel weight, -1 for a
+// parameter every TP rank holds whole. What the planner's placements are made from.
+std::map<std::string, int64_t> tp_shard_dims(const torch::nn::Module& module);
 
 // Size of this rank's share of `n` over the TP group; n must divide by the group size.
 int64_t tp_local(int64_t n, const comm::GroupPtr& tp, const char* what);
