@@ -32,6 +32,8 @@
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
+#include "hp/cp/adapter.h"
+#include "hp/cp/strategy.h"
 #include "hp/plan/cost_model.h"
 #include "hp/train/launcher.h"
 #include "hp_bench_cmds.h"
@@ -241,10 +243,12 @@ int main(int argc, char** argv) {
                     cpa.bench.batch);
   cp_cmd->add_option("--cp,--nproc", cpa.nproc, "CP ranks (local processes)")
       ->check(CLI::Range(1, 64));
-  cp_cmd->add_option("--cp-algo", cpa.algo, "all_gather | ulysses | hybrid | auto");
+  cp_cmd->add_option("--cp-algo", cpa.algo,
+                     hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto");
   cp_cmd->add_option("--ulysses-degree", cpa.degree, "Ulysses degree (hybrid)");
   cp_cmd->add_option("--schedule", cpa.schedule, "sync | async");
-  cp_cmd->add_option("--adapter", cpa.bench.adapter, "sdpa_qkv | sdpa_hf | flex_qkv | flex_hf");
+  cp_cmd->add_option("--adapter", cpa.bench.adapter,
+                     hp::cp::AdapterRegistry::builtin().names_list(" | "));
   cp_cmd->add_flag("--causal", cpa.bench.causal, "causal attention");
   cp_cmd->add_flag("--projections", cpa.bench.projections,
                    "Q/K/V/O projections around attention (what async overlaps)");

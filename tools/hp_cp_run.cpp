@@ -20,7 +20,9 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
+#include "hp/cp/adapter.h"
 #include "hp/cp/sequence.h"
+#include "hp/cp/strategy.h"
 #include "hp/cp/volume.h"
 
 namespace {
@@ -56,7 +58,7 @@ int main(int argc, char** argv) {
   app.add_option("--input", input, "torch.save dict with q, k, v, dout")->required();
   app.add_option("--output", output, "where to write out, dq, dk, dv")->required();
   app.add_option("--cp", cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
-  app.add_option("--cp-algo", algo, "all_gather | ulysses | hybrid");
+  app.add_option("--cp-algo", algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
   app.add_option("--ulysses-degree", degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", schedule, "sync | async");
   app.add_flag("--load-balance", load_balance, "head-tail load balance (all_gather)");
@@ -66,7 +68,7 @@ int main(int argc, char** argv) {
   app.add_flag("--causal", causal, "causal attention");
   app.add_option("--layout", layout, "bnsd | bshd");
   app.add_option("--primitive", primitive, "math | blockwise");
-  app.add_option("--adapter", adapter, "sdpa_qkv | sdpa_hf | flex_qkv | flex_hf");
+  app.add_option("--adapter", adapter, hp::cp::AdapterRegistry::builtin().names_list(" | "));
   CLI11_PARSE(app, argc, argv);
   try {
     HP_CHECK(layout == "bnsd" || layout == "bshd", "hp-cp-run: --layout '", layout,

@@ -18,6 +18,8 @@
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
+#include "hp/cp/adapter.h"
+#include "hp/cp/strategy.h"
 #include "hp/train/launcher.h"
 #include "hp/train/trainer.h"
 
@@ -77,7 +79,8 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--cp", o.cp, "context-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--cp-algo", a.algo, "all_gather | ulysses | hybrid | auto (cost model)");
+  app.add_option("--cp-algo", a.algo,
+                 hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");

@@ -50,11 +50,11 @@ class NamedRegistry {
     return out;
   }
 
-  // "a, b, c"
-  std::string names_list() const {
+  // "a, b, c" (or joined by `separator`: " | " for help texts)
+  std::string names_list(const std::string& separator = ", ") const {
     std::string out;
     for (const auto& e : entries_)
-      out += (out.empty() ? "" : ", ") + e.first;
+      out += (out.empty() ? "" : separator) + e.first;
     return out;
   }
 
