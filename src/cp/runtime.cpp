@@ -71,7 +71,7 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
                                                 const attention::AttentionFn& inner) {
   validate(q, k, v, options);
   ++calls_in_forward_;
-  AttentionCall call(options, inner, *adapter_, *strategy_, ctx_.layout);
+  AttentionCall call(options, inner, *adapter_, *strategy_, ctx_);
   at::Tensor out;
   if (async_) {
     auto arrived = [this](QKVRole role, const at::Tensor& x) { return state_->consume(role, x); };

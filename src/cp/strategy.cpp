@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "hp/comm/group.h"
 #include "hp/common/check.h"
 #include "hp/cp/adapter.h"
 
@@ -30,12 +31,34 @@ void QKVLayout::check(const std::string& who) const {
 
 AttentionCall::AttentionCall(const attention::AttentionOptions& options,
                              const attention::AttentionFn& inner, const CPAdapter& adapter,
-                             const CPStrategy& strategy, const QKVLayout& layout)
-    : options_(options), inner_(inner), adapter_(adapter), strategy_(strategy), layout_(layout) {}
+                             const CPStrategy& strategy, const CPRuntimeContext& ctx)
+    : options_(options),
+      inner_(inner),
+      adapter_(adapter),
+      strategy_(strategy),
+      layout_(ctx.layout) {
+  if (ctx.topology && ctx.topology->cp) {
+    auto& comm_ctx = ctx.topology->cp->context();
+    if (comm_ctx.tracer && comm_ctx.tracer->enabled()) {
+      tracer_ = comm_ctx.tracer.get();
+      rank_ = comm_ctx.world_rank;
+    }
+  }
+}
 
 attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v,
                                                      const CallState& state) const {
+  const int64_t begin = tracer_ != nullptr ? common::Tracer::now_us() : 0;
+  auto result = run(q, k, v, state);
+  if (tracer_ != nullptr) {
+    tracer_->record({"attention", "compute", rank_, begin, common::Tracer::now_us(), "", -1});
+  }
+  return result;
+}
+
+attention::AttentionResult AttentionCall::run(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const CallState& state) const {
   auto opts = adapter_.rewrite(options_, state, strategy_);
   if (!opts.causal || !opts.causal_meta) return inner_(q, k, v, opts);
   auto& meta = *opts.causal_meta;

@@ -2,6 +2,9 @@
 // parameter gradients equal the sync schedule and the single-process reference; two
 // micro-batches in flight; recompute of the whole block; fallbacks and error paths; overlap
 // visible in the trace.
+#include <chrono>
+#include <thread>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -355,38 +358,76 @@ TEST(CPAsync, FallbackAndErrorPaths) {
   });
 }
 
-TEST(CPAsync, TraceShowsTheCollectiveOverlappingTheNextProjection) {
+// Overlap shown by the peer, not by program order: rank 1 enters its forward 300 ms late, so
+// rank 0's collectives cannot complete before then. Rank 0's trace must show the V projection
+// and (for the strategies that overlap) attention on what is already local running before its
+// first wait, and that wait blocking until the late peer arrived.
+struct OverlapTrace {
+  int64_t launch = -1, wait_begin = -1, wait_end = -1, v_proj_end = -1;
+  int64_t first_attention_begin = -1, first_attention_end = -1;
+};
+
+OverlapTrace trace_with_late_peer(const std::string& algo, int p) {
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions o;
   o.tracer = tracer;
+  o.verify_shapes = false;  // its shape exchange would wait for the peer at every launch
   run_ranks(
-      2,
+      p,
       [&](comm::World& w) {
-        comm::DeviceMesh mesh(w, {{"cp", 2}});
-        auto cfg = make("all_gather", 2, CPSchedule::kAsync);
+        comm::DeviceMesh mesh(w, {{"cp", p}});
+        auto cfg = make(algo, p, CPSchedule::kAsync);
         auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
         BlockWithHandoffs m(false, w.rank() == 0 ? tracer : nullptr);
         auto spec = spec_for("sdpa_hf");
         apply_context_parallel(m.host(), spec, cfg, topo, quiet());
-        m.forward(shard(seeded(41, {1, kS, kHidden}), 1, w.rank(), 2));
+        comm::barrier(w.group());
+        if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        m.forward(shard(seeded(41, {1, kS, kHidden}), 1, w.rank(), p));
       },
       o);
-  // Rank 0: K's all-gather was launched before the V projection ran, and its wait returned
-  // after it: the projection ran while the collective was in flight.
-  int64_t k_launch = -1, v_proj_begin = -1, v_proj_end = -1, first_wait_end = -1;
+  OverlapTrace t;
+  int64_t start = -1;  // the end of rank 0's barrier: the forward starts after it
   for (const auto& e : tracer->events()) {
-    if (e.rank != 0) continue;
-    if (e.name == "all_gather" && e.category == "comm" && k_launch < 0) k_launch = e.begin_us;
-    if (e.name == "v_proj") {
-      v_proj_begin = e.begin_us;
-      v_proj_end = e.end_us;
-    }
-    if (e.category == "comm_wait" && first_wait_end < 0) first_wait_end = e.end_us;
+    if (e.rank == 0 && e.name == "barrier") start = std::max(start, e.end_us);
   }
-  ASSERT_GE(k_launch, 0);
-  ASSERT_GE(v_proj_begin, 0);
-  EXPECT_LE(k_launch, v_proj_begin);
-  EXPECT_GE(first_wait_end, v_proj_end);
+  EXPECT_GE(start, 0);
+  for (const auto& e : tracer->events()) {
+    if (e.rank != 0 || e.begin_us < start) continue;
+    if (e.category == "comm" && e.name != "barrier" && t.launch < 0) t.launch = e.begin_us;
+    if (e.category == "comm_wait" && e.name != "wait barrier" && t.wait_begin < 0) {
+      t.wait_begin = e.begin_us;
+      t.wait_end = e.end_us;
+    }
+    if (e.name == "v_proj") t.v_proj_end = e.end_us;
+    if (e.name == "attention" && t.first_attention_begin < 0) {
+      t.first_attention_begin = e.begin_us;
+      t.first_attention_end = e.end_us;
+    }
+  }
+  EXPECT_GE(t.launch, 0);
+  EXPECT_GE(t.wait_begin, 0);
+  EXPECT_GE(t.v_proj_end, 0);
+  EXPECT_GE(t.first_attention_begin, 0);
+  // The first collective really was pending: its wait lasted until the late peer arrived.
+  EXPECT_GE(t.wait_end - t.launch, 200000) << algo;
+  EXPECT_LE(t.v_proj_end, t.wait_begin) << algo << ": the V projection ran while K flew";
+  return t;
+}
+
+TEST(CPAsync, AttentionOnLocalDataRunsWhileTheCollectivesArePending) {
+  for (const auto& [algo, p] : {std::pair<std::string, int>{"all_gather", 2}, {"ulysses", 2}}) {
+    auto t = trace_with_late_peer(algo, p);
+    EXPECT_LE(t.first_attention_end, t.wait_begin)
+        << algo << ": attention on the local chunk must run before the first wait";
+  }
+}
+
+TEST(CPAsync, HybridWaitsBeforeItsFirstAttention) {
+  // Hybrid keeps its co-group all-gather synchronous: no attention before the first wait (the
+  // contrast that shows the test above can fail).
+  auto t = trace_with_late_peer("hybrid", 4);
+  EXPECT_GE(t.first_attention_begin, t.wait_end);
 }
 
 }  // namespace

@@ -40,6 +40,7 @@
 #include "hp/comm/comm_handle.h"
 #include "hp/comm/types.h"
 #include "hp/common/registry.h"
+#include "hp/common/trace.h"
 #include "hp/cp/config.h"
 #include "hp/cp/topology.h"
 #include "hp/cp/volume.h"
@@ -88,11 +89,13 @@ enum class QKVRole { kQ = 0, kK = 1, kV = 2 };
 const char* role_name(QKVRole role);  // "q", "k", "v"
 
 // The module's own attention, reached through the adapter. Built by the runtime for one
-// intercepted call; strategies call it once per (query block, key block).
+// intercepted call; strategies call it once per (query block, key block). Each call is a
+// "compute" event on the CP group's tracer when there is one (the per-rank timeline shows what
+// ran while collectives flew).
 class AttentionCall {
  public:
   AttentionCall(const attention::AttentionOptions& options, const attention::AttentionFn& inner,
-                const CPAdapter& adapter, const CPStrategy& strategy, const QKVLayout& layout);
+                const CPAdapter& adapter, const CPStrategy& strategy, const CPRuntimeContext& ctx);
 
   // Attention of `q` against `k`, `v` (in ctx.layout) for the block described by `state`:
   // state.causal.q_offset is the position of q's first row relative to k's first row. Under
@@ -107,11 +110,15 @@ class AttentionCall {
   const QKVLayout& layout() const { return layout_; }
 
  private:
+  attention::AttentionResult run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const CallState& state) const;
   const attention::AttentionOptions& options_;
   const attention::AttentionFn& inner_;
   const CPAdapter& adapter_;
   const CPStrategy& strategy_;
   QKVLayout layout_;
+  common::Tracer* tracer_ = nullptr;  // the CP group's, when enabled
+  int rank_ = 0;
 };
 
 // Waits for the collective `role` started at its handoff point; returns the moved tensor
