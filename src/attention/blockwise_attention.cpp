@@ -10,10 +10,12 @@
 //     p   = exp(s - m')
 //     l   = l*exp(m-m') + rowsum p
 //     acc = acc*exp(m-m') + p v            [G*bq, Dv]
-//   out = acc / l  [.., Dv],  lse = m + log l
+//   out = acc / l  [.., Dv],  lse = m + log l;  m and 1/l are kept for the backward
 //
 //   backward, per kv block (dK [bk, Dqk], dV [bk, Dv] accumulate locally), per visible q block:
-//     p   = exp(s - lse)
+//     p   = exp(s - m) / l      (not exp(s - lse): an fp32 lse of a row whose scores are ~1e5
+//                               is rounded by up to 2^-24 |lse| ~ 4e-3, which would scale every
+//                               p of the row by exp(4e-3); m is one of the scores, exact)
 //     dV += p^T dO                         dO [G*bq, Dv]
 //     dP  = dO v^T                         [G*bq, bk]
 //     dS  = p * (dP - delta),  delta = rowsum(dO*O) - dlse
@@ -139,7 +141,8 @@ std::vector<int64_t> by_work(int64_t n, const std::function<int64_t(int64_t)>& w
 
 template <typename T>
 void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, at::Tensor& out_g, at::Tensor& lse_g) {
+                    const at::Tensor& v, at::Tensor& out_g, at::Tensor& lse_g, at::Tensor& max_g,
+                    at::Tensor& inv_sum_g) {
   const Problem& p = st.problem;
   const TileMask& t = st.tiles;
   const int64_t heads = p.batch * p.kv_heads;
@@ -176,19 +179,24 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
                                        l.data_ptr<T>(), alpha.data_ptr<T>());
       acc.mul_(alpha.unsqueeze(1)).addmm_(s, v3[hh].slice(0, ks, ke));
     }
-    // Rows that saw no key: m = -inf, l = 0 -> out 0, lse = -inf.
+    // Rows that saw no key: m = -inf, l = 0 -> out 0, lse = -inf, 1/l kept as 0.
     auto lse = m.masked_fill(m.isneginf(), 0.0).add_(l.log());
-    acc.div_(l.masked_fill(l.eq(0), 1.0).unsqueeze(1));
+    auto l_safe = l.masked_fill(l.eq(0), 1.0);
+    acc.div_(l_safe.unsqueeze(1));
     const int64_t b = hh / p.kv_heads, kvh = hh % p.kv_heads;
     out_g[b][kvh].slice(1, qs, qe).copy_(acc.view({p.group, bq, p.v_dim}));
     lse_g[b][kvh].slice(1, qs, qe).copy_(lse.view({p.group, bq}));
+    max_g[b][kvh].slice(1, qs, qe).copy_(m.view({p.group, bq}));
+    inv_sum_g[b][kvh].slice(1, qs, qe).copy_(
+        l_safe.reciprocal().masked_fill_(l.eq(0), 0.0).view({p.group, bq}));
   });
 }
 
 template <typename T>
 void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v, const at::Tensor& dout, const at::Tensor& lse,
-                     const at::Tensor& delta, at::Tensor& dq_g, at::Tensor& dk, at::Tensor& dv) {
+                     const at::Tensor& v, const at::Tensor& dout, const at::Tensor& row_max,
+                     const at::Tensor& inv_sum, const at::Tensor& delta, at::Tensor& dq_g,
+                     at::Tensor& dk, at::Tensor& dv) {
   const Problem& p = st.problem;
   const TileMask& t = st.tiles;
   const int64_t heads = p.batch * p.kv_heads;
@@ -198,7 +206,8 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
   auto dv3 = dv.view({heads, p.kv_len, p.v_dim});
   auto qblk = grouped_blocks(p, t, q.mul(p.scale), p.qk_dim);
   auto doblk = grouped_blocks(p, t, dout, p.v_dim);
-  auto lseblk = grouped_blocks(p, t, lse, 1);
+  auto maxblk = grouped_blocks(p, t, row_max, 1);
+  auto invblk = grouped_blocks(p, t, inv_sum, 1);
   auto deltablk = grouped_blocks(p, t, delta, 1);
   const int64_t nqb = t.num_q_blocks();
   const int threads = at::get_num_threads();
@@ -231,7 +240,8 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       if (kind == BlockKind::kPartial && t.has_user_masks()) {
         t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
-      detail::recompute_probs<T>(tr, s.data_ptr<T>(), lseblk[qb][hh].data_ptr<T>());
+      detail::recompute_probs<T>(tr, s.data_ptr<T>(), maxblk[qb][hh].data_ptr<T>(),
+                                 invblk[qb][hh].data_ptr<T>());
       dv_acc.addmm_(s.t(), doh);
       auto ds = dp_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
       at::mm_out(ds, doh, vblk.t());
@@ -268,14 +278,16 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
     auto vc = v.detach().to(p.compute_dtype).contiguous();
     auto out_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.v_dim}, qc.options());
     auto lse_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len}, qc.options());
+    auto max_g = at::empty_like(lse_g), inv_sum_g = at::empty_like(lse_g);
     if (p.compute_dtype == at::kDouble) {
-      forward_kernel<double>(*st, qc, kc, vc, out_g, lse_g);
+      forward_kernel<double>(*st, qc, kc, vc, out_g, lse_g, max_g, inv_sum_g);
     } else {
-      forward_kernel<float>(*st, qc, kc, vc, out_g, lse_g);
+      forward_kernel<float>(*st, qc, kc, vc, out_g, lse_g, max_g, inv_sum_g);
     }
     auto out = out_g.view({p.batch, p.q_heads, p.q_len, p.v_dim});
     auto lse = lse_g.view({p.batch, p.q_heads, p.q_len});
-    ctx->save_for_backward({qc, kc, vc, out, lse});
+    const std::vector<int64_t> rows{p.batch, p.q_heads, p.q_len};
+    ctx->save_for_backward({qc, kc, vc, out, max_g.view(rows), inv_sum_g.view(rows)});
     ctx->saved_data["state"] = c10::IValue::make_capsule(st);
     ctx->saved_data["in_dtype"] = static_cast<int64_t>(q.scalar_type());
     return {out.to(q.scalar_type()), lse};
@@ -290,7 +302,8 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
     const auto& k = saved[1];
     const auto& v = saved[2];
     const auto& out = saved[3];
-    const auto& lse = saved[4];
+    const auto& row_max = saved[4];
+    const auto& inv_sum = saved[5];
     const auto ct = p.compute_dtype;
     auto dout = grads[0].defined() ? grads[0].to(ct).contiguous() : at::zeros_like(out);
     auto delta = (dout * out).sum(-1);  // [B, Nq, Sq]
@@ -299,9 +312,9 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
     auto dk = at::zeros_like(k);
     auto dv = at::zeros_like(v);
     if (ct == at::kDouble) {
-      backward_kernel<double>(st, q, k, v, dout, lse, delta, dq_g, dk, dv);
+      backward_kernel<double>(st, q, k, v, dout, row_max, inv_sum, delta, dq_g, dk, dv);
     } else {
-      backward_kernel<float>(st, q, k, v, dout, lse, delta, dq_g, dk, dv);
+      backward_kernel<float>(st, q, k, v, dout, row_max, inv_sum, delta, dq_g, dk, dv);
     }
     const auto in_dtype = static_cast<at::ScalarType>(ctx->saved_data["in_dtype"].toInt());
     auto dq = dq_g.view({p.batch, p.q_heads, p.q_len, p.qk_dim}).to(in_dtype);

@@ -4,6 +4,7 @@
 // 2e-7), compiled for AVX2/FMA when the CPU has it and for baseline x86-64 otherwise.
 #include "softmax_rows.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -91,6 +92,25 @@ void grad_row(const double* p, double* dp, int64_t n, double delta) {
     dp[j] = p[j] * (dp[j] - delta);
 }
 
+// s[0, n) <- exp(s - shift) * scale.
+HP_VECTOR_CLONES void exp_shift_scale(float* s, int64_t n, float shift, float scale) {
+  for (int64_t j = 0; j < n; ++j)
+    s[j] = exp_approx(s[j] - shift) * scale;
+}
+
+void exp_shift_scale(double* s, int64_t n, double shift, double scale) {
+  for (int64_t j = 0; j < n; ++j)
+    s[j] = std::exp(s[j] - shift) * scale;
+}
+
+template <typename T>
+bool any_nan(const T* row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(row[j])) return true;
+  }
+  return false;
+}
+
 template <typename T>
 void zero_tail(T* row, int64_t from, int64_t cols) {
   if (from < cols) std::memset(row + from, 0, sizeof(T) * (cols - from));
@@ -108,7 +128,13 @@ void online_softmax_update(const TileRows& t, T* s, T* m, T* l, T* alpha) {
       const T mx = n > 0 ? row_max(row, n) : neg_inf;
       const T m_old = m[r];
       const T m_new = mx > m_old ? mx : m_old;
-      if (m_new == neg_inf) {  // nothing visible yet: p = 0, state unchanged
+      if (m_new == neg_inf) {   // nothing visible yet (or only NaN): p = 0, state unchanged
+        if (any_nan(row, n)) {  // NaN in, NaN out (max() skips NaN)
+          const T nan = std::numeric_limits<T>::quiet_NaN();
+          std::fill(row, row + t.cols, nan);
+          m[r] = l[r] = alpha[r] = nan;
+          continue;
+        }
         zero_tail(row, 0, t.cols);
         alpha[r] = 1;
         continue;
@@ -124,18 +150,16 @@ void online_softmax_update(const TileRows& t, T* s, T* m, T* l, T* alpha) {
 }
 
 template <typename T>
-void recompute_probs(const TileRows& t, T* s, const T* lse) {
-  {
-    for (int64_t r = 0; r < t.rows; ++r) {
-      T* row = s + r * t.cols;
-      const int64_t n = t.visible_cols(r);
-      if (std::isinf(lse[r])) {  // no visible key in the whole row
-        zero_tail(row, 0, t.cols);
-        continue;
-      }
-      exp_shift_sum(row, n, lse[r]);
-      zero_tail(row, n, t.cols);
+void recompute_probs(const TileRows& t, T* s, const T* row_max, const T* inv_sum) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    T* row = s + r * t.cols;
+    const int64_t n = t.visible_cols(r);
+    if (row_max[r] == -std::numeric_limits<T>::infinity()) {  // no visible key in the row
+      zero_tail(row, 0, t.cols);
+      continue;
     }
+    exp_shift_scale(row, n, row_max[r], inv_sum[r]);
+    zero_tail(row, n, t.cols);
   }
 }
 
@@ -152,8 +176,8 @@ void softmax_grad(const TileRows& t, const T* p, T* dp, const T* delta) {
 
 template void online_softmax_update<float>(const TileRows&, float*, float*, float*, float*);
 template void online_softmax_update<double>(const TileRows&, double*, double*, double*, double*);
-template void recompute_probs<float>(const TileRows&, float*, const float*);
-template void recompute_probs<double>(const TileRows&, double*, const double*);
+template void recompute_probs<float>(const TileRows&, float*, const float*, const float*);
+template void recompute_probs<double>(const TileRows&, double*, const double*, const double*);
 template void softmax_grad<float>(const TileRows&, const float*, float*, const float*);
 template void softmax_grad<double>(const TileRows&, const double*, double*, const double*);
 

@@ -30,12 +30,16 @@ struct TileRows {
 
 // Forward online-softmax update, in place: s <- exp(s - m_new) (0 where hidden), and per row
 // m <- m_new = max(m, rowmax s), l <- l * alpha + rowsum p, alpha <- exp(m_old - m_new).
+// NaN in, NaN out: a row whose visible scores hold a NaN gets m = l = alpha = NaN and p = NaN,
+// so its output, lse and gradients are NaN (never zeros, as an all-NaN row would otherwise
+// look like a row with no visible key).
 template <typename T>
 void online_softmax_update(const TileRows& t, T* s, T* m, T* l, T* alpha);
 
-// Backward: s <- exp(s - lse) (0 where hidden; lse = +inf for rows with no visible key).
+// Backward: s <- exp(s - row_max) * inv_sum (0 where hidden; row_max = -inf for rows with no
+// visible key). row_max and inv_sum = 1/l are the forward's final row statistics.
 template <typename T>
-void recompute_probs(const TileRows& t, T* s, const T* lse);
+void recompute_probs(const TileRows& t, T* s, const T* row_max, const T* inv_sum);
 
 // Backward: dp <- p * (dp - delta) per row.
 template <typename T>

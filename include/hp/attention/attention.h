@@ -15,6 +15,17 @@
 //     -inf hides), broadcastable to [B, Nq, Sq, Skv]; never modified
 //   * a mask function (flex style) evaluated per block; blocks it hides entirely are skipped
 // A query row with no visible key yields out = 0 and lse = -inf (never NaN), and zero gradient.
+// NaN in, NaN out: a NaN among a row's visible scores makes that row's out, lse and gradients
+// NaN in every primitive (never zeros).
+//
+// Accuracy at extreme logit scales (float32 inputs; tests/attention/edge_numerics_test.cpp):
+// out and every gradient stay within ~1e-7 relative of the float64 formula at |scores| ~ 1e5
+// for both primitives. The blockwise backward recomputes p = exp(s - m) / l from the forward's
+// row max m (one of the scores, exact) and row sum l, not from the float32 lse = m + log l,
+// whose rounding (up to 2^-24 |lse|, ~4e-3 at 1e5) would scale a whole row of p and gave dv a
+// 2e-3 relative error. The lse a primitive returns is still float32 and carries that rounding:
+// callers that merge partial results by their lse (CP strategies that split a call) inherit
+// an output error of up to ~2^-24 |lse| relative.
 #pragma once
 
 #include <memory>
