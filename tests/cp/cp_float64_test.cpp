@@ -2,6 +2,8 @@
 // shared with the kernels): every built-in strategy (all_gather plain and with both head-tail
 // forms, ulysses, hybrid), sync and async, causal and not, P in {2, 3, 4}, GQA, and a value
 // head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -88,15 +90,14 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
     apply_context_parallel(m.core.host(), spec, cfg, topo, quiet());
     ASSERT_EQ(spec.resolved_schedule, to_string(schedule));
     const int64_t r = w.rank();
-    auto mine = [&](const at::Tensor& full) {
-      return shard_sequence(full, 2, r, p, data_order);
-    };
+    auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, r, p, data_order); };
     auto lq = mine(q).requires_grad_(true), lk = mine(k).requires_grad_(true),
          lv = mine(v).requires_grad_(true);
     auto out = m.forward(lq, lk, lv);
     out.backward(mine(dout));
-    const std::string what = c.name() + " " + to_string(schedule) + (causal ? " causal" : " dense") +
-                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
+    const std::string what = c.name() + " " + to_string(schedule) +
+                             (causal ? " causal" : " dense") + " P=" + std::to_string(p) +
+                             " rank " + std::to_string(r);
     ASSERT_EQ(out.scalar_type(), at::kDouble) << what;
     ASSERT_EQ(out.size(-1), kDv) << what;
     expect_close(out, mine(ref.detach()), what + " out", 1e-10, 1e-10);
@@ -134,6 +135,45 @@ TEST(CPFloat64, HybridU2) {
 }
 TEST(CPFloat64, HybridU3) {
   run_grid({"hybrid", 3}, {6});
+}
+
+// NaN in, NaN out through every strategy and schedule: one NaN query (token 13 of head 5) gives
+// exactly that (token, head) row of the output NaN, never a silent zero.
+TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
+  for (const auto& [c, p] : {std::pair<Case, int>{{"all_gather", std::nullopt}, 2},
+                             {{"all_gather", std::nullopt, true}, 2},
+                             {{"ulysses", std::nullopt}, 2},
+                             {{"hybrid", 2}, 4}}) {
+    for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+      auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
+           v = f64(3, {1, kNkv, kS, kDv});
+      q[0][5][13].fill_(std::numeric_limits<double>::quiet_NaN());
+      ContextParallelConfig cfg;
+      cfg.algorithm = c.algorithm;
+      cfg.ulysses_degree = c.degree;
+      cfg.schedule = schedule;
+      cfg.load_balance = c.load_balance;
+      cfg = *normalize(cfg, p);
+      std::vector<at::Tensor> outs(p);
+      run_ranks(p, [&](comm::World& w) {
+        comm::DeviceMesh mesh(w, {{"cp", p}});
+        auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+        Direct m(true);
+        CPModuleSpec spec;
+        spec.inner_wrapper = "sdpa_qkv";
+        spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
+        apply_context_parallel(m.core.host(), spec, cfg, topo, quiet());
+        auto mine = [&](const at::Tensor& full) {
+          return shard_sequence(full, 2, w.rank(), p, c.load_balance);
+        };
+        outs[w.rank()] = m.forward(mine(q), mine(k), mine(v)).detach();
+      });
+      auto out = unshard_sequence(outs, 2, c.load_balance);
+      const std::string what = c.name() + " " + to_string(schedule);
+      EXPECT_TRUE(out[0][5][13].isnan().all().item<bool>()) << what;
+      EXPECT_EQ(out.isnan().any(-1).sum().item<int64_t>(), 1) << what;
+    }
+  }
 }
 
 }  // namespace
