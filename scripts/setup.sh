@@ -9,7 +9,7 @@ PACKAGES=(
   libgloo-dev           # headers ProcessGroupGloo needs
   libopenblas0-pthread  # fast BLAS: without it matmul runs ~30x slower
   libgtest-dev libgmock-dev
-  libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
+  libcli11-dev nlohmann-json3-dev
   iproute2              # ip netns / tc for the project's own link emulation
   python3-torch         # tests cross-check hp-cp-run against PyTorch (torch.save/torch.load)
 )

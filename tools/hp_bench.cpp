@@ -28,6 +28,7 @@
 #include "hp/bench/hsdp_bench.h"
 #include "hp/bench/link.h"
 #include "hp/comm/launch_env.h"
+#include "hp/comm/launcher.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
@@ -35,12 +36,11 @@
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
 #include "hp/plan/cost_model.h"
-#include "hp/train/launcher.h"
 #include "hp_bench_cmds.h"
 
 namespace hp_bench {
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
-  return hp::train::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
+  return hp::comm::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
 }
 }  // namespace hp_bench
 
@@ -142,7 +142,7 @@ int64_t available_memory_bytes() {
 nlohmann::json run_attention_child(const AttentionArgs& a, const std::string& primitive) {
   const auto& b = a.bench;
   std::string cmd = hp::common::str_cat(
-      hp::train::self_executable(), " attention --child --primitive ", primitive, " --seq ", b.seq,
+      hp::comm::self_executable(), " attention --child --primitive ", primitive, " --seq ", b.seq,
       " --heads ", b.heads, " --kv-heads ", b.kv_heads, " --head-dim ", b.head_dim, " --batch ",
       b.batch, " --iters ", b.iters, " --block-q ", b.block_q, " --block-kv ", b.block_kv,
       b.causal ? " --causal" : "");
@@ -304,7 +304,7 @@ int main(int argc, char** argv) {
     if (at_cmd->parsed()) return run_attention(att);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;
-    hp::train::report_rank_error(e.what());
+    hp::comm::report_rank_error(e.what());
     return 1;
   }
   return 0;

@@ -9,11 +9,11 @@
 #include "hp/bench/calibrate.h"
 #include "hp/bench/link.h"
 #include "hp/comm/launch_env.h"
+#include "hp/comm/launcher.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "hp/plan/cost_model.h"
-#include "hp/train/launcher.h"
 #include "hp_bench_cmds.h"
 
 namespace hp_bench {
@@ -221,7 +221,7 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
 
 int run_calibrate(const std::string& out) {
   hp::bench::CalibrateOptions o;
-  o.self_exe = hp::train::self_executable();
+  o.self_exe = hp::comm::self_executable();
   o.link = hp::bench::emulated_link_rate().value_or("loopback");
   auto c = hp::bench::run_calibration(o);
   const auto path = hp::plan::default_calibration_path(o.link);
@@ -243,7 +243,7 @@ int run_calibrate(const std::string& out) {
 }
 
 int run_report_cmd(hp::bench::ReportOptions o) {
-  o.self_exe = hp::train::self_executable();
+  o.self_exe = hp::comm::self_executable();
   const auto sibling = std::filesystem::path(o.self_exe).parent_path() / "hp-train";
   if (std::filesystem::exists(sibling)) o.train_exe = sibling.string();
   if (o.links.empty()) o.links = {"loopback"};

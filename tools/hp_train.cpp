@@ -14,13 +14,13 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/comm/launch_env.h"
+#include "hp/comm/launcher.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
-#include "hp/train/launcher.h"
 #include "hp/train/trainer.h"
 
 namespace {
@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
       HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ",
                o.dp_replicate, " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp,
                " = ", used, "; the layout must use every rank");
-      return hp::train::relaunch_as_local_ranks(a.nproc, argv_copy, "hp-train");
+      return hp::comm::relaunch_as_local_ranks(a.nproc, argv_copy, "hp-train");
     }
     hp::comm::WorldOptions wo;
     wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception& e) {
     std::cerr << "hp-train: " << e.what() << std::endl;
-    hp::train::report_rank_error(e.what());
+    hp::comm::report_rank_error(e.what());
     return 1;
   }
   return 0;

@@ -13,9 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/comm/collectives.h"
+#include "hp/comm/launcher.h"
 #include "hp/common/check.h"
 #include "hp/common/trace.h"
-#include "hp/train/launcher.h"
 #include "rank_harness.h"
 
 namespace hp::comm {
@@ -79,14 +79,14 @@ TEST(Processes, PeerThatNeverArrivesTimesOut) {
 }
 
 TEST(Launcher, OneFailingRankStopsTheOthers) {
-  hp::train::LaunchOptions lo;
+  hp::comm::LaunchOptions lo;
   lo.nproc = 3;
   lo.grace = std::chrono::milliseconds(1000);
   lo.argv = {"/bin/sh", "-c",
              "if [ \"$RANK\" = 1 ]; then echo 'rank one broke' > \"$HP_ERROR_FILE\"; exit 3; fi; "
              "exec sleep 60"};
   auto t0 = std::chrono::steady_clock::now();
-  auto res = hp::train::launch_local_ranks(lo);
+  auto res = hp::comm::launch_local_ranks(lo);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(res.exit_code, 3);
   EXPECT_EQ(res.failed_rank, 1);
@@ -97,13 +97,13 @@ TEST(Launcher, OneFailingRankStopsTheOthers) {
 }
 
 TEST(Launcher, SetsRankVariablesAndThreadCounts) {
-  hp::train::LaunchOptions lo;
+  hp::comm::LaunchOptions lo;
   lo.nproc = 2;
   lo.threads_per_rank = 1;
   lo.argv = {"/bin/sh", "-c",
              "test \"$WORLD_SIZE\" = 2 && test \"$OPENBLAS_NUM_THREADS\" = 1 && "
              "test -n \"$MASTER_PORT\" && test \"$LOCAL_RANK\" = \"$RANK\""};
-  auto res = hp::train::launch_local_ranks(lo);
+  auto res = hp::comm::launch_local_ranks(lo);
   EXPECT_EQ(res.exit_code, 0) << res.message;
 }
 

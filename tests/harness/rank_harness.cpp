@@ -13,10 +13,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "hp/comm/launcher.h"
 #include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
-#include "hp/train/launcher.h"
 
 namespace hp::testing {
 
@@ -40,7 +40,7 @@ void run_ranks(int n, const std::function<void(comm::World&)>& fn, const RankOpt
 std::vector<ProcessResult> run_rank_processes(int n, const std::function<void(comm::World&)>& fn,
                                               const RankOptions& options,
                                               std::chrono::milliseconds deadline) {
-  const int port = train::pick_free_port();
+  const int port = comm::pick_free_port();
   std::vector<pid_t> pids(n);
   std::vector<int> pipes(n);
   const auto start = std::chrono::steady_clock::now();

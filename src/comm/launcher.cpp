@@ -1,4 +1,4 @@
-#include "hp/train/launcher.h"
+#include "hp/comm/launcher.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -20,7 +20,7 @@
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 
-namespace hp::train {
+namespace hp::comm {
 namespace {
 
 // Set by the signal handler only; the one piece of process-wide state a signal needs.
@@ -198,4 +198,4 @@ LaunchResult launch_local_ranks(const LaunchOptions& o) {
   return result;
 }
 
-}  // namespace hp::train
+}  // namespace hp::comm

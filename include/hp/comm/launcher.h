@@ -6,6 +6,10 @@
 // the cores. If any rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace
 // period) and the result names the failed rank and its error. SIGINT/SIGTERM to the launcher
 // stop every rank. No rank outlives launch_local_ranks().
+//
+// Process plumbing for the platform layer, next to its counterpart launch_env.h (which reads
+// the variables this launcher sets): tools above any layer (hp-train, hp-bench) and the test
+// harness use it without depending on train/.
 #pragma once
 
 #include <chrono>
@@ -13,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-namespace hp::train {
+namespace hp::comm {
 
 struct LaunchOptions {
   int nproc = 1;
@@ -49,4 +53,4 @@ int relaunch_as_local_ranks(int nproc, const std::vector<std::string>& argv,
 // launcher's failure message can quote the rank's error. No-op outside the launcher.
 void report_rank_error(const std::string& what);
 
-}  // namespace hp::train
+}  // namespace hp::comm
