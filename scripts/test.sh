@@ -20,18 +20,8 @@ if [ "${1:-}" = "--sanitize" ]; then
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
   labels="^($(IFS='|'; echo "${SUITES[*]}"))\$"
-  # Tests with a known leak in project code run without leak detection (everything else still
-  # applies); drop a name once its leak is fixed.
-  #   CPAsync.FallbackAndErrorPaths: a handoff slot that is never consumed (the error paths)
-  #   keeps the cycle slot -> produced tensor -> HandoffLaunch node -> slot alive.
-  known_leaks='^CPAsync\.FallbackAndErrorPaths$'
-  status=0
-  ctest --test-dir "$BUILD_DIR" --output-on-failure -j "${HP_TEST_JOBS:-2}" -L "$labels" \
-    -E "$known_leaks" "$@" || status=$?
-  ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0" \
-    ctest --test-dir "$BUILD_DIR" --output-on-failure -L "$labels" -R "$known_leaks" "$@" ||
-    status=$?
-  exit $status
+  ctest --test-dir "$BUILD_DIR" --output-on-failure -j "${HP_TEST_JOBS:-2}" -L "$labels" "$@"
+  exit 0
 fi
 
 scripts/build.sh

@@ -82,7 +82,9 @@ at::Tensor CPRuntimeState::produce(
     slot->forward = launch(x.detach());
   }
   auto y = HandoffLaunchFn::apply(x, slot);
-  slot->produced = y;
+  slot->produced.emplace(y.getIntrusivePtr());
+  slot->produced_sizes = y.sizes().vec();
+  slot->produced_dtype = y.scalar_type();
   std::lock_guard<std::mutex> lock(mu_);
   fifo_[static_cast<int>(role)].push_back(slot);
   return y;
@@ -102,30 +104,33 @@ at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
   HP_CHECK(!slot->consumed, "async CP on module '", module_, "': the slot of handoff '",
            slot->handoff, "' (invocation ", slot->invocation, ") was consumed twice");
   slot->consumed = true;
-  const auto& p = slot->produced;
-  HP_CHECK(consumer.sizes() == p.sizes() && consumer.scalar_type() == p.scalar_type(),
+  HP_CHECK(consumer.sizes() == at::IntArrayRef(slot->produced_sizes) &&
+               consumer.scalar_type() == slot->produced_dtype,
            "async CP on module '", module_, "': attention received ", role_name(role), " ",
            common::shape_str(consumer.sizes()), " ", c10::toString(consumer.scalar_type()),
-           " but handoff '", slot->handoff, "' emitted ", common::shape_str(p.sizes()), " ",
-           c10::toString(p.scalar_type()),
+           " but handoff '", slot->handoff, "' emitted ", common::shape_str(slot->produced_sizes),
+           " ", c10::toString(slot->produced_dtype),
            "; the handoff must be the last transform before attention");
-  HP_CHECK(consumer.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(), "async CP on module '",
+  const c10::TensorImpl* emitted =
+      slot->produced ? slot->produced->lock().get() : nullptr;  // null once the tensor died
+  HP_CHECK(emitted == consumer.unsafeGetTensorImpl(), "async CP on module '",
            module_, "': the ", role_name(role), " reaching attention is not the tensor handoff '",
            slot->handoff, "' emitted (invocation ", slot->invocation,
            "): something transformed it after the handoff, or the call belongs to another "
            "invocation. Move the handoff point after the last transform");
-  slot->produced = at::Tensor();
+  slot->produced.reset();
   return DifferentiableWaitFn::apply(consumer, slot);
 }
 
-void CPRuntimeState::check_drained() const {
+void CPRuntimeState::check_drained() {
   std::lock_guard<std::mutex> lock(mu_);
   std::string pending;
-  for (const auto& q : fifo_) {
+  for (auto& q : fifo_) {
     for (const auto& s : q) {
       pending += common::str_cat(pending.empty() ? "" : ", ", s->handoff, " (", role_name(s->role),
                                  ", invocation ", s->invocation, ")");
     }
+    q.clear();
   }
   HP_CHECK(pending.empty(), "async CP on module '", module_,
            "': the forward ended with unconsumed handoff slots: ", pending,

@@ -17,7 +17,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -31,7 +33,12 @@ struct AsyncSlot {
   int64_t invocation = 0;
   std::string handoff;       // handoff point name (messages)
   comm::CommHandle forward;  // the role's collective, launched at the handoff
-  at::Tensor produced;       // what the handoff emitted: the consumer must pass exactly this
+  // What the handoff emitted (the consumer must pass exactly this): a weak reference, since the
+  // emitted tensor's autograd node owns the slot (a strong one would be a cycle that leaks an
+  // unconsumed slot), plus its shape and dtype for messages.
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> produced;
+  std::vector<int64_t> produced_sizes;
+  at::ScalarType produced_dtype = at::kFloat;
   bool consumed = false;
   std::function<comm::CommHandle(const at::Tensor&)> launch_inverse;
   comm::CommHandle backward;  // the inverse collective of the gradient
@@ -54,8 +61,9 @@ class CPRuntimeState {
   // the handoff emitted (not the last transform, or a mismatched invocation), shape/dtype.
   at::Tensor consume(QKVRole role, const at::Tensor& consumer);
 
-  // Error listing the slots still queued (called at the end of a module forward).
-  void check_drained() const;
+  // Error listing the slots still queued (called at the end of a module forward); the queue is
+  // emptied first, so a failed forward leaves nothing behind.
+  void check_drained();
   size_t pending() const;
 
  private:
