@@ -63,6 +63,16 @@ struct Case {
   }
 };
 
+ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
+  ContextParallelConfig cfg;
+  cfg.algorithm = c.algorithm;
+  cfg.ulysses_degree = c.degree;
+  cfg.schedule = schedule;
+  cfg.load_balance = c.load_balance;
+  cfg.load_balance_form = c.form;
+  return *normalize(cfg, p);
+}
+
 void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
   auto q = f64(1, {kB, kNq, kS, kDqk}), k = f64(2, {kB, kNkv, kS, kDqk}),
        v = f64(3, {kB, kNkv, kS, kDv}), dout = f64(4, {kB, kNq, kS, kDv});
@@ -70,13 +80,7 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
        rv = v.clone().requires_grad_(true);
   auto ref = hp::testing::reference_attention(rq, rk, rv, Direct::options(causal).attention).out;
   ref.backward(dout);
-  ContextParallelConfig cfg;
-  cfg.algorithm = c.algorithm;
-  cfg.ulysses_degree = c.degree;
-  cfg.schedule = schedule;
-  cfg.load_balance = c.load_balance;
-  cfg.load_balance_form = c.form;
-  cfg = *normalize(cfg, p);
+  const auto cfg = config_for(c, p, schedule);
   // Data-order head-tail shards hold chunks {2r, 2P-2r-1}; every other case contiguous shards.
   const bool data_order = c.load_balance && c.form == LoadBalanceForm::kDataOrder;
   run_ranks(p, [&](comm::World& w) {
@@ -148,12 +152,7 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
       auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
            v = f64(3, {1, kNkv, kS, kDv});
       q[0][5][13].fill_(std::numeric_limits<double>::quiet_NaN());
-      ContextParallelConfig cfg;
-      cfg.algorithm = c.algorithm;
-      cfg.ulysses_degree = c.degree;
-      cfg.schedule = schedule;
-      cfg.load_balance = c.load_balance;
-      cfg = *normalize(cfg, p);
+      const auto cfg = config_for(c, p, schedule);
       std::vector<at::Tensor> outs(p);
       run_ranks(p, [&](comm::World& w) {
         comm::DeviceMesh mesh(w, {{"cp", p}});
