@@ -96,13 +96,18 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
   strategy_->check_inputs(x, ctx_,
                           common::str_cat("async CP on module '", module_path_,
                                           "': ", role_name(role), " from handoff '", handoff, "'"));
-  auto self = shared_from_this();
+  // The slot outlives this call inside the autograd graph and the runtime's own queue: it holds
+  // the runtime weakly (a strong reference would be a cycle runtime -> queue -> slot -> runtime).
+  std::weak_ptr<CPRuntime> weak = shared_from_this();
+  const std::string module = module_path_;
   return state_->produce(
       role, handoff, x,
-      [self, role](const at::Tensor& t) {
-        return self->strategy_->move_async(role, t, self->ctx_);
-      },
-      [self, role](const at::Tensor& g) {
+      [this, role](const at::Tensor& t) { return strategy_->move_async(role, t, ctx_); },
+      [weak, role, module](const at::Tensor& g) {
+        auto self = weak.lock();
+        HP_CHECK(self != nullptr, "async CP on module '", module,
+                 "': backward reached a handoff after its CP runtime was destroyed; keep the "
+                 "module alive until its backward has run");
         return self->strategy_->move_grad_async(role, g, self->ctx_);
       });
 }
