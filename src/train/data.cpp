@@ -66,9 +66,20 @@ void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator
 
 }  // namespace
 
-void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor& labels,
-                int64_t micro) {
+Corpus Corpus::load(const TrainOptions& o) {
+  if (o.data.empty()) return Corpus();
+  auto corpus = load_tokens(o.data, o.data_dtype);
   const int64_t s = o.seq_len;
+  HP_CHECK(corpus.size(0) > s + 1, "hp-train: --data has ", corpus.size(0),
+           " tokens, fewer than --seq-len + 1 = ", s + 1);
+  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data holds token ids up to ",
+           corpus.max().item<int64_t>(), " but --vocab is ", o.model.vocab,
+           "; raise --vocab (text files need 256)");
+  return Corpus(std::move(corpus));
+}
+
+void make_batch(const TrainOptions& o, const Corpus& corpus, int64_t step, at::Tensor& ids,
+                at::Tensor& labels, int64_t micro) {
   uint64_t seed = o.seed * 7919ULL + static_cast<uint64_t>(step);
   if (micro > 0) seed = seed * 1000003ULL + static_cast<uint64_t>(micro);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -76,18 +87,9 @@ void make_batch(const TrainOptions& o, int64_t step, at::Tensor& ids, at::Tensor
     copy_task_batch(o, gen, ids, labels);
     return;
   }
-  static thread_local std::string loaded_path;
-  static thread_local at::Tensor corpus;
-  if (loaded_path != o.data) {
-    corpus = load_tokens(o.data, o.data_dtype);
-    loaded_path = o.data;
-  }
-  HP_CHECK(corpus.size(0) > s + 1, "hp-train: --data has ", corpus.size(0),
-           " tokens, fewer than --seq-len + 1 = ", s + 1);
-  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data holds token ids up to ",
-           corpus.max().item<int64_t>(), " but --vocab is ", o.model.vocab,
-           "; raise --vocab (text files need 256)");
-  corpus_batch(o, corpus, gen, ids, labels);
+  HP_INTERNAL_ASSERT(!corpus.empty(), "make_batch: --data '", o.data,
+                     "' needs the Corpus::load of these options");
+  corpus_batch(o, corpus.tokens(), gen, ids, labels);
 }
 
 }  // namespace hp::train

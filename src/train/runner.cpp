@@ -55,21 +55,21 @@ void Runner::make_optimizer(hsdp::FullyShard* shard) {
       ps, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
 }
 
-double Runner::forward_backward(int64_t step) {
+double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
-    loss += micro_step(step, micro);
+    loss += micro_step(step, micro, corpus);
   if (fully_shard == nullptr) reduce_grads();  // HSDP's drain did both reductions
   if (o.validate && first_grads.empty()) keep_first_grads();
   return loss;
 }
 
-double Runner::micro_step(int64_t step, int64_t micro) {
+double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
   const double tp = static_cast<double>(mesh.size("tp"));
   TrainOptions global = o;
   global.batch = o.batch * dp;  // the union of every data-parallel rank's rows
   at::Tensor ids, labels;
-  make_batch(global, step, ids, labels, micro);
+  make_batch(global, corpus, step, ids, labels, micro);
   ids = ids.narrow(0, dp_rank * o.batch, o.batch);
   labels = labels.narrow(0, dp_rank * o.batch, o.batch);
   auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);

@@ -35,10 +35,11 @@ struct Runner {
   // After the applier ran (HSDP replaces the parameters by shards): AdamW over `params`.
   void make_optimizer(hsdp::FullyShard* fully_shard);
 
-  // Forward + backward of one step (grad_accum micro-batches); returns the global mean loss.
+  // Forward + backward of one step (grad_accum micro-batches of `corpus`, the Corpus::load of
+  // the options); returns the global mean loss.
   // Each rank's loss is its token sum over the global token count, so the gradient is a plain
   // SUM over data-parallel and CP ranks (HSDP reduces with SUM; without HSDP the CP all-reduce).
-  double forward_backward(int64_t step);
+  double forward_backward(int64_t step, const Corpus& corpus);
 
   // Global-norm clipping (TP shards summed, TP-replicated parameters counted once, HSDP shards
   // summed over the shard group, replicas once), then AdamW; returns the norm before clipping.
@@ -60,7 +61,7 @@ struct Runner {
 
  private:
   // One micro-batch's forward and backward; returns its share of the step's global mean loss.
-  double micro_step(int64_t step, int64_t micro);
+  double micro_step(int64_t step, int64_t micro, const Corpus& corpus);
   // Without HSDP: the CP all-reduce of every gradient and the TP one of partial gradients.
   void reduce_grads();
   // --validate: keeps the full gradients of the first step.

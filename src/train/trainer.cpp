@@ -92,12 +92,12 @@ int64_t first_step(const comm::World& world, Runner& run) {
 }
 
 // One optimizer step, timed (the traffic counters count this step only).
-StepMetrics run_step(const comm::World& world, Runner& run, int64_t step) {
+StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus, int64_t step) {
   world.context().counters.reset();
   auto t0 = std::chrono::steady_clock::now();
   StepMetrics m;
   m.step = step;
-  m.loss = run.forward_backward(step);
+  m.loss = run.forward_backward(step, corpus);
   m.grad_norm = run.clip_and_step(step);
   m.lr = lr_at(run.o, step);
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -128,12 +128,13 @@ bool checkpoint_due(const TrainOptions& o, int64_t step) {
 
 // Steps `first`..o.steps: their metrics into `result` (the bytes of the first one as the
 // per-step traffic), progress lines and checkpoints.
-void run_steps(const comm::World& world, Runner& run, int64_t first, TrainResult& result) {
+void run_steps(const comm::World& world, Runner& run, const Corpus& corpus, int64_t first,
+               TrainResult& result) {
   const TrainOptions& o = run.o;
   const bool rank0 = world.rank() == 0;
   const bool tty = rank0 && isatty(STDOUT_FILENO);
   for (int64_t step = first; step <= o.steps; ++step) {
-    const StepMetrics m = run_step(world, run, step);
+    const StepMetrics m = run_step(world, run, corpus, step);
     if (result.comm_bytes_per_step.empty()) {
       for (auto op : {comm::OpKind::kAllGather, comm::OpKind::kAllToAll,
                       comm::OpKind::kReduceScatter, comm::OpKind::kAllReduce}) {
@@ -174,12 +175,14 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   result.plan = plan.describe();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
   const int64_t first = first_step(world, run);
-  run_steps(world, run, first, result);
+  // Read once, before the first step that needs it (a resumed run with no step left reads none).
+  const Corpus corpus = first <= o.steps ? Corpus::load(o) : Corpus();
+  run_steps(world, run, corpus, first, result);
   if (o.validate) {
     HP_CHECK(first == 1,
              "hp-train: --validate compares a whole run from step 1; do not combine "
              "it with --resume");
-    const auto v = validate_against_reference(world, run, plan, result.steps);
+    const auto v = validate_against_reference(world, run, corpus, plan, result.steps);
     result.max_abs_loss_diff = v.max_abs_loss_diff;
     result.max_rel_grad_diff = v.max_rel_grad_diff;
   }

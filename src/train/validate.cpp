@@ -15,7 +15,8 @@ namespace {
 
 // The reference's max |loss difference| over the run and max relative gradient difference
 // after step 1, against the distributed run's.
-Validation compare_with_reference(const Runner& run, const plan::ShardingPlan& plan,
+Validation compare_with_reference(const Runner& run, const Corpus& corpus,
+                                  const plan::ShardingPlan& plan,
                                   const std::vector<StepMetrics>& steps) {
   const TrainOptions& o = run.o;
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -29,7 +30,7 @@ Validation compare_with_reference(const Runner& run, const plan::ShardingPlan& p
   ref.make_optimizer(nullptr);
   Validation v;
   for (int64_t step = 1; step <= o.steps; ++step) {
-    const double loss = ref.forward_backward(step);
+    const double loss = ref.forward_backward(step, corpus);
     ref.clip_and_step(step);
     v.max_abs_loss_diff = std::max(v.max_abs_loss_diff, std::abs(loss - steps[step - 1].loss));
   }
@@ -47,11 +48,11 @@ Validation compare_with_reference(const Runner& run, const plan::ShardingPlan& p
 }  // namespace
 
 Validation validate_against_reference(const comm::World& world, const Runner& run,
-                                      const plan::ShardingPlan& plan,
+                                      const Corpus& corpus, const plan::ShardingPlan& plan,
                                       const std::vector<StepMetrics>& steps) {
   Validation v;
   if (world.rank() == 0) {
-    v = compare_with_reference(run, plan, steps);
+    v = compare_with_reference(run, corpus, plan, steps);
     std::printf(
         "hp-train: validate: max |loss - reference| over %lld steps = %.3g; max "
         "relative gradient difference after step 1 = %.3g\n",

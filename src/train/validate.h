@@ -16,11 +16,11 @@ struct Validation {
   double max_rel_grad_diff = 0;  // full gradients after step 1 (TP rank 0's slices)
 };
 
-// Collective over `world`: rank 0 trains the reference for every step of `steps`
+// Collective over `world`: rank 0 trains the reference on `corpus` for every step of `steps`
 // (the distributed run's metrics from step 1), compares the losses and `run.first_grads` with
 // it, and prints the result; the other ranks wait and return zeros.
 Validation validate_against_reference(const comm::World& world, const Runner& run,
-                                      const plan::ShardingPlan& plan,
+                                      const Corpus& corpus, const plan::ShardingPlan& plan,
                                       const std::vector<StepMetrics>& steps);
 
 }  // namespace hp::train
