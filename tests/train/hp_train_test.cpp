@@ -292,9 +292,12 @@ TEST(HpTrain, ConfigFileAndTrace) {
     const std::string name = e.value("name", ""), cat = e.value("cat", "");
     const int64_t b = args.value("bytes", int64_t{-1});
     const bool comm = cat == "comm";
+    // Besides collectives and their waits: each CP attention call (AttentionCall, no group).
+    const bool attention = cat == "compute" && name == "attention";
     const bool ok = e.value("ph", "") == "X" && e.value("ts", int64_t{0}) > 0 &&
-                    e.value("dur", int64_t{-1}) >= 0 && (comm || cat == "comm_wait") &&
-                    (!comm || b > 0) && !args.value("group", "").empty();
+                    e.value("dur", int64_t{-1}) >= 0 &&
+                    (attention || ((comm || cat == "comm_wait") && (!comm || b > 0) &&
+                                   !args.value("group", "").empty()));
     if (!ok) malformed.push_back(e.dump());
     ++count[pid][name];
     if (comm) bytes[pid][name] += b;
@@ -314,6 +317,7 @@ TEST(HpTrain, ConfigFileAndTrace) {
           << "rank " << rank << " " << op;
     }
     EXPECT_GT(count[rank]["all_reduce"], 0) << "rank " << rank;
+    EXPECT_GT(count[rank]["attention"], 0) << "rank " << rank;
   }
   EXPECT_EQ(count[0], count[1]) << "both ranks issue the same collectives";
 
