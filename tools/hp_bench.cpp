@@ -39,16 +39,11 @@
 #include "hp_bench_cmds.h"
 
 namespace hp_bench {
+
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what) {
   return hp::comm::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
 }
-}  // namespace hp_bench
 
-using namespace hp_bench;
-
-namespace {
-
-// The attention shape options both `attention` and `cp` take.
 void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,
                        int64_t& head_dim, int64_t& batch) {
   cmd->add_option("--seq", seq, "sequence length S (global)")->check(CLI::PositiveNumber);
@@ -58,6 +53,12 @@ void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_
   cmd->add_option("--batch", batch, "batch B")->check(CLI::PositiveNumber);
 }
 
+}  // namespace hp_bench
+
+using namespace hp_bench;
+
+namespace {
+
 struct CommArgs {
   int nproc = 1;
   hp::bench::CommBenchOptions bench;
@@ -65,6 +66,17 @@ struct CommArgs {
   double timeout_s = 300;
   std::string trace;  // Chrome-trace file, one track per rank
 };
+
+CLI::App* add_comm_command(CLI::App& app, CommArgs& a) {
+  auto* c = app.add_subcommand("comm", "collective volume and throughput over local ranks");
+  c->add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
+  c->add_option("--bytes", a.bench.bytes, "input bytes per rank")->check(CLI::PositiveNumber);
+  c->add_option("--iters", a.bench.iters, "timed iterations")->check(CLI::Range(1, 100000));
+  c->add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  c->add_flag("--json", a.json, "one JSON object on stdout");
+  c->add_option("--trace", a.trace, "write a Chrome trace (one track per rank) to this file");
+  return c;
+}
 
 void print_comm(const std::vector<hp::bench::CommBenchResult>& results, int nproc, bool json) {
   if (json) {
@@ -120,6 +132,20 @@ struct AttentionArgs {
   bool child = false;  // internal: run one primitive and print its result as JSON
 };
 
+CLI::App* add_attention_command(CLI::App& app, AttentionArgs& a) {
+  auto* cmd = app.add_subcommand("attention", "one attention layer, fwd and fwd+bwd");
+  add_shape_options(cmd, a.bench.seq, a.bench.heads, a.bench.kv_heads, a.bench.head_dim,
+                    a.bench.batch);
+  cmd->add_flag("--causal", a.bench.causal, "causal mask");
+  cmd->add_option("--primitive", a.primitive, "math | blockwise | sdpa | all");
+  cmd->add_option("--iters", a.bench.iters, "timed iterations")->check(CLI::Range(1, 1000));
+  cmd->add_option("--block-q", a.bench.block_q, "blockwise: query rows per tile (0: default)");
+  cmd->add_option("--block-kv", a.bench.block_kv, "blockwise: key rows per tile (0: default)");
+  cmd->add_flag("--json", a.json, "one JSON object on stdout");
+  cmd->add_flag("--child", a.child, "internal")->group("");
+  return cmd;
+}
+
 nlohmann::json to_json(const hp::bench::AttentionBenchResult& r) {
   return {{"primitive", r.primitive},           {"fwd_s", r.fwd_s},
           {"fwd_bwd_s", r.fwd_bwd_s},           {"fwd_gflops", r.fwd_gflops},
@@ -149,20 +175,18 @@ nlohmann::json run_attention_child(const AttentionArgs& a, const std::string& pr
   return nlohmann::json::parse(hp::bench::run_for_json(cmd));
 }
 
-int run_attention(const AttentionArgs& a) {
+// The primitives --primitive names ("all": every registered one).
+std::vector<std::string> attention_primitives(const std::string& primitive) {
+  if (primitive == "all") return hp::attention::AttentionRegistry::builtin().names();
+  hp::attention::AttentionRegistry::builtin().get(primitive);  // clear error if unknown
+  return {primitive};
+}
+
+// Every primitive measured in its own process; math is skipped (or refused, when asked for by
+// name) where its [B, H, S, S] scores would not fit in memory.
+nlohmann::json measure_attention(const AttentionArgs& a) {
   const auto& b = a.bench;
-  if (a.child) {
-    hp::common::configure_threads(hp::common::available_cores());
-    std::cout << to_json(hp::bench::run_attention_bench(b, a.primitive)).dump() << std::endl;
-    return 0;
-  }
-  std::vector<std::string> prims;
-  if (a.primitive == "all") {
-    prims = hp::attention::AttentionRegistry::builtin().names();
-  } else {
-    hp::attention::AttentionRegistry::builtin().get(a.primitive);  // clear error if unknown
-    prims = {a.primitive};
-  }
+  const auto prims = attention_primitives(a.primitive);
   const double gflops = hp::bench::measure_matmul_gflops();
   nlohmann::json out = {{"seq", b.seq},
                         {"heads", b.heads},
@@ -186,10 +210,12 @@ int run_attention(const AttentionArgs& a) {
     }
     out["results"].push_back(run_attention_child(a, p));
   }
-  if (a.json) {
-    std::cout << out.dump() << std::endl;
-    return 0;
-  }
+  return out;
+}
+
+void print_attention(const AttentionArgs& a, const nlohmann::json& out) {
+  const auto& b = a.bench;
+  const double gflops = out["matmul_gflops"].get<double>();
   std::printf(
       "hp-bench attention: B=%lld H=%lld Hkv=%lld D=%lld S=%lld causal=%s; "
       "fp32 matmul roofline %.1f GFLOP/s (2048^3, this run)\n",
@@ -209,103 +235,77 @@ int run_attention(const AttentionArgs& a) {
     std::printf("%-10s skipped: %s\n", s["primitive"].get<std::string>().c_str(),
                 s["reason"].get<std::string>().c_str());
   }
+}
+
+int run_attention(const AttentionArgs& a) {
+  if (a.child) {
+    hp::common::configure_threads(hp::common::available_cores());
+    std::cout << to_json(hp::bench::run_attention_bench(a.bench, a.primitive)).dump() << std::endl;
+    return 0;
+  }
+  const auto out = measure_attention(a);
+  if (a.json) {
+    std::cout << out.dump() << std::endl;
+    return 0;
+  }
+  print_attention(a, out);
+  return 0;
+}
+
+// Every subcommand's options (bound by CLI11, so this object stays put) and its CLI::App.
+struct Commands {
+  CommArgs comm;
+  AttentionArgs attention;
+  CPArgs cp;
+  HsdpArgs hsdp;
+  std::string calibrate_out;
+  hp::bench::ReportOptions report;
+  std::string link_rate;  // comm, cp, hsdp, calibrate
+  CLI::App *comm_cmd = nullptr, *attention_cmd = nullptr, *cp_cmd = nullptr, *hsdp_cmd = nullptr,
+           *calibrate_cmd = nullptr, *report_cmd = nullptr;
+};
+
+void add_commands(CLI::App& app, Commands& c) {
+  app.require_subcommand(1);
+  c.comm_cmd = add_comm_command(app, c.comm);
+  c.attention_cmd = add_attention_command(app, c.attention);
+  c.cp_cmd = add_cp_command(app, c.cp);
+  c.hsdp_cmd = add_hsdp_command(app, c.hsdp);
+  c.calibrate_cmd = add_calibrate_command(app, c.calibrate_out);
+  c.report_cmd = add_report_command(app, c.report);
+  for (auto* cmd : {c.comm_cmd, c.cp_cmd, c.hsdp_cmd, c.calibrate_cmd}) {
+    cmd->add_option("--link-rate", c.link_rate,
+                    "emulate a link of this rate (e.g. 1gbit) on a namespaced loopback; root");
+  }
+}
+
+// The parsed subcommand (under an emulated link first when --link-rate asks for one).
+int run_command(const Commands& c, const std::vector<std::string>& args) {
+  if (!c.link_rate.empty() && !hp::bench::emulated_link_rate()) {
+    return hp::bench::run_in_emulated_link(c.link_rate, args);
+  }
+  if (c.hsdp_cmd->parsed()) return run_hsdp(c.hsdp, args);
+  if (c.calibrate_cmd->parsed()) return run_calibrate(c.calibrate_out);
+  if (c.report_cmd->parsed()) return run_report_cmd(c.report);
+  if (c.cp_cmd->parsed()) return run_cp(c.cp, args);
+  if (c.comm_cmd->parsed()) return run_comm(c.comm, args);
+  if (c.attention_cmd->parsed()) return run_attention(c.attention);
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> args(argv, argv + argc);
+  const std::vector<std::string> args(argv, argv + argc);
   CLI::App app{"hp-bench: hyperparallel benchmarks (medians; compare ratios from one run)"};
-  app.require_subcommand(1);
-  CommArgs comm;
-  auto* c = app.add_subcommand("comm", "collective volume and throughput over local ranks");
-  c->add_option("--nproc", comm.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
-  c->add_option("--bytes", comm.bench.bytes, "input bytes per rank")->check(CLI::PositiveNumber);
-  c->add_option("--iters", comm.bench.iters, "timed iterations")->check(CLI::Range(1, 100000));
-  c->add_option("--timeout", comm.timeout_s, "per-group timeout in seconds");
-  c->add_flag("--json", comm.json, "one JSON object on stdout");
-  c->add_option("--trace", comm.trace, "write a Chrome trace (one track per rank) to this file");
-  AttentionArgs att;
-  auto* at_cmd = app.add_subcommand("attention", "one attention layer, fwd and fwd+bwd");
-  add_shape_options(at_cmd, att.bench.seq, att.bench.heads, att.bench.kv_heads, att.bench.head_dim,
-                    att.bench.batch);
-  at_cmd->add_flag("--causal", att.bench.causal, "causal mask");
-  at_cmd->add_option("--primitive", att.primitive, "math | blockwise | sdpa | all");
-  at_cmd->add_option("--iters", att.bench.iters, "timed iterations")->check(CLI::Range(1, 1000));
-  at_cmd->add_option("--block-q", att.bench.block_q, "blockwise: query rows per tile (0: default)");
-  at_cmd->add_option("--block-kv", att.bench.block_kv, "blockwise: key rows per tile (0: default)");
-  at_cmd->add_flag("--json", att.json, "one JSON object on stdout");
-  at_cmd->add_flag("--child", att.child, "internal")->group("");
-  CPArgs cpa;
-  auto* cp_cmd = app.add_subcommand("cp", "one CP attention layer, forward + backward");
-  add_shape_options(cp_cmd, cpa.bench.seq, cpa.bench.heads, cpa.bench.kv_heads, cpa.bench.head_dim,
-                    cpa.bench.batch);
-  cp_cmd->add_option("--cp,--nproc", cpa.nproc, "CP ranks (local processes)")
-      ->check(CLI::Range(1, 64));
-  cp_cmd->add_option("--cp-algo", cpa.algo,
-                     hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto");
-  cp_cmd->add_option("--ulysses-degree", cpa.degree, "Ulysses degree (hybrid)");
-  cp_cmd->add_option("--schedule", cpa.schedule, "sync | async");
-  cp_cmd->add_option("--adapter", cpa.bench.adapter,
-                     hp::cp::AdapterRegistry::builtin().names_list(" | "));
-  cp_cmd->add_flag("--causal", cpa.bench.causal, "causal attention");
-  cp_cmd->add_flag("--projections", cpa.bench.projections,
-                   "Q/K/V/O projections around attention (what async overlaps)");
-  cp_cmd->add_flag("--load-balance", cpa.bench.config.load_balance,
-                   "head-tail load balance (all_gather; data-order shards)");
-  cp_cmd->add_option("--iters", cpa.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
-  cp_cmd->add_option("--timeout", cpa.timeout_s, "per-group timeout in seconds");
-  cp_cmd->add_flag("--json", cpa.json, "one JSON object on stdout");
-  HsdpArgs hs;
-  auto* hs_cmd = app.add_subcommand("hsdp", "decoder stack backward: HSDP pipeline vs baseline");
-  hs_cmd->add_option("--nproc", hs.nproc, "local rank processes")->check(CLI::Range(1, 64));
-  hs_cmd->add_option("--dp-shard", hs.bench.dp_shard, "shard degree Sd")
-      ->check(CLI::PositiveNumber);
-  hs_cmd->add_option("--dp-replicate", hs.bench.dp_replicate, "replicas R")
-      ->check(CLI::PositiveNumber);
-  hs_cmd->add_option("--comm-fusion", hs.fusion, "on | off");
-  hs_cmd->add_option("--layers", hs.bench.layers, "decoder layers")->check(CLI::PositiveNumber);
-  hs_cmd->add_option("--hidden", hs.bench.hidden, "hidden size")->check(CLI::PositiveNumber);
-  hs_cmd->add_option("--ffn", hs.bench.ffn, "MLP width")->check(CLI::PositiveNumber);
-  hs_cmd->add_option("--seq", hs.bench.seq, "tokens per rank")->check(CLI::PositiveNumber);
-  hs_cmd->add_option("--iters", hs.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
-  hs_cmd->add_option("--timeout", hs.timeout_s, "per-group timeout in seconds");
-  hs_cmd->add_flag("--json", hs.json, "one JSON object on stdout");
-  auto* cal_cmd =
-      app.add_subcommand("calibrate", "measure the CP cost model's inputs for this link; cache");
-  std::string cal_out;
-  cal_cmd->add_option("--out", cal_out, "also write the calibration here");
-  hp::bench::ReportOptions rep;
-  auto* rep_cmd = app.add_subcommand("report", "the benchmark report (docs/benchmarks/)");
-  rep_cmd->add_option("--link-rate", rep.links,
-                      "links to report on (e.g. 1gbit; 'loopback' for plain loopback); the first "
-                      "is the main one; default loopback");
-  rep_cmd->add_option("--out", rep.out_dir, "output directory");
-  rep_cmd->add_flag("--recalibrate", rep.recalibrate, "redo the cached calibrations");
-  rep_cmd->add_option("--seqs", rep.seqs, "sequence lengths of the grid");
-  rep_cmd->add_option("--ranks", rep.ranks, "CP sizes of the grid");
-  rep_cmd->add_option("--iters", rep.iters_small, "timed steps per CP run below S=16384");
-  std::string link_rate;
-  for (auto* cmd : {c, cp_cmd, hs_cmd, cal_cmd}) {
-    cmd->add_option("--link-rate", link_rate,
-                    "emulate a link of this rate (e.g. 1gbit) on a namespaced loopback; root");
-  }
+  Commands commands;
+  add_commands(app, commands);
   CLI11_PARSE(app, argc, argv);
   try {
-    if (!link_rate.empty() && !hp::bench::emulated_link_rate()) {
-      return hp::bench::run_in_emulated_link(link_rate, args);
-    }
-    if (hs_cmd->parsed()) return run_hsdp(hs, args);
-    if (cal_cmd->parsed()) return run_calibrate(cal_out);
-    if (rep_cmd->parsed()) return run_report_cmd(rep);
-    if (cp_cmd->parsed()) return run_cp(cpa, args);
-    if (c->parsed()) return run_comm(comm, args);
-    if (at_cmd->parsed()) return run_attention(att);
+    return run_command(commands, args);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;
     hp::comm::report_rank_error(e.what());
     return 1;
   }
-  return 0;
 }

@@ -1,7 +1,9 @@
-// hp-bench's subcommands over the parallel layers (cp, hsdp, calibrate, report); main and the
-// comm/attention subcommands are in hp_bench.cpp.
+// hp-bench's subcommands. Each has an options struct, an add_*_command that registers its CLI
+// options (in help order) and a run_* that validates, runs and reports. comm and attention (and
+// main) are in hp_bench.cpp; cp, hsdp, calibrate and report in hp_bench_layers.cpp.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -9,9 +11,17 @@
 #include "hp/bench/hsdp_bench.h"
 #include "hp/bench/report.h"
 
+namespace CLI {
+class App;
+}
+
 namespace hp_bench {
 
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what);
+
+// The attention shape options both `attention` and `cp` take.
+void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,
+                       int64_t& head_dim, int64_t& batch);
 
 struct CPArgs {
   hp::bench::CPBenchOptions bench;
@@ -21,6 +31,7 @@ struct CPArgs {
   bool json = false;
   double timeout_s = 600;
 };
+CLI::App* add_cp_command(CLI::App& app, CPArgs& a);
 int run_cp(CPArgs a, const std::vector<std::string>& argv);
 
 struct HsdpArgs {
@@ -30,9 +41,13 @@ struct HsdpArgs {
   bool json = false;
   double timeout_s = 600;
 };
+CLI::App* add_hsdp_command(CLI::App& app, HsdpArgs& a);
 int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv);
 
+CLI::App* add_calibrate_command(CLI::App& app, std::string& out);
 int run_calibrate(const std::string& out);
+
+CLI::App* add_report_command(CLI::App& app, hp::bench::ReportOptions& o);
 int run_report_cmd(hp::bench::ReportOptions o);
 
 }  // namespace hp_bench

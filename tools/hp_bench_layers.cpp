@@ -1,9 +1,10 @@
-// hp-bench cp | hsdp | calibrate | report.
+// hp-bench cp | hsdp | calibrate | report: each subcommand's options and its run.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "hp/bench/calibrate.h"
@@ -13,10 +14,36 @@
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
+#include "hp/cp/adapter.h"
+#include "hp/cp/strategy.h"
 #include "hp/plan/cost_model.h"
 #include "hp_bench_cmds.h"
 
 namespace hp_bench {
+
+CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
+  auto* cmd = app.add_subcommand("cp", "one CP attention layer, forward + backward");
+  add_shape_options(cmd, a.bench.seq, a.bench.heads, a.bench.kv_heads, a.bench.head_dim,
+                    a.bench.batch);
+  cmd->add_option("--cp,--nproc", a.nproc, "CP ranks (local processes)")->check(CLI::Range(1, 64));
+  cmd->add_option("--cp-algo", a.algo,
+                  hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto");
+  cmd->add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
+  cmd->add_option("--schedule", a.schedule, "sync | async");
+  cmd->add_option("--adapter", a.bench.adapter,
+                  hp::cp::AdapterRegistry::builtin().names_list(" | "));
+  cmd->add_flag("--causal", a.bench.causal, "causal attention");
+  cmd->add_flag("--projections", a.bench.projections,
+                "Q/K/V/O projections around attention (what async overlaps)");
+  cmd->add_flag("--load-balance", a.bench.config.load_balance,
+                "head-tail load balance (all_gather; data-order shards)");
+  cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
+  cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  cmd->add_flag("--json", a.json, "one JSON object on stdout");
+  return cmd;
+}
+
+namespace {
 
 // --cp-algo auto: the cost model's fastest legal choice for this link; every candidate's
 // prediction is logged (once, by the launching process).
@@ -49,28 +76,34 @@ void choose_cp_config(CPArgs& a, bool log) {
   a.bench.config.load_balance = best.load_balance;
 }
 
-int run_cp(CPArgs a, const std::vector<std::string>& argv) {
+// The CP configuration from the flags (auto: the cost model's choice), statically checked
+// before any process starts.
+void resolve_cp_config(CPArgs& a) {
   if (a.algo == "auto") {
     choose_cp_config(a, !hp::comm::parse_launch_env(hp::comm::process_env()).has_value());
   }
   a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
   a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
   if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
-  // Static checks before any process starts.
   auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
   if (normalized) {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
   }
-  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");
+}
+
+// This process's rank of the job (launcher variables, or a world of one), its threads set.
+hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s) {
   hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
-  auto results = hp::bench::run_cp_bench(world, a.bench);
-  if (world.rank() != 0) return 0;
+  return world;
+}
+
+nlohmann::json cp_results_json(const CPArgs& a,
+                               const std::vector<hp::bench::CPBenchResult>& results, int threads) {
   nlohmann::json list = nlohmann::json::array();
   for (const auto& r : results) {
     list.push_back({{"algorithm", r.algorithm},
@@ -84,7 +117,7 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
                     {"causal", a.bench.causal},
                     {"projections", a.bench.projections},
                     {"load_balance", a.bench.config.load_balance},
-                    {"threads_per_rank", hp::common::threads_per_rank(world.local_size())},
+                    {"threads_per_rank", threads},
                     {"step_time_s", r.step_time_s},
                     {"comm_bytes_per_rank", r.comm_bytes_per_rank},
                     {"comm_bytes_theory", r.comm_bytes_theory},
@@ -96,10 +129,10 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
                     {"exposed_comm_s", r.exposed_comm_s},
                     {"overlap_fraction", r.overlap_fraction}});
   }
-  if (a.json) {
-    std::cout << nlohmann::json{{"results", list}}.dump() << std::endl;
-    return 0;
-  }
+  return {{"results", list}};
+}
+
+void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& results, int threads) {
   for (const auto& r : results) {
     std::printf(
         "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s%s "
@@ -109,8 +142,7 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
         r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
         (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
         (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
-        a.bench.projections ? " +projections" : "",
-        hp::common::threads_per_rank(world.local_size()), r.step_time_s,
+        a.bench.projections ? " +projections" : "", threads, r.step_time_s,
         (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
         r.peak_rss_bytes / 1048576.0, r.exposed_comm_s,
         r.schedule == "async"
@@ -130,27 +162,46 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
     }
     std::printf("  (max/min %.2f)\n", lo > 0 ? hi / lo : 0.0);
   }
+}
+
+}  // namespace
+
+int run_cp(CPArgs a, const std::vector<std::string>& argv) {
+  resolve_cp_config(a);
+  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");
+  auto world = join_world(env, a.timeout_s);
+  auto results = hp::bench::run_cp_bench(world, a.bench);
+  if (world.rank() != 0) return 0;
+  const int threads = hp::common::threads_per_rank(world.local_size());
+  if (a.json) {
+    std::cout << cp_results_json(a, results, threads).dump() << std::endl;
+    return 0;
+  }
+  print_cp(a, results, threads);
   return 0;
 }
 
-int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
-  HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-bench hsdp: --comm-fusion '", a.fusion,
-           "' is not valid; valid: on, off");
-  a.bench.comm_fusion = a.fusion == "on";
-  HP_CHECK(a.bench.dp_shard * a.bench.dp_replicate == a.nproc, "hp-bench hsdp: --dp-shard ",
-           a.bench.dp_shard, " x --dp-replicate ", a.bench.dp_replicate, " = ",
-           a.bench.dp_shard * a.bench.dp_replicate, " but --nproc is ", a.nproc,
-           "; make the product equal --nproc");
-  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "hsdp");
-  hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
-  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
-                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
-  const int threads = hp::common::threads_per_rank(world.local_size());
-  hp::common::configure_threads(threads);
-  auto results = hp::bench::run_hsdp_bench(world, a.bench);
-  if (world.rank() != 0) return 0;
+CLI::App* add_hsdp_command(CLI::App& app, HsdpArgs& a) {
+  auto* cmd = app.add_subcommand("hsdp", "decoder stack backward: HSDP pipeline vs baseline");
+  cmd->add_option("--nproc", a.nproc, "local rank processes")->check(CLI::Range(1, 64));
+  cmd->add_option("--dp-shard", a.bench.dp_shard, "shard degree Sd")->check(CLI::PositiveNumber);
+  cmd->add_option("--dp-replicate", a.bench.dp_replicate, "replicas R")->check(CLI::PositiveNumber);
+  cmd->add_option("--comm-fusion", a.fusion, "on | off");
+  cmd->add_option("--layers", a.bench.layers, "decoder layers")->check(CLI::PositiveNumber);
+  cmd->add_option("--hidden", a.bench.hidden, "hidden size")->check(CLI::PositiveNumber);
+  cmd->add_option("--ffn", a.bench.ffn, "MLP width")->check(CLI::PositiveNumber);
+  cmd->add_option("--seq", a.bench.seq, "tokens per rank")->check(CLI::PositiveNumber);
+  cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
+  cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  cmd->add_flag("--json", a.json, "one JSON object on stdout");
+  return cmd;
+}
+
+namespace {
+
+nlohmann::json hsdp_json(const HsdpArgs& a, const std::vector<hp::bench::HsdpBenchResult>& results,
+                         int threads, double speedup) {
   const auto& b = a.bench;
   nlohmann::json list = nlohmann::json::array();
   for (const auto& r : results) {
@@ -171,25 +222,19 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
                     {"param_bytes_per_rank", r.param_bytes_per_rank},
                     {"full_param_bytes", r.full_param_bytes}});
   }
-  const double speedup =
-      results[1].backward_s > 0 ? results[0].backward_s / results[1].backward_s : 0.0;
-  if (a.json) {
-    std::cout << nlohmann::json{{"nproc", a.nproc},
-                                {"dp_shard", b.dp_shard},
-                                {"dp_replicate", b.dp_replicate},
-                                {"comm_fusion", a.fusion},
-                                {"threads_per_rank", threads},
-                                {"model",
-                                 {{"layers", b.layers},
-                                  {"hidden", b.hidden},
-                                  {"ffn", b.ffn},
-                                  {"seq", b.seq}}},
-                                {"results", list},
-                                {"backward_speedup", speedup}}
-                     .dump()
-              << std::endl;
-    return 0;
-  }
+  return {{"nproc", a.nproc},
+          {"dp_shard", b.dp_shard},
+          {"dp_replicate", b.dp_replicate},
+          {"comm_fusion", a.fusion},
+          {"threads_per_rank", threads},
+          {"model", {{"layers", b.layers}, {"hidden", b.hidden}, {"ffn", b.ffn}, {"seq", b.seq}}},
+          {"results", list},
+          {"backward_speedup", speedup}};
+}
+
+void print_hsdp(const HsdpArgs& a, const std::vector<hp::bench::HsdpBenchResult>& results,
+                int threads, double speedup) {
+  const auto& b = a.bench;
   std::printf(
       "hp-bench hsdp: R=%lld x Sd=%lld, comm_fusion=%s, %lld layers hidden=%lld ffn=%lld "
       "S=%lld (%d thread(s) per rank; medians of the slowest rank)\n",
@@ -216,7 +261,39 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
               static_cast<double>(results[1].full_param_bytes) /
                   static_cast<double>(std::max<int64_t>(1, results[1].param_bytes_per_rank)),
               speedup);
+}
+
+}  // namespace
+
+int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
+  HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-bench hsdp: --comm-fusion '", a.fusion,
+           "' is not valid; valid: on, off");
+  a.bench.comm_fusion = a.fusion == "on";
+  HP_CHECK(a.bench.dp_shard * a.bench.dp_replicate == a.nproc, "hp-bench hsdp: --dp-shard ",
+           a.bench.dp_shard, " x --dp-replicate ", a.bench.dp_replicate, " = ",
+           a.bench.dp_shard * a.bench.dp_replicate, " but --nproc is ", a.nproc,
+           "; make the product equal --nproc");
+  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "hsdp");
+  auto world = join_world(env, a.timeout_s);
+  const int threads = hp::common::threads_per_rank(world.local_size());
+  auto results = hp::bench::run_hsdp_bench(world, a.bench);
+  if (world.rank() != 0) return 0;
+  const double speedup =
+      results[1].backward_s > 0 ? results[0].backward_s / results[1].backward_s : 0.0;
+  if (a.json) {
+    std::cout << hsdp_json(a, results, threads, speedup).dump() << std::endl;
+    return 0;
+  }
+  print_hsdp(a, results, threads, speedup);
   return 0;
+}
+
+CLI::App* add_calibrate_command(CLI::App& app, std::string& out) {
+  auto* cmd =
+      app.add_subcommand("calibrate", "measure the CP cost model's inputs for this link; cache");
+  cmd->add_option("--out", out, "also write the calibration here");
+  return cmd;
 }
 
 int run_calibrate(const std::string& out) {
@@ -240,6 +317,19 @@ int run_calibrate(const std::string& out) {
   }
   std::printf("hp-bench calibrate: wrote %s\n", path.c_str());
   return 0;
+}
+
+CLI::App* add_report_command(CLI::App& app, hp::bench::ReportOptions& o) {
+  auto* cmd = app.add_subcommand("report", "the benchmark report (docs/benchmarks/)");
+  cmd->add_option("--link-rate", o.links,
+                  "links to report on (e.g. 1gbit; 'loopback' for plain loopback); the first "
+                  "is the main one; default loopback");
+  cmd->add_option("--out", o.out_dir, "output directory");
+  cmd->add_flag("--recalibrate", o.recalibrate, "redo the cached calibrations");
+  cmd->add_option("--seqs", o.seqs, "sequence lengths of the grid");
+  cmd->add_option("--ranks", o.ranks, "CP sizes of the grid");
+  cmd->add_option("--iters", o.iters_small, "timed steps per CP run below S=16384");
+  return cmd;
 }
 
 int run_report_cmd(hp::bench::ReportOptions o) {

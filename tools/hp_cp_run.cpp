@@ -27,6 +27,53 @@
 
 namespace {
 
+struct Args {
+  std::string input, output, algo = "all_gather", schedule = "sync", layout = "bnsd";
+  std::string primitive = "blockwise", adapter = "sdpa_qkv";
+  int cp_size = 2;
+  int64_t degree = 0;
+  bool load_balance = false, causal = false;
+  std::string lb_form = "runtime_swap";
+};
+
+void add_options(CLI::App& app, Args& a) {
+  app.add_option("--input", a.input, "torch.save dict with q, k, v, dout")->required();
+  app.add_option("--output", a.output, "where to write out, dq, dk, dv")->required();
+  app.add_option("--cp", a.cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
+  app.add_option("--cp-algo", a.algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
+  app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
+  app.add_option("--schedule", a.schedule, "sync | async");
+  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
+  app.add_option("--load-balance-form", a.lb_form,
+                 "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
+                 "made by shard_sequence)");
+  app.add_flag("--causal", a.causal, "causal attention");
+  app.add_option("--layout", a.layout, "bnsd | bshd");
+  app.add_option("--primitive", a.primitive, "math | blockwise");
+  app.add_option("--adapter", a.adapter, hp::cp::AdapterRegistry::builtin().names_list(" | "));
+}
+
+// The checked layout and CP configuration (normalised for --cp ranks).
+hp::cp::ContextParallelConfig resolve_config(const Args& a) {
+  HP_CHECK(a.layout == "bnsd" || a.layout == "bshd", "hp-cp-run: --layout '", a.layout,
+           "' is not valid; valid: bnsd, bshd");
+  hp::cp::ContextParallelConfig c;
+  c.algorithm = hp::cp::parse_algorithm(a.algo);
+  c.schedule = hp::cp::parse_schedule(a.schedule);
+  if (a.degree > 0) c.ulysses_degree = a.degree;
+  c.load_balance = a.load_balance;
+  HP_CHECK(a.lb_form == "runtime_swap" || a.lb_form == "data_order",
+           "hp-cp-run: --load-balance-form '", a.lb_form,
+           "' is not valid; valid: runtime_swap, data_order");
+  c.load_balance_form = a.lb_form == "data_order" ? hp::cp::LoadBalanceForm::kDataOrder
+                                                  : hp::cp::LoadBalanceForm::kRuntimeSwap;
+  return hp::cp::normalize(c, a.cp_size).value_or(hp::cp::ContextParallelConfig{});
+}
+
+bool data_order(const hp::cp::ContextParallelConfig& config) {
+  return config.load_balance && config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
+}
+
 std::vector<char> read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   HP_CHECK(f.good(), "hp-cp-run: cannot open --input '", path, "'");
@@ -45,139 +92,152 @@ at::Tensor entry(const c10::IValue& dict, const std::string& key, const std::str
   return t.toTensor().contiguous();
 }
 
+// The full-sequence tensors of --input and where their sequence and head dims are.
+struct Inputs {
+  at::Tensor q, k, v, dout;
+  int64_t seq = 2, head = 1;  // BNSD; BSHD: 1, 2
+};
+
+Inputs load_inputs(const Args& a, const hp::cp::ContextParallelConfig& config) {
+  const bool bshd = a.layout == "bshd";
+  auto in = torch::jit::pickle_load(read_bytes(a.input));
+  Inputs x;
+  x.q = entry(in, "q", a.input);
+  x.k = entry(in, "k", a.input);
+  x.v = entry(in, "v", a.input);
+  x.dout = entry(in, "dout", a.input);
+  x.seq = bshd ? 1 : 2;
+  x.head = bshd ? 2 : 1;
+  HP_CHECK(x.q.dim() == 4, "hp-cp-run: q must be 4-d (", a.layout, "), got ", x.q.dim(), " dims");
+  hp::cp::check_sequence(config, a.cp_size, x.q.size(x.seq));
+  hp::cp::check_heads(config, a.cp_size, x.q.size(x.head), x.k.size(x.head));
+  return x;
+}
+
+// No CP: the plain primitive on the full tensors.
+hp::bench::CPLayerResult run_plain(const Args& a, const Inputs& x) {
+  hp::attention::CoreAttentionOptions co;
+  co.attention.causal = a.causal;
+  co.primitive = a.primitive;
+  co.seq_dim = x.seq;
+  co.heads_dim = x.head;
+  hp::attention::CoreAttention core(co);
+  auto q1 = x.q.detach().requires_grad_(true), k1 = x.k.detach().requires_grad_(true),
+       v1 = x.v.detach().requires_grad_(true);
+  auto out = core.forward(q1, k1, v1);
+  out.backward(x.dout);
+  return {out.detach(), q1.grad(), k1.grad(), v1.grad()};
+}
+
+// What every rank thread produced: its shards, the bytes it sent and rank 0's apply log.
+struct RankResults {
+  std::vector<hp::bench::CPLayerResult> results;
+  std::vector<int64_t> bytes;
+  std::string log;
+};
+
+RankResults run_ranks(const Args& a, const hp::cp::ContextParallelConfig& config, const Inputs& x) {
+  hp::bench::CPLayerOptions lo;
+  lo.config = config;
+  lo.adapter = a.adapter;
+  lo.causal = a.causal;
+  lo.bshd = a.layout == "bshd";
+  lo.primitive = a.primitive;
+  RankResults rr{
+      std::vector<hp::bench::CPLayerResult>(a.cp_size), std::vector<int64_t>(a.cp_size), {}};
+  hp::comm::WorldOptions wo;
+  wo.timeout = std::chrono::seconds(120);
+  hp::comm::run_thread_ranks(
+      a.cp_size,
+      [&](hp::comm::World& w) {
+        hp::comm::DeviceMesh mesh(w, {{"cp", a.cp_size}});
+        const int r = w.rank();
+        auto part = [&](const at::Tensor& t) {
+          return hp::cp::shard_sequence(t, x.seq, r, a.cp_size, data_order(config));
+        };
+        if (a.cp_size == 1) {
+          rr.results[r] = run_plain(a, x);
+          return;
+        }
+        hp::bench::CPAttentionLayer layer(w, mesh.group_ptr({"cp"}), lo);
+        w.context().counters.reset();
+        rr.results[r] = layer.run(part(x.q), part(x.k), part(x.v), part(x.dout));
+        rr.bytes[r] = w.context().counters.total_bytes();
+        if (r == 0) rr.log = layer.apply_log();
+      },
+      wo);
+  return rr;
+}
+
+// The full-sequence results in natural order into --output (temp file + rename).
+void write_output(const Args& a, const hp::cp::ContextParallelConfig& config, const Inputs& x,
+                  const std::vector<hp::bench::CPLayerResult>& results) {
+  auto cat = [&](at::Tensor hp::bench::CPLayerResult::*field) {
+    std::vector<at::Tensor> parts;
+    for (auto& res : results)
+      parts.push_back(res.*field);
+    return hp::cp::unshard_sequence(parts, x.seq, data_order(config));  // natural order
+  };
+  c10::Dict<std::string, at::Tensor> out;
+  out.insert("out", cat(&hp::bench::CPLayerResult::out));
+  out.insert("dq", cat(&hp::bench::CPLayerResult::dq));
+  out.insert("dk", cat(&hp::bench::CPLayerResult::dk));
+  out.insert("dv", cat(&hp::bench::CPLayerResult::dv));
+  auto data = torch::jit::pickle_save(c10::IValue(out));
+  {
+    std::ofstream f(a.output + ".tmp", std::ios::binary);
+    HP_CHECK(f.good(), "hp-cp-run: cannot write --output '", a.output, "'");
+    f.write(data.data(), static_cast<std::streamsize>(data.size()));
+  }
+  HP_CHECK(std::rename((a.output + ".tmp").c_str(), a.output.c_str()) == 0,
+           "hp-cp-run: cannot move the result to '", a.output, "'");
+}
+
+// The one-line JSON summary: configuration, counted bytes and the formula's.
+nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& config, const Inputs& x,
+                       const std::vector<int64_t>& bytes) {
+  const auto& q = x.q;
+  hp::cp::AttentionShape shape{q.size(x.seq),    q.size(x.head),
+                               x.k.size(x.head), q.size(3),
+                               q.size(0),        static_cast<int64_t>(q.element_size())};
+  std::vector<int64_t> theory_per_rank(a.cp_size, 0);
+  for (int r = 0; a.cp_size > 1 && r < a.cp_size; ++r) {
+    theory_per_rank[r] = 2 * hp::cp::forward_bytes_per_rank(config, a.cp_size, shape, r);
+  }
+  const int64_t theory = theory_per_rank[0];
+  return {{"algorithm", hp::cp::to_string(config.algorithm)},
+          {"cp", a.cp_size},
+          {"ulysses_degree", hp::cp::ulysses_degree_of(config, a.cp_size)},
+          {"adapter", a.adapter},
+          {"load_balance", config.load_balance},
+          {"schedule", hp::cp::to_string(config.schedule)},
+          {"comm_bytes_per_rank", bytes},
+          {"comm_bytes_theory", theory},
+          {"comm_bytes_theory_per_rank", theory_per_rank}};
+}
+
+int run(const Args& a) {
+  const auto config = resolve_config(a);
+  const auto inputs = load_inputs(a, config);
+  const auto ranks = run_ranks(a, config, inputs);
+  write_output(a, config, inputs, ranks.results);
+  const auto j = summary(a, config, inputs, ranks.bytes);
+  if (!ranks.log.empty()) std::cerr << ranks.log << std::endl;
+  std::cout << j.dump() << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"hp-cp-run: one CP attention forward/backward on tensors from a torch.save file"};
-  std::string input, output, algo = "all_gather", schedule = "sync", layout = "bnsd";
-  std::string primitive = "blockwise", adapter = "sdpa_qkv";
-  int cp_size = 2;
-  int64_t degree = 0;
-  bool load_balance = false, causal = false;
-  std::string lb_form = "runtime_swap";
-  app.add_option("--input", input, "torch.save dict with q, k, v, dout")->required();
-  app.add_option("--output", output, "where to write out, dq, dk, dv")->required();
-  app.add_option("--cp", cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
-  app.add_option("--cp-algo", algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
-  app.add_option("--ulysses-degree", degree, "Ulysses degree (hybrid)");
-  app.add_option("--schedule", schedule, "sync | async");
-  app.add_flag("--load-balance", load_balance, "head-tail load balance (all_gather)");
-  app.add_option("--load-balance-form", lb_form,
-                 "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
-                 "made by shard_sequence)");
-  app.add_flag("--causal", causal, "causal attention");
-  app.add_option("--layout", layout, "bnsd | bshd");
-  app.add_option("--primitive", primitive, "math | blockwise");
-  app.add_option("--adapter", adapter, hp::cp::AdapterRegistry::builtin().names_list(" | "));
+  Args a;
+  add_options(app, a);
   CLI11_PARSE(app, argc, argv);
   try {
-    HP_CHECK(layout == "bnsd" || layout == "bshd", "hp-cp-run: --layout '", layout,
-             "' is not valid; valid: bnsd, bshd");
-    hp::cp::ContextParallelConfig c;
-    c.algorithm = hp::cp::parse_algorithm(algo);
-    c.schedule = hp::cp::parse_schedule(schedule);
-    if (degree > 0) c.ulysses_degree = degree;
-    c.load_balance = load_balance;
-    HP_CHECK(lb_form == "runtime_swap" || lb_form == "data_order",
-             "hp-cp-run: --load-balance-form '", lb_form,
-             "' is not valid; valid: runtime_swap, data_order");
-    c.load_balance_form = lb_form == "data_order" ? hp::cp::LoadBalanceForm::kDataOrder
-                                                  : hp::cp::LoadBalanceForm::kRuntimeSwap;
-    auto config = hp::cp::normalize(c, cp_size).value_or(hp::cp::ContextParallelConfig{});
-    const bool bshd = layout == "bshd";
-    auto in = torch::jit::pickle_load(read_bytes(input));
-    auto q = entry(in, "q", input), k = entry(in, "k", input), v = entry(in, "v", input),
-         dout = entry(in, "dout", input);
-    const int64_t seq = bshd ? 1 : 2, head = bshd ? 2 : 1;
-    HP_CHECK(q.dim() == 4, "hp-cp-run: q must be 4-d (", layout, "), got ", q.dim(), " dims");
-    hp::cp::check_sequence(config, cp_size, q.size(seq));
-    hp::cp::check_heads(config, cp_size, q.size(head), k.size(head));
-
-    hp::bench::CPLayerOptions lo;
-    lo.config = config;
-    lo.adapter = adapter;
-    lo.causal = causal;
-    lo.bshd = bshd;
-    lo.primitive = primitive;
-    std::vector<hp::bench::CPLayerResult> results(cp_size);
-    std::vector<int64_t> bytes(cp_size);
-    std::string log;
-    hp::comm::WorldOptions wo;
-    wo.timeout = std::chrono::seconds(120);
-    hp::comm::run_thread_ranks(
-        cp_size,
-        [&](hp::comm::World& w) {
-          hp::comm::DeviceMesh mesh(w, {{"cp", cp_size}});
-          const int r = w.rank();
-          const bool data_order = config.load_balance &&
-                                  config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
-          auto part = [&](const at::Tensor& t) {
-            return hp::cp::shard_sequence(t, seq, r, cp_size, data_order);
-          };
-          if (cp_size == 1) {
-            // No CP: the plain primitive on the full tensors.
-            hp::attention::CoreAttentionOptions co;
-            co.attention.causal = causal;
-            co.primitive = primitive;
-            co.seq_dim = seq;
-            co.heads_dim = head;
-            hp::attention::CoreAttention core(co);
-            auto q1 = q.detach().requires_grad_(true), k1 = k.detach().requires_grad_(true),
-                 v1 = v.detach().requires_grad_(true);
-            auto out = core.forward(q1, k1, v1);
-            out.backward(dout);
-            results[r] = {out.detach(), q1.grad(), k1.grad(), v1.grad()};
-            return;
-          }
-          hp::bench::CPAttentionLayer layer(w, mesh.group_ptr({"cp"}), lo);
-          w.context().counters.reset();
-          results[r] = layer.run(part(q), part(k), part(v), part(dout));
-          bytes[r] = w.context().counters.total_bytes();
-          if (r == 0) log = layer.apply_log();
-        },
-        wo);
-    const bool data_order =
-        config.load_balance && config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
-    auto cat = [&](at::Tensor hp::bench::CPLayerResult::*field) {
-      std::vector<at::Tensor> parts;
-      for (auto& res : results)
-        parts.push_back(res.*field);
-      return hp::cp::unshard_sequence(parts, seq, data_order);  // natural order
-    };
-    c10::Dict<std::string, at::Tensor> out;
-    out.insert("out", cat(&hp::bench::CPLayerResult::out));
-    out.insert("dq", cat(&hp::bench::CPLayerResult::dq));
-    out.insert("dk", cat(&hp::bench::CPLayerResult::dk));
-    out.insert("dv", cat(&hp::bench::CPLayerResult::dv));
-    auto data = torch::jit::pickle_save(c10::IValue(out));
-    {
-      std::ofstream f(output + ".tmp", std::ios::binary);
-      HP_CHECK(f.good(), "hp-cp-run: cannot write --output '", output, "'");
-      f.write(data.data(), static_cast<std::streamsize>(data.size()));
-    }
-    HP_CHECK(std::rename((output + ".tmp").c_str(), output.c_str()) == 0,
-             "hp-cp-run: cannot move the result to '", output, "'");
-    hp::cp::AttentionShape shape{q.size(seq), q.size(head), k.size(head),
-                                 q.size(3),   q.size(0),    static_cast<int64_t>(q.element_size())};
-    std::vector<int64_t> theory_per_rank(cp_size, 0);
-    for (int r = 0; cp_size > 1 && r < cp_size; ++r) {
-      theory_per_rank[r] = 2 * hp::cp::forward_bytes_per_rank(config, cp_size, shape, r);
-    }
-    const int64_t theory = theory_per_rank[0];
-    nlohmann::json j = {{"algorithm", hp::cp::to_string(config.algorithm)},
-                        {"cp", cp_size},
-                        {"ulysses_degree", hp::cp::ulysses_degree_of(config, cp_size)},
-                        {"adapter", adapter},
-                        {"load_balance", config.load_balance},
-                        {"schedule", hp::cp::to_string(config.schedule)},
-                        {"comm_bytes_per_rank", bytes},
-                        {"comm_bytes_theory", theory},
-                        {"comm_bytes_theory_per_rank", theory_per_rank}};
-    if (!log.empty()) std::cerr << log << std::endl;
-    std::cout << j.dump() << std::endl;
+    return run(a);
   } catch (const std::exception& e) {
     std::cerr << "hp-cp-run: " << e.what() << std::endl;
     return 1;
   }
-  return 0;
 }

@@ -25,14 +25,92 @@
 
 namespace {
 
+// Embedded default: the copy task on a model small enough that 200 steps take well under a
+// minute on 2 cores (the loss falls from ~3.4 to ~0.001 once attention spans S/2 back).
+hp::train::TrainOptions embedded_task() {
+  hp::train::TrainOptions o;
+  o.model.vocab = 16;
+  o.model.layers = 2;
+  o.model.hidden = 64;
+  o.model.heads = 4;
+  o.model.kv_heads = 2;
+  o.model.head_dim = 16;
+  o.model.ffn = 128;
+  o.seq_len = 256;
+  o.steps = 200;
+  o.batch = 4;
+  o.lr = 1e-2;
+  return o;
+}
+
+// Everything the command line (and --config) sets: the trainer's options and the flags that
+// become them once checked (resolve()).
 struct Args {
+  hp::train::TrainOptions train = embedded_task();
   int nproc = 1;
   std::string algo = "all_gather", schedule = "sync", config_file;
   int64_t degree = 0;
   bool load_balance = false;
   bool auto_algo = false;
   double timeout_s = 600;
+  std::string fusion = "off";
+  std::string mode = "production";
 };
+
+// --nproc, the parallel layout and the CP schedule.
+void add_layout_options(CLI::App& app, Args& a) {
+  auto& o = a.train;
+  app.add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
+  app.add_option("--tp", o.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
+  app.add_option("--cp", o.cp, "context-parallel size")->check(CLI::PositiveNumber);
+  app.add_option("--cp-algo", a.algo,
+                 hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
+  app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
+  app.add_option("--schedule", a.schedule, "sync | async");
+  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
+  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas")->check(CLI::PositiveNumber);
+  app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
+}
+
+// The task: sequence, batch, steps, model sizes, optimizer and data.
+void add_task_options(CLI::App& app, Args& a) {
+  auto& o = a.train;
+  app.add_option("--seq-len", o.seq_len, "global sequence length")->check(CLI::PositiveNumber);
+  app.add_option("--batch", o.batch, "sequences per step")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "training steps")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.model.layers, "decoder layers")->check(CLI::PositiveNumber);
+  app.add_option("--hidden", o.model.hidden, "hidden size")->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.model.heads, "query heads")->check(CLI::PositiveNumber);
+  app.add_option("--kv-heads", o.model.kv_heads, "key/value heads")->check(CLI::PositiveNumber);
+  app.add_option("--head-dim", o.model.head_dim, "head dim")->check(CLI::PositiveNumber);
+  app.add_option("--ffn", o.model.ffn, "MLP width")->check(CLI::PositiveNumber);
+  app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--primitive", o.model.primitive, "math | blockwise");
+  app.add_option("--lr", o.lr, "peak learning rate");
+  app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
+  app.add_option("--data-dtype", o.data_dtype, ".bin token width: uint16 | uint32");
+  app.add_option("--seed", o.seed, "data seed");
+}
+
+// Checks, outputs, checkpoints and the job.
+void add_run_options(CLI::App& app, Args& a) {
+  auto& o = a.train;
+  app.add_flag("--validate", o.validate, "also run single-process and compare");
+  app.add_option("--mode", a.mode, "production | validate (layouts checked at module boundaries)");
+  app.add_option("--metrics-json", o.metrics_json, "write metrics here (rank 0)");
+  app.add_option("--trace", o.trace, "Chrome trace of the run, one track per rank");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
+  app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
+  app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
+}
 
 // Values from --config FILE.json for every option not given on the command line.
 void apply_config(CLI::App& app, const std::string& path) {
@@ -56,167 +134,144 @@ void apply_config(CLI::App& app, const std::string& path) {
   }
 }
 
+// The checked flags into the trainer's options: mode, comm fusion and the CP configuration.
+void resolve(Args& a) {
+  auto& o = a.train;
+  HP_CHECK(a.mode == "production" || a.mode == "validate", "hp-train: --mode '", a.mode,
+           "' is not valid; valid: production, validate");
+  o.validate_mode = a.mode == "validate";
+  HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-train: --comm-fusion '", a.fusion,
+           "' is not valid; valid: on, off");
+  o.comm_fusion = a.fusion == "on";
+  o.cp_auto = a.algo == "auto";
+  if (o.cp_auto) {
+    HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
+    a.algo = "all_gather";  // placeholder: the planner replaces it (load_balance is kept)
+    a.auto_algo = true;
+  }
+  if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance) {
+    hp::cp::ContextParallelConfig c;
+    c.algorithm = hp::cp::parse_algorithm(a.algo);
+    c.schedule = hp::cp::parse_schedule(a.schedule);
+    if (a.degree > 0) c.ulysses_degree = a.degree;
+    c.load_balance = a.load_balance;
+    o.cp_config = c;
+  }
+}
+
+// The metrics file: the run's configuration, every step and the summary.
+nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
+                            const hp::train::TrainResult& r) {
+  const auto& o = a.train;
+  nlohmann::json steps = nlohmann::json::array();
+  for (const auto& s : r.steps) {
+    steps.push_back({{"step", s.step},
+                     {"loss", s.loss},
+                     {"step_time_s", s.step_time_s},
+                     {"tokens_per_s", s.tokens_per_s},
+                     {"grad_norm", s.grad_norm},
+                     {"lr", s.lr}});
+  }
+  nlohmann::json j = {{"config",
+                       {{"nproc", world.size()},
+                        {"tp", o.tp},
+                        {"cp", o.cp},
+                        {"dp_shard", o.dp_shard},
+                        {"dp_replicate", o.dp_replicate},
+                        {"comm_fusion", a.fusion},
+                        {"grad_accum", o.grad_accum},
+                        {"recompute", o.model.recompute},
+                        {"cp_algo", a.auto_algo ? std::string("auto") : a.algo},
+                        {"ulysses_degree", a.degree},
+                        {"schedule", a.schedule},
+                        {"load_balance", a.load_balance},
+                        {"seq_len", o.seq_len},
+                        {"batch", o.batch},
+                        {"steps", o.steps},
+                        {"layers", o.model.layers},
+                        {"hidden", o.model.hidden},
+                        {"heads", o.model.heads},
+                        {"kv_heads", o.model.kv_heads},
+                        {"head_dim", o.model.head_dim},
+                        {"ffn", o.model.ffn},
+                        {"vocab", o.model.vocab},
+                        {"primitive", o.model.primitive},
+                        {"data", o.data},
+                        {"seed", o.seed},
+                        {"plan", r.plan}}},
+                      {"steps", steps},
+                      {"final_loss", r.final_loss},
+                      {"median_step_time_s", r.median_step_time_s},
+                      {"tokens_per_s", r.tokens_per_s},
+                      {"peak_rss_bytes_max_rank", r.peak_rss_bytes_max_rank},
+                      {"comm_bytes_per_step", r.comm_bytes_per_step}};
+  if (r.max_abs_loss_diff) {
+    j["validate"] = {{"max_abs_loss_diff", *r.max_abs_loss_diff},
+                     {"max_rel_grad_diff", *r.max_rel_grad_diff}};
+  }
+  return j;
+}
+
+// Rank 0: the summary line and the metrics file.
+void report(const hp::comm::World& world, const Args& a, const hp::train::TrainResult& r) {
+  std::printf(
+      "hp-train: done: loss %.4f -> %.4f over %lld steps, median step %.3f s, %.0f "
+      "tokens/s, peak RSS %.0f MiB (max rank)\n",
+      r.steps.empty() ? 0.0 : r.steps.front().loss, r.final_loss, (long long)r.steps.size(),
+      r.median_step_time_s, r.tokens_per_s, r.peak_rss_bytes_max_rank / 1048576.0);
+  if (!a.train.metrics_json.empty()) {
+    std::ofstream(a.train.metrics_json) << metrics_json(world, a, r).dump(2) << "\n";
+  }
+}
+
+// One rank of the job (of the launcher's variables in `env`, else a world of one): train, write
+// the trace, report.
+int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
+  const auto& o = a.train;
+  hp::comm::WorldOptions wo;
+  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  if (!o.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
+  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
+                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
+  hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
+  auto r = hp::train::train(world, o);
+  if (!o.trace.empty()) hp::comm::write_world_trace(world, o.trace);
+  if (world.rank() == 0) report(world, a, r);
+  return 0;
+}
+
+// --config and the checks, then N local ranks of this command (--nproc N outside a job) or
+// this process's rank.
+int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
+  if (!a.config_file.empty()) apply_config(app, a.config_file);
+  resolve(a);
+  auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (!env && a.nproc > 1) {
+    const auto& o = a.train;
+    const int64_t used = o.dp_replicate * o.dp_shard * o.cp * o.tp;
+    HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ", o.dp_replicate,
+             " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp, " = ", used,
+             "; the layout must use every rank");
+    return hp::comm::relaunch_as_local_ranks(a.nproc, argv, "hp-train");
+  }
+  return train_rank(env, a);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> argv_copy(argv, argv + argc);
+  const std::vector<std::string> argv_copy(argv, argv + argc);
   CLI::App app{"hp-train: train the Qwen3-style decoder with TP x CP"};
   Args a;
-  hp::train::TrainOptions o;
-  // Embedded default: the copy task on a model small enough that 200 steps take well under a
-  // minute on 2 cores (the loss falls from ~3.4 to ~0.001 once attention spans S/2 back).
-  o.model.vocab = 16;
-  o.model.layers = 2;
-  o.model.hidden = 64;
-  o.model.heads = 4;
-  o.model.kv_heads = 2;
-  o.model.head_dim = 16;
-  o.model.ffn = 128;
-  o.seq_len = 256;
-  o.steps = 200;
-  o.batch = 4;
-  o.lr = 1e-2;
-  app.add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
-  app.add_option("--tp", o.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--cp", o.cp, "context-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--cp-algo", a.algo,
-                 hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
-  app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
-  app.add_option("--schedule", a.schedule, "sync | async");
-  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
-  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas")->check(CLI::PositiveNumber);
-  std::string fusion = "off";
-  app.add_option("--comm-fusion", fusion, "HSDP fused per-unit reduce-scatter: on | off");
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step")
-      ->check(CLI::PositiveNumber);
-  app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
-  app.add_option("--seq-len", o.seq_len, "global sequence length")->check(CLI::PositiveNumber);
-  app.add_option("--batch", o.batch, "sequences per step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "training steps")->check(CLI::PositiveNumber);
-  app.add_option("--layers", o.model.layers, "decoder layers")->check(CLI::PositiveNumber);
-  app.add_option("--hidden", o.model.hidden, "hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.model.heads, "query heads")->check(CLI::PositiveNumber);
-  app.add_option("--kv-heads", o.model.kv_heads, "key/value heads")->check(CLI::PositiveNumber);
-  app.add_option("--head-dim", o.model.head_dim, "head dim")->check(CLI::PositiveNumber);
-  app.add_option("--ffn", o.model.ffn, "MLP width")->check(CLI::PositiveNumber);
-  app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--primitive", o.model.primitive, "math | blockwise");
-  app.add_option("--lr", o.lr, "peak learning rate");
-  app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
-  app.add_option("--data-dtype", o.data_dtype, ".bin token width: uint16 | uint32");
-  app.add_option("--seed", o.seed, "data seed");
-  app.add_flag("--validate", o.validate, "also run single-process and compare");
-  std::string mode = "production";
-  app.add_option("--mode", mode, "production | validate (layouts checked at module boundaries)");
-  app.add_option("--metrics-json", o.metrics_json, "write metrics here (rank 0)");
-  app.add_option("--trace", o.trace, "Chrome trace of the run, one track per rank");
-  app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
-  app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
-  app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
-  app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
-  app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
+  add_layout_options(app, a);
+  add_task_options(app, a);
+  add_run_options(app, a);
   CLI11_PARSE(app, argc, argv);
   try {
-    if (!a.config_file.empty()) apply_config(app, a.config_file);
-    HP_CHECK(mode == "production" || mode == "validate", "hp-train: --mode '", mode,
-             "' is not valid; valid: production, validate");
-    o.validate_mode = mode == "validate";
-    HP_CHECK(fusion == "on" || fusion == "off", "hp-train: --comm-fusion '", fusion,
-             "' is not valid; valid: on, off");
-    o.comm_fusion = fusion == "on";
-    o.cp_auto = a.algo == "auto";
-    if (o.cp_auto) {
-      HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
-      a.algo = "all_gather";  // placeholder: the planner replaces it (load_balance is kept)
-      a.auto_algo = true;
-    }
-    if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance) {
-      hp::cp::ContextParallelConfig c;
-      c.algorithm = hp::cp::parse_algorithm(a.algo);
-      c.schedule = hp::cp::parse_schedule(a.schedule);
-      if (a.degree > 0) c.ulysses_degree = a.degree;
-      c.load_balance = a.load_balance;
-      o.cp_config = c;
-    }
-    auto env = hp::comm::parse_launch_env(hp::comm::process_env());
-    if (!env && a.nproc > 1) {
-      const int64_t used = o.dp_replicate * o.dp_shard * o.cp * o.tp;
-      HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ",
-               o.dp_replicate, " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp,
-               " = ", used, "; the layout must use every rank");
-      return hp::comm::relaunch_as_local_ranks(a.nproc, argv_copy, "hp-train");
-    }
-    hp::comm::WorldOptions wo;
-    wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
-    if (!o.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
-    auto world = env ? hp::comm::World::from_launch_env(*env, wo)
-                     : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
-    hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
-    auto r = hp::train::train(world, o);
-    if (!o.trace.empty()) hp::comm::write_world_trace(world, o.trace);
-    if (world.rank() == 0) {
-      std::printf(
-          "hp-train: done: loss %.4f -> %.4f over %lld steps, median step %.3f s, %.0f "
-          "tokens/s, peak RSS %.0f MiB (max rank)\n",
-          r.steps.empty() ? 0.0 : r.steps.front().loss, r.final_loss, (long long)r.steps.size(),
-          r.median_step_time_s, r.tokens_per_s, r.peak_rss_bytes_max_rank / 1048576.0);
-      if (!o.metrics_json.empty()) {
-        nlohmann::json steps = nlohmann::json::array();
-        for (const auto& s : r.steps) {
-          steps.push_back({{"step", s.step},
-                           {"loss", s.loss},
-                           {"step_time_s", s.step_time_s},
-                           {"tokens_per_s", s.tokens_per_s},
-                           {"grad_norm", s.grad_norm},
-                           {"lr", s.lr}});
-        }
-        nlohmann::json j = {{"config",
-                             {{"nproc", world.size()},
-                              {"tp", o.tp},
-                              {"cp", o.cp},
-                              {"dp_shard", o.dp_shard},
-                              {"dp_replicate", o.dp_replicate},
-                              {"comm_fusion", fusion},
-                              {"grad_accum", o.grad_accum},
-                              {"recompute", o.model.recompute},
-                              {"cp_algo", a.auto_algo ? std::string("auto") : a.algo},
-                              {"ulysses_degree", a.degree},
-                              {"schedule", a.schedule},
-                              {"load_balance", a.load_balance},
-                              {"seq_len", o.seq_len},
-                              {"batch", o.batch},
-                              {"steps", o.steps},
-                              {"layers", o.model.layers},
-                              {"hidden", o.model.hidden},
-                              {"heads", o.model.heads},
-                              {"kv_heads", o.model.kv_heads},
-                              {"head_dim", o.model.head_dim},
-                              {"ffn", o.model.ffn},
-                              {"vocab", o.model.vocab},
-                              {"primitive", o.model.primitive},
-                              {"data", o.data},
-                              {"seed", o.seed},
-                              {"plan", r.plan}}},
-                            {"steps", steps},
-                            {"final_loss", r.final_loss},
-                            {"median_step_time_s", r.median_step_time_s},
-                            {"tokens_per_s", r.tokens_per_s},
-                            {"peak_rss_bytes_max_rank", r.peak_rss_bytes_max_rank},
-                            {"comm_bytes_per_step", r.comm_bytes_per_step}};
-        if (r.max_abs_loss_diff) {
-          j["validate"] = {{"max_abs_loss_diff", *r.max_abs_loss_diff},
-                           {"max_rel_grad_diff", *r.max_rel_grad_diff}};
-        }
-        std::ofstream(o.metrics_json) << j.dump(2) << "\n";
-      }
-    }
+    return run(app, a, argv_copy);
   } catch (const std::exception& e) {
     std::cerr << "hp-train: " << e.what() << std::endl;
     hp::comm::report_rank_error(e.what());
     return 1;
   }
-  return 0;
 }

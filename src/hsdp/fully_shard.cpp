@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "hp/comm/collectives.h"
+#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 #include "hp/common/recompute.h"
 #include "state.h"
@@ -30,14 +31,16 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Impl = FullyShard::Impl;
 
+// The FullyShard state travels in the autograd context as a capsule; it does not own the state
+// (the FullyShard outlives every backward of its forwards).
 Impl* impl_of(AutogradContext* ctx) {
-  return reinterpret_cast<Impl*>(ctx->saved_data["impl"].toInt());
+  return common::from_capsule<Impl*>(ctx->saved_data["impl"]);
 }
 
 // Identity whose backward gathers unit `u` before its backward runs and prefetches u - 1.
 struct PreBackward : torch::autograd::Function<PreBackward> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t impl, int64_t u) {
-    ctx->saved_data["impl"] = impl;
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Impl* impl, int64_t u) {
+    ctx->saved_data["impl"] = common::to_capsule(impl);
     ctx->saved_data["unit"] = u;
     return x;
   }
@@ -49,8 +52,8 @@ struct PreBackward : torch::autograd::Function<PreBackward> {
 
 // Identity on the root's output: the first backward through it queues the drain.
 struct RootPreBackward : torch::autograd::Function<RootPreBackward> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t impl) {
-    ctx->saved_data["impl"] = impl;
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Impl* impl) {
+    ctx->saved_data["impl"] = common::to_capsule(impl);
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -252,7 +255,7 @@ at::Tensor FullyShard::forward_root(const std::function<at::Tensor()>& fn) {
     }
     return out;
   }
-  return RootPreBackward::apply(out, reinterpret_cast<int64_t>(&s));
+  return RootPreBackward::apply(out, &s);
 }
 
 at::Tensor FullyShard::forward_unit(size_t index, const at::Tensor& x,
@@ -276,7 +279,7 @@ at::Tensor FullyShard::forward_unit(size_t index, const at::Tensor& x,
     s.reshard(index);
   }
   if (!at::GradMode::is_enabled() || !y.requires_grad()) return y;
-  return PreBackward::apply(y, reinterpret_cast<int64_t>(&s), static_cast<int64_t>(index));
+  return PreBackward::apply(y, &s, static_cast<int64_t>(index));
 }
 
 void FullyShard::set_requires_all_reduce(bool value) {

@@ -1,0 +1,41 @@
+// The trainer's data (DESIGN section 10): the embedded copy task, or token ids read from a file.
+// Batches are a pure function of (seed, step, micro-batch), so a resumed run sees the same data.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/train/options.h"
+
+namespace hp::train {
+
+// The token ids of --data, read once per run and shared (read-only) by every batch; empty for
+// the embedded copy task. Text files are byte-level tokens; `.bin` files hold uint16 or uint32
+// ids (--data-dtype).
+class Corpus {
+ public:
+  Corpus() = default;  // the copy task: no file
+  // Reads `options.data` (an empty Corpus when it is empty) and checks it against the run: more
+  // than seq_len + 1 tokens and every id below the vocabulary.
+  static Corpus load(const TrainOptions& options);
+
+  bool empty() const { return !tokens_.defined(); }
+  const at::Tensor& tokens() const { return tokens_; }  // [N] int64
+
+ private:
+  explicit Corpus(at::Tensor tokens) : tokens_(std::move(tokens)) {}
+  at::Tensor tokens_;
+};
+
+// One global batch of `options.batch` rows: `ids` and `labels`, both [batch, seq_len] int64.
+// Without --data, the embedded long-range task: a random block of tokens, then the same block
+// again; the loss counts only the second half, so it can fall only if attention reaches S/2
+// tokens back (across CP shards). With --data, random windows of `corpus` (which must be the
+// Corpus::load of these options) and their next tokens. Deterministic in (seed, step, micro);
+// `micro` > 0 selects another micro-batch of the same step.
+void make_batch(const TrainOptions& options, const Corpus& corpus, int64_t step, at::Tensor& ids,
+                at::Tensor& labels, int64_t micro = 0);
+
+}  // namespace hp::train

@@ -1,0 +1,95 @@
+#include "hp/train/data.h"
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "hp/common/check.h"
+
+namespace hp::train {
+namespace {
+
+at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
+  std::ifstream f(path, std::ios::binary);
+  HP_CHECK(f.good(), "hp-train: cannot open --data '", path, "'");
+  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
+  HP_CHECK(!bytes.empty(), "hp-train: --data '", path, "' is empty");
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
+    HP_CHECK(dtype == "uint16" || dtype == "uint32", "hp-train: --data-dtype '", dtype,
+             "' is not valid; valid: uint16, uint32");
+    const size_t width = dtype == "uint16" ? 2 : 4;
+    HP_CHECK(bytes.size() % width == 0, "hp-train: '", path, "' is not a whole number of ", dtype,
+             " ids (", bytes.size(), " bytes)");
+    auto t =
+        at::empty({static_cast<int64_t>(bytes.size() / width)}, width == 2 ? at::kShort : at::kInt);
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    const int64_t mask = width == 2 ? int64_t{0xFFFF} : int64_t{0xFFFFFFFF};
+    return t.to(at::kLong).bitwise_and(mask);  // the ids are unsigned
+  }
+  auto t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t.to(at::kLong);  // byte-level tokens
+}
+
+// Predict token t+1 from position t; only the second copy is learnable.
+void copy_task_batch(const TrainOptions& o, at::Generator& gen, at::Tensor& ids,
+                     at::Tensor& labels) {
+  const int64_t s = o.seq_len;
+  HP_CHECK(s % 2 == 0, "hp-train: --seq-len ", s, " must be even for the copy task");
+  const int64_t half = s / 2;
+  auto block = at::randint(1, o.model.vocab, {o.batch, half}, gen, at::kLong);
+  auto tokens = at::cat({block, block}, 1);
+  ids = tokens;
+  labels = at::full({o.batch, s}, -100, at::kLong);
+  labels.narrow(1, half, half - 1).copy_(tokens.narrow(1, half + 1, half - 1));
+  labels.narrow(1, half - 1, 1).copy_(tokens.narrow(1, half, 1));
+}
+
+// Random windows of the corpus; the labels are the windows shifted by one token.
+void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator& gen,
+                  at::Tensor& ids, at::Tensor& labels) {
+  const int64_t s = o.seq_len;
+  auto starts = at::randint(0, corpus.size(0) - s - 1, {o.batch}, gen, at::kLong);
+  std::vector<at::Tensor> rows_in, rows_out;
+  for (int64_t b = 0; b < o.batch; ++b) {
+    const int64_t st = starts[b].item<int64_t>();
+    rows_in.push_back(corpus.narrow(0, st, s));
+    rows_out.push_back(corpus.narrow(0, st + 1, s));
+  }
+  ids = at::stack(rows_in);
+  labels = at::stack(rows_out);
+}
+
+}  // namespace
+
+Corpus Corpus::load(const TrainOptions& o) {
+  if (o.data.empty()) return Corpus();
+  auto corpus = load_tokens(o.data, o.data_dtype);
+  const int64_t s = o.seq_len;
+  HP_CHECK(corpus.size(0) > s + 1, "hp-train: --data has ", corpus.size(0),
+           " tokens, fewer than --seq-len + 1 = ", s + 1);
+  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data holds token ids up to ",
+           corpus.max().item<int64_t>(), " but --vocab is ", o.model.vocab,
+           "; raise --vocab (text files need 256)");
+  return Corpus(std::move(corpus));
+}
+
+void make_batch(const TrainOptions& o, const Corpus& corpus, int64_t step, at::Tensor& ids,
+                at::Tensor& labels, int64_t micro) {
+  uint64_t seed = o.seed * 7919ULL + static_cast<uint64_t>(step);
+  if (micro > 0) seed = seed * 1000003ULL + static_cast<uint64_t>(micro);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  if (o.data.empty()) {
+    copy_task_batch(o, gen, ids, labels);
+    return;
+  }
+  HP_INTERNAL_ASSERT(!corpus.empty(), "make_batch: --data '", o.data,
+                     "' needs the Corpus::load of these options");
+  corpus_batch(o, corpus.tokens(), gen, ids, labels);
+}
+
+}  // namespace hp::train

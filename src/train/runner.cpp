@@ -1,0 +1,143 @@
+#include "runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "hp/comm/collectives.h"
+#include "hp/common/check.h"
+#include "hp/cp/sequence.h"
+
+namespace hp::train {
+namespace {
+
+at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}), {},
+                                at::Reduction::Sum, -100);
+}
+
+}  // namespace
+
+double lr_at(const TrainOptions& o, int64_t step) {
+  const int64_t warmup = std::max<int64_t>(1, o.lr_warmup);
+  if (step <= warmup) return o.lr * static_cast<double>(step) / static_cast<double>(warmup);
+  const double t =
+      static_cast<double>(step - warmup) / std::max<int64_t>(1, o.lr_decay_steps - warmup);
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, t))));
+}
+
+Runner::Runner(const TrainOptions& opts, comm::DeviceMesh& m,
+               const std::optional<cp::ContextParallelConfig>& cfg)
+    : o(opts), mesh(m), model(opts.model, m.size("tp") > 1 ? m.group_ptr({"tp"}) : nullptr) {
+  cp = m.size("cp");
+  cp_rank = m.coordinate("cp");
+  tp_rank = m.coordinate("tp");
+  dp = m.size("dp_replicate") * m.size("dp_shard");
+  dp_rank = m.coordinate("dp_replicate") * m.size("dp_shard") + m.coordinate("dp_shard");
+  lb = cfg && cfg->load_balance;
+}
+
+void Runner::make_optimizer(hsdp::FullyShard* shard) {
+  fully_shard = shard;
+  params.clear();
+  if (fully_shard != nullptr) {
+    params = fully_shard->sharded_parameters();
+  } else {
+    for (const auto& p : model->named_parameters())
+      params.emplace_back(p.key(), p.value());
+  }
+  std::vector<at::Tensor> ps;
+  for (auto& [n, p] : params)
+    ps.push_back(p);
+  opt = std::make_unique<torch::optim::AdamW>(
+      ps, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+}
+
+double Runner::forward_backward(int64_t step, const Corpus& corpus) {
+  double loss = 0;
+  for (int64_t micro = 0; micro < o.grad_accum; ++micro)
+    loss += micro_step(step, micro, corpus);
+  if (fully_shard == nullptr) reduce_grads();  // HSDP's drain did both reductions
+  if (o.validate && first_grads.empty()) keep_first_grads();
+  return loss;
+}
+
+double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
+  const double tp = static_cast<double>(mesh.size("tp"));
+  TrainOptions global = o;
+  global.batch = o.batch * dp;  // the union of every data-parallel rank's rows
+  at::Tensor ids, labels;
+  make_batch(global, corpus, step, ids, labels, micro);
+  ids = ids.narrow(0, dp_rank * o.batch, o.batch);
+  labels = labels.narrow(0, dp_rank * o.batch, o.batch);
+  auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);
+  if (checker != nullptr) checker->set(b.input_ids, input_layout);
+  if (fully_shard != nullptr) fully_shard->set_requires_all_reduce(micro == o.grad_accum - 1);
+  auto logits = model->forward(b.input_ids, b.position_ids);
+  auto local_sum = loss_sum(logits, b.labels);
+  auto count = b.labels.ne(-100).sum().to(at::kDouble);
+  // Summed over the world: every TP rank holds the same tokens.
+  auto stats = comm::all_reduce(mesh.world().group(),
+                                at::stack({count, local_sum.detach().to(at::kDouble)}));
+  const double global_count = stats[0].item<double>() / tp;
+  HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
+  (local_sum / (global_count * static_cast<double>(o.grad_accum))).backward();
+  return stats[1].item<double>() / tp / global_count / static_cast<double>(o.grad_accum);
+}
+
+void Runner::reduce_grads() {
+  for (auto& [n, p] : params) {
+    if (p.grad().defined() && cp > 1)
+      p.mutable_grad() = comm::all_reduce(mesh.group("cp"), p.grad());
+  }
+  if (mesh.size("tp") > 1) {
+    for (auto& p : model->tp_partial_grad_parameters()) {
+      p.mutable_grad() = comm::all_reduce(mesh.group("tp"), p.grad());
+    }
+  }
+}
+
+void Runner::keep_first_grads() {
+  for (auto& [n, p] : params) {
+    if (fully_shard != nullptr) {
+      first_grads[n] = fully_shard->full_gradient(n);  // collective over the shard group
+    } else if (p.grad().defined()) {
+      first_grads[n] = p.grad().clone();
+    }
+  }
+}
+
+double Runner::clip_and_step(int64_t step) {
+  double local = 0;
+  for (auto& [n, p] : params) {
+    if (!p.grad().defined()) continue;
+    const bool tp_sharded = plan != nullptr && plan->tp_shard_dim(n).has_value();
+    if (tp_sharded || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
+  }
+  // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank.
+  const double copies = fully_shard != nullptr ? static_cast<double>(mesh.size("dp_replicate"))
+                                               : static_cast<double>(cp);
+  double total = local;
+  if (mesh.world().size() > 1) {
+    total =
+        comm::all_reduce(mesh.world().group(), at::full({1}, local, at::kDouble)).item<double>() /
+        copies;
+  }
+  const double norm = std::sqrt(total);
+  if (o.clip > 0 && norm > o.clip) {
+    for (auto& [n, p] : params) {
+      if (p.grad().defined()) p.mutable_grad().mul_(o.clip / (norm + 1e-6));
+    }
+  }
+  const double lr = lr_at(o, step);
+  for (auto& g : opt->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+  }
+  opt->step();
+  opt->zero_grad();
+  return norm;
+}
+
+}  // namespace hp::train

@@ -1,0 +1,71 @@
+// Internal to train/: one training run of the model over a mesh's layout (trainer.cpp), also the
+// single-process reference of --validate (validate.cpp: a mesh of one rank, no CP).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <torch/optim/adamw.h>
+
+#include "hp/comm/device_mesh.h"
+#include "hp/cp/config.h"
+#include "hp/hsdp/fully_shard.h"
+#include "hp/model/qwen3.h"
+#include "hp/plan/layout.h"
+#include "hp/plan/plan.h"
+#include "hp/train/checkpoint.h"
+#include "hp/train/data.h"
+#include "hp/train/options.h"
+
+namespace hp::train {
+
+// The learning rate of 1-based `step`: linear warm-up, then cosine decay to 10% of lr at
+// lr_decay_steps.
+double lr_at(const TrainOptions& o, int64_t step);
+
+// The model (built with the mesh's TP group), its optimizer and one step's forward/backward and
+// update. `options` and `mesh` must outlive the Runner.
+struct Runner {
+  Runner(const TrainOptions& options, comm::DeviceMesh& mesh,
+         const std::optional<cp::ContextParallelConfig>& cp_config);
+
+  // After the applier ran (HSDP replaces the parameters by shards): AdamW over `params`.
+  void make_optimizer(hsdp::FullyShard* fully_shard);
+
+  // Forward + backward of one step (grad_accum micro-batches of `corpus`, the Corpus::load of
+  // the options); returns the global mean loss.
+  // Each rank's loss is its token sum over the global token count, so the gradient is a plain
+  // SUM over data-parallel and CP ranks (HSDP reduces with SUM; without HSDP the CP all-reduce).
+  double forward_backward(int64_t step, const Corpus& corpus);
+
+  // Global-norm clipping (TP shards summed, TP-replicated parameters counted once, HSDP shards
+  // summed over the shard group, replicas once), then AdamW; returns the norm before clipping.
+  double clip_and_step(int64_t step);
+
+  const TrainOptions& o;
+  comm::DeviceMesh& mesh;
+  model::Qwen3 model;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  hsdp::FullyShard* fully_shard = nullptr;
+  NamedTensors params;  // what the optimizer updates: parameters, or HSDP shards
+  int64_t cp, cp_rank, tp_rank, dp, dp_rank;
+  bool lb;
+
+  const plan::ShardingPlan* plan = nullptr;       // TP placements (null: nothing is TP-sharded)
+  std::map<std::string, at::Tensor> first_grads;  // --validate: full gradients of step 1
+  plan::BoundaryChecker* checker = nullptr;       // validate mode
+  plan::Layout input_layout;
+
+ private:
+  // One micro-batch's forward and backward; returns its share of the step's global mean loss.
+  double micro_step(int64_t step, int64_t micro, const Corpus& corpus);
+  // Without HSDP: the CP all-reduce of every gradient and the TP one of partial gradients.
+  void reduce_grads();
+  // --validate: keeps the full gradients of the first step.
+  void keep_first_grads();
+};
+
+}  // namespace hp::train

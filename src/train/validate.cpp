@@ -1,0 +1,65 @@
+#include "validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+
+namespace hp::train {
+namespace {
+
+// The reference's max |loss difference| over the run and max relative gradient difference
+// after step 1, against the distributed run's.
+Validation compare_with_reference(const Runner& run, const Corpus& corpus,
+                                  const plan::ShardingPlan& plan,
+                                  const std::vector<StepMetrics>& steps) {
+  const TrainOptions& o = run.o;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto solo = comm::World::in_process(0, 1, store);
+  comm::DeviceMesh solo_mesh(solo, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}});
+  TrainOptions ro = o;
+  ro.validate = true;
+  ro.batch = o.batch * o.dp_shard * o.dp_replicate;  // the union of the data-parallel rows
+  ro.dp_shard = ro.dp_replicate = 1;
+  Runner ref(ro, solo_mesh, std::nullopt);
+  ref.make_optimizer(nullptr);
+  Validation v;
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    const double loss = ref.forward_backward(step, corpus);
+    ref.clip_and_step(step);
+    v.max_abs_loss_diff = std::max(v.max_abs_loss_diff, std::abs(loss - steps[step - 1].loss));
+  }
+  for (const auto& [n, g] : run.first_grads) {
+    auto r = ref.first_grads.at(n);
+    if (auto dim = plan.tp_shard_dim(n); dim && r.sizes() != g.sizes()) {
+      r = r.narrow(*dim, 0, g.size(*dim));  // this rank (TP rank 0) holds the first slice
+    }
+    const double rel = ((g - r).norm() / (r.norm() + 1e-12)).item<double>();
+    v.max_rel_grad_diff = std::max(v.max_rel_grad_diff, rel);
+  }
+  return v;
+}
+
+}  // namespace
+
+Validation validate_against_reference(const comm::World& world, const Runner& run,
+                                      const Corpus& corpus, const plan::ShardingPlan& plan,
+                                      const std::vector<StepMetrics>& steps) {
+  Validation v;
+  if (world.rank() == 0) {
+    v = compare_with_reference(run, corpus, plan, steps);
+    std::printf(
+        "hp-train: validate: max |loss - reference| over %lld steps = %.3g; max "
+        "relative gradient difference after step 1 = %.3g\n",
+        (long long)run.o.steps, v.max_abs_loss_diff, v.max_rel_grad_diff);
+  }
+  comm::barrier(world.group());
+  return v;
+}
+
+}  // namespace hp::train
