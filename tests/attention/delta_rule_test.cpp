@@ -1,0 +1,166 @@
+// Gated delta rule (GDN, KDA): the chunked kernel against the token recurrence in float64 —
+// outputs, final state and every gradient (q, k, v, g, beta, initial state, with a nonzero
+// gradient of the final state) — for lengths that are not a multiple of the chunk, GVA, and the
+// split-sequence property state-passing CP relies on.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "hp/attention/delta_rule.h"
+#include "rank_harness.h"
+
+namespace hp::attention {
+namespace {
+
+using hp::testing::expect_close;
+
+struct Case {
+  GateKind gate = GateKind::kPerHead;
+  int64_t batch = 2, tokens = 100, heads = 2, value_heads = 4, key_dim = 16, value_dim = 12;
+  bool initial_state = true;
+  double min_gate = -2.0;  // log-gates uniform in [min_gate, 0]
+  at::ScalarType dtype = at::kDouble;
+};
+
+at::Tensor rnd(uint64_t seed, at::IntArrayRef shape) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kDouble);
+}
+
+// Leaves (requires_grad) in the case's dtype; q and k L2-normalised as the layers do.
+MixerInputs inputs(const Case& c, uint64_t seed = 1) {
+  MixerInputs in;
+  auto leaf = [&](at::Tensor t) { return t.to(c.dtype).detach().requires_grad_(true); };
+  auto normed = [](const at::Tensor& t) { return t / t.norm(2, -1, true); };
+  in.q = leaf(normed(rnd(seed, {c.batch, c.tokens, c.heads, c.key_dim})));
+  in.k = leaf(normed(rnd(seed + 1, {c.batch, c.tokens, c.heads, c.key_dim})));
+  in.v = leaf(rnd(seed + 2, {c.batch, c.tokens, c.value_heads, c.value_dim}));
+  std::vector<int64_t> gshape{c.batch, c.tokens, c.value_heads};
+  if (c.gate == GateKind::kPerChannel) gshape.push_back(c.key_dim);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed + 3);
+  in.g = leaf(at::rand(gshape, gen, at::kDouble) * c.min_gate);
+  in.beta = leaf(at::sigmoid(rnd(seed + 4, {c.batch, c.tokens, c.value_heads})));
+  if (c.initial_state) {
+    in.initial_state = leaf(rnd(seed + 5, {c.batch, c.value_heads, c.key_dim, c.value_dim}) * 0.5);
+  }
+  return in;
+}
+
+struct Grads {
+  at::Tensor out, final_state, dq, dk, dv, dg, dbeta, dh0;
+};
+
+Grads run(const MixerInputs& in, const Case& c, bool chunked, int64_t chunk = 64) {
+  MixerOptions o;
+  o.output_final_state = true;
+  o.chunk_size = chunk;
+  auto r = chunked ? delta_rule_chunked(in, o, c.gate) : delta_rule_recurrent(in, o, c.gate);
+  auto dout = rnd(91, r.out.sizes()).to(r.out.scalar_type());
+  auto dfinal = rnd(92, r.final_state.sizes()).to(r.final_state.scalar_type());
+  ((r.out * dout).sum() + (r.final_state * dfinal).sum()).backward();
+  Grads g{r.out.detach(), r.final_state.detach(), in.q.grad(), in.k.grad(), in.v.grad(),
+          in.g.grad(),    in.beta.grad(),         at::Tensor()};
+  if (in.initial_state.defined()) g.dh0 = in.initial_state.grad();
+  return g;
+}
+
+void expect_same(const Grads& a, const Grads& b, const std::string& what, double tol) {
+  expect_close(a.out, b.out, what + " out", tol, tol);
+  expect_close(a.final_state, b.final_state, what + " final_state", tol, tol);
+  expect_close(a.dq, b.dq, what + " dq", tol, tol);
+  expect_close(a.dk, b.dk, what + " dk", tol, tol);
+  expect_close(a.dv, b.dv, what + " dv", tol, tol);
+  expect_close(a.dg, b.dg, what + " dg", tol, tol);
+  expect_close(a.dbeta, b.dbeta, what + " dbeta", tol, tol);
+  if (b.dh0.defined()) expect_close(a.dh0, b.dh0, what + " dinitial_state", tol, tol);
+}
+
+const char* gate_name(GateKind g) {
+  return g == GateKind::kPerHead ? "gdn" : "kda";
+}
+
+TEST(DeltaRule, ChunkedEqualsTheRecurrenceInFloat64) {
+  for (auto gate : {GateKind::kPerHead, GateKind::kPerChannel}) {
+    for (int64_t chunk : {64, 16, 5}) {
+      for (bool h0 : {true, false}) {
+        Case c;
+        c.gate = gate;
+        c.initial_state = h0;
+        const std::string what =
+            std::string(gate_name(gate)) + " C=" + std::to_string(chunk) + (h0 ? " h0" : " no-h0");
+        auto ref = run(inputs(c), c, false);
+        auto got = run(inputs(c), c, true, chunk);
+        expect_same(got, ref, what, 1e-9);
+      }
+    }
+  }
+}
+
+TEST(DeltaRule, ChunkedHoldsAtTheStrongestGates) {
+  // Log-gates down to kMinLogGate per token (KDA, per channel): the decayed products stay finite.
+  Case c;
+  c.gate = GateKind::kPerChannel;
+  c.min_gate = kMinLogGate;
+  c.tokens = 70;
+  auto ref = run(inputs(c), c, false);
+  c.dtype = at::kFloat;
+  auto got = run(inputs(c), c, true);
+  EXPECT_TRUE(got.out.isfinite().all().item<bool>());
+  EXPECT_TRUE(got.dg.isfinite().all().item<bool>());
+  auto f64 = [](Grads g) {
+    for (auto* t : {&g.out, &g.final_state, &g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta, &g.dh0})
+      *t = t->to(at::kDouble);
+    return g;
+  };
+  expect_same(f64(got), ref, "kda float32 at g = -10", 2e-4);
+}
+
+TEST(DeltaRule, SplitSequenceWithStatePassingEqualsTheWhole) {
+  // The bug the source design describes: a forward that uses the initial state and a backward
+  // that drops its gradient. Two halves, the first's final state as the second's initial state,
+  // must equal the whole in outputs and in every gradient, including dinitial_state.
+  for (auto gate : {GateKind::kPerHead, GateKind::kPerChannel}) {
+    Case c;
+    c.gate = gate;
+    c.tokens = 90;
+    auto whole_in = inputs(c);
+    auto whole = run(whole_in, c, true, 16);
+    auto split_in = inputs(c);
+    MixerOptions o;
+    o.output_final_state = true;
+    o.chunk_size = 16;
+    auto half = [&](const at::Tensor& t, int64_t b, int64_t n) { return t.narrow(1, b, n); };
+    MixerInputs first{half(split_in.q, 0, 37), half(split_in.k, 0, 37),    half(split_in.v, 0, 37),
+                      half(split_in.g, 0, 37), half(split_in.beta, 0, 37), split_in.initial_state};
+    auto r1 = delta_rule_chunked(first, o, gate);
+    MixerInputs second{half(split_in.q, 37, 53),    half(split_in.k, 37, 53),
+                       half(split_in.v, 37, 53),    half(split_in.g, 37, 53),
+                       half(split_in.beta, 37, 53), r1.final_state};
+    auto r2 = delta_rule_chunked(second, o, gate);
+    auto out = at::cat({r1.out, r2.out}, 1);
+    auto dout = rnd(91, out.sizes()), dfinal = rnd(92, r2.final_state.sizes());
+    ((out * dout).sum() + (r2.final_state * dfinal).sum()).backward();
+    Grads split{out.detach(),         r2.final_state.detach(),
+                split_in.q.grad(),    split_in.k.grad(),
+                split_in.v.grad(),    split_in.g.grad(),
+                split_in.beta.grad(), split_in.initial_state.grad()};
+    expect_same(split, whole, std::string(gate_name(gate)) + " split at 37", 1e-9);
+  }
+}
+
+TEST(DeltaRule, MixersRunTheirKernelAndCheckInputs) {
+  Case c;
+  c.gate = GateKind::kPerChannel;
+  auto in = inputs(c);
+  MixerOptions o;
+  auto kda = make_kimi_delta_attention();
+  EXPECT_EQ(kda->name(), "kda");
+  EXPECT_EQ(kda->gate_kind(), GateKind::kPerChannel);
+  auto a = kda->forward(in, o).out;
+  auto b = make_kimi_delta_attention("recurrent")->forward(in, o).out;
+  expect_close(a, b, "kda mixer chunked vs recurrent", 1e-9, 1e-9);
+  HP_EXPECT_ERROR(make_gated_delta_net()->forward(in, o), "g has shape");
+  HP_EXPECT_ERROR(make_gated_delta_net("fused"), "kernel 'fused' is not valid");
+}
+
+}  // namespace
+}  // namespace hp::attention
