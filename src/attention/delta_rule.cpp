@@ -146,13 +146,17 @@ MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, Gat
   auto k_end = k * at::exp(g_end - G);                // keys decayed to the chunk end
   auto decay_end = at::exp(g_end).transpose(-1, -2);  // [B, HV, N, K or 1, 1]
   // The state through the chunks in order: v_new = U - W h; h' = e^{G_C} h + K_end^T v_new.
+  // unbind (not select per chunk): its backward stacks the chunks' gradients once, where N
+  // selects would each materialise a gradient of the whole tensor.
+  auto us = u.unbind(2), ws = w.unbind(2), decays = decay_end.unbind(2);
+  auto ends = k_end.transpose(-1, -2).unbind(2);
   auto h = p.h0;
   std::vector<at::Tensor> states, v_new;
   for (int64_t i = 0; i < n; ++i) {
-    auto vn = u.select(2, i) - at::matmul(w.select(2, i), h);
+    auto vn = us[i] - at::matmul(ws[i], h);
     states.push_back(h);
     v_new.push_back(vn);
-    h = decay_end.select(2, i) * h + at::matmul(k_end.select(2, i).transpose(-1, -2), vn);
+    h = decays[i] * h + at::matmul(ends[i], vn);
   }
   auto hs = at::stack(states, 2), vs = at::stack(v_new, 2);        // [B, HV, N, K, V], [.., C, V]
   auto out = at::matmul(q * at::exp(G), hs) + at::matmul(qk, vs);  // [B, HV, N, C, V]
