@@ -1,0 +1,105 @@
+// The GDN and KDA layers: the chunked kernel against the token recurrence through the whole layer
+// (float64: output, dx and every parameter gradient), and the staged form state-passing CP is
+// built from — two halves, the second with the first's conv halo and final state — equal to the
+// whole sequence, forward and backward.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "hp/common/check.h"
+#include "hp/model/linear_attention.h"
+#include "rank_harness.h"
+
+namespace hp::model {
+namespace {
+
+using hp::testing::expect_close;
+
+LinearAttentionConfig config(const std::string& mixer, const std::string& kernel) {
+  LinearAttentionConfig c;
+  c.mixer = mixer;
+  c.kernel = kernel;
+  c.hidden = 24;
+  c.heads = 2;
+  c.value_heads = 4;
+  c.key_dim = 8;
+  c.value_dim = 6;
+  c.gate_rank = 5;
+  c.chunk_size = 16;
+  return c;
+}
+
+at::Tensor input(int64_t s) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  return at::randn({2, s, 24}, gen, at::kDouble);
+}
+
+struct Result {
+  at::Tensor y, dx;
+  std::map<std::string, at::Tensor> grads;
+};
+
+Result collect(LinearAttention& m, const at::Tensor& y, const at::Tensor& x) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  (y * at::randn(y.sizes(), gen, at::kDouble)).sum().backward();
+  Result r{y.detach(), x.grad(), {}};
+  for (const auto& p : m->named_parameters())
+    r.grads[p.key()] = p.value().grad();
+  return r;
+}
+
+void expect_same(const Result& a, const Result& b, const std::string& what, double tol) {
+  expect_close(a.y, b.y, what + " y", tol, tol);
+  expect_close(a.dx, b.dx, what + " dx", tol, tol);
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (const auto& [name, g] : b.grads) {
+    ASSERT_TRUE(a.grads.at(name).defined()) << what << " " << name;
+    expect_close(a.grads.at(name), g, what + " d" + name, tol, tol);
+  }
+}
+
+Result run_whole(const std::string& mixer, const std::string& kernel, int64_t s) {
+  LinearAttention m(config(mixer, kernel));
+  m->to(at::kDouble);
+  auto x = input(s).requires_grad_(true);
+  return collect(m, m->forward(x), x);
+}
+
+TEST(LinearAttentionLayer, ChunkedEqualsTheRecurrenceThroughTheLayer) {
+  for (const std::string mixer : {"gdn", "kda"}) {
+    auto ref = run_whole(mixer, "recurrent", 40);
+    auto got = run_whole(mixer, "chunked", 40);
+    expect_same(got, ref, mixer, 1e-9);
+    EXPECT_EQ(got.grads.count("w_gate_b"), mixer == "kda" ? 1u : 0u);
+  }
+}
+
+TEST(LinearAttentionLayer, TwoHalvesWithHaloAndStateEqualTheWhole) {
+  for (const std::string mixer : {"gdn", "kda"}) {
+    auto whole = run_whole(mixer, "chunked", 40);
+    LinearAttention m(config(mixer, "chunked"));
+    m->to(at::kDouble);
+    auto x = input(40).requires_grad_(true);
+    const int64_t split = 17, w = m->config().conv_width;
+    auto p1 = m->project(x.narrow(1, 0, split));
+    auto p2 = m->project(x.narrow(1, split, 40 - split));
+    auto in1 = m->mixer_inputs(m->convolve(p1.qkv), p1.beta_logit, p1.gate_in);
+    auto r1 = m->mix(in1, /*output_final_state=*/true);
+    auto halo = p1.qkv.narrow(1, split - (w - 1), w - 1);  // the previous rank's last rows
+    auto in2 = m->mixer_inputs(m->convolve(p2.qkv, halo), p2.beta_logit, p2.gate_in);
+    in2.initial_state = r1.final_state;
+    auto r2 = m->mix(in2);
+    auto y = at::cat({m->output(r1.out, p1.out_gate), m->output(r2.out, p2.out_gate)}, 1);
+    expect_same(collect(m, y, x), whole, mixer + " halves", 1e-9);
+  }
+}
+
+TEST(LinearAttentionLayer, BadConfigsFailClearly) {
+  auto c = config("gdn", "chunked");
+  c.value_heads = 3;
+  HP_EXPECT_ERROR(validate(c), "value_heads=3 must be a multiple of heads=2");
+  c = config("mamba", "chunked");
+  HP_EXPECT_ERROR(validate(c), "mixer='mamba' is not valid; valid: gdn, kda");
+}
+
+}  // namespace
+}  // namespace hp::model
