@@ -120,10 +120,24 @@ MixerResult delta_rule_recurrent(const MixerInputs& in, const MixerOptions& o, G
   return finish(in, o, out, h);
 }
 
-MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
-  auto p = prepare(in, o, gate, "delta rule (chunked)");
+namespace {
+
+// The intra-chunk terms of every chunk at once ([B, HV, N, C, .]); the state enters afterwards.
+struct Chunks {
+  int64_t n = 0, c = 0;
+  at::Tensor u, w;       // WY: v_new = u - w h
+  at::Tensor q_decayed;  // q e^G: what reads the entering state
+  at::Tensor qk;         // tril((q e^G)(k e^-G)^T)
+  at::Tensor k_end;      // k e^{G_C - G}: what the chunk writes into the leaving state
+  at::Tensor decay_end;  // e^{G_C} [B, HV, N, K or 1, 1]
+};
+
+Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
   const auto& sh = p.shape;
-  const int64_t c = o.chunk_size, n = (sh.tokens + c - 1) / c, pad = n * c - sh.tokens;
+  Chunks ch;
+  ch.c = o.chunk_size;
+  ch.n = (sh.tokens + ch.c - 1) / ch.c;
+  const int64_t c = ch.c, n = ch.n, pad = n * c - sh.tokens;
   const int64_t s = c % 16 == 0 ? 16 : c;               // sub-block rows of the decayed products
   auto padded = [&](const at::Tensor& t) {              // zeros after the last token (dim 1)
     std::vector<int64_t> widths(2 * (t.dim() - 1), 0);  // last dim first; the last pair is dim 1
@@ -139,29 +153,59 @@ MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, Gat
   auto eye = at::eye(c, q.options());
   auto tri = at::linalg_solve_triangular(eye + beta * kk, eye.expand_as(kk), /*upper=*/false,
                                          /*left=*/true, /*unitriangular=*/true);
-  auto u = at::matmul(tri, beta * v);
-  auto w = at::matmul(tri, beta * (k * at::exp(G)));
-  auto qk = decayed_products(q, k, G, s);
-  auto g_end = G.narrow(-2, c - 1, 1);                // [B, HV, N, 1, K or 1]
-  auto k_end = k * at::exp(g_end - G);                // keys decayed to the chunk end
-  auto decay_end = at::exp(g_end).transpose(-1, -2);  // [B, HV, N, K or 1, 1]
+  ch.u = at::matmul(tri, beta * v);
+  ch.w = at::matmul(tri, beta * (k * at::exp(G)));
+  ch.qk = decayed_products(q, k, G, s);
+  ch.q_decayed = q * at::exp(G);
+  auto g_end = G.narrow(-2, c - 1, 1);  // [B, HV, N, 1, K or 1]
+  ch.k_end = k * at::exp(g_end - G);
+  ch.decay_end = at::exp(g_end).transpose(-1, -2);
+  return ch;
+}
+
+}  // namespace
+
+MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
+  auto p = prepare(in, o, gate, "delta rule (chunked)");
+  const auto& sh = p.shape;
+  auto ch = chunk_terms(p, o);
   // The state through the chunks in order: v_new = U - W h; h' = e^{G_C} h + K_end^T v_new.
   // unbind (not select per chunk): its backward stacks the chunks' gradients once, where N
   // selects would each materialise a gradient of the whole tensor.
-  auto us = u.unbind(2), ws = w.unbind(2), decays = decay_end.unbind(2);
-  auto ends = k_end.transpose(-1, -2).unbind(2);
+  auto us = ch.u.unbind(2), ws = ch.w.unbind(2), decays = ch.decay_end.unbind(2);
+  auto ends = ch.k_end.transpose(-1, -2).unbind(2);
   auto h = p.h0;
   std::vector<at::Tensor> states, v_new;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < ch.n; ++i) {
     auto vn = us[i] - at::matmul(ws[i], h);
     states.push_back(h);
     v_new.push_back(vn);
     h = decays[i] * h + at::matmul(ends[i], vn);
   }
-  auto hs = at::stack(states, 2), vs = at::stack(v_new, 2);        // [B, HV, N, K, V], [.., C, V]
-  auto out = at::matmul(q * at::exp(G), hs) + at::matmul(qk, vs);  // [B, HV, N, C, V]
-  out = out.permute({0, 2, 3, 1, 4}).reshape({sh.batch, n * c, sh.value_heads, sh.value_dim});
+  auto hs = at::stack(states, 2), vs = at::stack(v_new, 2);         // [B, HV, N, K, V], [.., C, V]
+  auto out = at::matmul(ch.q_decayed, hs) + at::matmul(ch.qk, vs);  // [B, HV, N, C, V]
+  out = out.permute({0, 2, 3, 1, 4}).reshape({sh.batch, ch.n * ch.c, sh.value_heads, sh.value_dim});
   return finish(in, o, out.narrow(1, 0, sh.tokens), h);
+}
+
+void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, GateKind gate,
+                              at::Tensor& m, at::Tensor& s) {
+  auto p = prepare(in, o, gate, "delta rule (state summary)");
+  auto ch = chunk_terms(p, o);
+  const int64_t kd = p.shape.key_dim;
+  // Chunk c maps h to M_c h + S_c with M_c = Diag(e^{G_C}) - K_end^T W and S_c = K_end^T U.
+  auto ends = ch.k_end.transpose(-1, -2);  // [B, HV, N, K, C]
+  auto decay = ch.decay_end.squeeze(-1);   // [B, HV, N, K or 1]
+  auto mc = at::diag_embed(decay.expand({decay.size(0), decay.size(1), decay.size(2), kd})) -
+            at::matmul(ends, ch.w);
+  auto sc = at::matmul(ends, ch.u);
+  auto ms = mc.unbind(2), ss = sc.unbind(2);
+  m = at::eye(kd, p.q.options()).expand({p.shape.batch, p.shape.value_heads, kd, kd});
+  s = at::zeros({p.shape.batch, p.shape.value_heads, kd, p.shape.value_dim}, p.q.options());
+  for (int64_t i = 0; i < ch.n; ++i) {
+    m = at::matmul(ms[i], m);
+    s = at::matmul(ms[i], s) + ss[i];
+  }
 }
 
 namespace {

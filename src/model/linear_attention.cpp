@@ -82,10 +82,16 @@ at::Tensor LinearAttentionImpl::head_channels(int64_t h0, int64_t nh) const {
        at::arange(2 * hk + h0 * r * c.value_dim, 2 * hk + (h0 + nh) * r * c.value_dim, opts)});
 }
 
-LinearProjections LinearAttentionImpl::project(const at::Tensor& x) const {
+attention::LinearLayerShape LinearAttentionImpl::shape() const {
+  const auto& c = config_;
+  return {c.heads,     c.value_heads, c.key_dim,
+          c.value_dim, c.conv_width,  c.mixer == "kda" ? c.key_dim : 1};
+}
+
+attention::LinearTokens LinearAttentionImpl::project(const at::Tensor& x) const {
   HP_CHECK(x.dim() == 3 && x.size(2) == config_.hidden, "linear attention: x ", x.sizes(),
            " must be [B, S, hidden=", config_.hidden, "]");
-  LinearProjections p;
+  attention::LinearTokens p;
   p.qkv = at::matmul(x, w_qkv.t());
   p.beta_logit = at::matmul(x, w_beta.t());
   p.gate_in = config_.mixer == "kda" ? at::matmul(at::matmul(x, w_gate_a.t()), w_gate_b.t())
@@ -146,6 +152,13 @@ attention::MixerResult LinearAttentionImpl::mix(const attention::MixerInputs& in
   return mixer_->forward(in, o);
 }
 
+void LinearAttentionImpl::state_summary(const attention::MixerInputs& in, at::Tensor& m,
+                                        at::Tensor& s) const {
+  attention::MixerOptions o;
+  o.chunk_size = config_.chunk_size;
+  attention::delta_rule_state_summary(in, o, mixer_->gate_kind(), m, s);
+}
+
 at::Tensor LinearAttentionImpl::output(const at::Tensor& mixed, const at::Tensor& out_gate) const {
   const auto& c = config_;
   auto normed =
@@ -157,9 +170,7 @@ at::Tensor LinearAttentionImpl::output(const at::Tensor& mixed, const at::Tensor
 }
 
 at::Tensor LinearAttentionImpl::forward(const at::Tensor& x) {
-  auto p = project(x);
-  auto in = mixer_inputs(convolve(p.qkv), p.beta_logit, p.gate_in);
-  return output(mix(in).out, p.out_gate);
+  return host_.forward(x, *this);
 }
 
 }  // namespace hp::model

@@ -147,6 +147,32 @@ TEST(DeltaRule, SplitSequenceWithStatePassingEqualsTheWhole) {
   }
 }
 
+TEST(DeltaRule, StateSummaryIsTheAffineMapOfTheInitialState) {
+  for (auto gate : {GateKind::kPerHead, GateKind::kPerChannel}) {
+    Case c;
+    c.gate = gate;
+    c.tokens = 45;
+    auto in = inputs(c);
+    MixerOptions o;
+    o.chunk_size = 16;
+    o.output_final_state = true;
+    at::Tensor m, s;
+    delta_rule_state_summary(in, o, gate, m, s);
+    auto with_h0 = delta_rule_recurrent(in, o, gate).final_state;
+    expect_close(at::matmul(m, in.initial_state) + s, with_h0,
+                 std::string(gate_name(gate)) + " M h0 + S", 1e-9, 1e-9);
+    // Differentiable: the summary's gradient through M h0 + S equals the recurrence's.
+    auto dfinal = rnd(93, with_h0.sizes());
+    (with_h0 * dfinal).sum().backward();
+    auto dk_ref = in.k.grad().clone(), dg_ref = in.g.grad().clone();
+    in.k.grad().zero_();
+    in.g.grad().zero_();
+    ((at::matmul(m, in.initial_state.detach()) + s) * dfinal).sum().backward();
+    expect_close(in.k.grad(), dk_ref, std::string(gate_name(gate)) + " summary dk", 1e-9, 1e-9);
+    expect_close(in.g.grad(), dg_ref, std::string(gate_name(gate)) + " summary dg", 1e-9, 1e-9);
+  }
+}
+
 TEST(DeltaRule, MixersRunTheirKernelAndCheckInputs) {
   Case c;
   c.gate = GateKind::kPerChannel;

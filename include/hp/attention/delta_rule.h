@@ -40,6 +40,12 @@ MixerResult delta_rule_recurrent(const MixerInputs& inputs, const MixerOptions& 
 MixerResult delta_rule_chunked(const MixerInputs& inputs, const MixerOptions& options,
                                GateKind gate);
 
+// The affine summary of a sequence: its final state is m * initial_state + s for every initial
+// state (m [B, HV, K, K], s [B, HV, K, V]; in.initial_state is ignored). Differentiable. What
+// state-passing CP exchanges: a rank's initial state is the fold of the summaries before it.
+void delta_rule_state_summary(const MixerInputs& inputs, const MixerOptions& options, GateKind gate,
+                              at::Tensor& m, at::Tensor& s);
+
 // kernel: "chunked" (default) or "recurrent".
 std::unique_ptr<StatefulMixer> make_gated_delta_net(const std::string& kernel = "chunked");
 std::unique_ptr<StatefulMixer> make_kimi_delta_attention(const std::string& kernel = "chunked");

@@ -24,6 +24,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "hp/attention/linear_host.h"
 #include "hp/attention/mixer.h"
 
 namespace hp::model {
@@ -46,39 +47,38 @@ struct LinearAttentionConfig {
 // Checks the config (names the field, the value and the fix).
 void validate(const LinearAttentionConfig& c);
 
-struct LinearProjections {
-  at::Tensor qkv;         // [B, S, 2HK + HV*V], before the convolution
-  at::Tensor beta_logit;  // [B, S, HV]
-  at::Tensor gate_in;     // [B, S, HV] (GDN) or [B, S, HV*K] (KDA)
-  at::Tensor out_gate;    // [B, S, HV*V]
-};
-
-class LinearAttentionImpl : public torch::nn::Module {
+class LinearAttentionImpl : public torch::nn::Module, public attention::LinearLayerStages {
  public:
   explicit LinearAttentionImpl(const LinearAttentionConfig& c, int64_t layer = 0);
 
-  LinearProjections project(const at::Tensor& x) const;
+  attention::LinearLayerShape shape() const override;
+  // qkv [B, S, 2HK + HV*V] before the convolution; beta_logit [B, S, HV]; gate_in [B, S, HV]
+  // (GDN) or [B, S, HV*K] (KDA); out_gate [B, S, HV*V].
+  attention::LinearTokens project(const at::Tensor& x) const override;
   // silu(depthwise causal conv) of qkv [B, S, C] over the sequence; `halo` [B, w-1, C] is what
   // precedes the first row (undefined: zeros, the start of the sequence). `channels`
   // (optional) selects a subset of the conv channels (a head slice under Ulysses CP): then qkv
   // holds only those channels.
   at::Tensor convolve(const at::Tensor& qkv, const at::Tensor& halo = {},
-                      const at::Tensor& channels = {}) const;
+                      const at::Tensor& channels = {}) const override;
   // q, k, v, g, beta of the convolved channels; `heads` / `value_heads` select a head range of
   // the layer (Ulysses CP) by their first index; defaults: all heads.
   attention::MixerInputs mixer_inputs(const at::Tensor& conv, const at::Tensor& beta_logit,
                                       const at::Tensor& gate_in, int64_t first_head = 0,
-                                      int64_t num_heads = -1) const;
+                                      int64_t num_heads = -1) const override;
   attention::MixerResult mix(const attention::MixerInputs& in,
-                             bool output_final_state = false) const;
-  at::Tensor output(const at::Tensor& mixed, const at::Tensor& out_gate) const;
+                             bool output_final_state = false) const override;
+  void state_summary(const attention::MixerInputs& in, at::Tensor& m, at::Tensor& s) const override;
+  at::Tensor output(const at::Tensor& mixed, const at::Tensor& out_gate) const override;
+  // Through host(): the stages in order, or a CP mode's interceptor.
   at::Tensor forward(const at::Tensor& x);
+  attention::LinearHost& host() { return host_; }
 
   const LinearAttentionConfig& config() const { return config_; }
   const attention::StatefulMixer& mixer() const { return *mixer_; }
   int64_t qkv_channels() const;
   // The conv channels (indices into qkv) of q/k heads [h0, h0 + nh) and their value heads.
-  at::Tensor head_channels(int64_t first_head, int64_t num_heads) const;
+  at::Tensor head_channels(int64_t first_head, int64_t num_heads) const override;
 
   at::Tensor w_qkv, w_beta, w_gate_a, w_gate_b, w_out_gate, w_out;  // [out, in]
   at::Tensor conv_weight;                                           // [C, w]
@@ -87,6 +87,7 @@ class LinearAttentionImpl : public torch::nn::Module {
  private:
   LinearAttentionConfig config_;
   std::unique_ptr<attention::StatefulMixer> mixer_;
+  attention::LinearHost host_;
 };
 TORCH_MODULE(LinearAttention);
 

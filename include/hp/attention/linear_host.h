@@ -1,0 +1,84 @@
+// The model-facing surface context parallelism hooks into for linear-attention layers (the
+// counterpart of host.h for softmax attention; models include attention/, never cp/).
+//
+// A linear-attention layer exposes its stages (LinearLayerStages); its forward is
+// host.forward(x, stages). With nothing installed that runs the stages in order on the local
+// tokens; a CP mode (cp/linear_*) installs an interceptor that puts communication between them:
+//   project -> [halo | all-to-all] -> convolve -> mixer_inputs -> [state exchange] -> mix
+//           -> [all-to-all] -> output
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/mixer.h"
+
+namespace hp::attention {
+
+// Sizes a CP mode needs to know of a layer.
+struct LinearLayerShape {
+  int64_t heads = 0;        // q/k heads H
+  int64_t value_heads = 0;  // HV
+  int64_t key_dim = 0;      // K
+  int64_t value_dim = 0;    // V
+  int64_t conv_width = 1;   // depthwise causal conv: w-1 rows of halo
+  int64_t gate_width = 0;   // gate_in channels per value head: 1 (GDN) or K (KDA)
+};
+
+// Per-token projections of a layer: [B, S, *] each.
+struct LinearTokens {
+  at::Tensor qkv;         // conv channels: q [H*K] | k [H*K] | v [HV*V]
+  at::Tensor beta_logit;  // [B, S, HV]
+  at::Tensor gate_in;     // [B, S, HV * gate_width]
+  at::Tensor out_gate;    // [B, S, HV*V]
+};
+
+class LinearLayerStages {
+ public:
+  virtual ~LinearLayerStages() = default;
+  virtual LinearLayerShape shape() const = 0;
+  virtual LinearTokens project(const at::Tensor& x) const = 0;
+  // The conv channels (indices into qkv) of q/k heads [first, first + n) and their value heads,
+  // in the order convolve/mixer_inputs expect them for that head range.
+  virtual at::Tensor head_channels(int64_t first_head, int64_t num_heads) const = 0;
+  // silu(causal depthwise conv); `halo` [B, w-1, C] precedes the first row (undefined: zeros);
+  // `channels` selects a head range's conv channels (qkv then holds only those).
+  virtual at::Tensor convolve(const at::Tensor& qkv, const at::Tensor& halo,
+                              const at::Tensor& channels) const = 0;
+  // beta_logit / gate_in hold the value heads of [first_head, first_head + num_heads) only.
+  virtual MixerInputs mixer_inputs(const at::Tensor& conv, const at::Tensor& beta_logit,
+                                   const at::Tensor& gate_in, int64_t first_head,
+                                   int64_t num_heads) const = 0;
+  virtual MixerResult mix(const MixerInputs& in, bool output_final_state) const = 0;
+  // The affine summary of a shard: its final state is M * initial + S (M [B, HV, K, K],
+  // S [B, HV, K, V], float32 at least). What state-passing CP exchanges.
+  virtual void state_summary(const MixerInputs& in, at::Tensor& m, at::Tensor& s) const = 0;
+  virtual at::Tensor output(const at::Tensor& mixed, const at::Tensor& out_gate) const = 0;
+};
+
+// Runs the stages of one forward, in place of the plain order (implemented by cp/).
+class LinearInterceptor {
+ public:
+  virtual ~LinearInterceptor() = default;
+  virtual std::string id() const = 0;
+  virtual at::Tensor forward(const at::Tensor& x, const LinearLayerStages& stages) = 0;
+};
+
+// The plain order on one rank: project, convolve, mixer_inputs, mix, output.
+at::Tensor run_linear_stages(const at::Tensor& x, const LinearLayerStages& stages);
+
+class LinearHost {
+ public:
+  // A second interceptor with another id is an error; the same id again is a no-op.
+  void install(std::shared_ptr<LinearInterceptor> interceptor);
+  LinearInterceptor* installed() const { return interceptor_.get(); }
+  at::Tensor forward(const at::Tensor& x, const LinearLayerStages& stages);
+
+ private:
+  std::shared_ptr<LinearInterceptor> interceptor_;
+};
+
+}  // namespace hp::attention
