@@ -1,0 +1,138 @@
+// Linear-attention CP (GDN, KDA): ulysses and state_passing (all_gather and p2p state
+// exchange), P in {2, 3, 4}: the layer's output, dx and every parameter gradient (summed over
+// CP) equal the single-process layer — conv halos at every rank boundary included.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
+#include "hp/cp/linear.h"
+#include "hp/model/linear_attention.h"
+#include "rank_harness.h"
+
+namespace hp::model {
+namespace {
+
+using hp::testing::expect_close;
+using hp::testing::run_ranks;
+
+constexpr int64_t kS = 48, kHidden = 20;
+
+LinearAttentionConfig config(const std::string& mixer) {
+  LinearAttentionConfig c;
+  c.mixer = mixer;
+  c.hidden = kHidden;
+  c.heads = 12;
+  c.value_heads = 24;
+  c.key_dim = 4;
+  c.value_dim = 3;
+  c.gate_rank = 4;
+  c.chunk_size = 8;
+  return c;
+}
+
+struct Reference {
+  at::Tensor y, dx;
+  std::map<std::string, at::Tensor> grads;
+};
+
+Reference reference(const std::string& mixer, const at::Tensor& x, const at::Tensor& dy) {
+  LinearAttention m(config(mixer));
+  m->to(at::kDouble);
+  auto xx = x.clone().requires_grad_(true);
+  auto y = m->forward(xx);
+  y.backward(dy);
+  Reference r{y.detach(), xx.grad(), {}};
+  for (const auto& p : m->named_parameters())
+    r.grads[p.key()] = p.value().grad();
+  return r;
+}
+
+void run_mode(const std::string& mixer, const std::string& mode, const std::string& exchange,
+              int p) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  auto x = at::randn({2, kS, kHidden}, gen, at::kDouble);
+  auto dy = at::randn({2, kS, kHidden}, gen, at::kDouble);
+  auto ref = reference(mixer, x, dy);
+  run_ranks(p, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", p}});
+    auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), *cp::normalize(std::nullopt, p));
+    LinearAttention m(config(mixer));
+    m->to(at::kDouble);
+    cp::LinearCPOptions o;
+    o.module_path = "layers.0.linear_attn";
+    o.mode = mode;
+    o.state_exchange = exchange;
+    auto line = cp::apply_linear_cp(m->host(), m->shape(), o, topo);
+    EXPECT_NE(line.find("mode=" + mode), std::string::npos) << line;
+    const int64_t r = w.rank(), s = kS / p;
+    auto xs = x.narrow(1, r * s, s).clone().requires_grad_(true);
+    auto y = m->forward(xs);
+    y.backward(dy.narrow(1, r * s, s));
+    const std::string what = mixer + " " + mode + "/" + exchange + " P=" + std::to_string(p) +
+                             " rank " + std::to_string(r);
+    expect_close(y, ref.y.narrow(1, r * s, s), what + " y", 1e-9, 1e-9);
+    expect_close(xs.grad(), ref.dx.narrow(1, r * s, s), what + " dx", 1e-9, 1e-9);
+    for (const auto& par : m->named_parameters()) {
+      auto g = comm::all_reduce(mesh.group("cp"), par.value().grad());
+      expect_close(g, ref.grads.at(par.key()), what + " d" + par.key(), 1e-9, 1e-9);
+    }
+  });
+}
+
+TEST(LinearCP, UlyssesEqualsTheSingleProcessLayer) {
+  for (const std::string mixer : {"gdn", "kda"})
+    for (int p : {2, 3, 4})
+      run_mode(mixer, "ulysses", "all_gather", p);
+}
+
+TEST(LinearCP, StatePassingAllGatherEqualsTheSingleProcessLayer) {
+  for (const std::string mixer : {"gdn", "kda"})
+    for (int p : {2, 3, 4})
+      run_mode(mixer, "state_passing", "all_gather", p);
+}
+
+TEST(LinearCP, StatePassingP2PEqualsTheSingleProcessLayer) {
+  for (const std::string mixer : {"gdn", "kda"})
+    for (int p : {2, 3, 4})
+      run_mode(mixer, "state_passing", "p2p", p);
+}
+
+TEST(LinearCP, FailFast) {
+  run_ranks(2, [](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", 2}});
+    auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), *cp::normalize(std::nullopt, 2));
+    auto c = config("gdn");
+    c.heads = 3;
+    c.value_heads = 3;
+    LinearAttention m(c);
+    cp::LinearCPOptions o;
+    o.module_path = "l";
+    o.mode = "ulysses";
+    HP_EXPECT_ERROR(cp::apply_linear_cp(m->host(), m->shape(), o, topo),
+                    "mode=ulysses needs q/k heads (3) and value heads (3) divisible by cp_size=2");
+    o.mode = "ring";
+    HP_EXPECT_ERROR(cp::apply_linear_cp(m->host(), m->shape(), o, topo),
+                    "mode='ring' is not valid; valid: ulysses, state_passing");
+    o.mode = "state_passing";
+    o.state_exchange = "tree";
+    HP_EXPECT_ERROR(cp::apply_linear_cp(m->host(), m->shape(), o, topo),
+                    "state_exchange='tree' is not valid; valid: all_gather, p2p");
+    o.state_exchange = "all_gather";
+    cp::apply_linear_cp(m->host(), m->shape(), o, topo);
+    o.mode = "ulysses";
+    c.heads = c.value_heads = 4;
+    LinearAttention m2(c);
+    cp::apply_linear_cp(m2->host(), m2->shape(), o, topo);
+    o.mode = "state_passing";
+    HP_EXPECT_ERROR(cp::apply_linear_cp(m2->host(), m2->shape(), o, topo),
+                    "a different CP mode is already installed on this linear-attention layer");
+    // A shard shorter than the conv halo (w - 1 = 3 rows) is refused before any collective.
+    auto x = at::randn({1, 2, c.hidden});
+    HP_EXPECT_ERROR(m->forward(x), "the local shard has 2 tokens, fewer than the conv halo of 3");
+  });
+}
+
+}  // namespace
+}  // namespace hp::model
