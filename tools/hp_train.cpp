@@ -5,6 +5,7 @@
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
+//     [--resume-if-exists]
 //     [--config FILE.json]
 // With --nproc N it spawns N local ranks; without, it joins a torchrun / mpirun / Slurm job.
 #include <fstream>
@@ -106,8 +107,11 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_option("--metrics-json", o.metrics_json, "write metrics here (rank 0)");
   app.add_option("--trace", o.trace, "Chrome trace of the run, one track per rank");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
-  app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
-  app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "steps between checkpoints (default 0: the last step only)");
+  app.add_flag("--resume", o.resume, "continue from the latest checkpoint (an error if none)");
+  app.add_flag("--resume-if-exists", o.resume_if_exists,
+               "continue from the latest checkpoint if there is one, else start at step 1");
   app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
@@ -212,8 +216,9 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
   return j;
 }
 
-// Rank 0: the summary line and the metrics file.
+// Rank 0: the summary line and the metrics file (nothing when --resume found the run finished).
 void report(const hp::comm::World& world, const Args& a, const hp::train::TrainResult& r) {
+  if (r.already_finished) return;
   std::printf(
       "hp-train: done: loss %.4f -> %.4f over %lld steps, median step %.3f s, %.0f "
       "tokens/s, peak RSS %.0f MiB (max rank)\n",
@@ -235,7 +240,7 @@ int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
   auto r = hp::train::train(world, o);
-  if (!o.trace.empty()) hp::comm::write_world_trace(world, o.trace);
+  if (!o.trace.empty() && !r.already_finished) hp::comm::write_world_trace(world, o.trace);
   if (world.rank() == 0) report(world, a, r);
   return 0;
 }
@@ -270,7 +275,9 @@ int main(int argc, char** argv) {
   try {
     return run(app, a, argv_copy);
   } catch (const std::exception& e) {
-    std::cerr << "hp-train: " << e.what() << std::endl;
+    // Messages that already name the tool are printed as they are.
+    const std::string what = e.what();
+    std::cerr << (what.rfind("hp-train", 0) == 0 ? "" : "hp-train: ") << what << std::endl;
     hp::comm::report_rank_error(e.what());
     return 1;
   }

@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 
+#include "agree.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -79,14 +80,23 @@ void print_plan(const TrainOptions& o, const TrainResult& result, const plan::Sh
   std::fflush(stdout);
 }
 
-// The first step to run: 1, or the one after the checkpoint --resume restored.
+// The first step to run: 1, or the one after the checkpoint --resume restored (past o.steps
+// when the run is finished).
 int64_t first_step(const comm::World& world, Runner& run) {
   const TrainOptions& o = run.o;
-  if (!o.resume) return 1;
+  if (!o.resume && !o.resume_if_exists) return 1;
   const int64_t last = restore_latest(world, o, run.params, *run.opt);
   if (last == 0) return 1;
   if (world.rank() == 0) {
-    std::printf("hp-train: resumed from %s\n", step_dir(o.checkpoint_dir, last).c_str());
+    if (last >= o.steps) {
+      std::printf(
+          "hp-train: the run in '%s' is finished: its last checkpoint is step %lld of --steps "
+          "%lld; nothing to do (raise --steps to train on)\n",
+          o.checkpoint_dir.c_str(), static_cast<long long>(last), static_cast<long long>(o.steps));
+    } else {
+      std::printf("hp-train: resumed from %s\n", step_dir(o.checkpoint_dir, last).c_str());
+    }
+    std::fflush(stdout);
   }
   return last + 1;
 }
@@ -121,9 +131,10 @@ void print_progress(const TrainOptions& o, const StepMetrics& m, int64_t first, 
   std::fflush(stdout);
 }
 
+// Every checkpoint_every steps, and the last step whenever there is a checkpoint directory.
 bool checkpoint_due(const TrainOptions& o, int64_t step) {
-  return !o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
-         (step % o.checkpoint_every == 0 || step == o.steps);
+  return !o.checkpoint_dir.empty() &&
+         (step == o.steps || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0));
 }
 
 // Steps `first`..o.steps: their metrics into `result` (the bytes of the first one as the
@@ -175,8 +186,11 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   result.plan = plan.describe();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
   const int64_t first = first_step(world, run);
-  // Read once, before the first step that needs it (a resumed run with no step left reads none).
-  const Corpus corpus = first <= o.steps ? Corpus::load(o) : Corpus();
+  if (first > o.steps) {
+    result.already_finished = true;
+    return result;
+  }
+  const Corpus corpus = Corpus::load(o);  // read once, shared by every step
   run_steps(world, run, corpus, first, result);
   if (o.validate) {
     HP_CHECK(first == 1,

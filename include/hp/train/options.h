@@ -39,8 +39,10 @@ struct TrainOptions {
   std::string metrics_json;
   std::string trace;
   std::string checkpoint_dir;
+  // Steps between checkpoints (>= 0); the last step is always saved when checkpoint_dir is set.
   int64_t checkpoint_every = 0;
-  bool resume = false;
+  bool resume = false;            // an error when there is no checkpoint to resume
+  bool resume_if_exists = false;  // resume when there is a checkpoint, else start at step 1
   int progress_every = 10;  // plain progress lines when stdout is not a terminal
 };
 

@@ -29,6 +29,8 @@ struct TrainResult {
   double median_step_time_s = 0;
   double tokens_per_s = 0;
   int64_t peak_rss_bytes_max_rank = 0;
+  // --resume found the run finished (its last checkpoint at or past --steps): nothing ran.
+  bool already_finished = false;
   std::map<std::string, int64_t> comm_bytes_per_step;
   std::optional<double> max_abs_loss_diff, max_rel_grad_diff;  // --validate
   std::string plan;                                            // the resolved plan
