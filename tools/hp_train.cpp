@@ -5,9 +5,10 @@
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
-//     [--resume-if-exists]
+//     [--resume-if-exists] [--nan-policy error|skip-step]
 //     [--config FILE.json]
 // With --nproc N it spawns N local ranks; without, it joins a torchrun / mpirun / Slurm job.
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 
@@ -53,6 +54,7 @@ struct Args {
   int64_t degree = 0;
   bool load_balance = false;
   bool auto_algo = false;
+  std::string nan_policy = "error";
   double timeout_s = 600;
   std::string fusion = "off";
   std::string mode = "production";
@@ -112,6 +114,9 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint (an error if none)");
   app.add_flag("--resume-if-exists", o.resume_if_exists,
                "continue from the latest checkpoint if there is one, else start at step 1");
+  app.add_option("--nan-policy", a.nan_policy,
+                 "a step with a non-finite loss or gradient norm: error (stop; default) | "
+                 "skip-step (skip its update and continue)");
   app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
@@ -147,6 +152,13 @@ void resolve(Args& a) {
   HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-train: --comm-fusion '", a.fusion,
            "' is not valid; valid: on, off");
   o.comm_fusion = a.fusion == "on";
+  HP_CHECK(a.nan_policy == "error" || a.nan_policy == "skip-step", "hp-train: --nan-policy '",
+           a.nan_policy, "' is not valid; valid: error, skip-step");
+  o.nan_policy =
+      a.nan_policy == "error" ? hp::train::NanPolicy::kError : hp::train::NanPolicy::kSkipStep;
+  // The fault hook of the tests (a NaN loss at one step on one rank).
+  if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
+  if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
   o.cp_auto = a.algo == "auto";
   if (o.cp_auto) {
     HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
@@ -174,7 +186,8 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                      {"step_time_s", s.step_time_s},
                      {"tokens_per_s", s.tokens_per_s},
                      {"grad_norm", s.grad_norm},
-                     {"lr", s.lr}});
+                     {"lr", s.lr},
+                     {"skipped", s.skipped}});
   }
   nlohmann::json j = {{"config",
                        {{"nproc", world.size()},

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -108,7 +109,15 @@ StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus
   StepMetrics m;
   m.step = step;
   m.loss = run.forward_backward(step, corpus);
-  m.grad_norm = run.clip_and_step(step);
+  m.grad_norm = run.grad_norm();
+  // Loss and norm are global values, the same on every rank: all ranks take the same branch.
+  if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
+    run.clip_and_update(step, m.grad_norm);
+  } else {
+    m.skipped = true;
+    m.first_nonfinite_rank = run.first_nonfinite_rank();
+    run.discard_grads();
+  }
   m.lr = lr_at(run.o, step);
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   m.tokens_per_s = static_cast<double>(run.o.batch * run.o.seq_len) / m.step_time_s;
@@ -137,6 +146,40 @@ bool checkpoint_due(const TrainOptions& o, int64_t step) {
          (step == o.steps || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0));
 }
 
+std::string value_text(double v) {
+  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
+}
+
+// A step whose loss or gradient norm was not finite (its update was skipped): an error under
+// --nan-policy error (naming the step, the first rank and the last checkpoint, which is kept),
+// else a line on rank 0.
+void on_nonfinite(const comm::World& world, const TrainOptions& o, const StepMetrics& m) {
+  const std::string what = std::isfinite(m.loss)
+                               ? "non-finite gradient norm (" + value_text(m.grad_norm) + ")"
+                               : "non-finite loss (" + value_text(m.loss) + ")";
+  const std::string who = m.first_nonfinite_rank >= 0 ? common::str_cat(" (first seen on rank ",
+                                                                        m.first_nonfinite_rank, ")")
+                                                      : std::string();
+  if (o.nan_policy == NanPolicy::kError) {
+    std::string kept = "; no checkpoint directory was given";
+    if (!o.checkpoint_dir.empty()) {
+      const int64_t last = latest_checkpoint(o.checkpoint_dir);
+      kept = last > 0 ? common::str_cat("; the last checkpoint is '",
+                                        step_dir(o.checkpoint_dir, last), "' (kept)")
+                      : "; no checkpoint was written before it";
+    }
+    HP_CHECK(false, "hp-train: ", what, " at step ", m.step, who,
+             "; stopped before updating the model (--nan-policy error; --nan-policy skip-step "
+             "skips such steps)",
+             kept);
+  }
+  if (world.rank() == 0) {
+    std::printf("hp-train: step %lld: %s%s; skipped its optimizer step (--nan-policy skip-step)\n",
+                static_cast<long long>(m.step), what.c_str(), who.c_str());
+    std::fflush(stdout);
+  }
+}
+
 // Steps `first`..o.steps: their metrics into `result` (the bytes of the first one as the
 // per-step traffic), progress lines and checkpoints.
 void run_steps(const comm::World& world, Runner& run, const Corpus& corpus, int64_t first,
@@ -146,6 +189,7 @@ void run_steps(const comm::World& world, Runner& run, const Corpus& corpus, int6
   const bool tty = rank0 && isatty(STDOUT_FILENO);
   for (int64_t step = first; step <= o.steps; ++step) {
     const StepMetrics m = run_step(world, run, corpus, step);
+    if (m.skipped) on_nonfinite(world, o, m);
     if (result.comm_bytes_per_step.empty()) {
       for (auto op : {comm::OpKind::kAllGather, comm::OpKind::kAllToAll,
                       comm::OpKind::kReduceScatter, comm::OpKind::kAllReduce}) {

@@ -158,6 +158,55 @@ TEST(HpTrainReliability, DamagedCheckpointFilesFailNamingFileAndRank) {
   EXPECT_TRUE(contains(ok.out, "hp-train: resumed from " + good + step)) << ok.out;
 }
 
+// ---- 2. non-finite loss ----
+
+TEST(HpTrainReliability, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
+  const std::string dir = fresh("ckpt_nan");
+  // Rank 1's loss of step 3 is made NaN (the test hook); checkpoints every 2 steps.
+  auto r = run(kTiny + "--steps 6 --checkpoint-every 2 --checkpoint-dir " + dir,
+               "HP_TEST_NAN_AT_STEP=3 HP_TEST_NAN_RANK=1");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: non-finite loss (nan) at step 3 (first seen on rank 1)"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "the last checkpoint is '" + dir + "/step_00000002'")) << r.out;
+  EXPECT_FALSE(contains(r.out, "hp-train: done")) << r.out;
+  EXPECT_EQ(step_dirs(dir), std::vector<std::string>{"step_00000002"});
+  // The kept checkpoint is good: the run resumes from it (without the fault) and finishes.
+  auto resumed =
+      run(kTiny + "--steps 4 --checkpoint-every 2 --checkpoint-dir " + dir + " --resume");
+  EXPECT_EQ(resumed.rc, 0) << resumed.out;
+  EXPECT_TRUE(contains(resumed.out, "resumed from " + dir + "/step_00000002")) << resumed.out;
+}
+
+TEST(HpTrainReliability, NanPolicySkipStepSkipsTheUpdateAndContinues) {
+  const std::string m = fresh("nan_skip.json");
+  auto r = run(kTiny + "--steps 5 --nan-policy skip-step --metrics-json " + m,
+               "HP_TEST_NAN_AT_STEP=3 HP_TEST_NAN_RANK=0");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(
+      contains(r.out,
+               "hp-train: step 3: non-finite loss (nan) (first seen on rank 0); skipped its "
+               "optimizer step (--nan-policy skip-step)"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: done")) << r.out;
+  auto j = read_json(m);
+  ASSERT_EQ(j["steps"].size(), 5u);
+  EXPECT_TRUE(j["steps"][2]["skipped"].get<bool>());
+  for (int i : {0, 1, 3, 4}) {
+    EXPECT_FALSE(j["steps"][i]["skipped"].get<bool>()) << i;
+    EXPECT_TRUE(std::isfinite(j["steps"][i]["loss"].get<double>())) << i;
+  }
+  // Before the fault the run is the fault-free one.
+  auto clean = run(kTiny + "--steps 2 --metrics-json " + m + ".clean");
+  ASSERT_EQ(clean.rc, 0) << clean.out;
+  auto c = read_json(m + ".clean");
+  EXPECT_EQ(c["steps"][1]["loss"].get<double>(), j["steps"][1]["loss"].get<double>());
+  auto bad = run(kTiny + "--steps 2 --nan-policy ignore");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_TRUE(contains(bad.out, "--nan-policy 'ignore' is not valid; valid: error, skip-step"))
+      << bad.out;
+}
+
 // ---- 5. checkpoint interval, resume edge cases ----
 
 TEST(HpTrainReliability, CheckpointDirAloneSavesAtTheEnd) {

@@ -21,6 +21,9 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double grad_norm = 0;
   double lr = 0;
+  // The loss or the gradient norm was not finite: no update (--nan-policy skip-step).
+  bool skipped = false;
+  int first_nonfinite_rank = -1;  // of a skipped step: the first rank that saw it, -1 if none
 };
 
 struct TrainResult {
@@ -37,6 +40,9 @@ struct TrainResult {
 };
 
 // Collective over the world: one rank's part of the job. Rank 0's result carries the metrics.
+// A non-finite loss or gradient norm with NanPolicy::kError throws (on every rank) naming the
+// step and the first rank that saw it, before that step updates the model or writes a
+// checkpoint.
 TrainResult train(const comm::World& world, const TrainOptions& options);
 
 }  // namespace hp::train
