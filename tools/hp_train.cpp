@@ -5,7 +5,7 @@
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
-//     [--resume-if-exists] [--nan-policy error|skip-step]
+//     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--config FILE.json]
 // With --nproc N it spawns N local ranks; without, it joins a torchrun / mpirun / Slurm job.
 #include <cstdlib>
@@ -23,6 +23,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
+#include "hp/train/preflight.h"
 #include "hp/train/trainer.h"
 
 namespace {
@@ -54,7 +55,7 @@ struct Args {
   int64_t degree = 0;
   bool load_balance = false;
   bool auto_algo = false;
-  std::string nan_policy = "error";
+  std::string nan_policy = "error", memory_limit;
   double timeout_s = 600;
   std::string fusion = "off";
   std::string mode = "production";
@@ -64,36 +65,33 @@ struct Args {
 void add_layout_options(CLI::App& app, Args& a) {
   auto& o = a.train;
   app.add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
-  app.add_option("--tp", o.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--cp", o.cp, "context-parallel size")->check(CLI::PositiveNumber);
+  app.add_option("--tp", o.tp, "tensor-parallel size");
+  app.add_option("--cp", o.cp, "context-parallel size");
   app.add_option("--cp-algo", a.algo,
                  hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
-  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas")->check(CLI::PositiveNumber);
+  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
+  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step");
   app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
 }
 
 // The task: sequence, batch, steps, model sizes, optimizer and data.
 void add_task_options(CLI::App& app, Args& a) {
   auto& o = a.train;
-  app.add_option("--seq-len", o.seq_len, "global sequence length")->check(CLI::PositiveNumber);
-  app.add_option("--batch", o.batch, "sequences per step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "training steps")->check(CLI::PositiveNumber);
-  app.add_option("--layers", o.model.layers, "decoder layers")->check(CLI::PositiveNumber);
-  app.add_option("--hidden", o.model.hidden, "hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.model.heads, "query heads")->check(CLI::PositiveNumber);
-  app.add_option("--kv-heads", o.model.kv_heads, "key/value heads")->check(CLI::PositiveNumber);
-  app.add_option("--head-dim", o.model.head_dim, "head dim")->check(CLI::PositiveNumber);
-  app.add_option("--ffn", o.model.ffn, "MLP width")->check(CLI::PositiveNumber);
-  app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", o.seq_len, "global sequence length");
+  app.add_option("--batch", o.batch, "sequences per step");
+  app.add_option("--steps", o.steps, "training steps");
+  app.add_option("--layers", o.model.layers, "decoder layers");
+  app.add_option("--hidden", o.model.hidden, "hidden size");
+  app.add_option("--heads", o.model.heads, "query heads");
+  app.add_option("--kv-heads", o.model.kv_heads, "key/value heads");
+  app.add_option("--head-dim", o.model.head_dim, "head dim");
+  app.add_option("--ffn", o.model.ffn, "MLP width");
+  app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)");
   app.add_option("--primitive", o.model.primitive, "math | blockwise");
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
@@ -117,6 +115,9 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_option("--nan-policy", a.nan_policy,
                  "a step with a non-finite loss or gradient norm: error (stop; default) | "
                  "skip-step (skip its update and continue)");
+  app.add_option("--memory-limit", a.memory_limit,
+                 "memory the ranks on this machine may use together, e.g. 8G (default: "
+                 "MemAvailable); layouts estimated above it are refused");
   app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
@@ -125,7 +126,14 @@ void add_run_options(CLI::App& app, Args& a) {
 void apply_config(CLI::App& app, const std::string& path) {
   std::ifstream f(path);
   HP_CHECK(f.good(), "hp-train: cannot open --config '", path, "'");
-  auto j = nlohmann::json::parse(f);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    HP_CHECK(false, "hp-train: cannot parse --config '", path, "': ", e.what());
+  }
+  HP_CHECK(j.is_object(), "hp-train: --config '", path,
+           "' must hold a JSON object of options, e.g. {\"steps\": 100}");
   for (const auto& [key, value] : j.items()) {
     std::string flag = "--" + key;
     for (auto& c : flag)
@@ -156,6 +164,7 @@ void resolve(Args& a) {
            a.nan_policy, "' is not valid; valid: error, skip-step");
   o.nan_policy =
       a.nan_policy == "error" ? hp::train::NanPolicy::kError : hp::train::NanPolicy::kSkipStep;
+  if (!a.memory_limit.empty()) o.memory_limit = hp::train::parse_size(a.memory_limit);
   // The fault hook of the tests (a NaN loss at one step on one rank).
   if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
   if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
@@ -221,6 +230,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                       {"median_step_time_s", r.median_step_time_s},
                       {"tokens_per_s", r.tokens_per_s},
                       {"peak_rss_bytes_max_rank", r.peak_rss_bytes_max_rank},
+                      {"memory_estimate_bytes_per_rank", r.memory_estimate_bytes_per_rank},
                       {"comm_bytes_per_step", r.comm_bytes_per_step}};
   if (r.max_abs_loss_diff) {
     j["validate"] = {{"max_abs_loss_diff", *r.max_abs_loss_diff},
@@ -238,7 +248,10 @@ void report(const hp::comm::World& world, const Args& a, const hp::train::TrainR
       r.steps.empty() ? 0.0 : r.steps.front().loss, r.final_loss, (long long)r.steps.size(),
       r.median_step_time_s, r.tokens_per_s, r.peak_rss_bytes_max_rank / 1048576.0);
   if (!a.train.metrics_json.empty()) {
-    std::ofstream(a.train.metrics_json) << metrics_json(world, a, r).dump(2) << "\n";
+    std::ofstream f(a.train.metrics_json);
+    f << metrics_json(world, a, r).dump(2) << "\n";
+    f.close();
+    HP_CHECK(!f.fail(), "hp-train: writing --metrics-json '", a.train.metrics_json, "' failed");
   }
 }
 
@@ -266,6 +279,8 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) {
     const auto& o = a.train;
+    // Before any rank starts: the options, the memory of nproc ranks, the output paths.
+    hp::train::preflight(o, /*rank=*/0, a.nproc);
     const int64_t used = o.dp_replicate * o.dp_shard * o.cp * o.tp;
     HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ", o.dp_replicate,
              " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp, " = ", used,

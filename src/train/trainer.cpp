@@ -22,6 +22,7 @@
 #include "hp/plan/plan.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/data.h"
+#include "hp/train/preflight.h"
 #include "runner.h"
 #include "validate.h"
 
@@ -50,8 +51,6 @@ plan::ShardingPlan plan_run(const comm::World& world, const TrainOptions& o) {
     po.cp_auto = true;
     po.calibration = plan::load_calibration(plan::default_calibration_path(plan::current_link()));
   }
-  HP_CHECK(o.steps >= 1 && o.batch >= 1 && o.seq_len >= 2 && o.grad_accum >= 1,
-           "hp-train: --steps, --batch and --grad-accum must be >= 1 and --seq-len >= 2");
   model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
   return plan::ShardingPlanner().plan(*probe, world.size(), po);
 }
@@ -78,6 +77,7 @@ void print_plan(const TrainOptions& o, const TrainResult& result, const plan::Sh
     std::printf("  %s\n", l.c_str());
   for (const auto& l : apply_log)
     std::printf("  %s\n", l.c_str());
+  std::printf("  memory: about %s per rank (estimate)\n", estimate_memory(o).describe().c_str());
   std::fflush(stdout);
 }
 
@@ -222,12 +222,15 @@ void summarize(const comm::World& world, const TrainOptions& o, TrainResult& res
 }  // namespace
 
 TrainResult train(const comm::World& world, const TrainOptions& o) {
+  // Before anything is allocated; every rank reads the machine's memory before any allocates.
+  run_agreed(world, [&] { preflight(o, world.rank(), world.local_size()); });
   auto plan = plan_run(world, o);
   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
   Runner run(o, mesh, plan.cp_config);
   const auto apply_log = apply_plan(run, plan, mesh);
   TrainResult result;
   result.plan = plan.describe();
+  result.memory_estimate_bytes_per_rank = estimate_memory(o).total();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
   const int64_t first = first_step(world, run);
   if (first > o.steps) {

@@ -207,6 +207,32 @@ TEST(HpTrainReliability, NanPolicySkipStepSkipsTheUpdateAndContinues) {
       << bad.out;
 }
 
+// ---- 4. output paths checked before step 1 ----
+
+TEST(HpTrainReliability, UnwritableOutputPathsFailBeforeStepOne) {
+  const std::string dir = fresh("outputs");
+  fs::create_directories(dir + "/a_dir");
+  std::ofstream(dir + "/a_file") << "x";
+  struct Case {
+    std::string flag, path, text;
+  };
+  for (const Case& c : {Case{"--metrics-json", dir + "/no/such/dir/m.json", "' does not exist"},
+                        Case{"--metrics-json", dir + "/a_dir", "is a directory"},
+                        Case{"--trace", dir + "/no_dir/t.json", "' does not exist"},
+                        Case{"--trace", dir + "/a_dir", "is a directory"},
+                        Case{"--checkpoint-dir", dir + "/a_file/ckpt", "cannot create"},
+                        Case{"--checkpoint-dir", dir + "/a_file", "is not a directory"}}) {
+    auto r = run(kTiny + "--steps 2 " + c.flag + " " + c.path);
+    EXPECT_NE(r.rc, 0) << c.flag << " " << c.path << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, "hp-train: cannot write " + c.flag + " '" + c.path + "'"))
+        << c.flag << " " << c.path << "\n"
+        << r.out;
+    EXPECT_TRUE(contains(r.out, c.text)) << c.text << "\n" << r.out;
+    EXPECT_FALSE(contains(r.out, "  step 1/")) << "no step may run\n" << r.out;
+  }
+  EXPECT_EQ(step_dirs(dir), (std::vector<std::string>{"a_dir", "a_file"})) << "nothing left behind";
+}
+
 // ---- 5. checkpoint interval, resume edge cases ----
 
 TEST(HpTrainReliability, CheckpointDirAloneSavesAtTheEnd) {
@@ -214,6 +240,10 @@ TEST(HpTrainReliability, CheckpointDirAloneSavesAtTheEnd) {
   auto r = run(kTiny + "--steps 3 --checkpoint-dir " + dir);
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_EQ(step_dirs(dir), std::vector<std::string>{"step_00000003"});
+  auto neg = run(kTiny + "--steps 3 --checkpoint-every -2 --checkpoint-dir " + dir);
+  EXPECT_NE(neg.rc, 0);
+  EXPECT_TRUE(contains(neg.out, "--checkpoint-every -2 must be >= 0")) << neg.out;
+  EXPECT_FALSE(contains(neg.out, "  step 1/")) << neg.out;
 }
 
 TEST(HpTrainReliability, ResumeWithNothingToResume) {
@@ -271,6 +301,87 @@ TEST(HpTrainReliability, ResumeRefusesAChangedSeqLenOrSeedAndWarnsOnLr) {
                                    "' was written with --lr 0.01, this run has --lr 0.02"))
       << lr.out;
   EXPECT_TRUE(contains(lr.out, "resumed from " + step)) << lr.out;
+}
+
+// ---- 10. options and sizes checked up front ----
+
+TEST(HpTrainReliability, BadNumbersAreRefusedReadably) {
+  for (const std::string lr : {"-1", "0", "nan", "inf"}) {
+    auto r = run(kTiny + "--steps 2 --lr " + lr);
+    EXPECT_NE(r.rc, 0) << lr << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, "--lr " + lr + " must be a finite number > 0")) << r.out;
+  }
+  auto steps = run(kTiny + "--steps 0");
+  EXPECT_NE(steps.rc, 0) << steps.out;
+  EXPECT_TRUE(contains(steps.out, "--steps 0 must be >= 1")) << steps.out;
+  EXPECT_FALSE(contains(steps.out, "not in range")) << steps.out;
+  auto hidden = run(kTiny + "--steps 2 --hidden 0");
+  EXPECT_NE(hidden.rc, 0) << hidden.out;
+  EXPECT_TRUE(contains(hidden.out, "--hidden 0 must be >= 1")) << hidden.out;
+}
+
+TEST(HpTrainReliability, ALayoutThatCannotFitIsRefusedBeforeAllocating) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run("--hidden 1000000 --steps 2");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_LT(s, 10.0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: not enough memory: this layout needs about")) << r.out;
+  EXPECT_TRUE(contains(r.out, "parameters")) << r.out;
+  EXPECT_TRUE(contains(r.out, "--hidden")) << "names the option to change\n" << r.out;
+  EXPECT_FALSE(contains(r.out, "  step 1/")) << r.out;
+  // The limit can be given (tests, shared machines): the same normal run is refused under a
+  // tiny limit and runs under the default.
+  auto small = run(kTiny + "--steps 1 --memory-limit 1M");
+  EXPECT_NE(small.rc, 0) << small.out;
+  EXPECT_TRUE(contains(small.out, "hp-train: not enough memory")) << small.out;
+  EXPECT_TRUE(contains(small.out, "--memory-limit 1M")) << small.out;
+  auto normal = run(kTiny + "--steps 1");
+  EXPECT_EQ(normal.rc, 0) << normal.out;
+}
+
+// The estimate against the measured peak RSS of a small run whose model and activations are a
+// fair part of the process (LibTorch alone is ~100-200 MiB): within a factor of 2.
+TEST(HpTrainReliability, MemoryEstimateIsWithinAFactorOfTwoOfThePeak) {
+  const std::string m = fresh("mem.json");
+  auto r =
+      run("--nproc 2 --cp 2 --hidden 512 --ffn 2048 --heads 8 --kv-heads 4 --head-dim 64 "
+          "--layers 2 --vocab 256 --seq-len 512 --batch 2 --steps 2 --metrics-json " +
+          m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = read_json(m);
+  const double est = j.at("memory_estimate_bytes_per_rank").get<double>();
+  const double peak = j.at("peak_rss_bytes_max_rank").get<double>();
+  EXPECT_GT(est, peak / 2) << r.out;
+  EXPECT_LT(est, peak * 2) << r.out;
+  EXPECT_TRUE(contains(r.out, "memory: about")) << r.out;
+}
+
+// ---- 11. file errors name the file ----
+
+TEST(HpTrainReliability, FileErrorsNameTheFile) {
+  const std::string dir = fresh("files");
+  fs::create_directories(dir + "/data_dir");
+  auto data = run(kTiny + "--steps 1 --data " + dir + "/data_dir");
+  EXPECT_NE(data.rc, 0) << data.out;
+  EXPECT_TRUE(contains(data.out, "--data '" + dir + "/data_dir' is a directory")) << data.out;
+  EXPECT_FALSE(contains(data.out, "basic_filebuf")) << data.out;
+
+  const std::string ckpt = dir + "/ckpt";
+  ASSERT_EQ(run(kTiny + "--steps 1 --checkpoint-dir " + ckpt).rc, 0);
+  const std::string manifest = ckpt + "/step_00000001/manifest.json";
+  std::ofstream(manifest) << "{\"step\": 1, \"world_size\": ";
+  auto broken = run(kTiny + "--steps 2 --checkpoint-dir " + ckpt + " --resume");
+  EXPECT_NE(broken.rc, 0) << broken.out;
+  EXPECT_TRUE(
+      contains(broken.out, "hp-train --resume: cannot read the manifest '" + manifest + "'"))
+      << broken.out;
+
+  std::ofstream(dir + "/cfg.json") << "{\"steps\": ";
+  auto cfg = run(kTiny + "--config " + dir + "/cfg.json");
+  EXPECT_NE(cfg.rc, 0) << cfg.out;
+  EXPECT_TRUE(contains(cfg.out, "hp-train: cannot parse --config '" + dir + "/cfg.json'"))
+      << cfg.out;
 }
 
 }  // namespace

@@ -48,6 +48,9 @@ struct TrainOptions {
   bool resume = false;            // an error when there is no checkpoint to resume
   bool resume_if_exists = false;  // resume when there is a checkpoint, else start at step 1
   NanPolicy nan_policy = NanPolicy::kError;
+  // Bytes the ranks on this machine may use together (the memory check before anything is
+  // allocated); 0: the machine's available memory (MemAvailable, or a cgroup limit below it).
+  int64_t memory_limit = 0;
   int progress_every = 10;  // plain progress lines when stdout is not a terminal
   // Test hook (hp-train reads HP_TEST_NAN_AT_STEP and HP_TEST_NAN_RANK): the loss of this step
   // (0: none) on this world rank is made NaN, to exercise nan_policy.

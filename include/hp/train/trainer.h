@@ -32,6 +32,7 @@ struct TrainResult {
   double median_step_time_s = 0;
   double tokens_per_s = 0;
   int64_t peak_rss_bytes_max_rank = 0;
+  int64_t memory_estimate_bytes_per_rank = 0;  // the planner's estimate (plan::estimate_memory)
   // --resume found the run finished (its last checkpoint at or past --steps): nothing ran.
   bool already_finished = false;
   std::map<std::string, int64_t> comm_bytes_per_step;
@@ -40,9 +41,9 @@ struct TrainResult {
 };
 
 // Collective over the world: one rank's part of the job. Rank 0's result carries the metrics.
-// A non-finite loss or gradient norm with NanPolicy::kError throws (on every rank) naming the
-// step and the first rank that saw it, before that step updates the model or writes a
-// checkpoint.
+// Runs preflight() first (options, memory, output paths: before anything is allocated). A
+// non-finite loss or gradient norm with NanPolicy::kError throws (on every rank) naming the step
+// and the first rank that saw it, before that step updates the model or writes a checkpoint.
 TrainResult train(const comm::World& world, const TrainOptions& options);
 
 }  // namespace hp::train
