@@ -2,10 +2,12 @@
 // the rank; a non-finite loss stops the run (or skips its step) and keeps the last good
 // checkpoint; output paths, options and memory are checked before step 1; checkpoint and resume
 // edge cases; every file error names its file. Tiny runs: each command takes a second or two.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -43,7 +45,7 @@ bool contains(const std::string& out, const std::string& text) {
 
 // A fresh directory under the scratch dir.
 std::string fresh(const std::string& name) {
-  const std::string dir = hp::testing::scratch_dir() + "/" + name;
+  std::string dir = hp::testing::scratch_dir() + "/" + name;
   fs::remove_all(dir);
   return dir;
 }
