@@ -6,6 +6,8 @@
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--causal]
 //     [--layout bnsd|bshd] [--primitive math|blockwise] [--adapter sdpa_qkv|...]
 // IN.pt: dict with q, k, v, dout. OUT.pt: dict with out, dq, dk, dv (natural order).
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -20,6 +22,7 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
+#include "hp/common/paths.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
@@ -75,9 +78,32 @@ bool data_order(const hp::cp::ContextParallelConfig& config) {
 }
 
 std::vector<char> read_bytes(const std::string& path) {
+  HP_CHECK(!std::filesystem::is_directory(path), "hp-cp-run: cannot read --input '", path,
+           "': it is a directory; give a torch.save file");
   std::ifstream f(path, std::ios::binary);
   HP_CHECK(f.good(), "hp-cp-run: cannot open --input '", path, "'");
   return std::vector<char>(std::istreambuf_iterator<char>(f), {});
+}
+
+// The pickled object of a torch.save file; errors name the file.
+c10::IValue load_file(const std::string& path) {
+  const auto bytes = read_bytes(path);
+  try {
+    return torch::jit::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    const auto* c = dynamic_cast<const c10::Error*>(&e);
+    HP_CHECK(false, "hp-cp-run: cannot read --input '", path,
+             "' as a torch.save file (save one with torch.save({'q': q, 'k': k, 'v': v, "
+             "'dout': dout}, path)): ",
+             c != nullptr ? c->what_without_backtrace() : e.what());
+  }
+  return {};  // not reached
+}
+
+// --output is checked before any compute: a writable file path.
+void check_output(const std::string& path) {
+  const auto why = hp::common::why_file_unwritable(path);
+  HP_CHECK(why.empty(), "hp-cp-run: cannot write --output '", path, "': ", why);
 }
 
 at::Tensor entry(const c10::IValue& dict, const std::string& key, const std::string& path) {
@@ -100,7 +126,7 @@ struct Inputs {
 
 Inputs load_inputs(const Args& a, const hp::cp::ContextParallelConfig& config) {
   const bool bshd = a.layout == "bshd";
-  auto in = torch::jit::pickle_load(read_bytes(a.input));
+  auto in = load_file(a.input);
   Inputs x;
   x.q = entry(in, "q", a.input);
   x.k = entry(in, "k", a.input);
@@ -184,13 +210,18 @@ void write_output(const Args& a, const hp::cp::ContextParallelConfig& config, co
   out.insert("dk", cat(&hp::bench::CPLayerResult::dk));
   out.insert("dv", cat(&hp::bench::CPLayerResult::dv));
   auto data = torch::jit::pickle_save(c10::IValue(out));
+  const std::string tmp = a.output + ".tmp";
+  bool ok = false;
   {
-    std::ofstream f(a.output + ".tmp", std::ios::binary);
-    HP_CHECK(f.good(), "hp-cp-run: cannot write --output '", a.output, "'");
+    std::ofstream f(tmp, std::ios::binary);
+    HP_CHECK(f.good(), "hp-cp-run: cannot write --output '", a.output, "' (its temporary file '",
+             tmp, "')");
     f.write(data.data(), static_cast<std::streamsize>(data.size()));
+    f.close();
+    ok = !f.fail() && std::rename(tmp.c_str(), a.output.c_str()) == 0;
   }
-  HP_CHECK(std::rename((a.output + ".tmp").c_str(), a.output.c_str()) == 0,
-           "hp-cp-run: cannot move the result to '", a.output, "'");
+  if (!ok) std::remove(tmp.c_str());  // never left behind
+  HP_CHECK(ok, "hp-cp-run: cannot write the result to --output '", a.output, "'");
 }
 
 // The one-line JSON summary: configuration, counted bytes and the formula's.
@@ -217,6 +248,7 @@ nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& confi
 }
 
 int run(const Args& a) {
+  check_output(a.output);
   const auto config = resolve_config(a);
   const auto inputs = load_inputs(a, config);
   const auto ranks = run_ranks(a, config, inputs);
@@ -237,7 +269,9 @@ int main(int argc, char** argv) {
   try {
     return run(a);
   } catch (const std::exception& e) {
-    std::cerr << "hp-cp-run: " << e.what() << std::endl;
+    // Messages that already name the tool are printed as they are.
+    const std::string what = e.what();
+    std::cerr << (what.rfind("hp-cp-run", 0) == 0 ? "" : "hp-cp-run: ") << what << std::endl;
     return 1;
   }
 }

@@ -5,8 +5,10 @@
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
+//     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--config FILE.json]
 // With --nproc N it spawns N local ranks; without, it joins a torchrun / mpirun / Slurm job.
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 
@@ -21,6 +23,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
+#include "hp/train/preflight.h"
 #include "hp/train/trainer.h"
 
 namespace {
@@ -52,6 +55,7 @@ struct Args {
   int64_t degree = 0;
   bool load_balance = false;
   bool auto_algo = false;
+  std::string nan_policy = "error", memory_limit;
   double timeout_s = 600;
   std::string fusion = "off";
   std::string mode = "production";
@@ -61,36 +65,33 @@ struct Args {
 void add_layout_options(CLI::App& app, Args& a) {
   auto& o = a.train;
   app.add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
-  app.add_option("--tp", o.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--cp", o.cp, "context-parallel size")->check(CLI::PositiveNumber);
+  app.add_option("--tp", o.tp, "tensor-parallel size");
+  app.add_option("--cp", o.cp, "context-parallel size");
   app.add_option("--cp-algo", a.algo,
                  hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
-  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas")->check(CLI::PositiveNumber);
+  app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
+  app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step");
   app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
 }
 
 // The task: sequence, batch, steps, model sizes, optimizer and data.
 void add_task_options(CLI::App& app, Args& a) {
   auto& o = a.train;
-  app.add_option("--seq-len", o.seq_len, "global sequence length")->check(CLI::PositiveNumber);
-  app.add_option("--batch", o.batch, "sequences per step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "training steps")->check(CLI::PositiveNumber);
-  app.add_option("--layers", o.model.layers, "decoder layers")->check(CLI::PositiveNumber);
-  app.add_option("--hidden", o.model.hidden, "hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.model.heads, "query heads")->check(CLI::PositiveNumber);
-  app.add_option("--kv-heads", o.model.kv_heads, "key/value heads")->check(CLI::PositiveNumber);
-  app.add_option("--head-dim", o.model.head_dim, "head dim")->check(CLI::PositiveNumber);
-  app.add_option("--ffn", o.model.ffn, "MLP width")->check(CLI::PositiveNumber);
-  app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", o.seq_len, "global sequence length");
+  app.add_option("--batch", o.batch, "sequences per step");
+  app.add_option("--steps", o.steps, "training steps");
+  app.add_option("--layers", o.model.layers, "decoder layers");
+  app.add_option("--hidden", o.model.hidden, "hidden size");
+  app.add_option("--heads", o.model.heads, "query heads");
+  app.add_option("--kv-heads", o.model.kv_heads, "key/value heads");
+  app.add_option("--head-dim", o.model.head_dim, "head dim");
+  app.add_option("--ffn", o.model.ffn, "MLP width");
+  app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)");
   app.add_option("--primitive", o.model.primitive, "math | blockwise");
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
@@ -106,8 +107,17 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_option("--metrics-json", o.metrics_json, "write metrics here (rank 0)");
   app.add_option("--trace", o.trace, "Chrome trace of the run, one track per rank");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
-  app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
-  app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "steps between checkpoints (default 0: the last step only)");
+  app.add_flag("--resume", o.resume, "continue from the latest checkpoint (an error if none)");
+  app.add_flag("--resume-if-exists", o.resume_if_exists,
+               "continue from the latest checkpoint if there is one, else start at step 1");
+  app.add_option("--nan-policy", a.nan_policy,
+                 "a step with a non-finite loss or gradient norm: error (stop; default) | "
+                 "skip-step (skip its update and continue)");
+  app.add_option("--memory-limit", a.memory_limit,
+                 "memory the ranks on this machine may use together, e.g. 8G (default: "
+                 "MemAvailable); layouts estimated above it are refused");
   app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
@@ -116,7 +126,14 @@ void add_run_options(CLI::App& app, Args& a) {
 void apply_config(CLI::App& app, const std::string& path) {
   std::ifstream f(path);
   HP_CHECK(f.good(), "hp-train: cannot open --config '", path, "'");
-  auto j = nlohmann::json::parse(f);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    HP_CHECK(false, "hp-train: cannot parse --config '", path, "': ", e.what());
+  }
+  HP_CHECK(j.is_object(), "hp-train: --config '", path,
+           "' must hold a JSON object of options, e.g. {\"steps\": 100}");
   for (const auto& [key, value] : j.items()) {
     std::string flag = "--" + key;
     for (auto& c : flag)
@@ -143,6 +160,14 @@ void resolve(Args& a) {
   HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-train: --comm-fusion '", a.fusion,
            "' is not valid; valid: on, off");
   o.comm_fusion = a.fusion == "on";
+  HP_CHECK(a.nan_policy == "error" || a.nan_policy == "skip-step", "hp-train: --nan-policy '",
+           a.nan_policy, "' is not valid; valid: error, skip-step");
+  o.nan_policy =
+      a.nan_policy == "error" ? hp::train::NanPolicy::kError : hp::train::NanPolicy::kSkipStep;
+  if (!a.memory_limit.empty()) o.memory_limit = hp::train::parse_size(a.memory_limit);
+  // The fault hook of the tests (a NaN loss at one step on one rank).
+  if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
+  if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
   o.cp_auto = a.algo == "auto";
   if (o.cp_auto) {
     HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
@@ -170,7 +195,8 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                      {"step_time_s", s.step_time_s},
                      {"tokens_per_s", s.tokens_per_s},
                      {"grad_norm", s.grad_norm},
-                     {"lr", s.lr}});
+                     {"lr", s.lr},
+                     {"skipped", s.skipped}});
   }
   nlohmann::json j = {{"config",
                        {{"nproc", world.size()},
@@ -204,6 +230,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                       {"median_step_time_s", r.median_step_time_s},
                       {"tokens_per_s", r.tokens_per_s},
                       {"peak_rss_bytes_max_rank", r.peak_rss_bytes_max_rank},
+                      {"memory_estimate_bytes_per_rank", r.memory_estimate_bytes_per_rank},
                       {"comm_bytes_per_step", r.comm_bytes_per_step}};
   if (r.max_abs_loss_diff) {
     j["validate"] = {{"max_abs_loss_diff", *r.max_abs_loss_diff},
@@ -212,15 +239,19 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
   return j;
 }
 
-// Rank 0: the summary line and the metrics file.
+// Rank 0: the summary line and the metrics file (nothing when --resume found the run finished).
 void report(const hp::comm::World& world, const Args& a, const hp::train::TrainResult& r) {
+  if (r.already_finished) return;
   std::printf(
       "hp-train: done: loss %.4f -> %.4f over %lld steps, median step %.3f s, %.0f "
       "tokens/s, peak RSS %.0f MiB (max rank)\n",
       r.steps.empty() ? 0.0 : r.steps.front().loss, r.final_loss, (long long)r.steps.size(),
       r.median_step_time_s, r.tokens_per_s, r.peak_rss_bytes_max_rank / 1048576.0);
   if (!a.train.metrics_json.empty()) {
-    std::ofstream(a.train.metrics_json) << metrics_json(world, a, r).dump(2) << "\n";
+    std::ofstream f(a.train.metrics_json);
+    f << metrics_json(world, a, r).dump(2) << "\n";
+    f.close();
+    HP_CHECK(!f.fail(), "hp-train: writing --metrics-json '", a.train.metrics_json, "' failed");
   }
 }
 
@@ -235,7 +266,7 @@ int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
   auto r = hp::train::train(world, o);
-  if (!o.trace.empty()) hp::comm::write_world_trace(world, o.trace);
+  if (!o.trace.empty() && !r.already_finished) hp::comm::write_world_trace(world, o.trace);
   if (world.rank() == 0) report(world, a, r);
   return 0;
 }
@@ -248,6 +279,8 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) {
     const auto& o = a.train;
+    // Before any rank starts: the options, the memory of nproc ranks, the output paths.
+    hp::train::preflight(o, /*rank=*/0, a.nproc);
     const int64_t used = o.dp_replicate * o.dp_shard * o.cp * o.tp;
     HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ", o.dp_replicate,
              " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp, " = ", used,
@@ -270,7 +303,9 @@ int main(int argc, char** argv) {
   try {
     return run(app, a, argv_copy);
   } catch (const std::exception& e) {
-    std::cerr << "hp-train: " << e.what() << std::endl;
+    // Messages that already name the tool are printed as they are.
+    const std::string what = e.what();
+    std::cerr << (what.rfind("hp-train", 0) == 0 ? "" : "hp-train: ") << what << std::endl;
     hp::comm::report_rank_error(e.what());
     return 1;
   }

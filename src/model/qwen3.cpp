@@ -1,5 +1,6 @@
 #include "hp/model/qwen3.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -30,6 +31,31 @@ void validate(const Qwen3Config& c, int64_t tp) {
            " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
            "; choose a tp_size that divides ", c.kv_heads);
   HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
+}
+
+plan::ModelFootprint footprint(const Qwen3Config& c) {
+  const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim, f = c.ffn,
+                v = c.vocab;
+  plan::ModelFootprint m;
+  m.units.push_back({0, (c.tie_embeddings ? 1 : 2) * v * h + h});  // embeddings, head, norm
+  for (int64_t i = 0; i < c.layers; ++i) {
+    // Q/K/V/O and gate/up/down are split by TP; the norms (and QK-norms) are not.
+    m.units.push_back({h * q + 2 * h * kv + q * h + 3 * h * f, 2 * h + 2 * c.head_dim});
+  }
+  m.largest_param = std::max({v * h, h * q, h * f});
+  m.layers = c.layers;
+  // Per token, what autograd keeps of one layer (forward() above): Q through QK-norm and RoPE
+  // (7 tensors), K likewise, V, the attention output and its [B, S, H*D] copy; gate, SiLU, up
+  // and their product; and ten hidden-size tensors (two RMSNorms of three, residuals, outputs).
+  m.layer_act_tp = 9 * q + 8 * kv + 4 * f;
+  m.layer_act = 10 * h;
+  m.layer_input = h;
+  m.q_per_token = q;
+  m.kv_per_token = 2 * kv;
+  // The final norm, the logits, their log-softmax and both gradients.
+  m.head_act = 3 * h + 4 * v;
+  m.recompute = c.recompute;
+  return m;
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {

@@ -1,19 +1,26 @@
 #include "hp/train/checkpoint.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
+#include <sstream>
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 #include <nlohmann/json.hpp>
 
+#include "agree.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
+#include "hp/common/crc32.h"
 
 namespace hp::train {
 namespace fs = std::filesystem;
@@ -26,25 +33,113 @@ std::string step_dir(const std::string& root, int64_t step) {
 
 int64_t latest_checkpoint(const std::string& root) {
   int64_t best = 0;
-  if (!fs::exists(root)) return 0;
+  if (!fs::is_directory(root)) return 0;
   for (const auto& e : fs::directory_iterator(root)) {
     const auto name = e.path().filename().string();
     if (name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "manifest.json")) continue;
-    if (name.find('.') != std::string::npos) continue;  // a .tmp left by a crash
-    best = std::max<int64_t>(best, std::stoll(name.substr(5)));
+    const auto digits = name.substr(5);  // a .tmp left by a crash has more than digits
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    best = std::max<int64_t>(best, std::stoll(digits));
   }
   return best;
 }
 
 namespace {
 
+std::string file_name(int rank, const char* what) {
+  return common::str_cat("rank", rank, ".", what, ".pt");
+}
+
 std::string file(const std::string& dir, int rank, const char* what) {
-  return (fs::path(dir) / common::str_cat("rank", rank, ".", what, ".pt")).string();
+  return (fs::path(dir) / file_name(rank, what)).string();
+}
+
+std::string record_file(const std::string& dir, int rank) {
+  return (fs::path(dir) / common::str_cat("rank", rank, ".record.json")).string();
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kBool:
+      return "bool";
+    default:
+      return c10::toString(t);
+  }
+}
+
+std::string describe_shape(const std::vector<int64_t>& shape, const std::string& dtype) {
+  return common::str_cat(at::IntArrayRef(shape), " (", dtype, ")");
+}
+
+// The text of an exception without LibTorch's backtrace.
+std::string error_text(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+// Writes `bytes` to `path` (checked) and returns its record.
+FileRecord write_file(const std::string& path, const std::string& bytes) {
+  {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    HP_CHECK(f.good(), "hp-train: cannot write checkpoint file '", path, "'");
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    f.close();
+    HP_CHECK(!f.fail(), "hp-train: writing checkpoint file '", path,
+             "' failed (disk full or read-only?)");
+  }
+  return {fs::path(path).filename().string(), static_cast<int64_t>(bytes.size()),
+          common::crc32(bytes.data(), bytes.size())};
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  HP_CHECK(f.good(), "cannot open '", path, "'");
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+nlohmann::json to_json(const RankRecord& r) {
+  nlohmann::json files = nlohmann::json::object();
+  for (const auto& f : r.files)
+    files[f.name] = {{"bytes", f.bytes}, {"crc32", common::crc32_hex(f.crc32)}};
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const auto& t : r.tensors)
+    tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype}});
+  return {{"rank", r.rank}, {"files", files}, {"tensors", tensors}};
+}
+
+RankRecord rank_record(const nlohmann::json& j) {
+  RankRecord r;
+  r.rank = j.at("rank").get<int>();
+  for (const auto& [name, f] : j.at("files").items()) {
+    const auto hex = f.at("crc32").get<std::string>();
+    r.files.push_back(
+        {name, f.at("bytes").get<int64_t>(), static_cast<uint32_t>(std::stoul(hex, nullptr, 16))});
+  }
+  for (const auto& t : j.at("tensors")) {
+    r.tensors.push_back({t.at("name").get<std::string>(), t.at("shape").get<std::vector<int64_t>>(),
+                         t.at("dtype").get<std::string>()});
+  }
+  return r;
 }
 
 nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string& plan,
-                        int64_t step) {
+                        int64_t step, const std::vector<RankRecord>& ranks) {
   const auto& mc = o.model;
+  nlohmann::json records = nlohmann::json::array();
+  for (const auto& r : ranks)
+    records.push_back(to_json(r));
   return {{"step", step},
           {"data_position", step},  // batches are a pure function of (seed, step)
           {"rng", {{"data_seed", o.seed}, {"model_seed", mc.seed}}},
@@ -69,51 +164,193 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"lr", o.lr},
             {"lr_warmup", o.lr_warmup},
             {"lr_decay_steps", o.lr_decay_steps},
-            {"data", o.data}}}};
+            {"data", o.data}}},
+          {"ranks", records}};
 }
 
-// The manifest of checkpoint `dir` against the resuming run's world size, layout and model.
-void check_manifest(const std::string& dir, int world_size, const TrainOptions& o) {
-  std::ifstream mf(fs::path(dir) / "manifest.json");
-  auto m = nlohmann::json::parse(mf);
-  HP_CHECK(m["world_size"] == world_size && m["tp"] == o.tp && m["cp"] == o.cp &&
-               m.value("dp_shard", 1) == o.dp_shard &&
-               m.value("dp_replicate", 1) == o.dp_replicate &&
-               m["model"]["layers"] == o.model.layers && m["model"]["hidden"] == o.model.hidden,
-           "hp-train --resume: checkpoint '", dir, "' was written by another layout or model (",
-           m["plan"].get<std::string>(),
-           "); resume with the same --nproc/--tp/--cp/--dp-shard/--dp-replicate and model "
-           "sizes");
+// The manifest of checkpoint `dir`, checked against the resuming run: world size, layout, model,
+// sequence length and seed (errors); learning rate (a warning on rank 0). Returns this rank's
+// record; nullopt for a checkpoint written before manifests recorded files.
+std::optional<RankRecord> check_manifest(const std::string& dir, int world_size, int rank,
+                                         const TrainOptions& o) {
+  const auto path = (fs::path(dir) / "manifest.json").string();
+  nlohmann::json m;
+  try {
+    std::ifstream mf(path);
+    HP_CHECK(mf.good(), "it cannot be opened");
+    m = nlohmann::json::parse(mf);
+    const auto& model = m.at("model");
+    HP_CHECK(m.at("world_size") == world_size && m.at("tp") == o.tp && m.at("cp") == o.cp &&
+                 m.value("dp_shard", 1) == o.dp_shard &&
+                 m.value("dp_replicate", 1) == o.dp_replicate &&
+                 model.at("layers") == o.model.layers && model.at("hidden") == o.model.hidden,
+             "hp-train --resume: checkpoint '", dir, "' was written by another layout or model (",
+             m.at("plan").get<std::string>(),
+             "); resume with the same --nproc/--tp/--cp/--dp-shard/--dp-replicate and model "
+             "sizes");
+    const auto& train = m.at("train");
+    const int64_t seq_len = train.at("seq_len").get<int64_t>();
+    HP_CHECK(seq_len == o.seq_len, "hp-train --resume: checkpoint '", dir,
+             "' was written with --seq-len ", seq_len, ", this run has --seq-len ", o.seq_len,
+             "; resume with the same --seq-len (the batches depend on it)");
+    const auto seed = m.at("rng").at("data_seed").get<uint64_t>();
+    HP_CHECK(seed == o.seed, "hp-train --resume: checkpoint '", dir, "' was written with --seed ",
+             seed, ", this run has --seed ", o.seed,
+             "; resume with the same --seed (the batches are a function of seed and step)");
+    const double lr = train.at("lr").get<double>();
+    if (lr != o.lr && rank == 0) {
+      std::printf(
+          "hp-train --resume: warning: checkpoint '%s' was written with --lr %s, this run has "
+          "--lr %s; the run continues with the new rate, so it will not follow the original "
+          "trajectory\n",
+          dir.c_str(), common::str_cat(lr).c_str(), common::str_cat(o.lr).c_str());
+      std::fflush(stdout);
+    }
+    if (!m.contains("ranks")) {
+      if (rank == 0) {
+        std::printf(
+            "hp-train --resume: warning: the manifest '%s' records no file checksums (written by "
+            "an older hp-train); its files are loaded unverified\n",
+            path.c_str());
+        std::fflush(stdout);
+      }
+      return std::nullopt;
+    }
+    for (const auto& r : m.at("ranks")) {
+      if (r.at("rank").get<int>() == rank) return rank_record(r);
+    }
+    HP_CHECK(false, "hp-train --resume: the manifest '", path, "' has no entry for rank ", rank);
+  } catch (const nlohmann::json::exception& e) {
+    HP_CHECK(false, "hp-train --resume: cannot read the manifest '", path, "': ", e.what());
+  } catch (const hp::Error& e) {
+    const std::string what = e.what();
+    if (what.rfind("hp-train --resume:", 0) == 0) throw;
+    HP_CHECK(false, "hp-train --resume: cannot read the manifest '", path, "': ", what);
+  }
+  return std::nullopt;  // not reached
+}
+
+// `tensors` against the manifest's record of rank `rank`'s model file `path`: the same names,
+// shapes and dtypes.
+void check_tensors(const NamedTensors& tensors, const RankRecord& record, const std::string& path) {
+  const int rank = record.rank;
+  std::map<std::string, const TensorRecord*> saved;
+  for (const auto& t : record.tensors)
+    saved[t.name] = &t;
+  for (const auto& [name, t] : tensors) {
+    auto it = saved.find(name);
+    HP_CHECK(it != saved.end(), "hp-train --resume: rank ", rank, ": '", path, "' has no tensor '",
+             name,
+             "' (by its manifest), which this run needs; resume with the model and layout "
+             "that wrote the checkpoint");
+    const auto& rec = *it->second;
+    const std::vector<int64_t> shape = t.sizes().vec();
+    const auto dtype = dtype_name(t.scalar_type());
+    HP_CHECK(rec.shape == shape && rec.dtype == dtype, "hp-train --resume: rank ", rank,
+             ": tensor '", name, "' has shape ", describe_shape(rec.shape, rec.dtype), " in '",
+             path, "' (by its manifest), but this run expects ", describe_shape(shape, dtype),
+             "; resume with the model and layout that wrote the checkpoint");
+    saved.erase(it);
+  }
+  HP_CHECK(saved.empty(), "hp-train --resume: rank ", rank, ": '", path, "' holds tensor '",
+           saved.empty() ? "" : saved.begin()->first,
+           "' (by its manifest), which this run's model does not have; resume with the model "
+           "and layout that wrote the checkpoint");
+}
+
+// The bytes of rank `rank`'s recorded file, checked against its size and CRC-32.
+std::string read_verified(const std::string& dir, int rank, const FileRecord& f) {
+  const auto path = (fs::path(dir) / f.name).string();
+  HP_CHECK(fs::exists(path), "hp-train --resume: rank ", rank, "'s file '", path,
+           "' is missing (the manifest records ", f.bytes, " bytes)");
+  HP_CHECK(fs::is_regular_file(path), "hp-train --resume: rank ", rank, "'s file '", path,
+           "' is not a regular file");
+  std::string bytes;
+  try {
+    bytes = read_file(path);
+  } catch (const std::exception& e) {
+    HP_CHECK(false, "hp-train --resume: rank ", rank, "'s file '", path,
+             "' cannot be read: ", e.what());
+  }
+  HP_CHECK(static_cast<int64_t>(bytes.size()) == f.bytes, "hp-train --resume: rank ", rank,
+           "'s file '", path, "' has ", bytes.size(), " bytes but the manifest records ", f.bytes,
+           ": it was truncated or replaced");
+  const uint32_t crc = common::crc32(bytes.data(), bytes.size());
+  HP_CHECK(crc == f.crc32, "hp-train --resume: rank ", rank, "'s file '", path,
+           "' is damaged: its CRC-32 is ", common::crc32_hex(crc), " but the manifest records ",
+           common::crc32_hex(f.crc32));
+  return bytes;
+}
+
+// The bytes of rank `rank`'s file `name` of `dir`: verified against `record` when there is one.
+std::string read_part(const std::string& dir, int rank, const char* what,
+                      const RankRecord* record) {
+  const auto name = file_name(rank, what);
+  if (record == nullptr) {
+    const auto path = file(dir, rank, what);
+    HP_CHECK(fs::is_regular_file(path), "hp-train --resume: rank ", rank, "'s file '", path,
+             "' is missing; resume with the layout that wrote the checkpoint");
+    return read_file(path);
+  }
+  for (const auto& f : record->files) {
+    if (f.name == name) return read_verified(dir, rank, f);
+  }
+  HP_CHECK(false, "hp-train --resume: the manifest of '", dir, "' lists no file '", name,
+           "' for rank ", rank);
+  return {};  // not reached
 }
 
 }  // namespace
 
-void save_rank(const std::string& dir, int rank, const NamedTensors& tensors,
-               torch::optim::Optimizer& optimizer) {
+RankRecord save_rank(const std::string& dir, int rank, const NamedTensors& tensors,
+                     torch::optim::Optimizer& optimizer) {
+  RankRecord record;
+  record.rank = rank;
   torch::serialize::OutputArchive archive;
-  for (const auto& [name, t] : tensors)
+  for (const auto& [name, t] : tensors) {
     archive.write(name, t.detach());
-  archive.save_to(file(dir, rank, "model"));
-  torch::save(optimizer, file(dir, rank, "optim"));
+    record.tensors.push_back({name, t.sizes().vec(), dtype_name(t.scalar_type())});
+  }
+  std::ostringstream model, optim;
+  archive.save_to(model);
+  torch::save(optimizer, optim);
+  record.files.push_back(write_file(file(dir, rank, "model"), model.str()));
+  record.files.push_back(write_file(file(dir, rank, "optim"), optim.str()));
+  return record;
 }
 
 void load_rank(const std::string& dir, int rank, const NamedTensors& tensors,
-               torch::optim::Optimizer& optimizer) {
-  const auto path = file(dir, rank, "model");
-  HP_CHECK(fs::exists(path), "hp-train --resume: '", path,
-           "' is missing; resume with the layout that wrote the checkpoint");
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  at::NoGradGuard no_grad;
-  for (const auto& [name, t] : tensors) {
-    at::Tensor saved;
-    HP_CHECK(archive.try_read(name, saved), "hp-train --resume: '", path, "' has no tensor '", name,
-             "'; it was written by another model or layout");
-    HP_CHECK(saved.sizes() == t.sizes(), "hp-train --resume: '", name, "' in '", path,
-             "' has shape ", saved.sizes(), " but this layout expects ", t.sizes());
-    t.detach().copy_(saved);
-  }
-  torch::load(optimizer, file(dir, rank, "optim"));
+               torch::optim::Optimizer& optimizer, const RankRecord* record) {
+  const auto model_path = file(dir, rank, "model");
+  if (record != nullptr) check_tensors(tensors, *record, model_path);
+  // Both files are verified before either is loaded.
+  const auto model_bytes = read_part(dir, rank, "model", record);
+  const auto optim_bytes = read_part(dir, rank, "optim", record);
+  auto load = [&](const std::string& path, const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const hp::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      HP_CHECK(false, "hp-train --resume: rank ", rank, " cannot load '", path,
+               "': ", error_text(e));
+    }
+  };
+  load(model_path, [&] {
+    torch::serialize::InputArchive archive;
+    archive.load_from(model_bytes.data(), model_bytes.size());
+    at::NoGradGuard no_grad;
+    for (const auto& [name, t] : tensors) {
+      at::Tensor saved;
+      HP_CHECK(archive.try_read(name, saved), "hp-train --resume: rank ", rank, ": '", model_path,
+               "' has no tensor '", name, "'; it was written by another model or layout");
+      HP_CHECK(saved.sizes() == t.sizes(), "hp-train --resume: rank ", rank, ": '", name, "' in '",
+               model_path, "' has shape ", saved.sizes(), " but this layout expects ", t.sizes());
+      t.detach().copy_(saved);
+    }
+  });
+  load(file(dir, rank, "optim"),
+       [&] { torch::load(optimizer, optim_bytes.data(), optim_bytes.size()); });
 }
 
 void save_step(const comm::World& world, const TrainOptions& o, const std::string& plan,
@@ -123,13 +360,26 @@ void save_step(const comm::World& world, const TrainOptions& o, const std::strin
   const auto tmp = dir + ".tmp";
   if (rank0) fs::create_directories(tmp);
   comm::barrier(world.group());
-  // Each rank writes its part into the temporary directory; rank 0 renames it once all are
-  // there (temp + rename: a crash never leaves a half-written step behind).
-  save_rank(tmp, world.rank(), tensors, optimizer);
+  // Each rank writes its part and what it wrote into the temporary directory; rank 0 gathers the
+  // records into the manifest and renames the directory once all are there (temp + rename: a
+  // crash never leaves a half-written step behind).
+  const auto record = save_rank(tmp, world.rank(), tensors, optimizer);
+  std::ofstream(record_file(tmp, world.rank())) << to_json(record).dump() << "\n";
   comm::barrier(world.group());
   if (rank0) {
-    std::ofstream(fs::path(tmp) / "manifest.json")
-        << manifest(o, world.size(), plan, step).dump(2) << "\n";
+    std::vector<RankRecord> records;
+    for (int r = 0; r < world.size(); ++r) {
+      const auto path = record_file(tmp, r);
+      std::ifstream f(path);
+      HP_CHECK(f.good(), "hp-train: checkpoint: rank ", r, " left no record '", path, "'");
+      records.push_back(rank_record(nlohmann::json::parse(f)));
+      fs::remove(path);
+    }
+    const auto mpath = fs::path(tmp) / "manifest.json";
+    std::ofstream mf(mpath);
+    mf << manifest(o, world.size(), plan, step, records).dump(2) << "\n";
+    mf.close();
+    HP_CHECK(!mf.fail(), "hp-train: writing '", mpath.string(), "' failed");
     fs::remove_all(dir);
     fs::rename(tmp, dir);
   }
@@ -140,10 +390,26 @@ int64_t restore_latest(const comm::World& world, const TrainOptions& o, const Na
                        torch::optim::Optimizer& optimizer) {
   HP_CHECK(!o.checkpoint_dir.empty(), "hp-train: --resume needs --checkpoint-dir");
   const int64_t last = latest_checkpoint(o.checkpoint_dir);
-  if (last == 0) return 0;
+  if (last == 0) {
+    HP_CHECK(o.resume_if_exists,
+             "hp-train --resume: nothing to resume: no complete checkpoint "
+             "under '",
+             o.checkpoint_dir,
+             "' (no step_* directory with a manifest.json); start "
+             "without --resume, or use --resume-if-exists to start fresh when there is none");
+    if (world.rank() == 0) {
+      std::printf("hp-train: no checkpoint under '%s' yet; starting at step 1\n",
+                  o.checkpoint_dir.c_str());
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   const auto dir = step_dir(o.checkpoint_dir, last);
-  check_manifest(dir, world.size(), o);
-  load_rank(dir, world.rank(), tensors, optimizer);
+  const auto record = check_manifest(dir, world.size(), world.rank(), o);
+  // Every rank learns whether all could restore their part (and the first failed rank's reason).
+  run_agreed(world, [&] {
+    load_rank(dir, world.rank(), tensors, optimizer, record ? &*record : nullptr);
+  });
   return last;
 }
 

@@ -1,6 +1,7 @@
 #include "hp/train/data.h"
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -11,12 +12,28 @@
 #include "hp/common/check.h"
 
 namespace hp::train {
+
+void check_data_path(const std::string& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  HP_CHECK(std::filesystem::exists(path, ec), "hp-train: --data '", path, "' does not exist");
+  HP_CHECK(!std::filesystem::is_directory(path, ec), "hp-train: --data '", path,
+           "' is a directory; give a text file or a .bin file of token ids");
+}
+
 namespace {
 
 at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
+  check_data_path(path);
   std::ifstream f(path, std::ios::binary);
   HP_CHECK(f.good(), "hp-train: cannot open --data '", path, "'");
-  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
+  std::vector<char> bytes;
+  try {
+    bytes.assign(std::istreambuf_iterator<char>(f), {});
+  } catch (const std::exception& e) {
+    HP_CHECK(false, "hp-train: cannot read --data '", path, "': ", e.what());
+  }
+  HP_CHECK(!f.bad(), "hp-train: cannot read --data '", path, "'");
   HP_CHECK(!bytes.empty(), "hp-train: --data '", path, "' is empty");
   if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
     HP_CHECK(dtype == "uint16" || dtype == "uint32", "hp-train: --data-dtype '", dtype,

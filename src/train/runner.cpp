@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -56,6 +57,7 @@ void Runner::make_optimizer(hsdp::FullyShard* shard) {
 }
 
 double Runner::forward_backward(int64_t step, const Corpus& corpus) {
+  local_loss_nonfinite_ = local_grads_nonfinite_ = false;
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
     loss += micro_step(step, micro, corpus);
@@ -77,6 +79,10 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
   if (fully_shard != nullptr) fully_shard->set_requires_all_reduce(micro == o.grad_accum - 1);
   auto logits = model->forward(b.input_ids, b.position_ids);
   auto local_sum = loss_sum(logits, b.labels);
+  if (o.test_nan_step == step && mesh.world().rank() == o.test_nan_rank) {
+    local_sum = local_sum * std::numeric_limits<double>::quiet_NaN();  // the test hook
+  }
+  if (!std::isfinite(local_sum.detach().item<double>())) local_loss_nonfinite_ = true;
   auto count = b.labels.ne(-100).sum().to(at::kDouble);
   // Summed over the world: every TP rank holds the same tokens.
   auto stats = comm::all_reduce(mesh.world().group(),
@@ -109,13 +115,14 @@ void Runner::keep_first_grads() {
   }
 }
 
-double Runner::clip_and_step(int64_t step) {
+double Runner::grad_norm() {
   double local = 0;
   for (auto& [n, p] : params) {
     if (!p.grad().defined()) continue;
     const bool tp_sharded = plan != nullptr && plan->tp_shard_dim(n).has_value();
     if (tp_sharded || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
   }
+  if (!std::isfinite(local)) local_grads_nonfinite_ = true;
   // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank.
   const double copies = fully_shard != nullptr ? static_cast<double>(mesh.size("dp_replicate"))
                                                : static_cast<double>(cp);
@@ -125,7 +132,10 @@ double Runner::clip_and_step(int64_t step) {
         comm::all_reduce(mesh.world().group(), at::full({1}, local, at::kDouble)).item<double>() /
         copies;
   }
-  const double norm = std::sqrt(total);
+  return std::sqrt(total);
+}
+
+void Runner::clip_and_update(int64_t step, double norm) {
   if (o.clip > 0 && norm > o.clip) {
     for (auto& [n, p] : params) {
       if (p.grad().defined()) p.mutable_grad().mul_(o.clip / (norm + 1e-6));
@@ -137,7 +147,30 @@ double Runner::clip_and_step(int64_t step) {
   }
   opt->step();
   opt->zero_grad();
+}
+
+double Runner::clip_and_step(int64_t step) {
+  const double norm = grad_norm();
+  clip_and_update(step, norm);
   return norm;
+}
+
+void Runner::discard_grads() {
+  opt->zero_grad();
+}
+
+int Runner::first_nonfinite_rank() {
+  const auto& world = mesh.world();
+  auto seen = at::zeros({2, world.size()}, at::kDouble);
+  seen[0][world.rank()] = local_loss_nonfinite_ ? 1.0 : 0.0;
+  seen[1][world.rank()] = local_grads_nonfinite_ ? 1.0 : 0.0;
+  if (world.size() > 1) seen = comm::all_reduce(world.group(), seen);
+  for (int what = 0; what < 2; ++what) {
+    for (int r = 0; r < world.size(); ++r) {
+      if (seen[what][r].item<double>() > 0) return r;
+    }
+  }
+  return -1;
 }
 
 }  // namespace hp::train

@@ -41,9 +41,18 @@ struct Runner {
   // SUM over data-parallel and CP ranks (HSDP reduces with SUM; without HSDP the CP all-reduce).
   double forward_backward(int64_t step, const Corpus& corpus);
 
-  // Global-norm clipping (TP shards summed, TP-replicated parameters counted once, HSDP shards
-  // summed over the shard group, replicas once), then AdamW; returns the norm before clipping.
+  // The global gradient norm (TP shards summed, TP-replicated parameters counted once, HSDP
+  // shards summed over the shard group, replicas once). Collective; the same on every rank.
+  double grad_norm();
+  // Global-norm clipping of the gradients whose norm is `norm`, then AdamW at step's rate.
+  void clip_and_update(int64_t step, double norm);
+  // grad_norm() then clip_and_update(); returns the norm before clipping.
   double clip_and_step(int64_t step);
+  // A step whose loss or norm is not finite: its gradients are dropped, nothing is updated.
+  void discard_grads();
+  // Collective, after a non-finite step: the lowest world rank whose own loss (else its own
+  // gradients) of the step was not finite; -1 when none saw it locally.
+  int first_nonfinite_rank();
 
   const TrainOptions& o;
   comm::DeviceMesh& mesh;
@@ -60,6 +69,9 @@ struct Runner {
   plan::Layout input_layout;
 
  private:
+  // This rank's own view of the step: its loss share and gradients were not finite.
+  bool local_loss_nonfinite_ = false, local_grads_nonfinite_ = false;
+
   // One micro-batch's forward and backward; returns its share of the step's global mean loss.
   double micro_step(int64_t step, int64_t micro, const Corpus& corpus);
   // Without HSDP: the CP all-reduce of every gradient and the TP one of partial gradients.

@@ -8,18 +8,21 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "agree.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
 #include "hp/plan/plan.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/data.h"
+#include "hp/train/preflight.h"
 #include "runner.h"
 #include "validate.h"
 
@@ -48,8 +51,6 @@ plan::ShardingPlan plan_run(const comm::World& world, const TrainOptions& o) {
     po.cp_auto = true;
     po.calibration = plan::load_calibration(plan::default_calibration_path(plan::current_link()));
   }
-  HP_CHECK(o.steps >= 1 && o.batch >= 1 && o.seq_len >= 2 && o.grad_accum >= 1,
-           "hp-train: --steps, --batch and --grad-accum must be >= 1 and --seq-len >= 2");
   model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
   return plan::ShardingPlanner().plan(*probe, world.size(), po);
 }
@@ -76,17 +77,27 @@ void print_plan(const TrainOptions& o, const TrainResult& result, const plan::Sh
     std::printf("  %s\n", l.c_str());
   for (const auto& l : apply_log)
     std::printf("  %s\n", l.c_str());
+  std::printf("  memory: about %s per rank (estimate)\n", estimate_memory(o).describe().c_str());
   std::fflush(stdout);
 }
 
-// The first step to run: 1, or the one after the checkpoint --resume restored.
+// The first step to run: 1, or the one after the checkpoint --resume restored (past o.steps
+// when the run is finished).
 int64_t first_step(const comm::World& world, Runner& run) {
   const TrainOptions& o = run.o;
-  if (!o.resume) return 1;
+  if (!o.resume && !o.resume_if_exists) return 1;
   const int64_t last = restore_latest(world, o, run.params, *run.opt);
   if (last == 0) return 1;
   if (world.rank() == 0) {
-    std::printf("hp-train: resumed from %s\n", step_dir(o.checkpoint_dir, last).c_str());
+    if (last >= o.steps) {
+      std::printf(
+          "hp-train: the run in '%s' is finished: its last checkpoint is step %lld of --steps "
+          "%lld; nothing to do (raise --steps to train on)\n",
+          o.checkpoint_dir.c_str(), static_cast<long long>(last), static_cast<long long>(o.steps));
+    } else {
+      std::printf("hp-train: resumed from %s\n", step_dir(o.checkpoint_dir, last).c_str());
+    }
+    std::fflush(stdout);
   }
   return last + 1;
 }
@@ -98,7 +109,15 @@ StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus
   StepMetrics m;
   m.step = step;
   m.loss = run.forward_backward(step, corpus);
-  m.grad_norm = run.clip_and_step(step);
+  m.grad_norm = run.grad_norm();
+  // Loss and norm are global values, the same on every rank: all ranks take the same branch.
+  if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
+    run.clip_and_update(step, m.grad_norm);
+  } else {
+    m.skipped = true;
+    m.first_nonfinite_rank = run.first_nonfinite_rank();
+    run.discard_grads();
+  }
   m.lr = lr_at(run.o, step);
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   m.tokens_per_s = static_cast<double>(run.o.batch * run.o.seq_len) / m.step_time_s;
@@ -121,9 +140,44 @@ void print_progress(const TrainOptions& o, const StepMetrics& m, int64_t first, 
   std::fflush(stdout);
 }
 
+// Every checkpoint_every steps, and the last step whenever there is a checkpoint directory.
 bool checkpoint_due(const TrainOptions& o, int64_t step) {
-  return !o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
-         (step % o.checkpoint_every == 0 || step == o.steps);
+  return !o.checkpoint_dir.empty() &&
+         (step == o.steps || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0));
+}
+
+std::string value_text(double v) {
+  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
+}
+
+// A step whose loss or gradient norm was not finite (its update was skipped): an error under
+// --nan-policy error (naming the step, the first rank and the last checkpoint, which is kept),
+// else a line on rank 0.
+void on_nonfinite(const comm::World& world, const TrainOptions& o, const StepMetrics& m) {
+  const std::string what = std::isfinite(m.loss)
+                               ? "non-finite gradient norm (" + value_text(m.grad_norm) + ")"
+                               : "non-finite loss (" + value_text(m.loss) + ")";
+  const std::string who = m.first_nonfinite_rank >= 0 ? common::str_cat(" (first seen on rank ",
+                                                                        m.first_nonfinite_rank, ")")
+                                                      : std::string();
+  if (o.nan_policy == NanPolicy::kError) {
+    std::string kept = "; no checkpoint directory was given";
+    if (!o.checkpoint_dir.empty()) {
+      const int64_t last = latest_checkpoint(o.checkpoint_dir);
+      kept = last > 0 ? common::str_cat("; the last checkpoint is '",
+                                        step_dir(o.checkpoint_dir, last), "' (kept)")
+                      : "; no checkpoint was written before it";
+    }
+    HP_CHECK(false, "hp-train: ", what, " at step ", m.step, who,
+             "; stopped before updating the model (--nan-policy error; --nan-policy skip-step "
+             "skips such steps)",
+             kept);
+  }
+  if (world.rank() == 0) {
+    std::printf("hp-train: step %lld: %s%s; skipped its optimizer step (--nan-policy skip-step)\n",
+                static_cast<long long>(m.step), what.c_str(), who.c_str());
+    std::fflush(stdout);
+  }
 }
 
 // Steps `first`..o.steps: their metrics into `result` (the bytes of the first one as the
@@ -135,6 +189,7 @@ void run_steps(const comm::World& world, Runner& run, const Corpus& corpus, int6
   const bool tty = rank0 && isatty(STDOUT_FILENO);
   for (int64_t step = first; step <= o.steps; ++step) {
     const StepMetrics m = run_step(world, run, corpus, step);
+    if (m.skipped) on_nonfinite(world, o, m);
     if (result.comm_bytes_per_step.empty()) {
       for (auto op : {comm::OpKind::kAllGather, comm::OpKind::kAllToAll,
                       comm::OpKind::kReduceScatter, comm::OpKind::kAllReduce}) {
@@ -167,16 +222,22 @@ void summarize(const comm::World& world, const TrainOptions& o, TrainResult& res
 }  // namespace
 
 TrainResult train(const comm::World& world, const TrainOptions& o) {
+  // Before anything is allocated; every rank reads the machine's memory before any allocates.
+  run_agreed(world, [&] { preflight(o, world.rank(), world.local_size()); });
   auto plan = plan_run(world, o);
   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
   Runner run(o, mesh, plan.cp_config);
   const auto apply_log = apply_plan(run, plan, mesh);
   TrainResult result;
   result.plan = plan.describe();
+  result.memory_estimate_bytes_per_rank = estimate_memory(o).total();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
   const int64_t first = first_step(world, run);
-  // Read once, before the first step that needs it (a resumed run with no step left reads none).
-  const Corpus corpus = first <= o.steps ? Corpus::load(o) : Corpus();
+  if (first > o.steps) {
+    result.already_finished = true;
+    return result;
+  }
+  const Corpus corpus = Corpus::load(o);  // read once, shared by every step
   run_steps(world, run, corpus, first, result);
   if (o.validate) {
     HP_CHECK(first == 1,

@@ -24,6 +24,7 @@ Validation compare_with_reference(const Runner& run, const Corpus& corpus,
   comm::DeviceMesh solo_mesh(solo, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}});
   TrainOptions ro = o;
   ro.validate = true;
+  ro.test_nan_step = 0;                              // the fault hook is the distributed run's only
   ro.batch = o.batch * o.dp_shard * o.dp_replicate;  // the union of the data-parallel rows
   ro.dp_shard = ro.dp_replicate = 1;
   Runner ref(ro, solo_mesh, std::nullopt);

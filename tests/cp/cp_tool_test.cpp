@@ -3,6 +3,7 @@
 // With Debian's python3-torch present, the same round trip is also checked from PyTorch itself
 // (torch.save input, torch.load output, reference computed by PyTorch).
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -122,6 +123,53 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   EXPECT_EQ(h.rc, 0) << h.out;
   auto m = run(std::string(HP_CP_RUN_BINARY) + " --input " + dir + "/missing.pt --output x");
   EXPECT_NE(m.out.find("cannot open --input"), std::string::npos) << m.out;
+}
+
+// Output paths are checked before any compute and never leave a temporary file behind; input
+// and output errors name the file.
+TEST(HpCpRun, FileErrorsNameTheFileBeforeTheCompute) {
+  namespace fs = std::filesystem;
+  const std::string dir = hp::testing::scratch_dir() + "/cp_files";
+  fs::remove_all(dir);
+  fs::create_directories(dir + "/out_dir");
+  c10::Dict<std::string, at::Tensor> in;
+  for (const char* n : {"q", "k", "v", "dout"})
+    in.insert(n, at::randn({1, 2, 8, 4}));
+  save(dir + "/in.pt", in);
+  const std::string bin = std::string(HP_CP_RUN_BINARY) + " --cp 2 --input ";
+
+  auto d = run(bin + dir + "/in.pt --output " + dir + "/out_dir");
+  EXPECT_EQ(d.rc, 1) << d.out;
+  EXPECT_NE(d.out.find("hp-cp-run: cannot write --output '" + dir + "/out_dir': it is a directory"),
+            std::string::npos)
+      << d.out;
+  EXPECT_FALSE(fs::exists(dir + "/out_dir.tmp")) << "a temporary file was left beside it";
+  EXPECT_EQ(d.out.find("{\"adapter\""), std::string::npos) << "nothing ran\n" << d.out;
+
+  auto m = run(bin + dir + "/in.pt --output " + dir + "/no/such/out.pt");
+  EXPECT_EQ(m.rc, 1) << m.out;
+  EXPECT_NE(m.out.find("hp-cp-run: cannot write --output '" + dir +
+                       "/no/such/out.pt': its directory '" + dir + "/no/such' does not exist"),
+            std::string::npos)
+      << m.out;
+
+  std::ofstream(dir + "/not_pt.txt") << "q k v dout\n";
+  auto t = run(bin + dir + "/not_pt.txt --output " + dir + "/o.pt");
+  EXPECT_EQ(t.rc, 1) << t.out;
+  EXPECT_NE(
+      t.out.find("hp-cp-run: cannot read --input '" + dir + "/not_pt.txt' as a torch.save file"),
+      std::string::npos)
+      << t.out;
+  auto i = run(bin + dir + "/out_dir --output " + dir + "/o.pt");
+  EXPECT_EQ(i.rc, 1) << i.out;
+  EXPECT_NE(i.out.find("hp-cp-run: cannot read --input '" + dir + "/out_dir': it is a directory"),
+            std::string::npos)
+      << i.out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const auto name = e.path().filename().string();
+    EXPECT_TRUE(name == "in.pt" || name == "out_dir" || name == "not_pt.txt")
+        << name << " left behind";
+  }
 }
 
 TEST(HpCpRun, CrossCheckAgainstPyTorch) {

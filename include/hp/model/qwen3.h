@@ -16,6 +16,7 @@
 
 #include "hp/attention/host.h"
 #include "hp/comm/group.h"
+#include "hp/plan/memory.h"
 #include "hp/plan/plan.h"
 #include "hp/tp/parallel_linear.h"
 
@@ -39,6 +40,11 @@ struct Qwen3Config {
 
 // Checks sizes against tp_size: heads, kv_heads and ffn must divide; names what to change.
 void validate(const Qwen3Config& c, int64_t tp_size = 1);
+
+// The model's parameters (HSDP units: the root, then one per layer) and the activations it
+// keeps for backward, from the configuration alone: the planner's memory estimate before
+// anything is built (plan::estimate_memory).
+plan::ModelFootprint footprint(const Qwen3Config& c);
 
 class RMSNormImpl : public torch::nn::Module {
  public:

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
@@ -28,6 +29,9 @@ class Corpus {
   explicit Corpus(at::Tensor tokens) : tokens_(std::move(tokens)) {}
   at::Tensor tokens_;
 };
+
+// --data names a file that exists (not a directory); errors name it.
+void check_data_path(const std::string& path);
 
 // One global batch of `options.batch` rows: `ids` and `labels`, both [batch, seq_len] int64.
 // Without --data, the embedded long-range task: a random block of tokens, then the same block

@@ -11,6 +11,10 @@
 
 namespace hp::train {
 
+// What a step with a non-finite (NaN or Inf) loss or gradient norm does: stop the run with an
+// error (no update, no checkpoint), or skip that step's optimizer update and continue.
+enum class NanPolicy { kError, kSkipStep };
+
 struct TrainOptions {
   model::Qwen3Config model;
   int64_t tp = 1;
@@ -39,9 +43,19 @@ struct TrainOptions {
   std::string metrics_json;
   std::string trace;
   std::string checkpoint_dir;
+  // Steps between checkpoints (>= 0); the last step is always saved when checkpoint_dir is set.
   int64_t checkpoint_every = 0;
-  bool resume = false;
+  bool resume = false;            // an error when there is no checkpoint to resume
+  bool resume_if_exists = false;  // resume when there is a checkpoint, else start at step 1
+  NanPolicy nan_policy = NanPolicy::kError;
+  // Bytes the ranks on this machine may use together (the memory check before anything is
+  // allocated); 0: the machine's available memory (MemAvailable, or a cgroup limit below it).
+  int64_t memory_limit = 0;
   int progress_every = 10;  // plain progress lines when stdout is not a terminal
+  // Test hook (hp-train reads HP_TEST_NAN_AT_STEP and HP_TEST_NAN_RANK): the loss of this step
+  // (0: none) on this world rank is made NaN, to exercise nan_policy.
+  int64_t test_nan_step = 0;
+  int test_nan_rank = 0;
 };
 
 }  // namespace hp::train

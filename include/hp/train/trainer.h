@@ -21,6 +21,9 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double grad_norm = 0;
   double lr = 0;
+  // The loss or the gradient norm was not finite: no update (--nan-policy skip-step).
+  bool skipped = false;
+  int first_nonfinite_rank = -1;  // of a skipped step: the first rank that saw it, -1 if none
 };
 
 struct TrainResult {
@@ -29,12 +32,18 @@ struct TrainResult {
   double median_step_time_s = 0;
   double tokens_per_s = 0;
   int64_t peak_rss_bytes_max_rank = 0;
+  int64_t memory_estimate_bytes_per_rank = 0;  // the planner's estimate (plan::estimate_memory)
+  // --resume found the run finished (its last checkpoint at or past --steps): nothing ran.
+  bool already_finished = false;
   std::map<std::string, int64_t> comm_bytes_per_step;
   std::optional<double> max_abs_loss_diff, max_rel_grad_diff;  // --validate
   std::string plan;                                            // the resolved plan
 };
 
 // Collective over the world: one rank's part of the job. Rank 0's result carries the metrics.
+// Runs preflight() first (options, memory, output paths: before anything is allocated). A
+// non-finite loss or gradient norm with NanPolicy::kError throws (on every rank) naming the step
+// and the first rank that saw it, before that step updates the model or writes a checkpoint.
 TrainResult train(const comm::World& world, const TrainOptions& options);
 
 }  // namespace hp::train

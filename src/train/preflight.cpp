@@ -1,0 +1,137 @@
+#include "hp/train/preflight.h"
+
+#include <cmath>
+#include <utility>
+
+#include "hp/common/check.h"
+#include "hp/common/paths.h"
+#include "hp/model/qwen3.h"
+#include "hp/train/data.h"
+
+namespace hp::train {
+namespace {
+
+void check_file(const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  const auto why = common::why_file_unwritable(path);
+  HP_CHECK(why.empty(), "hp-train: cannot write ", flag, " '", path, "': ", why);
+}
+
+void check_dir(const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  const auto why = common::why_dir_unwritable(path);
+  HP_CHECK(why.empty(), "hp-train: cannot write ", flag, " '", path, "': ", why);
+}
+
+}  // namespace
+
+void check_options(const TrainOptions& o) {
+  const auto& m = o.model;
+  for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--steps", o.steps},
+                                    {"--batch", o.batch},
+                                    {"--grad-accum", o.grad_accum},
+                                    {"--tp", o.tp},
+                                    {"--cp", o.cp},
+                                    {"--dp-shard", o.dp_shard},
+                                    {"--dp-replicate", o.dp_replicate},
+                                    {"--layers", m.layers},
+                                    {"--hidden", m.hidden},
+                                    {"--heads", m.heads},
+                                    {"--kv-heads", m.kv_heads},
+                                    {"--head-dim", m.head_dim},
+                                    {"--ffn", m.ffn},
+                                    {"--vocab", m.vocab}}) {
+    HP_CHECK(value >= 1, "hp-train: ", flag, " ", value, " must be >= 1");
+  }
+  HP_CHECK(o.seq_len >= 2, "hp-train: --seq-len ", o.seq_len, " must be >= 2");
+  HP_CHECK(std::isfinite(o.lr) && o.lr > 0, "hp-train: --lr ", o.lr,
+           " must be a finite number > 0 (the peak learning rate, e.g. 3e-3)");
+  HP_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "hp-train: weight_decay ",
+           o.weight_decay, " must be a finite number >= 0");
+  HP_CHECK(std::isfinite(o.clip) && o.clip >= 0, "hp-train: clip ", o.clip,
+           " must be a finite number >= 0 (0: no clipping)");
+  HP_CHECK(o.lr_warmup >= 0 && o.lr_decay_steps >= 1, "hp-train: lr_warmup ", o.lr_warmup,
+           " must be >= 0 and lr_decay_steps ", o.lr_decay_steps, " >= 1");
+  HP_CHECK(o.checkpoint_every >= 0, "hp-train: --checkpoint-every ", o.checkpoint_every,
+           " must be >= 0 (0: save at the end of the run only)");
+  HP_CHECK(!(o.resume || o.resume_if_exists) || !o.checkpoint_dir.empty(),
+           "hp-train: ", o.resume ? "--resume" : "--resume-if-exists", " needs --checkpoint-dir");
+  HP_CHECK(o.memory_limit >= 0, "hp-train: --memory-limit must be >= 0");
+}
+
+void check_output_paths(const TrainOptions& o, int rank) {
+  check_dir("--checkpoint-dir", o.checkpoint_dir);
+  check_file("--trace", o.trace);  // every rank writes <trace>.rank<r> beside it
+  if (rank == 0) check_file("--metrics-json", o.metrics_json);
+}
+
+plan::MemoryEstimate estimate_memory(const TrainOptions& o) {
+  plan::PlanOptions po;
+  po.tp_size = o.tp;
+  po.cp_size = o.cp;
+  po.cp_config = o.cp_config;
+  po.dp_shard = o.dp_shard;
+  po.dp_replicate = o.dp_replicate;
+  po.seq_len = o.seq_len;
+  po.batch = o.batch;
+  return plan::estimate_memory(model::footprint(o.model), po);
+}
+
+void check_memory(const TrainOptions& o, int ranks_on_machine) {
+  const auto per_rank = estimate_memory(o);
+  int64_t extra = 0;
+  if (o.validate) {  // rank 0 also trains the single-process reference on every rank's rows
+    TrainOptions ref = o;
+    ref.tp = ref.cp = ref.dp_shard = ref.dp_replicate = 1;
+    ref.cp_config.reset();
+    ref.batch = o.batch * o.dp_shard * o.dp_replicate;
+    extra = estimate_memory(ref).total() - plan::kRuntimeBytes;
+  }
+  const auto machine =
+      o.memory_limit > 0
+          ? plan::MachineMemory{o.memory_limit, "--memory-limit " + size_option(o.memory_limit)}
+          : plan::machine_memory();
+  plan::check_memory(per_rank, ranks_on_machine, machine, "hp-train", extra);
+}
+
+void preflight(const TrainOptions& o, int rank, int ranks_on_machine) {
+  check_options(o);
+  check_data_path(o.data);
+  check_memory(o, ranks_on_machine);
+  check_output_paths(o, rank);
+}
+
+int64_t parse_size(const std::string& text) {
+  size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string suffix = text.substr(used);
+  if (suffix.size() > 1 && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.pop_back();
+  if (suffix.size() == 2 && (suffix[1] == 'i' || suffix[1] == 'I')) suffix.pop_back();
+  double scale = -1;
+  if (suffix.empty() || suffix == "B" || suffix == "b") scale = 1;
+  if (suffix == "K" || suffix == "k") scale = 1024.0;
+  if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
+  if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
+  if (suffix == "T" || suffix == "t") scale = 1024.0 * 1024 * 1024 * 1024;
+  HP_CHECK(used > 0 && scale > 0 && std::isfinite(value) && value >= 0,
+           "hp-train: --memory-limit '", text,
+           "' is not a size; give bytes or a number with K, M, G or T (e.g. 512M, 8G)");
+  return static_cast<int64_t>(value * scale);
+}
+
+std::string size_option(int64_t bytes) {
+  for (const auto& [unit, scale] : {std::pair<const char*, int64_t>{"T", int64_t{1} << 40},
+                                    {"G", int64_t{1} << 30},
+                                    {"M", int64_t{1} << 20},
+                                    {"K", int64_t{1} << 10}}) {
+    if (bytes >= scale && bytes % scale == 0) return common::str_cat(bytes / scale, unit);
+  }
+  return std::to_string(bytes);
+}
+
+}  // namespace hp::train

@@ -1,0 +1,389 @@
+// hp-train under faults and bad input (issue 13): damaged checkpoints fail naming the file and
+// the rank; a non-finite loss stops the run (or skips its step) and keeps the last good
+// checkpoint; output paths, options and memory are checked before step 1; checkpoint and resume
+// edge cases; every file error names its file. Tiny runs: each command takes a second or two.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "rank_harness.h"
+
+namespace {
+namespace fs = std::filesystem;
+
+hp::testing::CommandResult run(const std::string& args, const std::string& env = "") {
+  return hp::testing::run_command(env + " " + std::string(HP_TRAIN_BINARY) + " " + args);
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  return nlohmann::json::parse(f);
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+bool contains(const std::string& out, const std::string& text) {
+  return out.find(text) != std::string::npos;
+}
+
+// A fresh directory under the scratch dir.
+std::string fresh(const std::string& name) {
+  std::string dir = hp::testing::scratch_dir() + "/" + name;
+  fs::remove_all(dir);
+  return dir;
+}
+
+// Two CP ranks on the embedded task, short sequences: about a second per run.
+const std::string kTiny = "--nproc 2 --cp 2 --seq-len 32 ";
+
+// The step directories under a checkpoint root, sorted.
+std::vector<std::string> step_dirs(const std::string& root) {
+  std::vector<std::string> out;
+  if (!fs::exists(root)) return out;
+  for (const auto& e : fs::directory_iterator(root))
+    out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// ---- 1. damaged checkpoints ----
+
+TEST(HpTrainReliability, DamagedCheckpointFilesFailNamingFileAndRank) {
+  const std::string good = fresh("ckpt_good");
+  auto w = run(kTiny + "--steps 2 --checkpoint-every 2 --checkpoint-dir " + good);
+  ASSERT_EQ(w.rc, 0) << w.out;
+  const std::string step = "/step_00000002";
+  auto manifest = read_json(good + step + "/manifest.json");
+  // Every file of the step is recorded with its size and CRC, and each rank's tensors.
+  ASSERT_TRUE(manifest.contains("ranks")) << manifest.dump(2);
+  ASSERT_EQ(manifest["ranks"].size(), 2u) << manifest.dump(2);
+  for (int r = 0; r < 2; ++r) {
+    const auto& rec = manifest["ranks"][r];
+    EXPECT_EQ(rec["rank"], r);
+    for (const char* part : {"model", "optim"}) {
+      const std::string name = "rank" + std::to_string(r) + "." + part + ".pt";
+      ASSERT_TRUE(rec["files"].contains(name)) << rec.dump(2);
+      EXPECT_EQ(rec["files"][name]["bytes"].get<int64_t>(),
+                static_cast<int64_t>(fs::file_size(good + step + "/" + name)));
+      EXPECT_EQ(rec["files"][name]["crc32"].get<std::string>().size(), 10u);
+    }
+    ASSERT_FALSE(rec["tensors"].empty());
+    EXPECT_EQ(rec["tensors"][0]["name"], "embed_tokens");
+    EXPECT_EQ(rec["tensors"][0]["shape"], nlohmann::json::array({16, 64}));
+    EXPECT_EQ(rec["tensors"][0]["dtype"], "float32");
+  }
+
+  // Each damage on its own copy; every resume fails before any step, naming file and rank.
+  struct Damage {
+    std::string name, file;
+    std::function<void(const std::string& path)> apply;
+    std::vector<std::string> texts;
+  };
+  const std::vector<Damage> damages = {
+      {"flip",
+       "rank1.model.pt",
+       [](const std::string& p) {
+         auto b = read_bytes(p);
+         for (size_t i = 0; i < 4; ++i)
+           b[b.size() / 2 + i] = static_cast<char>(b[b.size() / 2 + i] ^ 0x5A);
+         write_bytes(p, b);
+       },
+       {"is damaged: its CRC-32 is 0x", "but the manifest records 0x"}},
+      {"truncate",
+       "rank1.optim.pt",
+       [](const std::string& p) { fs::resize_file(p, fs::file_size(p) / 2); },
+       {"bytes but the manifest records", "truncated or replaced"}},
+      {"delete", "rank0.model.pt", [](const std::string& p) { fs::remove(p); }, {"is missing"}},
+  };
+  for (const auto& d : damages) {
+    const std::string dir = fresh("ckpt_" + d.name);
+    fs::copy(good, dir, fs::copy_options::recursive);
+    const std::string path = dir + step + "/" + d.file;
+    d.apply(path);
+    auto r = run(kTiny + "--steps 4 --checkpoint-dir " + dir + " --resume");
+    EXPECT_NE(r.rc, 0) << d.name << "\n" << r.out;
+    const std::string rank = d.file.substr(4, 1);
+    EXPECT_TRUE(contains(r.out, "rank " + rank + "'s file '" + path + "'")) << d.name << "\n"
+                                                                            << r.out;
+    for (const auto& t : d.texts)
+      EXPECT_TRUE(contains(r.out, t)) << d.name << ": " << t << "\n" << r.out;
+    EXPECT_FALSE(contains(r.out, "  step 3/4")) << d.name << ": no step may run\n" << r.out;
+  }
+
+  // The manifest's tensor list against this run: a changed shape, a tensor it lacks.
+  {
+    const std::string dir = fresh("ckpt_shape");
+    fs::copy(good, dir, fs::copy_options::recursive);
+    auto m = manifest;
+    m["ranks"][1]["tensors"][0]["shape"] = {16, 65};
+    std::ofstream(dir + step + "/manifest.json") << m.dump(2);
+    auto r = run(kTiny + "--steps 4 --checkpoint-dir " + dir + " --resume");
+    EXPECT_NE(r.rc, 0) << r.out;
+    EXPECT_TRUE(contains(r.out, "rank 1: tensor 'embed_tokens' has shape [16, 65] (float32) in '" +
+                                    dir + step + "/rank1.model.pt'"))
+        << r.out;
+    EXPECT_TRUE(contains(r.out, "this run expects [16, 64] (float32)")) << r.out;
+  }
+  {
+    const std::string dir = fresh("ckpt_missing_tensor");
+    fs::copy(good, dir, fs::copy_options::recursive);
+    auto m = manifest;
+    m["ranks"][0]["tensors"].erase(0);
+    std::ofstream(dir + step + "/manifest.json") << m.dump(2);
+    auto r = run(kTiny + "--steps 4 --checkpoint-dir " + dir + " --resume");
+    EXPECT_NE(r.rc, 0) << r.out;
+    EXPECT_TRUE(
+        contains(r.out, "rank 0: '" + dir + step + "/rank0.model.pt' has no tensor 'embed_tokens'"))
+        << r.out;
+  }
+
+  // The intact checkpoint resumes.
+  auto ok = run(kTiny + "--steps 3 --checkpoint-dir " + good + " --resume");
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_TRUE(contains(ok.out, "hp-train: resumed from " + good + step)) << ok.out;
+}
+
+// ---- 2. non-finite loss ----
+
+TEST(HpTrainReliability, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
+  const std::string dir = fresh("ckpt_nan");
+  // Rank 1's loss of step 3 is made NaN (the test hook); checkpoints every 2 steps.
+  auto r = run(kTiny + "--steps 6 --checkpoint-every 2 --checkpoint-dir " + dir,
+               "HP_TEST_NAN_AT_STEP=3 HP_TEST_NAN_RANK=1");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: non-finite loss (nan) at step 3 (first seen on rank 1)"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "the last checkpoint is '" + dir + "/step_00000002'")) << r.out;
+  EXPECT_FALSE(contains(r.out, "hp-train: done")) << r.out;
+  EXPECT_EQ(step_dirs(dir), std::vector<std::string>{"step_00000002"});
+  // The kept checkpoint is good: the run resumes from it (without the fault) and finishes.
+  auto resumed =
+      run(kTiny + "--steps 4 --checkpoint-every 2 --checkpoint-dir " + dir + " --resume");
+  EXPECT_EQ(resumed.rc, 0) << resumed.out;
+  EXPECT_TRUE(contains(resumed.out, "resumed from " + dir + "/step_00000002")) << resumed.out;
+}
+
+TEST(HpTrainReliability, NanPolicySkipStepSkipsTheUpdateAndContinues) {
+  const std::string m = fresh("nan_skip.json");
+  auto r = run(kTiny + "--steps 5 --nan-policy skip-step --metrics-json " + m,
+               "HP_TEST_NAN_AT_STEP=3 HP_TEST_NAN_RANK=0");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(
+      contains(r.out,
+               "hp-train: step 3: non-finite loss (nan) (first seen on rank 0); skipped its "
+               "optimizer step (--nan-policy skip-step)"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: done")) << r.out;
+  auto j = read_json(m);
+  ASSERT_EQ(j["steps"].size(), 5u);
+  EXPECT_TRUE(j["steps"][2]["skipped"].get<bool>());
+  for (int i : {0, 1, 3, 4}) {
+    EXPECT_FALSE(j["steps"][i]["skipped"].get<bool>()) << i;
+    EXPECT_TRUE(std::isfinite(j["steps"][i]["loss"].get<double>())) << i;
+  }
+  // Before the fault the run is the fault-free one.
+  auto clean = run(kTiny + "--steps 2 --metrics-json " + m + ".clean");
+  ASSERT_EQ(clean.rc, 0) << clean.out;
+  auto c = read_json(m + ".clean");
+  EXPECT_EQ(c["steps"][1]["loss"].get<double>(), j["steps"][1]["loss"].get<double>());
+  auto bad = run(kTiny + "--steps 2 --nan-policy ignore");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_TRUE(contains(bad.out, "--nan-policy 'ignore' is not valid; valid: error, skip-step"))
+      << bad.out;
+}
+
+// ---- 4. output paths checked before step 1 ----
+
+TEST(HpTrainReliability, UnwritableOutputPathsFailBeforeStepOne) {
+  const std::string dir = fresh("outputs");
+  fs::create_directories(dir + "/a_dir");
+  std::ofstream(dir + "/a_file") << "x";
+  struct Case {
+    std::string flag, path, text;
+  };
+  for (const Case& c : {Case{"--metrics-json", dir + "/no/such/dir/m.json", "' does not exist"},
+                        Case{"--metrics-json", dir + "/a_dir", "is a directory"},
+                        Case{"--trace", dir + "/no_dir/t.json", "' does not exist"},
+                        Case{"--trace", dir + "/a_dir", "is a directory"},
+                        Case{"--checkpoint-dir", dir + "/a_file/ckpt", "cannot create"},
+                        Case{"--checkpoint-dir", dir + "/a_file", "is not a directory"}}) {
+    auto r = run(kTiny + "--steps 2 " + c.flag + " " + c.path);
+    EXPECT_NE(r.rc, 0) << c.flag << " " << c.path << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, "hp-train: cannot write " + c.flag + " '" + c.path + "'"))
+        << c.flag << " " << c.path << "\n"
+        << r.out;
+    EXPECT_TRUE(contains(r.out, c.text)) << c.text << "\n" << r.out;
+    EXPECT_FALSE(contains(r.out, "  step 1/")) << "no step may run\n" << r.out;
+  }
+  EXPECT_EQ(step_dirs(dir), (std::vector<std::string>{"a_dir", "a_file"})) << "nothing left behind";
+}
+
+// ---- 5. checkpoint interval, resume edge cases ----
+
+TEST(HpTrainReliability, CheckpointDirAloneSavesAtTheEnd) {
+  const std::string dir = fresh("ckpt_end");
+  auto r = run(kTiny + "--steps 3 --checkpoint-dir " + dir);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(step_dirs(dir), std::vector<std::string>{"step_00000003"});
+  auto neg = run(kTiny + "--steps 3 --checkpoint-every -2 --checkpoint-dir " + dir);
+  EXPECT_NE(neg.rc, 0);
+  EXPECT_TRUE(contains(neg.out, "--checkpoint-every -2 must be >= 0")) << neg.out;
+  EXPECT_FALSE(contains(neg.out, "  step 1/")) << neg.out;
+}
+
+TEST(HpTrainReliability, ResumeWithNothingToResume) {
+  const std::string dir = fresh("ckpt_none");
+  auto r = run(kTiny + "--steps 2 --checkpoint-dir " + dir + " --resume");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(
+      r.out, "hp-train --resume: nothing to resume: no complete checkpoint under '" + dir + "'"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "--resume-if-exists")) << r.out;
+  EXPECT_FALSE(contains(r.out, "  step 1/")) << r.out;
+  const std::string m = dir + ".json";
+  auto fresh_run =
+      run(kTiny + "--steps 2 --checkpoint-dir " + dir + " --resume-if-exists --metrics-json " + m);
+  ASSERT_EQ(fresh_run.rc, 0) << fresh_run.out;
+  EXPECT_TRUE(contains(fresh_run.out,
+                       "hp-train: no checkpoint under '" + dir + "' yet; starting at step 1"))
+      << fresh_run.out;
+  EXPECT_EQ(read_json(m)["steps"][0]["step"], 1);
+  EXPECT_EQ(step_dirs(dir), std::vector<std::string>{"step_00000002"});
+  // With a checkpoint there, --resume-if-exists resumes from it.
+  auto again = run(kTiny + "--steps 3 --checkpoint-dir " + dir + " --resume-if-exists");
+  ASSERT_EQ(again.rc, 0) << again.out;
+  EXPECT_TRUE(contains(again.out, "hp-train: resumed from " + dir + "/step_00000002")) << again.out;
+}
+
+TEST(HpTrainReliability, ResumingAFinishedRunSaysSo) {
+  const std::string dir = fresh("ckpt_finished");
+  ASSERT_EQ(run(kTiny + "--steps 2 --checkpoint-every 1 --checkpoint-dir " + dir).rc, 0);
+  auto r = run(kTiny + "--steps 2 --checkpoint-dir " + dir + " --resume");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: the run in '" + dir +
+                                  "' is finished: its last checkpoint is step 2 of --steps 2"))
+      << r.out;
+  EXPECT_FALSE(contains(r.out, "hp-train: done")) << r.out;
+}
+
+TEST(HpTrainReliability, ResumeRefusesAChangedSeqLenOrSeedAndWarnsOnLr) {
+  const std::string dir = fresh("ckpt_changed");
+  ASSERT_EQ(run(kTiny + "--steps 2 --checkpoint-dir " + dir + " --lr 0.01").rc, 0);
+  const std::string step = dir + "/step_00000002";
+  auto seq = run("--nproc 2 --cp 2 --seq-len 64 --steps 3 --checkpoint-dir " + dir + " --resume");
+  EXPECT_NE(seq.rc, 0) << seq.out;
+  EXPECT_TRUE(contains(seq.out, "hp-train --resume: checkpoint '" + step +
+                                    "' was written with --seq-len 32, this run has --seq-len 64"))
+      << seq.out;
+  auto seed = run(kTiny + "--steps 3 --seed 7 --checkpoint-dir " + dir + " --resume");
+  EXPECT_NE(seed.rc, 0) << seed.out;
+  EXPECT_TRUE(contains(seed.out, "hp-train --resume: checkpoint '" + step +
+                                     "' was written with --seed 0, this run has --seed 7"))
+      << seed.out;
+  auto lr = run(kTiny + "--steps 3 --lr 0.02 --checkpoint-dir " + dir + " --resume");
+  EXPECT_EQ(lr.rc, 0) << lr.out;
+  EXPECT_TRUE(contains(lr.out, "hp-train --resume: warning: checkpoint '" + step +
+                                   "' was written with --lr 0.01, this run has --lr 0.02"))
+      << lr.out;
+  EXPECT_TRUE(contains(lr.out, "resumed from " + step)) << lr.out;
+}
+
+// ---- 10. options and sizes checked up front ----
+
+TEST(HpTrainReliability, BadNumbersAreRefusedReadably) {
+  for (const std::string lr : {"-1", "0", "nan", "inf"}) {
+    auto r = run(kTiny + "--steps 2 --lr " + lr);
+    EXPECT_NE(r.rc, 0) << lr << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, "--lr " + lr + " must be a finite number > 0")) << r.out;
+  }
+  auto steps = run(kTiny + "--steps 0");
+  EXPECT_NE(steps.rc, 0) << steps.out;
+  EXPECT_TRUE(contains(steps.out, "--steps 0 must be >= 1")) << steps.out;
+  EXPECT_FALSE(contains(steps.out, "not in range")) << steps.out;
+  auto hidden = run(kTiny + "--steps 2 --hidden 0");
+  EXPECT_NE(hidden.rc, 0) << hidden.out;
+  EXPECT_TRUE(contains(hidden.out, "--hidden 0 must be >= 1")) << hidden.out;
+}
+
+TEST(HpTrainReliability, ALayoutThatCannotFitIsRefusedBeforeAllocating) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run("--hidden 1000000 --steps 2");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_LT(s, 10.0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: not enough memory: this layout needs about")) << r.out;
+  EXPECT_TRUE(contains(r.out, "parameters")) << r.out;
+  EXPECT_TRUE(contains(r.out, "--hidden")) << "names the option to change\n" << r.out;
+  EXPECT_FALSE(contains(r.out, "  step 1/")) << r.out;
+  // The limit can be given (tests, shared machines): the same normal run is refused under a
+  // tiny limit and runs under the default.
+  auto small = run(kTiny + "--steps 1 --memory-limit 1M");
+  EXPECT_NE(small.rc, 0) << small.out;
+  EXPECT_TRUE(contains(small.out, "hp-train: not enough memory")) << small.out;
+  EXPECT_TRUE(contains(small.out, "--memory-limit 1M")) << small.out;
+  auto normal = run(kTiny + "--steps 1");
+  EXPECT_EQ(normal.rc, 0) << normal.out;
+}
+
+// The estimate against the measured peak RSS of a small run whose model and activations are a
+// fair part of the process (LibTorch alone is ~100-200 MiB): within a factor of 2.
+TEST(HpTrainReliability, MemoryEstimateIsWithinAFactorOfTwoOfThePeak) {
+  const std::string m = fresh("mem.json");
+  auto r =
+      run("--nproc 2 --cp 2 --hidden 512 --ffn 2048 --heads 8 --kv-heads 4 --head-dim 64 "
+          "--layers 2 --vocab 256 --seq-len 512 --batch 2 --steps 2 --metrics-json " +
+          m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = read_json(m);
+  const double est = j.at("memory_estimate_bytes_per_rank").get<double>();
+  const double peak = j.at("peak_rss_bytes_max_rank").get<double>();
+  EXPECT_GT(est, peak / 2) << r.out;
+  EXPECT_LT(est, peak * 2) << r.out;
+  EXPECT_TRUE(contains(r.out, "memory: about")) << r.out;
+}
+
+// ---- 11. file errors name the file ----
+
+TEST(HpTrainReliability, FileErrorsNameTheFile) {
+  const std::string dir = fresh("files");
+  fs::create_directories(dir + "/data_dir");
+  auto data = run(kTiny + "--steps 1 --data " + dir + "/data_dir");
+  EXPECT_NE(data.rc, 0) << data.out;
+  EXPECT_TRUE(contains(data.out, "--data '" + dir + "/data_dir' is a directory")) << data.out;
+  EXPECT_FALSE(contains(data.out, "basic_filebuf")) << data.out;
+
+  const std::string ckpt = dir + "/ckpt";
+  ASSERT_EQ(run(kTiny + "--steps 1 --checkpoint-dir " + ckpt).rc, 0);
+  const std::string manifest = ckpt + "/step_00000001/manifest.json";
+  std::ofstream(manifest) << "{\"step\": 1, \"world_size\": ";
+  auto broken = run(kTiny + "--steps 2 --checkpoint-dir " + ckpt + " --resume");
+  EXPECT_NE(broken.rc, 0) << broken.out;
+  EXPECT_TRUE(
+      contains(broken.out, "hp-train --resume: cannot read the manifest '" + manifest + "'"))
+      << broken.out;
+
+  std::ofstream(dir + "/cfg.json") << "{\"steps\": ";
+  auto cfg = run(kTiny + "--config " + dir + "/cfg.json");
+  EXPECT_NE(cfg.rc, 0) << cfg.out;
+  EXPECT_TRUE(contains(cfg.out, "hp-train: cannot parse --config '" + dir + "/cfg.json'"))
+      << cfg.out;
+}
+
+}  // namespace
