@@ -52,7 +52,7 @@ struct Args {
   int64_t degree = 0;
   bool load_balance = false;
   bool auto_algo = false;
-  double timeout_s = 600;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
   std::string fusion = "off";
   std::string mode = "production";
 };
@@ -108,7 +108,7 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "sharded checkpoints");
   app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
-  app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
 
@@ -229,7 +229,7 @@ void report(const hp::comm::World& world, const Args& a, const hp::train::TrainR
 int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
   const auto& o = a.train;
   hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  wo.timeout = hp::comm::timeout_from_seconds(a.timeout_s);
   if (!o.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
@@ -244,6 +244,7 @@ int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
 // this process's rank.
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   if (!a.config_file.empty()) apply_config(app, a.config_file);
+  hp::comm::timeout_from_seconds(a.timeout_s);  // checked before any rank starts
   resolve(a);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) {

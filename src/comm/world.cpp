@@ -1,6 +1,7 @@
 #include "hp/comm/world.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -206,6 +207,14 @@ GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string
   }
   return std::make_shared<Group>(name, world_ranks, state_->rank, std::move(transport),
                                  state_->context, timeout);
+}
+
+std::chrono::milliseconds timeout_from_seconds(double seconds, const std::string& flag) {
+  HP_CHECK(std::isfinite(seconds) && seconds > 0 && seconds <= kMaxTimeoutSeconds, flag, " ",
+           seconds, " is not valid: give the group timeout as a number of seconds > 0 and <= ",
+           kMaxTimeoutSeconds, " (default ", kDefaultTimeout.count(), ")");
+  const auto ms = static_cast<int64_t>(std::ceil(seconds * 1000));
+  return std::chrono::milliseconds(ms);
 }
 
 void write_world_trace(const World& world, const std::string& path) {

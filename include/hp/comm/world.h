@@ -30,7 +30,7 @@ namespace hp::comm {
 
 struct WorldOptions {
   // Per-group timeout for rendezvous and every collective (DESIGN section 4).
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  std::chrono::milliseconds timeout = kDefaultTimeout;
   std::string backend = "gloo";
   std::string hostname = "127.0.0.1";  // interface the Gloo transport binds to
   // Exchange shapes before every collective so a mismatch is a clear error on every rank
@@ -72,6 +72,13 @@ class World {
   explicit World(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };
+
+// A tool's `--timeout SECONDS` as a group timeout, checked before anything starts: it must be a
+// finite number of seconds, > 0 and at most kMaxTimeoutSeconds. Otherwise throws hp::Error
+// "<flag> <seconds> is not valid: ...".
+inline constexpr double kMaxTimeoutSeconds = 1e6;
+std::chrono::milliseconds timeout_from_seconds(double seconds,
+                                               const std::string& flag = "--timeout");
 
 // Writes the timeline of every rank of `world` into one Chrome-trace file at `path` (one track
 // per rank). Collective over the world: each rank writes `path.rank<r>`, rank 0 merges them into
