@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "hp/comm/collectives.h"
+#include "hp/comm/store.h"
 #include "hp/common/check.h"
 #include "hp/common/trace.h"
 
@@ -71,14 +72,19 @@ World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) 
   if (env.world_size == 1) {
     state->store = c10::make_intrusive<c10d::HashStore>();
   } else {
-    c10d::TCPStoreOptions opts;
-    opts.port = static_cast<std::uint16_t>(env.master_port);
-    opts.isServer = env.rank == 0;
-    opts.numWorkers = env.world_size;
-    opts.waitWorkers = true;
-    opts.timeout = options.timeout;
     try {
-      state->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+      if (env.rank == 0) {
+        // Rank 0 hosts the store, listening on MASTER_ADDR's address only (or HP_STORE_BIND).
+        StoreServerOptions so;
+        so.bind_address = env.store_bind.empty() ? env.master_addr : env.store_bind;
+        so.port = env.master_port;
+        so.num_workers = env.world_size;
+        so.timeout = options.timeout;
+        state->store = serve_store(so);
+      } else {
+        state->store =
+            join_store(env.master_addr, env.master_port, options.timeout, env.world_size);
+      }
     } catch (const std::exception& e) {
       throw CommError(common::str_cat(
           "rendezvous failed on rank ", env.rank, " of ", env.world_size, " (", env.launcher,

@@ -91,6 +91,16 @@ TEST(LaunchEnv, ClearErrors) {
             std::string::npos);
 }
 
+TEST(LaunchEnv, StoreBindAddress) {
+  auto e = parse_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
+  EXPECT_EQ(e->store_bind, "");  // MASTER_ADDR's address
+  e = parse_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"HP_STORE_BIND", "10.0.0.5"}}));
+  EXPECT_EQ(e->store_bind, "10.0.0.5");
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"HP_STORE_BIND", ""}})
+                .find("HP_STORE_BIND is set but empty"),
+            std::string::npos);
+}
+
 TEST(GroupTimeout, OneDefaultEverywhere) {
   EXPECT_EQ(kDefaultTimeout, std::chrono::seconds(300));  // the README's number
   EXPECT_EQ(WorldOptions{}.timeout, kDefaultTimeout);

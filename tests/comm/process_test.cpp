@@ -6,7 +6,10 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -14,6 +17,7 @@
 
 #include "hp/comm/collectives.h"
 #include "hp/comm/launcher.h"
+#include "hp/comm/store.h"
 #include "hp/common/check.h"
 #include "hp/common/trace.h"
 #include "rank_harness.h"
@@ -76,6 +80,52 @@ TEST(Processes, PeerThatNeverArrivesTimesOut) {
       << results[0].error;
   EXPECT_NE(results[0].error.find("within the group timeout of 2000 ms"), std::string::npos)
       << results[0].error;
+}
+
+// Rank 0's store listens on MASTER_ADDR's address only (127.0.0.1 here), never on every
+// interface; HP_STORE_BIND='*' asks for every interface explicitly.
+std::vector<std::string> store_addresses_of_rank0() {
+  std::vector<std::string> seen;
+  auto results = run_rank_processes(2, [](World& w) {
+    if (w.rank() != 0) return;
+    auto a = listening_addresses(std::atoi(std::getenv("MASTER_PORT")));
+    std::string all;
+    for (const auto& x : a)
+      all += x + " ";
+    throw Error("listening:" + all);  // carries the addresses back to the test
+  });
+  std::istringstream in(results[0].error.substr(results[0].error.find(':') + 1));
+  for (std::string a; in >> a;)
+    seen.push_back(a);
+  EXPECT_EQ(results[1].exit_code, 0) << results[1].error;
+  return seen;
+}
+
+TEST(Store, RankZeroListensOnMasterAddrOnly) {
+  const auto seen = store_addresses_of_rank0();
+  ASSERT_FALSE(seen.empty());
+  for (const auto& a : seen)
+    EXPECT_TRUE(a == "127.0.0.1" || a == "::ffff:127.0.0.1") << a;
+}
+
+TEST(Store, EveryInterfaceOnlyWhenAskedFor) {
+  ::setenv("HP_STORE_BIND", "*", 1);
+  const auto seen = store_addresses_of_rank0();
+  ::unsetenv("HP_STORE_BIND");
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_TRUE(seen[0] == "::" || seen[0] == "0.0.0.0") << seen[0];
+}
+
+TEST(Store, ServerOnAnAddressOfAnotherHostFailsNamingIt) {
+  StoreServerOptions o;
+  o.bind_address = "203.0.113.7";  // TEST-NET-3: not an address of this host
+  o.timeout = std::chrono::seconds(2);
+  HP_EXPECT_ERROR(serve_store(o), "rendezvous store: cannot listen on 203.0.113.7 port 0");
+  o.bind_address = "localhost";
+  auto store = serve_store(o);
+  const auto seen = listening_addresses(store->getPort());
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_TRUE(seen[0] == "127.0.0.1" || seen[0] == "::ffff:127.0.0.1") << seen[0];
 }
 
 TEST(Launcher, OneFailingRankStopsTheOthers) {

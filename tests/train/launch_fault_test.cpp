@@ -37,6 +37,275 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+// A small model that trains for as long as a test needs (it is always stopped or killed).
+std::vector<std::string> long_run(int nproc, const std::string& seed) {
+  return {HP_TRAIN_BINARY,
+          "--nproc",
+          std::to_string(nproc),
+          "--cp",
+          std::to_string(nproc),
+          "--seq-len",
+          "48",
+          "--layers",
+          "1",
+          "--hidden",
+          "24",
+          "--heads",
+          "3",
+          "--kv-heads",
+          "3",
+          "--head-dim",
+          "8",
+          "--ffn",
+          "32",
+          "--steps",
+          "100000",
+          "--seed",
+          seed};
+}
+
+// The process state letter of `pid` ('R', 'S', 'T', 'Z', ...), 0 when there is no such process.
+char state_of(int pid) {
+  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  char state = 0;
+  return std::sscanf(stat.c_str() + close + 1, " %c", &state) == 1 ? state : 0;
+}
+
+// Gone: no such process, or a zombie (an orphan's zombie may wait for a reaper that never comes).
+bool gone(int pid) {
+  const char s = state_of(pid);
+  return s == 0 || s == 'Z' || s == 'X';
+}
+
+std::vector<int> children_of(int pid) {
+  std::vector<int> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = read_file(e.path() / "stat");
+    const auto close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (std::sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) == 2 && ppid == pid &&
+        state != 'Z') {
+      out.push_back(std::stoi(name));
+    }
+  }
+  return out;
+}
+
+// RANK=<r> from a process's environment, -1 when it has none.
+int rank_of(int pid) {
+  const std::string env = read_file("/proc/" + std::to_string(pid) + "/environ");
+  std::istringstream in(env);
+  std::string var;
+  while (std::getline(in, var, '\0')) {
+    if (var.rfind("RANK=", 0) == 0) return std::stoi(var.substr(5));
+  }
+  return -1;
+}
+
+// One hp-train job started in the background, its stdout and stderr in `log`.
+struct Job {
+  pid_t pid = -1;
+  std::string log;
+  std::string marker;        // a command-line argument only this job's processes have
+  std::map<int, int> ranks;  // rank -> pid
+  int status = -1;           // the launcher's wait status once it ended
+  bool ended = false;
+
+  std::string output() const { return read_file(log); }
+
+  // Ends whatever is left of the job (launcher and survivors that still carry the marker).
+  ~Job() {
+    if (pid > 0 && !ended) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    }
+    for (const auto& [rank, rpid] : ranks) {
+      const std::string cmdline = read_file("/proc/" + std::to_string(rpid) + "/cmdline");
+      if (!gone(rpid) && cmdline.find(marker) != std::string::npos) ::kill(rpid, SIGKILL);
+    }
+  }
+};
+
+void start(Job& job, const std::vector<std::string>& args, const std::string& name,
+           const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  job.log = hp::testing::scratch_dir() + "/" + name + ".log";
+  job.marker = args.back();
+  std::vector<std::string> a = args;
+  std::vector<char*> argv;
+  for (auto& s : a)
+    argv.push_back(s.data());
+  argv.push_back(nullptr);
+  fs::remove(job.log);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int fd = ::open(job.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    for (const auto& [k, v] : env)
+      ::setenv(k.c_str(), v.c_str(), 1);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  job.pid = pid;
+}
+
+// Waits until the log contains `text` while the launcher runs; false after `seconds`.
+bool wait_for_output(Job& job, const std::string& text, double seconds = 60) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < deadline) {
+    if (job.output().find(text) != std::string::npos) return true;
+    if (::waitpid(job.pid, &job.status, WNOHANG) == job.pid) {
+      job.ended = true;
+      return job.output().find(text) != std::string::npos;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// Waits until rank 0 has trained its first step, then records the rank processes.
+void wait_until_training(Job& job, int nproc) {
+  ASSERT_TRUE(wait_for_output(job, "  step 1/")) << job.output();
+  ASSERT_FALSE(job.ended) << job.output();
+  for (int pid : children_of(job.pid)) {
+    const int r = rank_of(pid);
+    if (r >= 0) job.ranks[r] = pid;
+  }
+  ASSERT_EQ(job.ranks.size(), static_cast<size_t>(nproc)) << job.output();
+}
+
+// Waits for the launcher to end; false (and the launcher killed) after `seconds`.
+bool wait_exit(Job& job, double seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  while (!job.ended && Clock::now() < deadline) {
+    if (::waitpid(job.pid, &job.status, WNOHANG) == job.pid) {
+      job.ended = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return job.ended;
+}
+
+// --- Item 6: the rendezvous listens on loopback only -------------------------------------------
+
+struct Listener {
+  std::string address;  // printable
+  int port = 0;
+  bool loopback = false;
+};
+
+// The TCP sockets in LISTEN state among `pids`' open files (from /proc/net/tcp and tcp6).
+std::vector<Listener> listeners_of(const std::vector<int>& pids) {
+  std::set<std::string> inodes;
+  for (int pid : pids) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+      std::error_code lec;
+      const std::string target = fs::read_symlink(e.path(), lec).string();
+      if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+    }
+  }
+  std::vector<Listener> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::istringstream in(read_file(table));
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream row(line);
+      std::string sl, local, remote, st, queues, timer, retr, uid, timeout, inode;
+      row >> sl >> local >> remote >> st >> queues >> timer >> retr >> uid >> timeout >> inode;
+      if (st != "0A" || inodes.count(inode) == 0) continue;  // 0A: LISTEN
+      const auto colon = local.find(':');
+      const std::string hex = local.substr(0, colon);
+      Listener l;
+      l.port = std::stoi(local.substr(colon + 1), nullptr, 16);
+      char text[INET6_ADDRSTRLEN] = {};
+      if (hex.size() == 8) {
+        in_addr a{};
+        a.s_addr = static_cast<uint32_t>(std::stoul(hex, nullptr, 16));
+        inet_ntop(AF_INET, &a, text, sizeof(text));
+        l.loopback = (ntohl(a.s_addr) >> 24) == 127;
+      } else {
+        in6_addr a{};
+        for (int w = 0; w < 4; ++w) {
+          const uint32_t word =
+              static_cast<uint32_t>(std::stoul(hex.substr(8 * w, 8), nullptr, 16));
+          std::memcpy(&a.s6_addr[4 * w], &word, 4);
+        }
+        inet_ntop(AF_INET6, &a, text, sizeof(text));
+        l.loopback = IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
+      }
+      l.address = text;
+      out.push_back(l);
+    }
+  }
+  return out;
+}
+
+// This machine's first IPv4 address that is not loopback, empty when it has none.
+std::string non_loopback_ipv4() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  std::string out;
+  for (ifaddrs* i = list; i != nullptr && out.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    const auto* a = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+    if ((ntohl(a->sin_addr.s_addr) >> 24) == 127) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &a->sin_addr, text, sizeof(text));
+    out = text;
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+bool can_connect(const std::string& address, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, address.c_str(), &a.sin_addr);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+TEST(LaunchRendezvous, LocalRunListensOnLoopbackOnly) {
+  Job job;
+  start(job, long_run(2, "61001"), "rendezvous_loopback");
+  wait_until_training(job, 2);
+  std::vector<int> pids{job.pid};
+  for (const auto& [r, pid] : job.ranks)
+    pids.push_back(pid);
+  const auto listeners = listeners_of(pids);
+  EXPECT_FALSE(listeners.empty()) << "no listening socket found in the job's processes";
+  for (const auto& l : listeners) {
+    EXPECT_TRUE(l.loopback) << "the job listens on " << l.address << ":" << l.port;
+  }
+  // From an address of this machine that is not loopback, nothing of the job answers.
+  const std::string other = non_loopback_ipv4();
+  if (!other.empty()) {
+    for (const auto& l : listeners) {
+      EXPECT_FALSE(can_connect(other, l.port)) << "port " << l.port << " answers on " << other;
+    }
+  }
+  ::kill(job.pid, SIGTERM);
+  EXPECT_TRUE(wait_exit(job, 20)) << job.output();
+}
+
 // --- Item 8: one default group timeout; --timeout checked before anything starts ---------------
 
 TEST(GroupTimeout, EveryToolDocumentsTheSameDefault) {
