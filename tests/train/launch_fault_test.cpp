@@ -306,6 +306,62 @@ TEST(LaunchRendezvous, LocalRunListensOnLoopbackOnly) {
   EXPECT_TRUE(wait_exit(job, 20)) << job.output();
 }
 
+// --- Item 7: ranks die with their launcher; no temporary files are left ------------------------
+
+// True once every rank process is gone, false after `seconds`.
+bool ranks_gone(const Job& job, double seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < deadline) {
+    bool all = true;
+    for (const auto& [r, pid] : job.ranks)
+      all = all && gone(pid);
+    if (all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// Starts a job with a private TMPDIR, lets it train, sends `sig` to the launcher and checks that
+// both ranks are gone within a few seconds and TMPDIR is empty.
+void expect_ranks_die_with_launcher(int sig, const std::string& name) {
+  const std::string tmp = hp::testing::scratch_dir() + "/" + name + "_tmp";
+  fs::create_directories(tmp);
+  Job job;
+  start(job, long_run(2, name == "kill9" ? "61002" : "61003"), name, {{"TMPDIR", tmp}});
+  wait_until_training(job, 2);
+  ASSERT_EQ(::kill(job.pid, sig), 0);
+  ASSERT_TRUE(wait_exit(job, 20)) << job.output();
+  EXPECT_TRUE(ranks_gone(job, 5)) << "rank processes outlived their launcher (signal " << sig
+                                  << ")\n"
+                                  << job.output();
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(tmp))
+    left.push_back(e.path().filename());
+  EXPECT_TRUE(left.empty()) << "left in TMPDIR: " << (left.empty() ? "" : left.front());
+}
+
+TEST(LaunchTeardown, KillingTheLauncherKillsTheRanks) {
+  expect_ranks_die_with_launcher(SIGKILL, "kill9");
+}
+
+TEST(LaunchTeardown, HangingUpTheLauncherStopsTheRanks) {
+  expect_ranks_die_with_launcher(SIGHUP, "hangup");
+}
+
+TEST(LaunchTeardown, HangUpIsReportedLikeAnInterrupt) {
+  Job job;
+  start(job, long_run(2, "61004"), "hangup_report");
+  wait_until_training(job, 2);
+  ASSERT_EQ(::kill(job.pid, SIGHUP), 0);
+  ASSERT_TRUE(wait_exit(job, 20)) << job.output();
+  EXPECT_TRUE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 128 + SIGHUP)
+      << "status " << job.status << "\n"
+      << job.output();
+  EXPECT_NE(job.output().find("hp-train: interrupted by signal 1; stopped all ranks"),
+            std::string::npos)
+      << job.output();
+}
+
 // --- Item 8: one default group timeout; --timeout checked before anything starts ---------------
 
 TEST(GroupTimeout, EveryToolDocumentsTheSameDefault) {
