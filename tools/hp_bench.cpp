@@ -309,7 +309,7 @@ int main(int argc, char** argv) {
     return run_command(commands, args);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;
-    hp::comm::report_rank_error(e.what());
+    hp::comm::report_rank_error(e);
     return 1;
   }
 }

@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
     return run(app, a, argv_copy);
   } catch (const std::exception& e) {
     std::cerr << "hp-train: " << e.what() << std::endl;
-    hp::comm::report_rank_error(e.what());
+    hp::comm::report_rank_error(e);
     return 1;
   }
 }

@@ -89,6 +89,7 @@ std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
              "interface)");
     out.store_bind = *v;
   }
+  out.store_on_launcher = env("HP_STORE_ON_LAUNCHER").value_or("") == "1";
   return out;
 }
 

@@ -1,10 +1,14 @@
 // The local launcher (launcher.h).
 //
 //   launcher (tool with --nproc N, or a test)          rank processes 0..N-1
+//     TCPStore server on master_addr only  <──────────  clients (HP_STORE_ON_LAUNCHER=1);
+//                                                        each World's thread writes
+//                                                        hp/heartbeat/<rank> every 250 ms
 //     memfd per rank (its error report)  ─────────────> HP_ERROR_FILE=/proc/self/fd/<fd>
 //     fork + execve, environment built before fork ───> PR_SET_PDEATHSIG(SIGKILL), same pgrp
-//     poll: waitpid(WNOHANG) every 20 ms
-//     first failure -> SIGTERM (+SIGCONT) the others -> SIGKILL after `grace`
+//     poll: waitpid(WNOHANG) every 20 ms, heartbeats every 200 ms
+//     first failure -> `settle` (collect the consequences) -> blame -> SIGTERM (+SIGCONT) the
+//     others -> SIGKILL after `grace`
 //     SIGINT / SIGTERM / SIGHUP -> the same teardown, exit 128 + signal
 //   On every exit path (return, exception) the ranks still alive are killed and reaped.
 #include "hp/comm/launcher.h"
@@ -20,6 +24,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -28,6 +33,10 @@
 #include <map>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "heartbeat.h"
+#include "hp/comm/store.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 
@@ -80,6 +89,25 @@ std::string describe_status(int status) {
   return "ended abnormally";
 }
 
+// First line of a rank's error file when its error was a communication failure (hp::CommError):
+// most likely the consequence of a peer's failure, not the cause.
+constexpr char kCommErrorTag[] = "hp-error-kind: comm\n";
+
+constexpr std::chrono::milliseconds kHeartbeatPoll{200};
+
+// The state letter of /proc/<pid>/stat ('R', 'S', 'T' stopped, 't' traced, 'D', ...), 0 if none.
+char process_state(pid_t pid) {
+  std::ifstream f(common::str_cat("/proc/", pid, "/stat"));
+  const std::string stat((std::istreambuf_iterator<char>(f)), {});
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return 0;
+  return stat[close + 2];
+}
+
+double seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
 int exit_code_of(int status) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
@@ -127,6 +155,17 @@ struct RankProcess {
   int error_fd = -1;  // the rank's error report (memfd), read once it ended
   bool alive = false;
   int status = 0;
+  Clock::time_point ended;  // when the launcher reaped it
+  std::string error;        // its report, without the tag
+  bool comm_error = false;  // the report was tagged as a communication failure
+  // Its heartbeat as the launcher last read it, and when that value first appeared.
+  std::string beat;
+  Clock::time_point beat_changed;
+  int64_t ops = -1;  // collectives launched, from the heartbeat
+
+  bool failed() const {
+    return !alive && pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
 };
 
 // One run of all ranks. The destructor kills (SIGKILL) and reaps any rank still alive and
@@ -152,10 +191,14 @@ class Attempt {
  private:
   void spawn(int rank, int port, int threads);
   int reap();  // reaps ended ranks; returns the number still alive
+  void read_heartbeats();
+  LaunchResult blame() const;
+  std::string stopped_making_progress(const RankProcess& r, Clock::time_point now) const;
   void teardown();
 
   const LaunchOptions& o_;
   std::vector<std::string> argv_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;  // the job's; destroyed after the ranks ended
   std::vector<RankProcess> ranks_;
 };
 
@@ -172,7 +215,8 @@ void Attempt::spawn(int rank, int port, int threads) {
       {"LOCAL_WORLD_SIZE", std::to_string(o_.nproc)},
       {"MASTER_ADDR", o_.master_addr},
       {"MASTER_PORT", std::to_string(port)},
-      {"HP_ERROR_FILE", common::str_cat("/proc/self/fd/", r.error_fd)}};
+      {"HP_ERROR_FILE", common::str_cat("/proc/self/fd/", r.error_fd)},
+      {"HP_STORE_ON_LAUNCHER", "1"}};
   for (const auto& kv : common::child_thread_env(threads))
     set.push_back(kv);
   for (const auto& kv : o_.extra_env)
@@ -211,6 +255,12 @@ int Attempt::reap() {
     if (!r.alive) continue;
     if (::waitpid(r.pid, &r.status, WNOHANG) == r.pid) {
       r.alive = false;
+      r.ended = Clock::now();
+      r.error = read_all(r.error_fd);
+      if (r.error.rfind(kCommErrorTag, 0) == 0) {
+        r.comm_error = true;
+        r.error.erase(0, sizeof(kCommErrorTag) - 1);
+      }
     } else {
       ++alive;
     }
@@ -238,14 +288,143 @@ void Attempt::teardown() {
   }
 }
 
+void Attempt::read_heartbeats() {
+  const auto now = Clock::now();
+  for (auto& r : ranks_) {
+    try {
+      const std::string key = detail::heartbeat_key(r.rank);
+      if (!store_->check({key})) continue;
+      const auto v = store_->get(key);
+      std::string beat(v.begin(), v.end());
+      if (beat == r.beat) continue;
+      r.beat = std::move(beat);
+      r.beat_changed = now;
+      const auto space = r.beat.find(' ');
+      if (space != std::string::npos) r.ops = std::atoll(r.beat.c_str() + space + 1);
+    } catch (const std::exception&) {
+      // a heartbeat is evidence, never a reason to fail
+    }
+  }
+}
+
+// Why `r`, alive, counts as the rank that stopped; empty when it does not: its process is
+// stopped, or its heartbeat has not changed for kHeartbeatStale.
+std::string Attempt::stopped_making_progress(const RankProcess& r, Clock::time_point now) const {
+  const char state = process_state(r.pid);
+  const bool stopped = state == 'T' || state == 't';
+  const bool stale = !r.beat.empty() && now - r.beat_changed > detail::kHeartbeatStale;
+  if (!stopped && !stale) return "";
+  char age[32];
+  std::snprintf(age, sizeof(age), "%.1f", seconds(now - r.beat_changed));
+  std::string why = r.beat.empty() ? std::string("it never sent a heartbeat")
+                                   : common::str_cat("no heartbeat for ", age, " s");
+  if (stopped) why += state == 'T' ? " (its process is stopped, e.g. by SIGSTOP)" : " (traced)";
+  return why;
+}
+
+// The rank that failed first (launcher.h): killed by a signal; stopped making progress (alive,
+// process stopped or heartbeat stale, or the only one behind in collectives launched); failed
+// with its own error; failed earliest.
+LaunchResult Attempt::blame() const {
+  const auto now = Clock::now();
+  std::vector<const RankProcess*> failed;
+  for (const auto& r : ranks_) {
+    if (r.failed()) failed.push_back(&r);
+  }
+  std::stable_sort(failed.begin(), failed.end(),
+                   [](const RankProcess* a, const RankProcess* b) { return a->ended < b->ended; });
+  auto describe = [](const RankProcess& r) {
+    return common::str_cat("rank ", r.rank, " (pid ", r.pid, ") ", describe_status(r.status),
+                           r.error.empty() ? "" : ": ", r.error);
+  };
+  LaunchResult res;
+  const RankProcess* primary = nullptr;
+  std::string hung_because;
+  for (const auto* r : failed) {
+    if (WIFSIGNALED(r->status)) {
+      primary = r;
+      break;
+    }
+  }
+  if (primary == nullptr) {
+    double worst = -1;
+    for (const auto& r : ranks_) {
+      if (!r.alive) continue;
+      auto why = stopped_making_progress(r, now);
+      const double age = r.beat.empty() ? 0 : seconds(now - r.beat_changed);
+      if (!why.empty() && age > worst) {
+        primary = &r;
+        hung_because = why;
+        worst = age;
+      }
+    }
+  }
+  if (primary == nullptr) {
+    for (const auto* r : failed) {
+      if (!r->comm_error) {
+        primary = r;
+        break;
+      }
+    }
+  }
+  if (primary == nullptr) {
+    // Every failure is a communication error: a live rank that launched fewer collectives than
+    // every other rank is the one they waited for.
+    const RankProcess* behind = nullptr;
+    int64_t others = -1;
+    for (const auto& r : ranks_) {
+      if (!r.alive || r.ops < 0) continue;
+      bool lowest = true;
+      int64_t most = -1;
+      for (const auto& q : ranks_) {
+        if (&q == &r) continue;
+        if (q.ops >= 0 && q.ops <= r.ops) lowest = false;
+        most = std::max(most, q.ops);
+      }
+      if (lowest && most > r.ops) {
+        behind = &r;
+        others = most;
+      }
+    }
+    if (behind != nullptr) {
+      primary = behind;
+      hung_because = common::str_cat("it launched ", behind->ops, " collectives, the others up to ",
+                                     others, " (it never reached the one they waited in)");
+    }
+  }
+  if (primary == nullptr) primary = failed.front();
+  res.failed_rank = primary->rank;
+  if (!hung_because.empty()) {
+    const RankProcess& first = *failed.front();
+    res.exit_code = exit_code_of(first.status);
+    res.message = common::str_cat("rank ", primary->rank, " (pid ", primary->pid,
+                                  ") stopped making progress: ", hung_because, "; then ",
+                                  describe(first), "; stopped the other ranks");
+  } else {
+    res.exit_code = exit_code_of(primary->status);
+    res.message = describe(*primary) + "; stopped the other ranks";
+  }
+  return res;
+}
+
 LaunchResult Attempt::run() {
   LaunchResult result;
-  const int port = o_.master_port > 0 ? o_.master_port : pick_free_port();
+  // The job's store lives here, not in rank 0: it outlives any rank, and its heartbeats show
+  // which rank stopped.
+  StoreServerOptions so;
+  so.bind_address = o_.master_addr;
+  so.port = o_.master_port;
+  so.timeout = o_.store_timeout;
+  store_ = serve_store(so);
+  const int port = store_->getPort();
   const int threads =
       o_.threads_per_rank > 0 ? o_.threads_per_rank : common::threads_per_rank(o_.nproc);
   ranks_.resize(o_.nproc);
   for (int r = 0; r < o_.nproc; ++r)
     spawn(r, port, threads);
+  bool failed = false;
+  auto first_failure = Clock::time_point{};
+  auto last_read = Clock::time_point{};
   while (true) {
     if (g_stop_signal != 0) {
       result.exit_code = 128 + g_stop_signal;
@@ -256,14 +435,20 @@ LaunchResult Attempt::run() {
       return result;
     }
     const int alive = reap();
-    for (const auto& r : ranks_) {
-      if (r.alive || (WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0)) continue;
-      result.failed_rank = r.rank;
-      result.exit_code = exit_code_of(r.status);
-      const std::string err = read_all(r.error_fd);
-      result.message =
-          common::str_cat("rank ", r.rank, " (pid ", r.pid, ") ", describe_status(r.status),
-                          err.empty() ? "" : ": ", err, "; stopped the other ranks");
+    const auto now = Clock::now();
+    if (now - last_read >= kHeartbeatPoll) {
+      read_heartbeats();
+      last_read = now;
+    }
+    if (!failed) {
+      failed = std::any_of(ranks_.begin(), ranks_.end(),
+                           [](const RankProcess& r) { return r.failed(); });
+      first_failure = now;
+    }
+    // After the first failure, wait `settle` for its consequences before naming a rank.
+    if (failed && (alive == 0 || now - first_failure >= o_.settle)) {
+      read_heartbeats();
+      result = blame();
       teardown();
       return result;
     }
@@ -316,6 +501,11 @@ void report_rank_error(const std::string& what) {
   if (path == nullptr) return;
   std::ofstream f(path);
   f << what;
+}
+
+void report_rank_error(const std::exception& error) {
+  const bool comm = dynamic_cast<const hp::CommError*>(&error) != nullptr;
+  report_rank_error(std::string(comm ? kCommErrorTag : "") + error.what());
 }
 
 LaunchResult launch_local_ranks(const LaunchOptions& o) {

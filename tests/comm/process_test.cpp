@@ -61,6 +61,19 @@ TEST(Processes, PeerThatExitsEarlyBecomesAnErrorNotAHang) {
   }
 }
 
+TEST(Processes, HeartbeatOutlivesTheStoreHost) {
+  // Rank 0 hosts the store and leaves; rank 1's heartbeat thread keeps writing to the closed
+  // connection for a while and must not take the process down (SIGPIPE) or block its exit.
+  auto results = run_rank_processes(2, [](World& w) {
+    if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  });
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << "rank " << r.rank << " signal " << r.term_signal << ": "
+                              << r.error;
+    EXPECT_LT(r.seconds, 20.0) << "rank " << r.rank;
+  }
+}
+
 TEST(Processes, PeerThatNeverArrivesTimesOut) {
   hp::testing::RankOptions o;
   o.timeout = std::chrono::milliseconds(2000);
@@ -144,6 +157,47 @@ TEST(Launcher, OneFailingRankStopsTheOthers) {
   EXPECT_NE(res.message.find("exited with code 3: rank one broke"), std::string::npos)
       << res.message;
   EXPECT_LT(secs, 20.0) << "the sleeping ranks were not stopped";
+}
+
+TEST(Launcher, OwnErrorIsBlamedBeforeTheCommErrorsItCaused) {
+  // Rank 0 fails first, but with a communication error (tagged as report_rank_error(CommError)
+  // tags it); rank 2's own error, a moment later, is the cause.
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 3;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.settle = std::chrono::milliseconds(2000);
+  lo.argv = {
+      "/bin/sh", "-c",
+      "case $RANK in "
+      "0) printf 'hp-error-kind: comm\\nrecv from rank 2 failed' > \"$HP_ERROR_FILE\"; exit 1;;"
+      "2) sleep 0.3; echo 'checkpoint unreadable' > \"$HP_ERROR_FILE\"; exit 2;;"
+      "esac; exec sleep 60"};
+  auto res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.failed_rank, 2) << res.message;
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_EQ(res.message.rfind("rank 2 (pid ", 0), 0u) << res.message;
+  EXPECT_NE(res.message.find("exited with code 2: checkpoint unreadable"), std::string::npos)
+      << res.message;
+  EXPECT_EQ(res.message.find("hp-error-kind"), std::string::npos) << res.message;
+}
+
+TEST(Launcher, StoppedRankIsBlamedForThePeersThatWaitedForIt) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 2;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.argv = {"/bin/sh", "-c",
+             "if [ \"$RANK\" = 1 ]; then kill -STOP $$; fi; sleep 0.5; "
+             "printf 'hp-error-kind: comm\\ntimed out' > \"$HP_ERROR_FILE\"; exit 1"};
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = hp::comm::launch_local_ranks(lo);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(res.failed_rank, 1) << res.message;
+  EXPECT_EQ(res.message.rfind("rank 1 (pid ", 0), 0u) << res.message;
+  EXPECT_NE(res.message.find("stopped making progress"), std::string::npos) << res.message;
+  EXPECT_NE(res.message.find("its process is stopped"), std::string::npos) << res.message;
+  EXPECT_NE(res.message.find("then rank 0 (pid "), std::string::npos) << res.message;
+  EXPECT_EQ(res.exit_code, 1);
+  EXPECT_LT(secs, 20.0) << "the stopped rank was not ended";
 }
 
 TEST(Launcher, SetsRankVariablesAndThreadCounts) {

@@ -395,4 +395,51 @@ TEST(GroupTimeout, BadValuesAreRefusedBeforeAnyRankStarts) {
   }
 }
 
+// --- Item 9: the summary names the rank that failed or hung first ------------------------------
+
+// The launcher's summary: the last line of the output naming a pid ("rank R (pid P) ...").
+std::string summary_line(const std::string& out) {
+  const auto at = out.rfind("(pid ");
+  if (at == std::string::npos) return "";
+  const auto begin = out.rfind('\n', at);
+  const auto end = out.find('\n', at);
+  return out.substr(begin == std::string::npos ? 0 : begin + 1,
+                    end == std::string::npos ? std::string::npos : end - begin - 1);
+}
+
+TEST(FailureBlame, StoppedRankIsNamedAsHung) {
+  Job job;
+  auto args = long_run(3, "61005");
+  args.insert(args.end() - 2, {"--timeout", "3"});
+  start(job, args, "blame_stopped");
+  wait_until_training(job, 3);
+  const int victim = job.ranks.at(1);
+  ASSERT_EQ(::kill(victim, SIGSTOP), 0);
+  ASSERT_TRUE(wait_exit(job, 40)) << job.output();
+  EXPECT_TRUE(ranks_gone(job, 5));
+  const std::string line = summary_line(job.output());
+  EXPECT_EQ(line.rfind("hp-train: rank 1 (pid " + std::to_string(victim) + ")", 0), 0)
+      << "summary: " << line << "\n"
+      << job.output();
+  EXPECT_NE(line.find("stopped making progress"), std::string::npos) << line;
+  EXPECT_NE(job.status, 0);
+}
+
+TEST(FailureBlame, KilledRankIsNamedFirstWithItsSignal) {
+  Job job;
+  start(job, long_run(3, "61006"), "blame_killed");
+  wait_until_training(job, 3);
+  const int victim = job.ranks.at(2);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_TRUE(wait_exit(job, 40)) << job.output();
+  const std::string line = summary_line(job.output());
+  EXPECT_EQ(line.rfind("hp-train: rank 2 (pid " + std::to_string(victim) +
+                           ") was killed by signal 9 (Killed)",
+                       0),
+            0)
+      << "summary: " << line << "\n"
+      << job.output();
+  EXPECT_TRUE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 128 + SIGKILL) << job.status;
+}
+
 }  // namespace

@@ -4,6 +4,7 @@
 // rank threads in one test process, coexist.
 //
 //   World::from_env()                   torchrun / mpirun / Slurm variables + TCPStore rendezvous
+//                                       (rank 0's store, or the local launcher's; store.h)
 //   World::in_process(rank, size, st)   threads-as-ranks over a shared store (tests, benches)
 //   World::fake(rank, size)             recording fake groups: no communication at all
 #pragma once
@@ -38,6 +39,11 @@ struct WorldOptions {
   bool verify_shapes = false;
   std::shared_ptr<common::Tracer> tracer;        // null: no trace events
   std::shared_ptr<CollectiveRecorder> recorder;  // null: nothing recorded
+  // from_env / from_launch_env with more than one rank: a thread of this World writes this
+  // rank's heartbeat (a beat count and the collectives launched so far) into the job's store at
+  // this interval, so the local launcher can tell a stopped or stuck rank from the ranks that
+  // merely waited for it. 0: no heartbeat.
+  std::chrono::milliseconds heartbeat_interval{250};
 };
 
 class World {
