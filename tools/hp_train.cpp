@@ -5,8 +5,11 @@
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
-//     [--config FILE.json]
-// With --nproc N it spawns N local ranks; without, it joins a torchrun / mpirun / Slurm job.
+//     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
+// With --nproc N it spawns N local ranks (and, with --max-restarts N, restarts them from the
+// last complete checkpoint when one fails); without, it joins a torchrun / mpirun / Slurm job.
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 
@@ -21,6 +24,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
+#include "hp/train/checkpoint.h"
 #include "hp/train/trainer.h"
 
 namespace {
@@ -53,6 +57,7 @@ struct Args {
   bool load_balance = false;
   bool auto_algo = false;
   double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+  int max_restarts = 0;
   std::string fusion = "off";
   std::string mode = "production";
 };
@@ -109,6 +114,10 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints");
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint");
   app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
+  app.add_option("--max-restarts", a.max_restarts,
+                 "with --nproc: restart all ranks from the last complete checkpoint when a rank "
+                 "fails, up to N times")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
 
@@ -240,6 +249,32 @@ int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
   return 0;
 }
 
+// N local ranks of this command line. With --max-restarts, a restart after a failure adds
+// --resume once the checkpoint directory holds a complete checkpoint (else it starts over).
+int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = a.nproc;
+  lo.argv = argv;
+  lo.max_restarts = a.max_restarts;
+  if (a.max_restarts > 0) {
+    lo.argv_for_attempt = [argv, dir = a.train.checkpoint_dir](int attempt) {
+      auto out = argv;
+      if (attempt == 0) return out;
+      const int64_t last = hp::train::latest_checkpoint(dir);
+      if (last > 0) {
+        std::fprintf(stderr, "hp-train: restart %d resumes from %s\n", attempt,
+                     hp::train::step_dir(dir, last).c_str());
+        if (std::find(out.begin(), out.end(), "--resume") == out.end()) out.push_back("--resume");
+      } else {
+        std::fprintf(stderr, "hp-train: restart %d starts over: no complete checkpoint in %s yet\n",
+                     attempt, dir.c_str());
+      }
+      return out;
+    };
+  }
+  return hp::comm::relaunch_as_local_ranks(std::move(lo), "hp-train");
+}
+
 // --config and the checks, then N local ranks of this command (--nproc N outside a job) or
 // this process's rank.
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
@@ -247,13 +282,22 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   hp::comm::timeout_from_seconds(a.timeout_s);  // checked before any rank starts
   resolve(a);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (a.max_restarts > 0) {
+    HP_CHECK(!a.train.checkpoint_dir.empty() && a.train.checkpoint_every > 0,
+             "hp-train: --max-restarts ", a.max_restarts,
+             " needs --checkpoint-dir and --checkpoint-every (a restart resumes from the last "
+             "complete checkpoint)");
+    HP_CHECK(env || a.nproc > 1, "hp-train: --max-restarts ", a.max_restarts,
+             " needs --nproc N > 1 (the local launcher restarts its ranks); under torchrun, use "
+             "torchrun's own --max-restarts");
+  }
   if (!env && a.nproc > 1) {
     const auto& o = a.train;
     const int64_t used = o.dp_replicate * o.dp_shard * o.cp * o.tp;
     HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ", o.dp_replicate,
              " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp, " = ", used,
              "; the layout must use every rank");
-    return hp::comm::relaunch_as_local_ranks(a.nproc, argv, "hp-train");
+    return launch_ranks(a, argv);
   }
   return train_rank(env, a);
 }

@@ -490,7 +490,21 @@ int relaunch_as_local_ranks(int nproc, const std::vector<std::string>& argv,
 }
 
 int relaunch_as_local_ranks(LaunchOptions lo, const std::string& tool) {
-  if (!lo.argv.empty()) lo.argv[0] = self_executable();
+  const std::string self = self_executable();
+  if (!lo.argv.empty()) lo.argv[0] = self;
+  if (lo.argv_for_attempt) {
+    lo.argv_for_attempt = [self, given = lo.argv_for_attempt](int attempt) {
+      auto argv = given(attempt);
+      if (!argv.empty()) argv[0] = self;
+      return argv;
+    };
+  }
+  if (!lo.log) {
+    lo.log = [tool](const std::string& line) {
+      std::fprintf(stderr, "%s: %s\n", tool.c_str(), line.c_str());
+      std::fflush(stderr);
+    };
+  }
   auto res = launch_local_ranks(lo);
   if (res.exit_code != 0) std::fprintf(stderr, "%s: %s\n", tool.c_str(), res.message.c_str());
   return res.exit_code;
@@ -510,10 +524,32 @@ void report_rank_error(const std::exception& error) {
 
 LaunchResult launch_local_ranks(const LaunchOptions& o) {
   HP_CHECK(o.nproc >= 1, "launch: nproc=", o.nproc, " must be >= 1");
-  HP_CHECK(!o.argv.empty(), "launch: no command given");
+  HP_CHECK(o.max_restarts >= 0, "launch: max_restarts=", o.max_restarts, " must be >= 0");
   StopSignals signals;
-  Attempt attempt(o, o.argv);
-  return attempt.run();
+  for (int attempt = 0;; ++attempt) {
+    const auto argv = o.argv_for_attempt ? o.argv_for_attempt(attempt) : o.argv;
+    HP_CHECK(!argv.empty(), "launch: no command given",
+             attempt > 0 ? common::str_cat(" for restart ", attempt) : std::string());
+    LaunchResult result;
+    if (g_stop_signal != 0) {  // between two runs
+      result.exit_code = 128 + g_stop_signal;
+      result.interrupted = true;
+      result.message =
+          common::str_cat("interrupted by signal ", static_cast<int>(g_stop_signal), "; stopped");
+    } else {
+      Attempt run(o, argv);
+      result = run.run();
+    }
+    result.restarts = attempt;
+    if (result.exit_code == 0 || result.interrupted || attempt >= o.max_restarts) return result;
+    const std::string line = common::str_cat(result.message, "; restarting all ranks (restart ",
+                                             attempt + 1, " of ", o.max_restarts, ")");
+    if (o.log) {
+      o.log(line);
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+  }
 }
 
 }  // namespace hp::comm

@@ -200,6 +200,43 @@ TEST(Launcher, StoppedRankIsBlamedForThePeersThatWaitedForIt) {
   EXPECT_LT(secs, 20.0) << "the stopped rank was not ended";
 }
 
+TEST(Launcher, RestartsAllRanksUpToMaxRestarts) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 2;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.max_restarts = 2;
+  std::vector<int> attempts;
+  lo.argv_for_attempt = [&](int attempt) {
+    attempts.push_back(attempt);
+    // Rank 1 fails in the first run only.
+    return std::vector<std::string>{
+        "/bin/sh", "-c",
+        attempt == 0 ? "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60" : "exit 0"};
+  };
+  std::vector<std::string> lines;
+  lo.log = [&](const std::string& line) { lines.push_back(line); };
+  auto res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.exit_code, 0) << res.message;
+  EXPECT_EQ(res.restarts, 1);
+  EXPECT_EQ(attempts, (std::vector<int>{0, 1}));
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0].rfind("rank 1 (pid ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find("exited with code 3; stopped the other ranks; restarting all ranks "
+                          "(restart 1 of 2)"),
+            std::string::npos)
+      << lines[0];
+
+  // A rank that keeps failing: the last run's failure after max_restarts restarts.
+  lo.argv_for_attempt = nullptr;
+  lo.argv = {"/bin/sh", "-c", "if [ \"$RANK\" = 0 ]; then exit 5; fi; exec sleep 60"};
+  lines.clear();
+  res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.exit_code, 5);
+  EXPECT_EQ(res.failed_rank, 0);
+  EXPECT_EQ(res.restarts, 2);
+  EXPECT_EQ(lines.size(), 2u);
+}
+
 TEST(Launcher, SetsRankVariablesAndThreadCounts) {
   hp::comm::LaunchOptions lo;
   lo.nproc = 2;

@@ -442,4 +442,102 @@ TEST(FailureBlame, KilledRankIsNamedFirstWithItsSignal) {
   EXPECT_TRUE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 128 + SIGKILL) << job.status;
 }
 
+// --- --max-restarts: a killed rank costs a restart from the last checkpoint, not the run -------
+
+std::vector<std::string> restart_run(const std::string& dir, const std::string& seed) {
+  return {HP_TRAIN_BINARY,
+          "--nproc",
+          "2",
+          "--cp",
+          "2",
+          "--seq-len",
+          "48",
+          "--layers",
+          "1",
+          "--hidden",
+          "24",
+          "--heads",
+          "3",
+          "--kv-heads",
+          "3",
+          "--head-dim",
+          "8",
+          "--ffn",
+          "32",
+          "--steps",
+          "40",
+          "--checkpoint-dir",
+          dir + "/ckpt",
+          "--checkpoint-every",
+          "5",
+          "--metrics-json",
+          dir + "/metrics.json",
+          "--seed",
+          seed};
+}
+
+TEST(MaxRestarts, KilledRankRestartsFromTheLastCheckpointWithTheSameLosses) {
+  const std::string plain = hp::testing::scratch_dir() + "/restart_plain";
+  const std::string faulty = hp::testing::scratch_dir() + "/restart_faulty";
+  fs::create_directories(plain);
+  fs::create_directories(faulty);
+  {
+    Job job;
+    start(job, restart_run(plain, "61007"), "restart_plain");
+    ASSERT_TRUE(wait_exit(job, 120)) << job.output();
+    ASSERT_TRUE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 0) << job.output();
+  }
+  Job job;
+  auto args = restart_run(faulty, "61007");
+  args.insert(args.end() - 2, {"--max-restarts", "2"});
+  start(job, args, "restart_faulty");
+  // Kill rank 1 once the first checkpoint is complete (its step directory renamed into place).
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(faulty + "/ckpt/step_00000005/manifest.json") && Clock::now() < deadline) {
+    ASSERT_EQ(::waitpid(job.pid, &job.status, WNOHANG), 0) << job.output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  int victim = -1;
+  for (int pid : children_of(job.pid)) {
+    if (rank_of(pid) == 1) victim = pid;
+  }
+  ASSERT_GT(victim, 0) << job.output();
+  job.ranks[1] = victim;
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_TRUE(wait_exit(job, 120)) << job.output();
+  EXPECT_TRUE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 0) << job.output();
+  const std::string out = job.output();
+  EXPECT_NE(out.find("restart 1 of 2"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9"),
+            std::string::npos)
+      << out;
+  // The restarted run's steps are the uninterrupted run's, bit for bit.
+  auto a = nlohmann::json::parse(read_file(plain + "/metrics.json"));
+  auto b = nlohmann::json::parse(read_file(faulty + "/metrics.json"));
+  const auto& sa = a.at("steps");
+  const auto& sb = b.at("steps");
+  ASSERT_EQ(sa.size(), 40u);
+  ASSERT_FALSE(sb.empty());
+  EXPECT_GT(sb.front().at("step").get<int64_t>(), 1) << "the restart did not resume";
+  EXPECT_EQ(sb.back().at("step").get<int64_t>(), 40);
+  for (const auto& s : sb) {
+    const int64_t step = s.at("step").get<int64_t>();
+    EXPECT_EQ(s.at("loss").get<double>(), sa[step - 1].at("loss").get<double>()) << "step " << step;
+  }
+  EXPECT_EQ(b.at("final_loss").get<double>(), a.at("final_loss").get<double>());
+}
+
+TEST(MaxRestarts, NeedsCheckpoints) {
+  for (const std::string& extra :
+       {std::string(), " --checkpoint-dir " + hp::testing::scratch_dir() + "/x"}) {
+    auto r = hp::testing::run_command(std::string(HP_TRAIN_BINARY) +
+                                      " --nproc 2 --cp 2 --max-restarts 1" + extra);
+    EXPECT_EQ(r.rc, 1) << r.out;
+    EXPECT_NE(r.out.find("--max-restarts 1 needs --checkpoint-dir and --checkpoint-every"),
+              std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out.find("hp-train: plan"), std::string::npos) << r.out;
+  }
+}
+
 }  // namespace

@@ -18,6 +18,11 @@
 // failed waiting for it; a rank that failed with its own error (not a communication error,
 // which a peer's failure causes); the rank that failed earliest.
 //
+// Restarts (torchrun's elastic agent, locally). With max_restarts = K > 0, a failed run (not an
+// interrupted one) is followed by a new run of all ranks, up to K times, each logged with the
+// failure that caused it; attempt k runs argv_for_attempt(k) when set (e.g. hp-train adds
+// --resume once a checkpoint exists), else argv. Each run gets a fresh store.
+//
 // Lifetime. No rank outlives the launcher: SIGINT, SIGTERM and SIGHUP to the launcher stop every
 // rank (exit code 128 + signal); each rank gets PR_SET_PDEATHSIG (SIGKILL), so it dies with the
 // launcher even when the launcher is killed outright; ranks stay in the launcher's process
@@ -32,6 +37,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +56,12 @@ struct LaunchOptions {
   std::chrono::milliseconds grace{3000};  // SIGTERM -> SIGKILL delay during teardown
   std::chrono::milliseconds settle{500};  // first failure -> blame and teardown
   std::chrono::milliseconds store_timeout = kDefaultTimeout;  // the hosted store's timeout
+  int max_restarts = 0;  // runs of all ranks after a failed one (see above)
+  // The command line of attempt k (0: the first run); null: `argv` every time.
+  std::function<std::vector<std::string>(int attempt)> argv_for_attempt;
+  // Where restart lines go ("rank 1 (pid ..) ...; restarting all ranks (restart 1 of 2)");
+  // null: stderr.
+  std::function<void(const std::string&)> log;
 };
 
 struct LaunchResult {
@@ -57,6 +69,7 @@ struct LaunchResult {
   int failed_rank = -1;      // the rank that failed first (see above), -1 if none
   std::string message;       // what failed, including the rank's own error when it reported one
   bool interrupted = false;  // stopped by SIGINT, SIGTERM or SIGHUP to the launcher
+  int restarts = 0;          // restarts done (the result is the last run's)
 };
 
 LaunchResult launch_local_ranks(const LaunchOptions& options);
@@ -70,7 +83,8 @@ std::string self_executable();
 // For a tool's main() given --nproc N outside a launcher: re-runs the same command line as N
 // local rank processes and returns the job's exit code (the failure message goes to stderr,
 // prefixed with `tool`). The second form takes the launch options (argv[0] becomes this
-// executable).
+// executable, in argv_for_attempt's command lines too; restart lines are prefixed with `tool`
+// unless options.log is set).
 int relaunch_as_local_ranks(int nproc, const std::vector<std::string>& argv,
                             const std::string& tool);
 int relaunch_as_local_ranks(LaunchOptions options, const std::string& tool);
