@@ -33,6 +33,7 @@
 #include <map>
 #include <thread>
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "heartbeat.h"
@@ -519,7 +520,10 @@ void report_rank_error(const std::string& what) {
 
 void report_rank_error(const std::exception& error) {
   const bool comm = dynamic_cast<const hp::CommError*>(&error) != nullptr;
-  report_rank_error(std::string(comm ? kCommErrorTag : "") + error.what());
+  // LibTorch's errors carry a backtrace; the launcher's one-line summary quotes the message.
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  report_rank_error(std::string(comm ? kCommErrorTag : "") +
+                    (c10_error != nullptr ? c10_error->what_without_backtrace() : error.what()));
 }
 
 LaunchResult launch_local_ranks(const LaunchOptions& o) {

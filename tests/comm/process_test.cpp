@@ -9,6 +9,7 @@
 #include <sstream>
 #include <thread>
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <ATen/ATen.h>
@@ -235,6 +236,26 @@ TEST(Launcher, RestartsAllRanksUpToMaxRestarts) {
   EXPECT_EQ(res.failed_rank, 0);
   EXPECT_EQ(res.restarts, 2);
   EXPECT_EQ(lines.size(), 2u);
+}
+
+TEST(Launcher, RankErrorReports) {
+  const std::string path = hp::testing::scratch_dir() + "/rank_error";
+  ::setenv("HP_ERROR_FILE", path.c_str(), 1);
+  auto read = [&] {
+    std::ifstream f(path);
+    return std::string((std::istreambuf_iterator<char>(f)), {});
+  };
+  hp::comm::report_rank_error(hp::CommError("recv timed out"));
+  EXPECT_EQ(read(), "hp-error-kind: comm\nrecv timed out");  // the launcher's tag: a consequence
+  hp::comm::report_rank_error(hp::Error("bad input"));
+  EXPECT_EQ(read(), "bad input");
+  try {
+    TORCH_CHECK(false, "zip archive broken");
+  } catch (const c10::Error& e) {
+    hp::comm::report_rank_error(e);
+  }
+  EXPECT_EQ(read(), "zip archive broken");  // no backtrace in the launcher's summary
+  ::unsetenv("HP_ERROR_FILE");
 }
 
 TEST(Launcher, SetsRankVariablesAndThreadCounts) {

@@ -410,7 +410,7 @@ std::string summary_line(const std::string& out) {
 TEST(FailureBlame, StoppedRankIsNamedAsHung) {
   Job job;
   auto args = long_run(3, "61005");
-  args.insert(args.end() - 2, {"--timeout", "3"});
+  args.insert(args.end() - 2, {"--timeout", "5"});
   start(job, args, "blame_stopped");
   wait_until_training(job, 3);
   const int victim = job.ranks.at(1);

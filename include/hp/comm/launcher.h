@@ -92,7 +92,7 @@ int relaunch_as_local_ranks(LaunchOptions options, const std::string& tool);
 // For a rank's main(): records its error where the launcher looks for it (HP_ERROR_FILE), so
 // the launcher's failure message can quote the rank's error. No-op outside the launcher. The
 // exception form also tells the launcher whether it was a communication error (hp::CommError:
-// most likely caused by a peer) or the rank's own.
+// most likely caused by a peer) or the rank's own, and leaves out LibTorch's backtraces.
 void report_rank_error(const std::string& what);
 void report_rank_error(const std::exception& error);
 
