@@ -264,7 +264,8 @@ int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
       if (last > 0) {
         std::fprintf(stderr, "hp-train: restart %d resumes from %s\n", attempt,
                      hp::train::step_dir(dir, last).c_str());
-        if (std::find(out.begin(), out.end(), "--resume") == out.end()) out.push_back("--resume");
+        if (std::find(out.begin(), out.end(), "--resume") == out.end())
+          out.emplace_back("--resume");
       } else {
         std::fprintf(stderr, "hp-train: restart %d starts over: no complete checkpoint in %s yet\n",
                      attempt, dir.c_str());

@@ -137,13 +137,15 @@ std::vector<std::string> environment_with(
   for (const auto& [k, v] : set)
     env[k] = v;
   std::vector<std::string> out;
+  out.reserve(env.size());
   for (const auto& [k, v] : env)
-    out.push_back(k + "=" + v);
+    out.push_back(std::string(k).append("=").append(v));
   return out;
 }
 
 std::vector<char*> c_strings(std::vector<std::string>& strings) {
   std::vector<char*> out;
+  out.reserve(strings.size() + 1);
   for (auto& s : strings)
     out.push_back(s.data());
   out.push_back(nullptr);
@@ -538,8 +540,10 @@ LaunchResult launch_local_ranks(const LaunchOptions& o) {
     if (g_stop_signal != 0) {  // between two runs
       result.exit_code = 128 + g_stop_signal;
       result.interrupted = true;
-      result.message =
-          common::str_cat("interrupted by signal ", static_cast<int>(g_stop_signal), "; stopped");
+      result.message = common::str_cat(
+          "interrupted by signal ", static_cast<int>(g_stop_signal),
+          attempt == 0 ? std::string("; started no rank")
+                       : common::str_cat(" before restart ", attempt, "; started no rank"));
     } else {
       Attempt run(o, argv);
       result = run.run();

@@ -31,7 +31,7 @@ class Heartbeat {
  public:
   Heartbeat(std::string host, int port, int rank, std::chrono::milliseconds interval,
             std::shared_ptr<CommContext> context)
-      : thread_([this, host = std::move(host), port, rank, interval, context] {
+      : thread_([this, host = std::move(host), port, rank, interval, context = std::move(context)] {
           run(host, port, rank, interval, *context);
         }) {}
   ~Heartbeat() {

@@ -102,7 +102,9 @@ std::vector<std::string> store_addresses_of_rank0() {
   std::vector<std::string> seen;
   auto results = run_rank_processes(2, [](World& w) {
     if (w.rank() != 0) return;
-    auto a = listening_addresses(std::atoi(std::getenv("MASTER_PORT")));
+    const char* port = std::getenv("MASTER_PORT");
+    HP_CHECK(port != nullptr, "MASTER_PORT is not set");
+    auto a = listening_addresses(std::atoi(port));
     std::string all;
     for (const auto& x : a)
       all += x + " ";

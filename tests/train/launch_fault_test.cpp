@@ -240,7 +240,7 @@ std::vector<Listener> listeners_of(const std::vector<int>& pids) {
         l.loopback = (ntohl(a.s_addr) >> 24) == 127;
       } else {
         in6_addr a{};
-        for (int w = 0; w < 4; ++w) {
+        for (size_t w = 0; w < 4; ++w) {
           const uint32_t word =
               static_cast<uint32_t>(std::stoul(hex.substr(8 * w, 8), nullptr, 16));
           std::memcpy(&a.s6_addr[4 * w], &word, 4);
@@ -385,7 +385,7 @@ TEST(GroupTimeout, BadValuesAreRefusedBeforeAnyRankStarts) {
       std::string(HP_BENCH_BINARY) + " hsdp --nproc 2 --dp-shard 2"};
   for (const auto& tool : tools) {
     for (const std::string bad : {"0", "-5", "nan", "inf"}) {
-      auto r = hp::testing::run_command(tool + " --timeout " + bad);
+      auto r = hp::testing::run_command(std::string(tool).append(" --timeout ").append(bad));
       EXPECT_NE(r.rc, 0) << tool << " --timeout " << bad << "\n" << r.out;
       EXPECT_NE(r.out.find("--timeout " + bad + " is not valid"), std::string::npos)
           << tool << " --timeout " << bad << "\n"
