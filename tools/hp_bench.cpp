@@ -63,7 +63,7 @@ struct CommArgs {
   int nproc = 1;
   hp::bench::CommBenchOptions bench;
   bool json = false;
-  double timeout_s = 300;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
   std::string trace;  // Chrome-trace file, one track per rank
 };
 
@@ -72,7 +72,7 @@ CLI::App* add_comm_command(CLI::App& app, CommArgs& a) {
   c->add_option("--nproc", a.nproc, "local rank processes to spawn")->check(CLI::Range(1, 64));
   c->add_option("--bytes", a.bench.bytes, "input bytes per rank")->check(CLI::PositiveNumber);
   c->add_option("--iters", a.bench.iters, "timed iterations")->check(CLI::Range(1, 100000));
-  c->add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  c->add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   c->add_flag("--json", a.json, "one JSON object on stdout");
   c->add_option("--trace", a.trace, "write a Chrome trace (one track per rank) to this file");
   return c;
@@ -111,10 +111,10 @@ void print_comm(const std::vector<hp::bench::CommBenchResult>& results, int npro
 }
 
 int run_comm(const CommArgs& a, const std::vector<std::string>& argv) {
+  hp::comm::WorldOptions wo;
+  wo.timeout = hp::comm::timeout_from_seconds(a.timeout_s);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "comm");
-  hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   if (!a.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
   hp::comm::World world = env ? hp::comm::World::from_launch_env(*env, wo)
                               : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
@@ -281,6 +281,10 @@ void add_commands(CLI::App& app, Commands& c) {
 
 // The parsed subcommand (under an emulated link first when --link-rate asks for one).
 int run_command(const Commands& c, const std::vector<std::string>& args) {
+  // --timeout is checked before anything starts (an emulated link, local ranks).
+  if (c.comm_cmd->parsed()) hp::comm::timeout_from_seconds(c.comm.timeout_s);
+  if (c.cp_cmd->parsed()) hp::comm::timeout_from_seconds(c.cp.timeout_s);
+  if (c.hsdp_cmd->parsed()) hp::comm::timeout_from_seconds(c.hsdp.timeout_s);
   if (!c.link_rate.empty() && !hp::bench::emulated_link_rate()) {
     return hp::bench::run_in_emulated_link(c.link_rate, args);
   }
@@ -305,7 +309,7 @@ int main(int argc, char** argv) {
     return run_command(commands, args);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;
-    hp::comm::report_rank_error(e.what());
+    hp::comm::report_rank_error(e);
     return 1;
   }
 }

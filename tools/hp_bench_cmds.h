@@ -10,6 +10,7 @@
 #include "hp/bench/cp_bench.h"
 #include "hp/bench/hsdp_bench.h"
 #include "hp/bench/report.h"
+#include "hp/comm/types.h"
 
 namespace CLI {
 class App;
@@ -29,7 +30,7 @@ struct CPArgs {
   std::string algo = "all_gather", schedule = "sync";
   int64_t degree = 0;
   bool json = false;
-  double timeout_s = 600;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
 };
 CLI::App* add_cp_command(CLI::App& app, CPArgs& a);
 int run_cp(CPArgs a, const std::vector<std::string>& argv);
@@ -39,7 +40,7 @@ struct HsdpArgs {
   int nproc = 2;
   std::string fusion = "off";
   bool json = false;
-  double timeout_s = 600;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
 };
 CLI::App* add_hsdp_command(CLI::App& app, HsdpArgs& a);
 int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv);

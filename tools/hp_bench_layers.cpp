@@ -38,7 +38,7 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_flag("--load-balance", a.bench.config.load_balance,
                 "head-tail load balance (all_gather; data-order shards)");
   cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
-  cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   cmd->add_flag("--json", a.json, "one JSON object on stdout");
   return cmd;
 }
@@ -95,7 +95,7 @@ void resolve_cp_config(CPArgs& a) {
 // This process's rank of the job (launcher variables, or a world of one), its threads set.
 hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s) {
   hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  wo.timeout = hp::comm::timeout_from_seconds(timeout_s);
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
@@ -193,7 +193,7 @@ CLI::App* add_hsdp_command(CLI::App& app, HsdpArgs& a) {
   cmd->add_option("--ffn", a.bench.ffn, "MLP width")->check(CLI::PositiveNumber);
   cmd->add_option("--seq", a.bench.seq, "tokens per rank")->check(CLI::PositiveNumber);
   cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
-  cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   cmd->add_flag("--json", a.json, "one JSON object on stdout");
   return cmd;
 }

@@ -6,8 +6,11 @@
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 //     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
-//     [--config FILE.json]
-// With --nproc N it spawns N local ranks; without, it joins a torchrun / mpirun / Slurm job.
+//     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
+// With --nproc N it spawns N local ranks (and, with --max-restarts N, restarts them from the
+// last complete checkpoint when one fails); without, it joins a torchrun / mpirun / Slurm job.
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -23,6 +26,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
+#include "hp/train/checkpoint.h"
 #include "hp/train/preflight.h"
 #include "hp/train/trainer.h"
 
@@ -56,7 +60,8 @@ struct Args {
   bool load_balance = false;
   bool auto_algo = false;
   std::string nan_policy = "error", memory_limit;
-  double timeout_s = 600;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+  int max_restarts = 0;
   std::string fusion = "off";
   std::string mode = "production";
 };
@@ -118,7 +123,11 @@ void add_run_options(CLI::App& app, Args& a) {
   app.add_option("--memory-limit", a.memory_limit,
                  "memory the ranks on this machine may use together, e.g. 8G (default: "
                  "MemAvailable); layouts estimated above it are refused");
-  app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds");
+  app.add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
+  app.add_option("--max-restarts", a.max_restarts,
+                 "with --nproc: restart all ranks from the last complete checkpoint when a rank "
+                 "fails, up to N times")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
 }
 
@@ -260,7 +269,7 @@ void report(const hp::comm::World& world, const Args& a, const hp::train::TrainR
 int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
   const auto& o = a.train;
   hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  wo.timeout = hp::comm::timeout_from_seconds(a.timeout_s);
   if (!o.trace.empty()) wo.tracer = std::make_shared<hp::common::Tracer>();
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
@@ -271,12 +280,49 @@ int train_rank(const std::optional<hp::comm::LaunchEnv>& env, const Args& a) {
   return 0;
 }
 
+// N local ranks of this command line. With --max-restarts, a restart after a failure adds
+// --resume once the checkpoint directory holds a complete checkpoint (else it starts over).
+int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = a.nproc;
+  lo.argv = argv;
+  lo.max_restarts = a.max_restarts;
+  if (a.max_restarts > 0) {
+    lo.argv_for_attempt = [argv, dir = a.train.checkpoint_dir](int attempt) {
+      auto out = argv;
+      if (attempt == 0) return out;
+      const int64_t last = hp::train::latest_checkpoint(dir);
+      if (last > 0) {
+        std::fprintf(stderr, "hp-train: restart %d resumes from %s\n", attempt,
+                     hp::train::step_dir(dir, last).c_str());
+        if (std::find(out.begin(), out.end(), "--resume") == out.end())
+          out.emplace_back("--resume");
+      } else {
+        std::fprintf(stderr, "hp-train: restart %d starts over: no complete checkpoint in %s yet\n",
+                     attempt, dir.c_str());
+      }
+      return out;
+    };
+  }
+  return hp::comm::relaunch_as_local_ranks(std::move(lo), "hp-train");
+}
+
 // --config and the checks, then N local ranks of this command (--nproc N outside a job) or
 // this process's rank.
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   if (!a.config_file.empty()) apply_config(app, a.config_file);
+  hp::comm::timeout_from_seconds(a.timeout_s);  // checked before any rank starts
   resolve(a);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (a.max_restarts > 0) {
+    HP_CHECK(!a.train.checkpoint_dir.empty() && a.train.checkpoint_every > 0,
+             "hp-train: --max-restarts ", a.max_restarts,
+             " needs --checkpoint-dir and --checkpoint-every (a restart resumes from the last "
+             "complete checkpoint)");
+    HP_CHECK(env || a.nproc > 1, "hp-train: --max-restarts ", a.max_restarts,
+             " needs --nproc N > 1 (the local launcher restarts its ranks); under torchrun, use "
+             "torchrun's own --max-restarts");
+  }
   if (!env && a.nproc > 1) {
     const auto& o = a.train;
     // Before any rank starts: the options, the memory of nproc ranks, the output paths.
@@ -285,7 +331,7 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
     HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ", o.dp_replicate,
              " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp, " = ", used,
              "; the layout must use every rank");
-    return hp::comm::relaunch_as_local_ranks(a.nproc, argv, "hp-train");
+    return launch_ranks(a, argv);
   }
   return train_rank(env, a);
 }
@@ -306,7 +352,7 @@ int main(int argc, char** argv) {
     // Messages that already name the tool are printed as they are.
     const std::string what = e.what();
     std::cerr << (what.rfind("hp-train", 0) == 0 ? "" : "hp-train: ") << what << std::endl;
-    hp::comm::report_rank_error(e.what());
+    hp::comm::report_rank_error(e);
     return 1;
   }
 }

@@ -168,6 +168,7 @@ CommHandle launch(OpKind op, Group& g, const at::Tensor& input, int64_t formula,
                   const std::function<std::unique_ptr<PendingOp>()>& start,
                   CommHandle::Continuation then) {
   std::unique_ptr<PendingOp> pending;
+  g.context().ops_launched.fetch_add(1, std::memory_order_relaxed);
   try {
     pending = start();
   } catch (const std::exception& e) {

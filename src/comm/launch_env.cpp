@@ -82,6 +82,14 @@ std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
     HP_CHECK(out.master_port > 0 && out.master_port < 65536, out.launcher,
              " launch: MASTER_PORT=", out.master_port, " is not a TCP port (1..65535)");
   }
+  if (auto v = env("HP_STORE_BIND")) {
+    HP_CHECK(!v->empty(), out.launcher,
+             " launch: HP_STORE_BIND is set but empty; unset it (the store listens on "
+             "MASTER_ADDR's address) or name an address of rank 0's host ('*' for every "
+             "interface)");
+    out.store_bind = *v;
+  }
+  out.store_on_launcher = env("HP_STORE_ON_LAUNCHER").value_or("") == "1";
   return out;
 }
 

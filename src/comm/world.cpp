@@ -1,20 +1,83 @@
 #include "hp/comm/world.h"
 
 #include <algorithm>
+#include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "heartbeat.h"
 #include "hp/comm/collectives.h"
+#include "hp/comm/store.h"
 #include "hp/common/check.h"
 #include "hp/common/trace.h"
 
 namespace hp::comm {
+
+namespace {
+
+// Writes this rank's heartbeat (heartbeat.h) into the job's store every `interval`, through a
+// store client of its own (a TCPStore client serialises its calls: the World's own client may
+// sit in a long wait). Best effort: without a store connection there is no heartbeat, never an
+// error. Stops and joins on destruction.
+class Heartbeat {
+ public:
+  Heartbeat(std::string host, int port, int rank, std::chrono::milliseconds interval,
+            std::shared_ptr<CommContext> context)
+      : thread_([this, host = std::move(host), port, rank, interval, context = std::move(context)] {
+          run(host, port, rank, interval, *context);
+        }) {}
+  ~Heartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+ private:
+  void run(const std::string& host, int port, int rank, std::chrono::milliseconds interval,
+           const CommContext& context) {
+    c10::intrusive_ptr<c10d::TCPStore> store;
+    try {
+      store = join_store(host, port, std::chrono::seconds(10));
+    } catch (const std::exception&) {
+      return;
+    }
+    const std::string key = detail::heartbeat_key(rank);
+    int64_t beat = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      const std::string value =
+          common::str_cat(++beat, " ", context.ops_launched.load(std::memory_order_relaxed));
+      try {
+        store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+      } catch (const std::exception&) {
+        return;  // the store is gone; so is the job
+      }
+      lock.lock();
+      cv_.wait_for(lock, interval, [this] { return stop_; });
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+}  // namespace
 
 struct World::State {
   int rank = 0;
@@ -28,6 +91,9 @@ struct World::State {
   GroupPtr world_group;
   std::mutex mu;
   int next_group_id = 0;
+  std::string store_host;  // a TCPStore's address (from_launch_env): where heartbeats go
+  int store_port = 0;
+  std::unique_ptr<Heartbeat> heartbeat;  // last: stopped first
 };
 
 namespace {
@@ -45,6 +111,11 @@ World::World(std::shared_ptr<State> state) : state_(std::move(state)) {
   state_->context->verify_shapes = state_->options.verify_shapes;
   state_->context->tracer = state_->options.tracer;
   state_->context->recorder = state_->options.recorder;
+  if (!state_->store_host.empty() && state_->options.heartbeat_interval.count() > 0) {
+    state_->heartbeat =
+        std::make_unique<Heartbeat>(state_->store_host, state_->store_port, state_->rank,
+                                    state_->options.heartbeat_interval, state_->context);
+  }
   std::vector<int> all(state_->size);
   for (int i = 0; i < state_->size; ++i)
     all[i] = i;
@@ -70,14 +141,23 @@ World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) 
   if (env.world_size == 1) {
     state->store = c10::make_intrusive<c10d::HashStore>();
   } else {
-    c10d::TCPStoreOptions opts;
-    opts.port = static_cast<std::uint16_t>(env.master_port);
-    opts.isServer = env.rank == 0;
-    opts.numWorkers = env.world_size;
-    opts.waitWorkers = true;
-    opts.timeout = options.timeout;
     try {
-      state->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+      if (env.store_on_launcher) {
+        state->store = join_store(env.master_addr, env.master_port, options.timeout);
+      } else if (env.rank == 0) {
+        // Rank 0 hosts the store, listening on MASTER_ADDR's address only (or HP_STORE_BIND).
+        StoreServerOptions so;
+        so.bind_address = env.store_bind.empty() ? env.master_addr : env.store_bind;
+        so.port = env.master_port;
+        so.num_workers = env.world_size;
+        so.timeout = options.timeout;
+        auto store = serve_store(so);
+        state->store_host = store->getHost();  // rank 0's heartbeat: where it listens
+        state->store = store;
+      } else {
+        state->store =
+            join_store(env.master_addr, env.master_port, options.timeout, env.world_size);
+      }
     } catch (const std::exception& e) {
       throw CommError(common::str_cat(
           "rendezvous failed on rank ", env.rank, " of ", env.world_size, " (", env.launcher,
@@ -86,6 +166,8 @@ World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) 
           "rank starts within the timeout (",
           options.timeout.count(), " ms)"));
     }
+    if (state->store_host.empty()) state->store_host = env.master_addr;
+    state->store_port = env.master_port;
   }
   return World(std::move(state));
 }
@@ -206,6 +288,14 @@ GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string
   }
   return std::make_shared<Group>(name, world_ranks, state_->rank, std::move(transport),
                                  state_->context, timeout);
+}
+
+std::chrono::milliseconds timeout_from_seconds(double seconds, const std::string& flag) {
+  HP_CHECK(std::isfinite(seconds) && seconds > 0 && seconds <= kMaxTimeoutSeconds, flag, " ",
+           seconds, " is not valid: give the group timeout as a number of seconds > 0 and <= ",
+           kMaxTimeoutSeconds, " (default ", kDefaultTimeout.count(), ")");
+  const auto ms = static_cast<int64_t>(std::ceil(seconds * 1000));
+  return std::chrono::milliseconds(ms);
 }
 
 void write_world_trace(const World& world, const std::string& path) {

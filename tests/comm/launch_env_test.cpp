@@ -2,7 +2,12 @@
 
 #include <map>
 
+#include <cmath>
+#include <limits>
+
 #include "hp/comm/launch_env.h"
+#include "hp/comm/transport.h"
+#include "hp/comm/world.h"
 #include "hp/common/check.h"
 
 namespace hp::comm {
@@ -84,6 +89,37 @@ TEST(LaunchEnv, ClearErrors) {
   EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}})
                 .find("MASTER_PORT=70000 is not a TCP port"),
             std::string::npos);
+}
+
+TEST(LaunchEnv, StoreBindAddress) {
+  auto e = parse_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
+  EXPECT_EQ(e->store_bind, "");  // MASTER_ADDR's address
+  e = parse_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"HP_STORE_BIND", "10.0.0.5"}}));
+  EXPECT_EQ(e->store_bind, "10.0.0.5");
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"HP_STORE_BIND", ""}})
+                .find("HP_STORE_BIND is set but empty"),
+            std::string::npos);
+}
+
+TEST(GroupTimeout, OneDefaultEverywhere) {
+  EXPECT_EQ(kDefaultTimeout, std::chrono::seconds(300));  // the README's number
+  EXPECT_EQ(WorldOptions{}.timeout, kDefaultTimeout);
+  EXPECT_EQ(C10dTransportOptions{}.timeout, kDefaultTimeout);
+}
+
+TEST(GroupTimeout, SecondsAreChecked) {
+  EXPECT_EQ(timeout_from_seconds(2.5), std::chrono::milliseconds(2500));
+  EXPECT_EQ(timeout_from_seconds(0.0001), std::chrono::milliseconds(1));  // never rounds to 0
+  for (double bad : {0.0, -5.0, std::nan(""), std::numeric_limits<double>::infinity(), 1e7}) {
+    std::string msg;
+    try {
+      timeout_from_seconds(bad, "--timeout");
+    } catch (const hp::Error& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("--timeout"), std::string::npos) << bad << ": " << msg;
+    EXPECT_NE(msg.find("is not valid"), std::string::npos) << bad << ": " << msg;
+  }
 }
 
 }  // namespace

@@ -6,7 +6,11 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <thread>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -14,6 +18,7 @@
 
 #include "hp/comm/collectives.h"
 #include "hp/comm/launcher.h"
+#include "hp/comm/store.h"
 #include "hp/common/check.h"
 #include "hp/common/trace.h"
 #include "rank_harness.h"
@@ -57,6 +62,19 @@ TEST(Processes, PeerThatExitsEarlyBecomesAnErrorNotAHang) {
   }
 }
 
+TEST(Processes, HeartbeatOutlivesTheStoreHost) {
+  // Rank 0 hosts the store and leaves; rank 1's heartbeat thread keeps writing to the closed
+  // connection for a while and must not take the process down (SIGPIPE) or block its exit.
+  auto results = run_rank_processes(2, [](World& w) {
+    if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  });
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << "rank " << r.rank << " signal " << r.term_signal << ": "
+                              << r.error;
+    EXPECT_LT(r.seconds, 20.0) << "rank " << r.rank;
+  }
+}
+
 TEST(Processes, PeerThatNeverArrivesTimesOut) {
   hp::testing::RankOptions o;
   o.timeout = std::chrono::milliseconds(2000);
@@ -78,6 +96,54 @@ TEST(Processes, PeerThatNeverArrivesTimesOut) {
       << results[0].error;
 }
 
+// Rank 0's store listens on MASTER_ADDR's address only (127.0.0.1 here), never on every
+// interface; HP_STORE_BIND='*' asks for every interface explicitly.
+std::vector<std::string> store_addresses_of_rank0() {
+  std::vector<std::string> seen;
+  auto results = run_rank_processes(2, [](World& w) {
+    if (w.rank() != 0) return;
+    const char* port = std::getenv("MASTER_PORT");
+    HP_CHECK(port != nullptr, "MASTER_PORT is not set");
+    auto a = listening_addresses(std::atoi(port));
+    std::string all;
+    for (const auto& x : a)
+      all += x + " ";
+    throw Error("listening:" + all);  // carries the addresses back to the test
+  });
+  std::istringstream in(results[0].error.substr(results[0].error.find(':') + 1));
+  for (std::string a; in >> a;)
+    seen.push_back(a);
+  EXPECT_EQ(results[1].exit_code, 0) << results[1].error;
+  return seen;
+}
+
+TEST(Store, RankZeroListensOnMasterAddrOnly) {
+  const auto seen = store_addresses_of_rank0();
+  ASSERT_FALSE(seen.empty());
+  for (const auto& a : seen)
+    EXPECT_TRUE(a == "127.0.0.1" || a == "::ffff:127.0.0.1") << a;
+}
+
+TEST(Store, EveryInterfaceOnlyWhenAskedFor) {
+  ::setenv("HP_STORE_BIND", "*", 1);
+  const auto seen = store_addresses_of_rank0();
+  ::unsetenv("HP_STORE_BIND");
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_TRUE(seen[0] == "::" || seen[0] == "0.0.0.0") << seen[0];
+}
+
+TEST(Store, ServerOnAnAddressOfAnotherHostFailsNamingIt) {
+  StoreServerOptions o;
+  o.bind_address = "203.0.113.7";  // TEST-NET-3: not an address of this host
+  o.timeout = std::chrono::seconds(2);
+  HP_EXPECT_ERROR(serve_store(o), "rendezvous store: cannot listen on 203.0.113.7 port 0");
+  o.bind_address = "localhost";
+  auto store = serve_store(o);
+  const auto seen = listening_addresses(store->getPort());
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_TRUE(seen[0] == "127.0.0.1" || seen[0] == "::ffff:127.0.0.1") << seen[0];
+}
+
 TEST(Launcher, OneFailingRankStopsTheOthers) {
   hp::comm::LaunchOptions lo;
   lo.nproc = 3;
@@ -94,6 +160,104 @@ TEST(Launcher, OneFailingRankStopsTheOthers) {
   EXPECT_NE(res.message.find("exited with code 3: rank one broke"), std::string::npos)
       << res.message;
   EXPECT_LT(secs, 20.0) << "the sleeping ranks were not stopped";
+}
+
+TEST(Launcher, OwnErrorIsBlamedBeforeTheCommErrorsItCaused) {
+  // Rank 0 fails first, but with a communication error (tagged as report_rank_error(CommError)
+  // tags it); rank 2's own error, a moment later, is the cause.
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 3;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.settle = std::chrono::milliseconds(2000);
+  lo.argv = {
+      "/bin/sh", "-c",
+      "case $RANK in "
+      "0) printf 'hp-error-kind: comm\\nrecv from rank 2 failed' > \"$HP_ERROR_FILE\"; exit 1;;"
+      "2) sleep 0.3; echo 'checkpoint unreadable' > \"$HP_ERROR_FILE\"; exit 2;;"
+      "esac; exec sleep 60"};
+  auto res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.failed_rank, 2) << res.message;
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_EQ(res.message.rfind("rank 2 (pid ", 0), 0u) << res.message;
+  EXPECT_NE(res.message.find("exited with code 2: checkpoint unreadable"), std::string::npos)
+      << res.message;
+  EXPECT_EQ(res.message.find("hp-error-kind"), std::string::npos) << res.message;
+}
+
+TEST(Launcher, StoppedRankIsBlamedForThePeersThatWaitedForIt) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 2;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.argv = {"/bin/sh", "-c",
+             "if [ \"$RANK\" = 1 ]; then kill -STOP $$; fi; sleep 0.5; "
+             "printf 'hp-error-kind: comm\\ntimed out' > \"$HP_ERROR_FILE\"; exit 1"};
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = hp::comm::launch_local_ranks(lo);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(res.failed_rank, 1) << res.message;
+  EXPECT_EQ(res.message.rfind("rank 1 (pid ", 0), 0u) << res.message;
+  EXPECT_NE(res.message.find("stopped making progress"), std::string::npos) << res.message;
+  EXPECT_NE(res.message.find("its process is stopped"), std::string::npos) << res.message;
+  EXPECT_NE(res.message.find("then rank 0 (pid "), std::string::npos) << res.message;
+  EXPECT_EQ(res.exit_code, 1);
+  EXPECT_LT(secs, 20.0) << "the stopped rank was not ended";
+}
+
+TEST(Launcher, RestartsAllRanksUpToMaxRestarts) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 2;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.max_restarts = 2;
+  std::vector<int> attempts;
+  lo.argv_for_attempt = [&](int attempt) {
+    attempts.push_back(attempt);
+    // Rank 1 fails in the first run only.
+    return std::vector<std::string>{
+        "/bin/sh", "-c",
+        attempt == 0 ? "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60" : "exit 0"};
+  };
+  std::vector<std::string> lines;
+  lo.log = [&](const std::string& line) { lines.push_back(line); };
+  auto res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.exit_code, 0) << res.message;
+  EXPECT_EQ(res.restarts, 1);
+  EXPECT_EQ(attempts, (std::vector<int>{0, 1}));
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0].rfind("rank 1 (pid ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find("exited with code 3; stopped the other ranks; restarting all ranks "
+                          "(restart 1 of 2)"),
+            std::string::npos)
+      << lines[0];
+
+  // A rank that keeps failing: the last run's failure after max_restarts restarts.
+  lo.argv_for_attempt = nullptr;
+  lo.argv = {"/bin/sh", "-c", "if [ \"$RANK\" = 0 ]; then exit 5; fi; exec sleep 60"};
+  lines.clear();
+  res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.exit_code, 5);
+  EXPECT_EQ(res.failed_rank, 0);
+  EXPECT_EQ(res.restarts, 2);
+  EXPECT_EQ(lines.size(), 2u);
+}
+
+TEST(Launcher, RankErrorReports) {
+  const std::string path = hp::testing::scratch_dir() + "/rank_error";
+  ::setenv("HP_ERROR_FILE", path.c_str(), 1);
+  auto read = [&] {
+    std::ifstream f(path);
+    return std::string((std::istreambuf_iterator<char>(f)), {});
+  };
+  hp::comm::report_rank_error(hp::CommError("recv timed out"));
+  EXPECT_EQ(read(), "hp-error-kind: comm\nrecv timed out");  // the launcher's tag: a consequence
+  hp::comm::report_rank_error(hp::Error("bad input"));
+  EXPECT_EQ(read(), "bad input");
+  try {
+    TORCH_CHECK(false, "zip archive broken");
+  } catch (const c10::Error& e) {
+    hp::comm::report_rank_error(e);
+  }
+  EXPECT_EQ(read(), "zip archive broken");  // no backtrace in the launcher's summary
+  ::unsetenv("HP_ERROR_FILE");
 }
 
 TEST(Launcher, SetsRankVariablesAndThreadCounts) {

@@ -17,6 +17,12 @@ struct LaunchEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";  // rank 0's TCPStore host
   int master_port = 29500;
+  // HP_STORE_BIND: the address rank 0's store listens on. Empty: MASTER_ADDR's address (never
+  // every interface by default); "*" (or 0.0.0.0, ::): every interface, explicitly.
+  std::string store_bind;
+  // HP_STORE_ON_LAUNCHER=1: the local launcher hosts the store at MASTER_ADDR:MASTER_PORT and
+  // every rank, rank 0 included, joins it as a client (launcher.h).
+  bool store_on_launcher = false;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
@@ -27,6 +33,8 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 //   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (+ MASTER_ADDR/PORT)
 //   slurm:    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE
 //             (+ MASTER_ADDR/PORT; MASTER_ADDR defaults to SLURM_LAUNCH_NODE_IPADDR)
+//   any:      HP_STORE_BIND (where rank 0's store listens; see store.h), HP_STORE_ON_LAUNCHER
+//             (the launcher hosts the store)
 std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env);
 
 // EnvLookup over this process's environment (getenv).

@@ -3,9 +3,32 @@
 // Spawns N rank processes of one command with torchrun-style variables (RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and per-rank thread counts
 // (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, HP_NUM_THREADS) so N ranks do not oversubscribe
-// the cores. If any rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace
-// period) and the result names the failed rank and its error. SIGINT/SIGTERM to the launcher
-// stop every rank. No rank outlives launch_local_ranks().
+// the cores.
+//
+// The launcher hosts the job's rendezvous store itself (a TCPStore listening on master_addr,
+// 127.0.0.1, only; HP_STORE_ON_LAUNCHER=1 tells the ranks to join it as clients), so the store
+// outlives any rank and the launcher can read the ranks' heartbeats from it (each World of more
+// than one rank writes one, see WorldOptions::heartbeat_interval).
+//
+// Failures. When a rank fails, the launcher waits `settle` for the consequences (peers that
+// lose it fail too), then names the rank that failed *first*, with its own error, and stops the
+// others (SIGTERM, then SIGKILL after `grace`). First means, in this order: a rank killed by a
+// signal; a rank that stopped making progress (alive, but its process is stopped or its
+// heartbeat stopped, or it is the only one behind in collectives launched) while the others
+// failed waiting for it; a rank that failed with its own error (not a communication error,
+// which a peer's failure causes); the rank that failed earliest.
+//
+// Restarts (torchrun's elastic agent, locally). With max_restarts = K > 0, a failed run (not an
+// interrupted one) is followed by a new run of all ranks, up to K times, each logged with the
+// failure that caused it; attempt k runs argv_for_attempt(k) when set (e.g. hp-train adds
+// --resume once a checkpoint exists), else argv. Each run gets a fresh store.
+//
+// Lifetime. No rank outlives the launcher: SIGINT, SIGTERM and SIGHUP to the launcher stop every
+// rank (exit code 128 + signal); each rank gets PR_SET_PDEATHSIG (SIGKILL), so it dies with the
+// launcher even when the launcher is killed outright; ranks stay in the launcher's process
+// group, so a signal to the job's group (Ctrl-C, a hang-up of the terminal) reaches all of them.
+// The launcher creates no files: ranks report their errors into anonymous memory files
+// (HP_ERROR_FILE=/proc/self/fd/N), so nothing is left behind however it ends.
 //
 // Process plumbing for the platform layer, next to its counterpart launch_env.h (which reads
 // the variables this launcher sets): tools above any layer (hp-train, hp-bench) and the test
@@ -13,9 +36,13 @@
 #pragma once
 
 #include <chrono>
+#include <exception>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "hp/comm/types.h"
 
 namespace hp::comm {
 
@@ -27,12 +54,22 @@ struct LaunchOptions {
   int threads_per_rank = 0;  // 0: available cores / nproc (at least 1)
   std::vector<std::pair<std::string, std::string>> extra_env;
   std::chrono::milliseconds grace{3000};  // SIGTERM -> SIGKILL delay during teardown
+  std::chrono::milliseconds settle{500};  // first failure -> blame and teardown
+  std::chrono::milliseconds store_timeout = kDefaultTimeout;  // the hosted store's timeout
+  int max_restarts = 0;  // runs of all ranks after a failed one (see above)
+  // The command line of attempt k (0: the first run); null: `argv` every time.
+  std::function<std::vector<std::string>(int attempt)> argv_for_attempt;
+  // Where restart lines go ("rank 1 (pid ..) ...; restarting all ranks (restart 1 of 2)");
+  // null: stderr.
+  std::function<void(const std::string&)> log;
 };
 
 struct LaunchResult {
-  int exit_code = 0;     // 0 when every rank succeeded
-  int failed_rank = -1;  // first rank that failed, -1 if none
-  std::string message;   // what failed, including the rank's own error when it reported one
+  int exit_code = 0;         // 0 when every rank succeeded
+  int failed_rank = -1;      // the rank that failed first (see above), -1 if none
+  std::string message;       // what failed, including the rank's own error when it reported one
+  bool interrupted = false;  // stopped by SIGINT, SIGTERM or SIGHUP to the launcher
+  int restarts = 0;          // restarts done (the result is the last run's)
 };
 
 LaunchResult launch_local_ranks(const LaunchOptions& options);
@@ -45,12 +82,18 @@ std::string self_executable();
 
 // For a tool's main() given --nproc N outside a launcher: re-runs the same command line as N
 // local rank processes and returns the job's exit code (the failure message goes to stderr,
-// prefixed with `tool`).
+// prefixed with `tool`). The second form takes the launch options (argv[0] becomes this
+// executable, in argv_for_attempt's command lines too; restart lines are prefixed with `tool`
+// unless options.log is set).
 int relaunch_as_local_ranks(int nproc, const std::vector<std::string>& argv,
                             const std::string& tool);
+int relaunch_as_local_ranks(LaunchOptions options, const std::string& tool);
 
-// For a rank's main(): records `what` where the launcher looks for it (HP_ERROR_FILE), so the
-// launcher's failure message can quote the rank's error. No-op outside the launcher.
+// For a rank's main(): records its error where the launcher looks for it (HP_ERROR_FILE), so
+// the launcher's failure message can quote the rank's error. No-op outside the launcher. The
+// exception form also tells the launcher whether it was a communication error (hp::CommError:
+// most likely caused by a peer) or the rank's own, and leaves out LibTorch's backtraces.
 void report_rank_error(const std::string& what);
+void report_rank_error(const std::exception& error);
 
 }  // namespace hp::comm

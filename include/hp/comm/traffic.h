@@ -4,6 +4,7 @@
 // All classes here are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -77,6 +78,9 @@ class CollectiveRecorder {
 // Everything a World's groups report into.
 struct CommContext {
   int world_rank = 0;
+  // Collectives this process has launched, over all groups (the progress its heartbeat reports;
+  // see WorldOptions::heartbeat_interval).
+  std::atomic<int64_t> ops_launched{0};
   bool verify_shapes = false;  // exchange shapes before each collective (clear mismatch errors)
   TrafficCounters counters;
   std::shared_ptr<common::Tracer> tracer;        // may be null

@@ -77,7 +77,7 @@ struct C10dTransportOptions {
   // built with it (tensors stay on their CUDA device). available_c10d_backends() lists them.
   std::string backend = "gloo";
   std::string hostname = "127.0.0.1";  // interface Gloo binds to
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
 // Rendezvous over `store` (a PrefixStore unique to the group) and connect the group's ranks.

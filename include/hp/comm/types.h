@@ -1,9 +1,15 @@
 // Vocabulary of the comm layer: collective kinds and reduction ops.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 namespace hp::comm {
+
+// The group timeout (rendezvous and every collective) of every World, group and tool unless
+// told otherwise: WorldOptions, C10dTransportOptions, the tools' --timeout. One number, the one
+// the README documents (DESIGN section 4).
+inline constexpr std::chrono::seconds kDefaultTimeout{300};
 
 enum class OpKind { kAllGather, kReduceScatter, kAllToAll, kAllReduce, kSend, kRecv, kBarrier };
 

@@ -4,6 +4,7 @@
 // rank threads in one test process, coexist.
 //
 //   World::from_env()                   torchrun / mpirun / Slurm variables + TCPStore rendezvous
+//                                       (rank 0's store, or the local launcher's; store.h)
 //   World::in_process(rank, size, st)   threads-as-ranks over a shared store (tests, benches)
 //   World::fake(rank, size)             recording fake groups: no communication at all
 #pragma once
@@ -30,7 +31,7 @@ namespace hp::comm {
 
 struct WorldOptions {
   // Per-group timeout for rendezvous and every collective (DESIGN section 4).
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  std::chrono::milliseconds timeout = kDefaultTimeout;
   std::string backend = "gloo";
   std::string hostname = "127.0.0.1";  // interface the Gloo transport binds to
   // Exchange shapes before every collective so a mismatch is a clear error on every rank
@@ -38,6 +39,11 @@ struct WorldOptions {
   bool verify_shapes = false;
   std::shared_ptr<common::Tracer> tracer;        // null: no trace events
   std::shared_ptr<CollectiveRecorder> recorder;  // null: nothing recorded
+  // from_env / from_launch_env with more than one rank: a thread of this World writes this
+  // rank's heartbeat (a beat count and the collectives launched so far) into the job's store at
+  // this interval, so the local launcher can tell a stopped or stuck rank from the ranks that
+  // merely waited for it. 0: no heartbeat.
+  std::chrono::milliseconds heartbeat_interval{250};
 };
 
 class World {
@@ -72,6 +78,13 @@ class World {
   explicit World(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };
+
+// A tool's `--timeout SECONDS` as a group timeout, checked before anything starts: it must be a
+// finite number of seconds, > 0 and at most kMaxTimeoutSeconds. Otherwise throws hp::Error
+// "<flag> <seconds> is not valid: ...".
+inline constexpr double kMaxTimeoutSeconds = 1e6;
+std::chrono::milliseconds timeout_from_seconds(double seconds,
+                                               const std::string& flag = "--timeout");
 
 // Writes the timeline of every rank of `world` into one Chrome-trace file at `path` (one track
 // per rank). Collective over the world: each rank writes `path.rank<r>`, rank 0 merges them into
