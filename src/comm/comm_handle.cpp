@@ -26,9 +26,11 @@ std::string backend_message(const std::exception& e) {
 
 void throw_comm_failure(OpKind op, const Group& group, const std::string& backend,
                         const char* phase) {
+  const auto& diagnose = group.context().diagnose_failure;
   throw CommError(common::str_cat(
       op_name(op), " on ", group.describe(), " failed", phase ? " while " : "", phase ? phase : "",
       ": ", backend,
+      diagnose ? common::str_cat(". Diagnosis: ", diagnose()) : std::string(),
       ". A peer rank may have exited, or did not reach this collective within the group "
       "timeout of ",
       group.timeout().count(), " ms"));

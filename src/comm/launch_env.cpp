@@ -90,6 +90,12 @@ std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
     out.store_bind = *v;
   }
   out.store_on_launcher = env("HP_STORE_ON_LAUNCHER").value_or("") == "1";
+  if (auto v = env("HP_TRANSPORT_ADDR")) {
+    HP_CHECK(!v->empty(), out.launcher,
+             " launch: HP_TRANSPORT_ADDR is set but empty; unset it (the transport uses the "
+             "interface on the route to MASTER_ADDR) or name an address of this host");
+    out.transport_addr = *v;
+  }
   return out;
 }
 

@@ -15,69 +15,12 @@
 
 #include "heartbeat.h"
 #include "hp/comm/collectives.h"
+#include "hp/comm/netaddr.h"
 #include "hp/comm/store.h"
 #include "hp/common/check.h"
 #include "hp/common/trace.h"
 
 namespace hp::comm {
-
-namespace {
-
-// Writes this rank's heartbeat (heartbeat.h) into the job's store every `interval`, through a
-// store client of its own (a TCPStore client serialises its calls: the World's own client may
-// sit in a long wait). Best effort: without a store connection there is no heartbeat, never an
-// error. Stops and joins on destruction.
-class Heartbeat {
- public:
-  Heartbeat(std::string host, int port, int rank, std::chrono::milliseconds interval,
-            std::shared_ptr<CommContext> context)
-      : thread_([this, host = std::move(host), port, rank, interval, context = std::move(context)] {
-          run(host, port, rank, interval, *context);
-        }) {}
-  ~Heartbeat() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  Heartbeat(const Heartbeat&) = delete;
-  Heartbeat& operator=(const Heartbeat&) = delete;
-
- private:
-  void run(const std::string& host, int port, int rank, std::chrono::milliseconds interval,
-           const CommContext& context) {
-    c10::intrusive_ptr<c10d::TCPStore> store;
-    try {
-      store = join_store(host, port, std::chrono::seconds(10));
-    } catch (const std::exception&) {
-      return;
-    }
-    const std::string key = detail::heartbeat_key(rank);
-    int64_t beat = 0;
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      lock.unlock();
-      const std::string value =
-          common::str_cat(++beat, " ", context.ops_launched.load(std::memory_order_relaxed));
-      try {
-        store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-      } catch (const std::exception&) {
-        return;  // the store is gone; so is the job
-      }
-      lock.lock();
-      cv_.wait_for(lock, interval, [this] { return stop_; });
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts once the members above exist
-};
-
-}  // namespace
 
 struct World::State {
   int rank = 0;
@@ -93,7 +36,7 @@ struct World::State {
   int next_group_id = 0;
   std::string store_host;  // a TCPStore's address (from_launch_env): where heartbeats go
   int store_port = 0;
-  std::unique_ptr<Heartbeat> heartbeat;  // last: stopped first
+  std::unique_ptr<detail::Heartbeat> heartbeat;  // last: stopped first
 };
 
 namespace {
@@ -112,9 +55,12 @@ World::World(std::shared_ptr<State> state) : state_(std::move(state)) {
   state_->context->tracer = state_->options.tracer;
   state_->context->recorder = state_->options.recorder;
   if (!state_->store_host.empty() && state_->options.heartbeat_interval.count() > 0) {
-    state_->heartbeat =
-        std::make_unique<Heartbeat>(state_->store_host, state_->store_port, state_->rank,
-                                    state_->options.heartbeat_interval, state_->context);
+    detail::HeartbeatTarget target{state_->store_host, state_->store_port, state_->rank,
+                                   state_->size, state_->options.hostname};
+    state_->heartbeat = std::make_unique<detail::Heartbeat>(
+        target, state_->options.heartbeat_interval, state_->context);
+    // A failed collective names the peers this rank lost (from their heartbeats).
+    state_->context->diagnose_failure = [target] { return detail::diagnose_lost_peers(target); };
   }
   std::vector<int> all(state_->size);
   for (int i = 0; i < state_->size; ++i)
@@ -138,6 +84,15 @@ World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) 
   state->local_rank = env.local_rank;
   state->local_size = env.local_world_size;
   state->options = options;
+  if (state->options.hostname.empty()) {
+    if (!env.transport_addr.empty()) {
+      state->options.hostname = env.transport_addr;
+    } else if (env.world_size == 1 || is_loopback_host(env.master_addr)) {
+      state->options.hostname = "127.0.0.1";
+    } else {
+      state->options.hostname = local_address_towards(env.master_addr);
+    }
+  }
   if (env.world_size == 1) {
     state->store = c10::make_intrusive<c10d::HashStore>();
   } else {
@@ -265,7 +220,7 @@ GroupPtr World::new_group(const std::vector<int>& world_ranks, const std::string
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
     C10dTransportOptions opts;
     opts.backend = state_->options.backend;
-    opts.hostname = state_->options.hostname;
+    opts.hostname = state_->options.hostname.empty() ? "127.0.0.1" : state_->options.hostname;
     opts.timeout = timeout;
     try {
       transport = make_c10d_transport(store, group_rank, n, opts);

@@ -101,6 +101,17 @@ TEST(LaunchEnv, StoreBindAddress) {
             std::string::npos);
 }
 
+TEST(LaunchEnv, TransportAddress) {
+  auto e = parse_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
+  EXPECT_EQ(e->transport_addr, "");  // World picks the interface towards MASTER_ADDR
+  e = parse_launch_env(
+      env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"HP_TRANSPORT_ADDR", "10.0.0.7"}}));
+  EXPECT_EQ(e->transport_addr, "10.0.0.7");
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"HP_TRANSPORT_ADDR", ""}})
+                .find("HP_TRANSPORT_ADDR is set but empty"),
+            std::string::npos);
+}
+
 TEST(GroupTimeout, OneDefaultEverywhere) {
   EXPECT_EQ(kDefaultTimeout, std::chrono::seconds(300));  // the README's number
   EXPECT_EQ(WorldOptions{}.timeout, kDefaultTimeout);

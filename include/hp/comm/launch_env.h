@@ -23,6 +23,9 @@ struct LaunchEnv {
   // HP_STORE_ON_LAUNCHER=1: the local launcher hosts the store at MASTER_ADDR:MASTER_PORT and
   // every rank, rank 0 included, joins it as a client (launcher.h).
   bool store_on_launcher = false;
+  // HP_TRANSPORT_ADDR: the local address this rank's Gloo transport listens on. Empty: chosen by
+  // World (127.0.0.1 when MASTER_ADDR is loopback, else the interface on the route to it).
+  std::string transport_addr;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
@@ -34,7 +37,7 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 //   slurm:    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE
 //             (+ MASTER_ADDR/PORT; MASTER_ADDR defaults to SLURM_LAUNCH_NODE_IPADDR)
 //   any:      HP_STORE_BIND (where rank 0's store listens; see store.h), HP_STORE_ON_LAUNCHER
-//             (the launcher hosts the store)
+//             (the launcher hosts the store), HP_TRANSPORT_ADDR (this rank's Gloo address)
 std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env);
 
 // EnvLookup over this process's environment (getenv).

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -85,6 +86,9 @@ struct CommContext {
   TrafficCounters counters;
   std::shared_ptr<common::Tracer> tracer;        // may be null
   std::shared_ptr<CollectiveRecorder> recorder;  // may be null
+  // Set by a World with a job store: which peers a failed collective lost (appended to the
+  // CommError). Empty: no diagnosis.
+  std::function<std::string()> diagnose_failure;
 };
 
 }  // namespace hp::comm

@@ -33,7 +33,11 @@ struct WorldOptions {
   // Per-group timeout for rendezvous and every collective (DESIGN section 4).
   std::chrono::milliseconds timeout = kDefaultTimeout;
   std::string backend = "gloo";
-  std::string hostname = "127.0.0.1";  // interface the Gloo transport binds to
+  // Address the Gloo transport listens on (peers connect to it). Empty: from_launch_env picks
+  // HP_TRANSPORT_ADDR, else 127.0.0.1 when MASTER_ADDR is loopback, else the local address on
+  // the route to MASTER_ADDR (so ranks on other hosts can reach it); in-process worlds use
+  // 127.0.0.1.
+  std::string hostname;
   // Exchange shapes before every collective so a mismatch is a clear error on every rank
   // instead of garbage or a hang. Costs one tiny all-gather per collective; tests turn it on.
   bool verify_shapes = false;
