@@ -4,6 +4,8 @@
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--seq-len S] [--batch B]
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
+//     [--mixer attention|gdn|kda] [--value-heads HV] [--cp-mode state_passing|ulysses]
+//     [--state-exchange all_gather|p2p|auto]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 //     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
@@ -82,6 +84,13 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per step");
   app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
+  app.add_option("--cp-mode", o.linear.mode,
+                 "gdn/kda under CP: state_passing (each rank keeps its shard, states travel) | "
+                 "ulysses (heads split over ranks)")
+      ->capture_default_str();
+  app.add_option("--state-exchange", o.linear.state_exchange,
+                 "gdn/kda state_passing: all_gather | p2p | auto (cost model)")
+      ->capture_default_str();
 }
 
 // The task: sequence, batch, steps, model sizes, optimizer and data.
@@ -98,6 +107,12 @@ void add_task_options(CLI::App& app, Args& a) {
   app.add_option("--ffn", o.model.ffn, "MLP width");
   app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)");
   app.add_option("--primitive", o.model.primitive, "math | blockwise");
+  app.add_option("--mixer", o.model.mixer,
+                 "token mixer of every layer: attention (softmax) | gdn (Gated DeltaNet) | kda "
+                 "(Kimi Delta Attention)")
+      ->capture_default_str();
+  app.add_option("--value-heads", o.model.value_heads,
+                 "gdn/kda: value heads, a multiple of --heads (default: --heads)");
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
   app.add_option("--data-dtype", o.data_dtype, ".bin token width: uint16 | uint32");
@@ -177,6 +192,17 @@ void resolve(Args& a) {
   // The fault hook of the tests (a NaN loss at one step on one rank).
   if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
   if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
+  if (o.model.mixer == "gdn" || o.model.mixer == "kda") {
+    HP_CHECK(a.algo == "all_gather" && a.schedule == "sync" && !a.load_balance && a.degree == 0,
+             "hp-train: --cp-algo, --ulysses-degree, --schedule and --load-balance choose softmax "
+             "attention's CP; with --mixer ", o.model.mixer,
+             " choose --cp-mode state_passing|ulysses and --state-exchange all_gather|p2p|auto");
+  } else {
+    const hp::plan::LinearPlanOptions defaults;
+    HP_CHECK(o.linear.mode == defaults.mode && o.linear.state_exchange == defaults.state_exchange,
+             "hp-train: --cp-mode and --state-exchange apply to --mixer gdn|kda; with --mixer ",
+             o.model.mixer, " choose --cp-algo (and --ulysses-degree, --schedule)");
+  }
   o.cp_auto = a.algo == "auto";
   if (o.cp_auto) {
     HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
@@ -231,6 +257,10 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"ffn", o.model.ffn},
                         {"vocab", o.model.vocab},
                         {"primitive", o.model.primitive},
+                        {"mixer", o.model.mixer},
+                        {"value_heads", o.model.value_heads},
+                        {"cp_mode", o.linear.mode},
+                        {"state_exchange", o.linear.state_exchange},
                         {"data", o.data},
                         {"seed", o.seed},
                         {"plan", r.plan}}},

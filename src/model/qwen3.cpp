@@ -31,6 +31,26 @@ void validate(const Qwen3Config& c, int64_t tp) {
            " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
            "; choose a tp_size that divides ", c.kv_heads);
   HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
+  HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda", "Qwen3Config.mixer='",
+           c.mixer, "' is not valid; valid: attention, gdn, kda");
+  if (c.mixer != "attention") {
+    HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer, ": linear-attention layers have no tensor "
+             "parallelism; use tp_size=1 (got ", tp, ") and split the sequence with cp instead");
+    validate(linear_config(c));
+  }
+}
+
+LinearAttentionConfig linear_config(const Qwen3Config& c) {
+  LinearAttentionConfig l;
+  l.mixer = c.mixer;
+  l.hidden = c.hidden;
+  l.heads = c.heads;
+  l.value_heads = c.value_heads > 0 ? c.value_heads : c.heads;
+  l.key_dim = l.value_dim = c.head_dim;
+  l.gate_rank = c.head_dim;
+  l.rms_eps = c.rms_eps;
+  l.seed = c.seed;
+  return l;
 }
 
 plan::ModelFootprint footprint(const Qwen3Config& c) {
@@ -38,12 +58,34 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
                 v = c.vocab;
   plan::ModelFootprint m;
   m.units.push_back({0, (c.tie_embeddings ? 1 : 2) * v * h + h});  // embeddings, head, norm
+  m.layers = c.layers;
+  m.head_act = 3 * h + 4 * v;  // the final norm, the logits, their log-softmax and both gradients
+  m.recompute = c.recompute;
+  if (c.mixer != "attention") {
+    const auto l = linear_config(c);
+    const int64_t hv = l.value_heads, conv = 2 * l.heads * l.key_dim + hv * l.value_dim;
+    const int64_t gates = c.mixer == "kda" ? hv * l.key_dim : hv;
+    const int64_t gate_proj =
+        c.mixer == "kda" ? l.gate_rank * h + gates * l.gate_rank : hv * h;
+    const int64_t mixer = conv * h + conv * l.conv_width + hv * h + gate_proj +
+                          2 * hv * l.value_dim * h + hv + gates + l.value_dim;
+    for (int64_t i = 0; i < c.layers; ++i)
+      m.units.push_back({mixer + 3 * h * f, 2 * h});
+    m.largest_param = std::max({v * h, conv * h, h * f});
+    // Per token: projections, convolution and SiLU, normalised q/k, gates; the chunked
+    // kernel's per-chunk C x C products (three per value head) and states (one [K, V] per head
+    // per chunk); the gated norm and the output; the MLP and the hidden-size tensors as above.
+    m.layer_act = 10 * h + 4 * conv + 3 * gates + 10 * hv * l.value_dim +
+                  3 * l.chunk_size * hv + 2 * hv * l.key_dim * l.value_dim / l.chunk_size +
+                  4 * f;
+    m.layer_input = h;
+    return m;
+  }
   for (int64_t i = 0; i < c.layers; ++i) {
     // Q/K/V/O and gate/up/down are split by TP; the norms (and QK-norms) are not.
     m.units.push_back({h * q + 2 * h * kv + q * h + 3 * h * f, 2 * h + 2 * c.head_dim});
   }
   m.largest_param = std::max({v * h, h * q, h * f});
-  m.layers = c.layers;
   // Per token, what autograd keeps of one layer (forward() above): Q through QK-norm and RoPE
   // (7 tensors), K likewise, V, the attention output and its [B, S, H*D] copy; gate, SiLU, up
   // and their product; and ten hidden-size tensors (two RMSNorms of three, residuals, outputs).
@@ -52,9 +94,6 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
   m.layer_input = h;
   m.q_per_token = q;
   m.kv_per_token = 2 * kv;
-  // The final norm, the logits, their log-softmax and both gradients.
-  m.head_act = 3 * h + 4 * v;
-  m.recompute = c.recompute;
   return m;
 }
 
@@ -136,16 +175,24 @@ at::Tensor Qwen3MLPImpl::forward(const at::Tensor& x) {
 Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer,
                                              comm::GroupPtr tp) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden, c.rms_eps));
-  self_attn = register_module("self_attn", Qwen3Attention(c, layer, tp));
+  if (c.mixer == "attention") {
+    self_attn = register_module("self_attn", Qwen3Attention(c, layer, tp));
+  } else {
+    linear_attn = register_module("linear_attn", LinearAttention(linear_config(c), layer));
+  }
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden, c.rms_eps));
   mlp = register_module("mlp", Qwen3MLP(c, layer, tp));
 }
 
+at::Tensor Qwen3DecoderLayerImpl::mix(const at::Tensor& x, const at::Tensor& position_ids) {
+  return self_attn ? self_attn->forward(x, position_ids) : linear_attn->forward(x);
+}
+
 at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
   auto* v = validation.checker;
   if (v == nullptr) {  // production: the same kernels, no bookkeeping
-    auto h = x + self_attn->forward(input_layernorm->forward(x), position_ids);
+    auto h = x + mix(input_layernorm->forward(x), position_ids);
     return h + mlp->forward(post_attention_layernorm->forward(h));
   }
   const auto& L = *validation.layer;
@@ -155,7 +202,7 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
   auto a_in = input_layernorm->forward(x);  // elementwise: keeps the layout
   v->set_output(L.path + ".input_layernorm", a_in, L.in_layout);
   v->check_input(A.path, a_in, A.in_layout);
-  auto a = self_attn->forward(a_in, position_ids);
+  auto a = mix(a_in, position_ids);
   v->set_output(A.path, a, A.out_layout);
   auto h = x + a;
   v->set_output(L.path + ".residual", h, L.in_layout);
@@ -248,6 +295,13 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
     const std::string base = common::str_cat("layers.", i);
     auto& attn = layers[i]->self_attn;
     out.push_back({base, {}, std::nullopt});
+    if (!attn) {
+      auto& lin = layers[i]->linear_attn;
+      plan::LinearSlotInfo slot{lin->shape(), &lin->host()};
+      out.push_back({base + ".linear_attn", tp::tp_shard_dims(*lin), std::nullopt, slot});
+      out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt});
+      continue;
+    }
     plan::AttentionSlotInfo slot;
     slot.heads = config_.heads;
     slot.kv_heads = config_.kv_heads;
@@ -278,7 +332,8 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
       HP_CHECK(it != specs->end(), "validate: the plan has no spec for module '", path, "'");
       return &it->second;
     };
-    v = {checker, find(base), find(base + ".self_attn"), find(base + ".mlp")};
+    const char* mixer = layers[i]->self_attn ? ".self_attn" : ".linear_attn";
+    v = {checker, find(base), find(base + mixer), find(base + ".mlp")};
     if (i == 0) first_layer_ = v.layer;
   }
 }
@@ -286,6 +341,7 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
 std::vector<at::Tensor> Qwen3Impl::tp_partial_grad_parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& layer : layers) {
+    if (!layer->self_attn) continue;  // linear-attention layers have no TP
     out.push_back(layer->self_attn->q_norm->weight);
     out.push_back(layer->self_attn->k_norm->weight);
   }

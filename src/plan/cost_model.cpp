@@ -227,6 +227,39 @@ std::vector<CPPrediction> rank_cp_configs(const Calibration& c, int64_t p, const
   return out;
 }
 
+std::vector<StateExchangePrediction> rank_state_exchanges(const Calibration& c, int64_t p,
+                                                          const StateExchangeWorkload& w) {
+  HP_CHECK(p >= 2, "cost model: state exchange needs cp_size >= 2, got ", p);
+  HP_CHECK(w.value_heads > 0 && w.key_dim > 0 && w.value_dim > 0 && w.batch > 0 && w.layers > 0,
+           "cost model: state exchange workload sizes must be positive");
+  const double heads = static_cast<double>(w.batch * w.value_heads);
+  const double kd = static_cast<double>(w.key_dim), vd = static_cast<double>(w.value_dim);
+  const double state_bytes = 4.0 * heads * kd * vd, matrix_bytes = 4.0 * heads * kd * kd;
+  const double steps = static_cast<double>(p - 1);
+  HP_CHECK(c.matmul_gflops > 0, "cost model: the calibration has no matmul rate; rerun hp-bench "
+           "calibrate");
+  // Up to P-1 folds (K x K times K x V) on a rank, forward and backward (2x each way).
+  const double fold = 2.0 * steps * 2.0 * heads * kd * kd * vd / (c.matmul_gflops * 1e9);
+  StateExchangePrediction ag{"all_gather"}, p2p{"p2p"};
+  ag.comm_s = 2.0 * c.fit("all_gather", p).time(steps * (state_bytes + matrix_bytes));
+  p2p.comm_s = 2.0 * steps * c.fit("all_to_all", p).time(state_bytes);
+  for (auto* e : {&ag, &p2p}) {
+    e->fold_s = fold;
+    e->comm_s *= static_cast<double>(w.layers);
+    e->fold_s *= static_cast<double>(w.layers);
+    e->step_s = e->comm_s + e->fold_s;
+  }
+  std::vector<StateExchangePrediction> out{ag, p2p};
+  std::stable_sort(out.begin(), out.end(),
+                   [](const auto& a, const auto& b) { return a.step_s < b.step_s; });
+  return out;
+}
+
+std::string describe(const StateExchangePrediction& p) {
+  return common::str_cat("predicted state_exchange=", p.name, ": ", p.step_s, " s per step = comm ",
+                         p.comm_s, " + fold ", p.fold_s);
+}
+
 std::string describe(const CPPrediction& p) {
   return common::str_cat("predicted ", p.name, ": step ", p.step_s, " s = compute ", p.compute_s,
                          " + exposed comm ", p.exposed_comm_s, " (of ", p.comm_s, ")");

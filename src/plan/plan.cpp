@@ -1,8 +1,10 @@
 #include "hp/plan/plan.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "hp/common/check.h"
+#include "hp/cp/linear.h"
 #include "hp/cp/topology.h"
 
 namespace hp::plan {
@@ -18,7 +20,15 @@ std::string ShardingPlan::describe() const {
     out += common::str_cat(i ? ", " : "", mesh_dims[i].name, "=", mesh_dims[i].size);
   }
   out += ")";
-  if (cp_config) out += " cp: " + cp::describe(*cp_config, cp_size);
+  const bool has_attention = std::any_of(modules.begin(), modules.end(),
+                                         [](const auto& m) { return m.second.is_attention; });
+  const bool has_linear = std::any_of(modules.begin(), modules.end(),
+                                      [](const auto& m) { return m.second.is_linear; });
+  if (cp_config && has_attention) out += " cp: " + cp::describe(*cp_config, cp_size);
+  if (has_linear && cp_size > 1) {
+    out += " linear: mode=" + linear.mode;
+    if (linear.mode == "state_passing") out += " state_exchange=" + linear.state_exchange;
+  }
   if (hsdp()) {
     out += common::str_cat(" hsdp: R=", dp_replicate, " x Sd=", dp_shard * cp_size,
                            " (dp_shard=", dp_shard, " x cp=", cp_size,
@@ -51,6 +61,66 @@ std::vector<ModuleInfo> attention_modules(Plannable& model) {
   return out;
 }
 
+std::vector<ModuleInfo> linear_modules(Plannable& model) {
+  std::vector<ModuleInfo> out;
+  for (auto& m : model.plan_modules()) {
+    if (m.linear) out.push_back(std::move(m));
+  }
+  return out;
+}
+
+namespace {
+
+// The linear-attention CP options for these modules on cp_size ranks, checked (names the
+// option, the value and the fix), with state_exchange=auto resolved by the cost model.
+LinearPlanOptions plan_linear(const std::vector<ModuleInfo>& lins, const PlanOptions& o,
+                              std::vector<std::string>& log) {
+  LinearPlanOptions out = o.linear;
+  if (lins.empty() || o.cp_size == 1) return out;
+  HP_CHECK(out.mode == "state_passing" || out.mode == "ulysses", "plan: linear CP mode '",
+           out.mode, "' is not valid; valid: state_passing, ulysses");
+  HP_CHECK(out.state_exchange == "all_gather" || out.state_exchange == "p2p" ||
+               out.state_exchange == "auto",
+           "plan: state_exchange '", out.state_exchange,
+           "' is not valid; valid: all_gather, p2p, auto");
+  for (const auto& info : lins) {
+    const auto& s = info.linear->shape;
+    if (out.mode == "ulysses") {
+      HP_CHECK(s.heads % o.cp_size == 0 && s.value_heads % o.cp_size == 0, "plan: module '",
+               info.path, "': linear CP mode ulysses needs its q/k heads (", s.heads,
+               ") and value heads (", s.value_heads, ") divisible by cp=", o.cp_size,
+               "; use mode state_passing or a cp size that divides ", s.heads);
+    } else if (o.seq_len > 0) {
+      const int64_t local = o.seq_len / o.cp_size;
+      HP_CHECK(local >= s.conv_width - 1, "plan: module '", info.path, "': each rank's ",
+               local, " tokens (seq_len ", o.seq_len, " / cp ", o.cp_size,
+               ") are fewer than the conv halo of ", s.conv_width - 1,
+               " rows state passing takes from the previous rank; use a longer sequence or a "
+               "smaller cp");
+    }
+  }
+  if (out.mode == "state_passing" && out.state_exchange == "auto") {
+    HP_CHECK(o.calibration.has_value(),
+             "plan: state_exchange auto needs a calibration of this machine and link; run "
+             "`hp-bench calibrate [--link-rate RATE]` first, or choose all_gather or p2p");
+    const auto& s = lins.front().linear->shape;
+    StateExchangeWorkload w;
+    w.batch = o.batch;
+    w.value_heads = s.value_heads;
+    w.key_dim = s.key_dim;
+    w.value_dim = s.value_dim;
+    w.layers = static_cast<int64_t>(lins.size());
+    auto ranked = rank_state_exchanges(*o.calibration, o.cp_size, w);
+    for (const auto& r : ranked)
+      log.push_back("  " + describe(r));
+    log.push_back("linear CP auto: chose state_exchange=" + ranked.front().name);
+    out.state_exchange = ranked.front().name;
+  }
+  return out;
+}
+
+}  // namespace
+
 comm::MeshOptions ShardingPlan::mesh_options() const {
   comm::MeshOptions o;
   if (hsdp()) o.flattened.push_back({"dp_shard", "cp"});
@@ -72,6 +142,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   m.check_tp(o.tp_size);
   const auto infos = m.plan_modules();
   const auto attns = attention_modules(m);
+  const auto lins = linear_modules(m);
   ShardingPlan p;
   p.tp_size = o.tp_size;
   p.cp_size = o.cp_size;
@@ -112,6 +183,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   }
   if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
   p.seq_len = o.seq_len;
+  p.linear = plan_linear(lins, o, p.log);
   const Layout act = p.activation_layout();
   for (const auto& info : infos) {
     ModuleShardingSpec spec;
@@ -138,6 +210,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
         spec.cp.module_path = info.path;
       }
     }
+    spec.is_linear = info.linear.has_value();
     HP_CHECK(p.modules.emplace(info.path, std::move(spec)).second,
              "plan: the model reports module '", info.path,
              "' twice; every module path must be unique");
@@ -168,6 +241,15 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
       cp::CPApplyOptions o;
       o.log = [&](const std::string& l) { lines.push_back(l); };
       cp::apply_context_parallel(*info.attention->host, it->second.cp, *plan.cp_config, topo, o);
+    }
+    for (const auto& info : linear_modules(model)) {
+      HP_CHECK(plan.modules.count(info.path) == 1, "apply: module '", info.path,
+               "' is not in the plan; plan and apply the same model");
+      cp::LinearCPOptions o;
+      o.module_path = info.path;
+      o.mode = plan.linear.mode;
+      o.state_exchange = plan.linear.state_exchange;
+      lines.push_back(cp::apply_linear_cp(*info.linear->host, info.linear->shape, o, topo));
     }
   }
   model.set_fully_shard(nullptr);

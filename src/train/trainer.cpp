@@ -47,8 +47,11 @@ plan::ShardingPlan plan_run(const comm::World& world, const TrainOptions& o) {
   po.comm_fusion = o.comm_fusion;
   po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
   po.batch = o.batch;
-  if (o.cp_auto && o.cp > 1) {
-    po.cp_auto = true;
+  po.linear = o.linear;
+  const bool exchange_auto = o.model.mixer != "attention" && o.linear.mode == "state_passing" &&
+                             o.linear.state_exchange == "auto";
+  if (o.cp > 1 && (o.cp_auto || exchange_auto)) {
+    po.cp_auto = o.cp_auto;
     po.calibration = plan::load_calibration(plan::default_calibration_path(plan::current_link()));
   }
   model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)

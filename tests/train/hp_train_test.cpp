@@ -468,6 +468,36 @@ void expect_refused(const std::string& args, const std::vector<std::string>& tex
   EXPECT_EQ(r.out.find(" on group '"), std::string::npos) << args << "\n" << r.out;
 }
 
+// A model of linear-attention layers (--mixer gdn|kda) under CP: both modes agree with the
+// single-process run, the plan and the apply log name the mode, and the metrics record it.
+TEST(HpTrain, LinearMixersUnderContextParallelism) {
+  const std::string dir = hp::testing::scratch_dir();
+  const std::string model = "--layers 2 --hidden 32 --heads 4 --head-dim 8 --ffn 48 ";
+  struct Case {
+    std::string mixer, args, log;
+  };
+  for (const Case& c : {Case{"kda", "--cp-mode state_passing --state-exchange p2p",
+                             "mode=state_passing state_exchange=p2p cp_size=2"},
+                        Case{"gdn", "--cp-mode ulysses", "mode=ulysses cp_size=2"}}) {
+    const std::string m = dir + "/train_linear_" + c.mixer + ".json";
+    auto r = run("--nproc 2 --cp 2 --mixer " + c.mixer + " " + c.args + " " + model +
+                 "--seq-len 64 --steps 3 --validate --metrics-json " + m);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    auto j = metrics(m);
+    losses(j, 3);
+    expect_validated(r.out, j, 3, 1e-4);
+    EXPECT_EQ(j["config"]["mixer"], c.mixer);
+    EXPECT_NE(r.out.find("linear CP: module=layers.1.linear_attn " + c.log), std::string::npos)
+        << r.out;
+  }
+  expect_refused("--nproc 2 --cp 2 --mixer gdn --cp-algo ulysses",
+                 {"with --mixer gdn choose --cp-mode state_passing|ulysses"});
+  expect_refused("--nproc 2 --cp 2 --cp-mode ulysses",
+                 {"--cp-mode and --state-exchange apply to --mixer gdn|kda"});
+  expect_refused("--nproc 2 --mixer kda --tp 2",
+                 {"linear-attention layers have no tensor parallelism"});
+}
+
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
   // Refused by the launcher, before any rank starts.
   expect_refused("--nproc 4 --tp 3 --cp 1",

@@ -16,6 +16,7 @@
 
 #include "hp/attention/host.h"
 #include "hp/comm/group.h"
+#include "hp/model/linear_attention.h"
 #include "hp/plan/memory.h"
 #include "hp/plan/plan.h"
 #include "hp/tp/parallel_linear.h"
@@ -36,7 +37,15 @@ struct Qwen3Config {
   uint64_t seed = 1234;
   std::string primitive = "blockwise";
   bool recompute = false;  // activation recompute of every decoder layer in backward
+  // The token mixer of every layer: "attention" (softmax, above), or a linear-attention layer
+  // "gdn" | "kda" (linear_attention.h: q/k heads = heads, value heads = value_heads, K = V =
+  // head_dim, conv width 4; no TP). Mixed stacks come with the model families.
+  std::string mixer = "attention";
+  int64_t value_heads = 0;  // linear mixers: HV, a multiple of heads (0: heads)
 };
+
+// The linear-attention layer config of layer `layer` (mixer gdn | kda).
+LinearAttentionConfig linear_config(const Qwen3Config& c);
 
 // Checks sizes against tp_size: heads, kv_heads and ffn must divide; names what to change.
 void validate(const Qwen3Config& c, int64_t tp_size = 1);
@@ -101,9 +110,11 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
+  at::Tensor mix(const at::Tensor& x, const at::Tensor& position_ids);  // the token mixer
   LayerValidation validation;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  Qwen3Attention self_attn{nullptr};
+  Qwen3Attention self_attn{nullptr};        // mixer "attention"
+  LinearAttention linear_attn{nullptr};     // mixer "gdn" | "kda"
   Qwen3MLP mlp{nullptr};
 };
 TORCH_MODULE(Qwen3DecoderLayer);
@@ -112,7 +123,8 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
  public:
   explicit Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp = nullptr);
   // Per decoder layer: the layer, its self_attn (the attention slot, handoffs q/k/v_handoff,
-  // reached through the primitive call: sdpa_hf) and its mlp; TP dims from the linear types.
+  // reached through the primitive call: sdpa_hf) or its linear_attn (a linear slot) and its
+  // mlp; TP dims from the linear types.
   std::vector<plan::ModuleInfo> plan_modules() override;
   void check_tp(int64_t tp_size) const override { validate(config_, tp_size); }
   void set_validation(plan::BoundaryChecker* checker,

@@ -83,4 +83,23 @@ CPPrediction predict_cp_step(const Calibration& c, const cp::ContextParallelConf
 std::vector<CPPrediction> rank_cp_configs(const Calibration& c, int64_t p, const CPWorkload& w);
 std::string describe(const CPPrediction& p);  // one log line
 
+// State-passing linear-attention CP (cp/linear.h): the two ways the shard summaries travel, per
+// step (forward + backward: the backward reverse fold moves the same volumes back).
+//   all_gather  one all-gather of every rank's [S | M] (B*HV*K*(V+K) floats): one latency, then
+//               the fold of up to P-1 summaries on the rank (K x K x V matmuls)
+//   p2p         P-1 ring steps of the state S (B*HV*K*V floats), each one shift (priced as an
+//               all_to_all whose rank sends that much) and one fold
+struct StateExchangeWorkload {
+  int64_t batch = 1, value_heads = 0, key_dim = 0, value_dim = 0;
+  int64_t layers = 1;  // linear layers per step
+};
+struct StateExchangePrediction {
+  std::string name;  // "all_gather" | "p2p"
+  double comm_s = 0, fold_s = 0, step_s = 0;
+};
+// Both exchanges, fastest first.
+std::vector<StateExchangePrediction> rank_state_exchanges(const Calibration& c, int64_t p,
+                                                          const StateExchangeWorkload& w);
+std::string describe(const StateExchangePrediction& p);  // one log line
+
 }  // namespace hp::plan

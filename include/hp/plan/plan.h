@@ -4,7 +4,8 @@
 //       every static check before any collective: mesh sizes multiply to the world size, heads
 //       and sequence divisibility, CP config normalisation, Ulysses heads after TP
 //   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
-//   ShardingApplier().apply(model, plan, mesh);   installs CP on every attention module, then
+//   ShardingApplier().apply(model, plan, mesh);   installs CP on every attention module (and
+//                                                 the linear CP mode on every linear one), then
 //                                                 HSDP (plan.fully_shard) when R*Sd > 1; logs
 #pragma once
 
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "hp/attention/host.h"
+#include "hp/attention/linear_host.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/apply.h"
 #include "hp/cp/config.h"
@@ -44,12 +46,19 @@ struct AttentionSlotInfo {
   int64_t heads_dim = 1;
 };
 
+// A linear-attention module (GDN, KDA) whose CP mode (cp/linear.h) is installed into.
+struct LinearSlotInfo {
+  attention::LinearLayerShape shape;
+  attention::LinearHost* host = nullptr;
+};
+
 struct ModuleInfo {
   std::string path;  // e.g. "layers.0.self_attn"
   // Every parameter the module holds directly or below it (relative names) -> the dim TP
   // splits it along, -1 when every TP rank holds it whole (tp::tp_shard_dims).
   std::map<std::string, int64_t> tp_shard_dims;
   std::optional<AttentionSlotInfo> attention;  // set for attention modules
+  std::optional<LinearSlotInfo> linear;        // set for linear-attention modules
 };
 
 class Plannable {
@@ -70,6 +79,15 @@ class Plannable {
 
 // The attention modules of plan_modules(), in order.
 std::vector<ModuleInfo> attention_modules(Plannable& model);
+// The linear-attention modules of plan_modules(), in order.
+std::vector<ModuleInfo> linear_modules(Plannable& model);
+
+// Linear-attention CP (cp/linear.h) for every linear module: mode state_passing | ulysses;
+// state_exchange all_gather | p2p | auto (the cost model picks; needs a calibration).
+struct LinearPlanOptions {
+  std::string mode = "state_passing";
+  std::string state_exchange = "all_gather";
+};
 
 struct PlanOptions {
   int64_t tp_size = 1;
@@ -87,6 +105,7 @@ struct PlanOptions {
   bool cp_auto = false;
   std::optional<Calibration> calibration;
   int64_t batch = 1;  // sequences per rank (auto's workload)
+  LinearPlanOptions linear;
 };
 
 // What a module gets (DESIGN section 9); CP fields as in cp::CPModuleSpec.
@@ -97,6 +116,7 @@ struct ModuleShardingSpec {
   Layout in_layout, out_layout;  // boundary layouts (validate mode checks them)
   cp::CPModuleSpec cp;           // attention modules only
   bool is_attention = false;
+  bool is_linear = false;  // linear-attention modules: ShardingPlan::linear applies
 };
 
 struct ShardingPlan {
@@ -108,6 +128,7 @@ struct ShardingPlan {
   hsdp::HsdpOptions hsdp_options;  // used when hsdp()
   int64_t seq_len = 0;
   Mode mode = Mode::kProduction;
+  LinearPlanOptions linear;       // resolved (no "auto") when the model has linear modules
   std::vector<std::string> log;  // planner decisions (auto's prediction for every candidate)
   std::unique_ptr<BoundaryChecker> checker;       // validate mode, set by the applier
   std::shared_ptr<hsdp::FullyShard> fully_shard;  // HSDP, set by the applier

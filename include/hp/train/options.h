@@ -25,6 +25,8 @@ struct TrainOptions {
   int64_t grad_accum = 1;    // micro-batches per step (HSDP: replicate all-reduce on the last)
   std::optional<cp::ContextParallelConfig> cp_config;
   bool cp_auto = false;  // --cp-algo auto: the cost model chooses (calibration of this link)
+  // Linear-attention layers (model.mixer gdn | kda): --cp-mode, --state-exchange.
+  plan::LinearPlanOptions linear;
   int64_t seq_len = 512;
   int64_t batch = 1;  // sequences per data-parallel rank and micro-batch
   int64_t steps = 50;
