@@ -1,6 +1,7 @@
 // The linear-attention mixer tools end to end: hp-cp-run --mixer (a torch.save file in, the
 // whole-sequence results out, compared with the single-process kernel; counted bytes equal the
-// formula; bad names and shapes refused before anything runs).
+// formula; bad names and shapes refused before anything runs) and hp-bench linear (its JSON
+// fields; counted bytes equal the formula).
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -163,6 +164,51 @@ TEST(HpCpRun, MixerRefusesBadNamesAndShapesBeforeAnyRun) {
   save(dir + "/dout.pt", file);
   expect_refused(dir + "/dout.pt --cp 2 --mixer gdn",
                  "dout has shape [1,24,8,4]; it must be shaped like v [1,24,8,3]");
+}
+
+TEST(LinearBench, JsonFieldsAndCountedBytesEqualTheFormula) {
+  struct Case {
+    std::string mixer, cp;
+  };
+  for (const Case& c : {Case{"kda", "--cp 2 --cp-mode state_passing --state-exchange p2p"},
+                        Case{"gdn", "--cp 2 --cp-mode ulysses"},
+                        Case{"gdn", "--cp 3 --cp-mode state_passing --state-exchange all_gather"},
+                        Case{"kda", "--cp 1"}}) {
+    const std::string cmd = std::string(HP_BENCH_BINARY) + " linear --mixer " + c.mixer +
+                            " --seq 96 --heads 6 --head-dim 8 --value-dim 4 --chunk-size 16 "
+                            "--iters 1 --json " +
+                            c.cp;
+    auto r = hp::testing::run_command(cmd);
+    ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+    for (const char* field :
+         {"mixer", "kernel", "cp", "seq", "heads", "value_heads", "head_dim", "value_dim", "fwd_s",
+          "fwd_bwd_s", "flops_fwd", "flops_counted", "fwd_gflops", "fwd_bwd_gflops",
+          "matmul_gflops", "comm_bytes_per_rank", "comm_bytes_theory", "peak_rss_bytes",
+          "peak_rss_per_rank"}) {
+      EXPECT_TRUE(j.contains(field)) << cmd << ": no " << field << "\n" << r.out;
+    }
+    EXPECT_EQ(j["mixer"], c.mixer);
+    EXPECT_GT(j["fwd_s"].get<double>(), 0) << r.out;
+    EXPECT_GT(j["fwd_bwd_gflops"].get<double>(), 0) << r.out;
+    EXPECT_GT(j["matmul_gflops"].get<double>(), 0) << r.out;
+    EXPECT_GT(j["peak_rss_bytes"].get<int64_t>(), 0) << r.out;
+    const auto theory = j["comm_bytes_theory"].get<int64_t>();
+    const auto ranks = j["cp"].get<int64_t>();
+    EXPECT_EQ(theory > 0, ranks > 1) << r.out;
+    ASSERT_EQ(j["comm_bytes_per_rank"].size(), static_cast<size_t>(ranks)) << r.out;
+    for (const auto& b : j["comm_bytes_per_rank"]) {
+      EXPECT_LE(std::abs(b.get<int64_t>() - theory), theory / 100) << cmd << "\n" << r.out;
+    }
+  }
+  auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " linear --mixer gdn --seq 64 --heads 3 --cp 2 "
+                                      "--cp-mode ulysses");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("mode=ulysses needs q/k heads (3) and value heads (3) divisible by "
+                         "cp_size=2"),
+            std::string::npos)
+      << bad.out;
 }
 
 }  // namespace
