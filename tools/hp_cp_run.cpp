@@ -78,7 +78,7 @@ bool data_order(const hp::cp::ContextParallelConfig& config) {
   return config.load_balance && config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
 }
 
-const hp_cp_run::InputHint kAttentionHint{
+constexpr hp_cp_run::InputHint kAttentionHint{
     "torch.save({'q': q, 'k': k, 'v': v, 'dout': dout}, path)", "q, k, v and dout"};
 
 at::Tensor entry(const c10::IValue& file, const std::string& key, const std::string& path) {

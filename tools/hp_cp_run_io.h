@@ -11,8 +11,8 @@ namespace hp_cp_run {
 
 // How the messages tell a user to make an input: `save` a torch.save call, `needs` the entries.
 struct InputHint {
-  std::string save;   // e.g. "torch.save({'q': q, 'k': k, 'v': v, 'dout': dout}, path)"
-  std::string needs;  // e.g. "q, k, v and dout"
+  const char* save;   // e.g. "torch.save({'q': q, 'k': k, 'v': v, 'dout': dout}, path)"
+  const char* needs;  // e.g. "q, k, v and dout"
 };
 
 // The pickled object of a torch.save file.

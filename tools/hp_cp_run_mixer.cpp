@@ -1,8 +1,9 @@
 #include "hp_cp_run_mixer.h"
 
+#include <algorithm>
 #include <functional>
 #include <iostream>
-#include <set>
+#include <iterator>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -21,11 +22,11 @@
 namespace hp_cp_run {
 namespace {
 
-const InputHint kMixerHint{
+constexpr InputHint kMixerHint{
     "torch.save({'q': q, 'k': k, 'v': v, 'g': g, 'beta': beta, 'dout': dout}, path)",
     "q, k, v, g and beta (optional: initial_state, dout, dfinal_state)"};
-const std::set<std::string> kEntries{"q",           "k", "v", "g", "beta", "dout", "initial_state",
-                                     "dfinal_state"};
+constexpr const char* kEntries[] = {"q",           "k", "v", "g", "beta", "dout", "initial_state",
+                                    "dfinal_state"};
 
 // The whole-sequence tensors of --input, checked.
 struct MixerFile {
@@ -43,7 +44,8 @@ MixerFile load_mixer_file(const MixerArgs& m) {
   auto dict = as_dict(file, m.input, kMixerHint);
   for (const auto& item : dict) {
     const auto key = item.key().isString() ? item.key().toStringRef() : std::string("?");
-    HP_CHECK(kEntries.count(key) == 1, who, ": '", m.input, "' has an entry '", key,
+    HP_CHECK(std::find(std::begin(kEntries), std::end(kEntries), key) != std::end(kEntries), who,
+             ": '", m.input, "' has an entry '", key,
              "' this run does not know; valid: q, k, v, g, beta, initial_state, dout, "
              "dfinal_state");
   }
@@ -153,6 +155,7 @@ std::vector<RankOut> run_ranks(const MixerArgs& m, const MixerFile& f) {
 void write_results(const MixerArgs& m, const std::vector<RankOut>& outs) {
   auto cat = [&](const std::function<at::Tensor(const RankOut&)>& field) {
     std::vector<at::Tensor> parts;
+    parts.reserve(outs.size());
     for (const auto& o : outs)
       parts.push_back(field(o));
     return at::cat(parts, 1);
@@ -184,6 +187,7 @@ nlohmann::json summary(const MixerArgs& m, const MixerFile& f, const std::vector
                                                   s, f.gate, cp, m.cp_size,
                                                   hp::cp::LinearMixerElementSizes::of(f.in), true);
   std::vector<int64_t> bytes;
+  bytes.reserve(outs.size());
   for (const auto& o : outs)
     bytes.push_back(o.bytes);
   nlohmann::json j = {{"mixer", m.mixer},

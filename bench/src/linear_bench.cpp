@@ -89,7 +89,8 @@ void check_linear_bench(const LinearBenchOptions& o, int64_t cp_size) {
 double linear_chunked_fwd_flops(const LinearBenchOptions& o) {
   const double c = static_cast<double>(o.chunk_size), k = static_cast<double>(o.head_dim);
   const double v = static_cast<double>(value_dim_of(o));
-  const double n = static_cast<double>((o.seq + o.chunk_size - 1) / o.chunk_size);
+  const int64_t chunks = (o.seq + o.chunk_size - 1) / o.chunk_size;  // ceil
+  const double n = static_cast<double>(chunks);
   const double per_chunk = 6 * c * c * k + 4 * c * c * v + c * c * c + 6 * c * k * v;
   return static_cast<double>(o.batch * value_heads_of(o)) * n * per_chunk;
 }

@@ -33,6 +33,7 @@ std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tenso
     widths.push_back(t.numel() / (t.size(0) * t.size(1)));
   }
   std::vector<at::Tensor> groups;
+  groups.reserve(parts.size());
   for (const auto& dest : parts) {
     std::vector<at::Tensor> flat;
     for (const auto& t : dest)

@@ -52,7 +52,7 @@ MixerInputs whole(GateKind gate, const Sizes& s) {
 std::vector<at::Tensor*> fields(MixerInputs& in) {
   return {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.initial_state};
 }
-const char* const kNames[] = {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+constexpr const char* kNames[] = {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
 
 // Outputs and the gradient of each input (kNames order).
 struct Result {
@@ -134,21 +134,23 @@ void run_case(const Case& c) {
     const std::string who = what + " rank " + std::to_string(r);
     for (const auto* ref : {&chunked, &recurrent}) {
       const std::string kind = ref == &chunked ? " (vs chunked)" : " (vs recurrent)";
-      expect_close(res.out, ref->out.narrow(1, t0, len), who + " out" + kind, 1e-9, 1e-9);
+      expect_close(res.out, ref->out.narrow(1, t0, len), common::str_cat(who, " out", kind), 1e-9,
+                   1e-9);
       if (c.final_state) {
-        expect_close(res.final_state, ref->final_state, who + " final_state" + kind, 1e-9, 1e-9);
+        expect_close(res.final_state, ref->final_state, common::str_cat(who, " final_state", kind),
+                     1e-9, 1e-9);
       }
       auto f = fields(shard);
       for (size_t i = 0; i + 1 < f.size(); ++i) {
-        expect_close(f[i]->grad(), ref->grads[i].narrow(1, t0, len), who + " " + kNames[i] + kind,
-                     1e-9, 1e-9);
+        expect_close(f[i]->grad(), ref->grads[i].narrow(1, t0, len),
+                     common::str_cat(who, " ", kNames[i], kind), 1e-9, 1e-9);
       }
       if (c.initial_state) {
         auto mine = shard.initial_state.grad();
         if (!mine.defined()) mine = at::zeros_like(shard.initial_state);
         auto total = comm::all_reduce(mesh.group("cp"), mine);
-        expect_close(total, ref->grads.back(), who + " dinitial_state (sum over ranks)" + kind,
-                     1e-9, 1e-9);
+        expect_close(total, ref->grads.back(),
+                     common::str_cat(who, " dinitial_state (sum over ranks)", kind), 1e-9, 1e-9);
       }
     }
     attention::MixerShape global{s.batch, s.tokens, s.heads, s.value_heads, s.key_dim, s.value_dim};

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/attention/delta_rule.h"
+#include "hp/common/check.h"
 #include "rank_harness.h"
 
 namespace {
@@ -91,7 +92,7 @@ nlohmann::json last_json(const std::string& out) {
 }
 
 TEST(HpCpRun, MixerMatchesTheSingleProcessKernel) {
-  const std::string dir = hp::testing::scratch_dir();
+  const std::string& dir = hp::testing::scratch_dir();
   struct Case {
     std::string mixer, mode, exchange, ranks;
   };
@@ -104,8 +105,9 @@ TEST(HpCpRun, MixerMatchesTheSingleProcessKernel) {
     const auto ref = reference(file, c.mixer);
     const std::string in = dir + "/mixer_in.pt", out = dir + "/mixer_out.pt";
     save(in, file);
-    std::string cmd = std::string(HP_CP_RUN_BINARY) + " --input " + in + " --output " + out + " " +
-                      c.ranks + " --mixer " + c.mixer + " --cp-mode " + c.mode + " --chunk-size 4";
+    std::string cmd =
+        hp::common::str_cat(HP_CP_RUN_BINARY, " --input ", in, " --output ", out, " ", c.ranks,
+                            " --mixer ", c.mixer, " --cp-mode ", c.mode, " --chunk-size 4");
     if (!c.exchange.empty()) cmd += " --state-exchange " + c.exchange;
     auto r = hp::testing::run_command(cmd);
     ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
@@ -113,7 +115,7 @@ TEST(HpCpRun, MixerMatchesTheSingleProcessKernel) {
     const std::string what = c.mixer + " " + c.mode + "/" + c.exchange + " " + c.ranks;
     for (const auto& [name, want] : ref) {
       ASSERT_TRUE(res.contains(name)) << what << ": no " << name;
-      expect_close(res.at(name).toTensor(), want, what + " " + name, 1e-9, 1e-9);
+      expect_close(res.at(name).toTensor(), want, hp::common::str_cat(what, " ", name), 1e-9, 1e-9);
     }
     auto j = last_json(r.out);
     EXPECT_EQ(j["mixer"], c.mixer);
