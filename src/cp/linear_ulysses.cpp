@@ -36,6 +36,7 @@ std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tenso
   groups.reserve(parts.size());
   for (const auto& dest : parts) {
     std::vector<at::Tensor> flat;
+    flat.reserve(dest.size());
     for (const auto& t : dest)
       flat.push_back(t.reshape({t.size(0), t.size(1), -1}).to(dtype));
     groups.push_back(at::cat(flat, 2));
