@@ -6,6 +6,9 @@
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
 //   hp-bench calibrate [--link-rate RATE] [--out FILE]
 //   hp-bench report [--link-rate RATE ...] [--out docs/benchmarks] [--recalibrate]
+//   hp-bench linear --mixer gdn|kda --seq S --heads H --head-dim K [--value-dim V]
+//                   [--value-heads HV] [--batch B] [--cp P --cp-mode ulysses|state_passing
+//                   --state-exchange all_gather|p2p] [--kernel chunked|recurrent] [--json]
 //   hp-bench hsdp --nproc N --dp-shard Sd --dp-replicate R [--comm-fusion on|off]
 //                 [--layers L --hidden H --ffn F --seq S] [--iters K] [--json]
 // comm, cp and hsdp take --link-rate RATE: all ranks run in a network namespace whose loopback
@@ -258,11 +261,12 @@ struct Commands {
   AttentionArgs attention;
   CPArgs cp;
   HsdpArgs hsdp;
+  LinearArgs linear;
   std::string calibrate_out;
   hp::bench::ReportOptions report;
   std::string link_rate;  // comm, cp, hsdp, calibrate
   CLI::App *comm_cmd = nullptr, *attention_cmd = nullptr, *cp_cmd = nullptr, *hsdp_cmd = nullptr,
-           *calibrate_cmd = nullptr, *report_cmd = nullptr;
+           *linear_cmd = nullptr, *calibrate_cmd = nullptr, *report_cmd = nullptr;
 };
 
 void add_commands(CLI::App& app, Commands& c) {
@@ -271,6 +275,7 @@ void add_commands(CLI::App& app, Commands& c) {
   c.attention_cmd = add_attention_command(app, c.attention);
   c.cp_cmd = add_cp_command(app, c.cp);
   c.hsdp_cmd = add_hsdp_command(app, c.hsdp);
+  c.linear_cmd = add_linear_command(app, c.linear);
   c.calibrate_cmd = add_calibrate_command(app, c.calibrate_out);
   c.report_cmd = add_report_command(app, c.report);
   for (auto* cmd : {c.comm_cmd, c.cp_cmd, c.hsdp_cmd, c.calibrate_cmd}) {
@@ -285,6 +290,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
   if (c.comm_cmd->parsed()) hp::comm::timeout_from_seconds(c.comm.timeout_s);
   if (c.cp_cmd->parsed()) hp::comm::timeout_from_seconds(c.cp.timeout_s);
   if (c.hsdp_cmd->parsed()) hp::comm::timeout_from_seconds(c.hsdp.timeout_s);
+  if (c.linear_cmd->parsed()) hp::comm::timeout_from_seconds(c.linear.timeout_s);
   if (!c.link_rate.empty() && !hp::bench::emulated_link_rate()) {
     return hp::bench::run_in_emulated_link(c.link_rate, args);
   }
@@ -292,6 +298,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
   if (c.calibrate_cmd->parsed()) return run_calibrate(c.calibrate_out);
   if (c.report_cmd->parsed()) return run_report_cmd(c.report);
   if (c.cp_cmd->parsed()) return run_cp(c.cp, args);
+  if (c.linear_cmd->parsed()) return run_linear(c.linear, args);
   if (c.comm_cmd->parsed()) return run_comm(c.comm, args);
   if (c.attention_cmd->parsed()) return run_attention(c.attention);
   return 0;

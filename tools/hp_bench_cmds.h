@@ -1,6 +1,7 @@
 // hp-bench's subcommands. Each has an options struct, an add_*_command that registers its CLI
 // options (in help order) and a run_* that validates, runs and reports. comm and attention (and
-// main) are in hp_bench.cpp; cp, hsdp, calibrate and report in hp_bench_layers.cpp.
+// main) are in hp_bench.cpp; cp, hsdp, calibrate and report in hp_bench_layers.cpp; linear in
+// hp_bench_linear.cpp.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "hp/bench/cp_bench.h"
 #include "hp/bench/hsdp_bench.h"
+#include "hp/bench/linear_bench.h"
 #include "hp/bench/report.h"
 #include "hp/comm/types.h"
 
@@ -44,6 +46,15 @@ struct HsdpArgs {
 };
 CLI::App* add_hsdp_command(CLI::App& app, HsdpArgs& a);
 int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv);
+
+struct LinearArgs {
+  hp::bench::LinearBenchOptions bench;
+  int nproc = 1;
+  bool json = false;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+};
+CLI::App* add_linear_command(CLI::App& app, LinearArgs& a);
+int run_linear(const LinearArgs& a, const std::vector<std::string>& argv);
 
 CLI::App* add_calibrate_command(CLI::App& app, std::string& out);
 int run_calibrate(const std::string& out);

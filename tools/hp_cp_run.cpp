@@ -6,15 +6,15 @@
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--causal]
 //     [--layout bnsd|bshd] [--primitive math|blockwise] [--adapter sdpa_qkv|...]
 // IN.pt: dict with q, k, v, dout. OUT.pt: dict with out, dq, dk, dv (natural order).
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
+//
+// A linear-attention mixer under CP instead (hp_cp_run_mixer.h; --cp-algo and the attention
+// flags do not apply):
+//   hp-cp-run --input IN.pt --output OUT.pt --cp P --mixer gdn|kda
+//     [--cp-mode ulysses|state_passing] [--state-exchange all_gather|p2p] [--scale S]
+//     [--chunk-size C]
 #include <iostream>
-#include <iterator>
-#include <mutex>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -22,11 +22,12 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
-#include "hp/common/paths.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
 #include "hp/cp/volume.h"
+#include "hp_cp_run_io.h"
+#include "hp_cp_run_mixer.h"
 
 namespace {
 
@@ -42,7 +43,7 @@ struct Args {
 void add_options(CLI::App& app, Args& a) {
   app.add_option("--input", a.input, "torch.save dict with q, k, v, dout")->required();
   app.add_option("--output", a.output, "where to write out, dq, dk, dv")->required();
-  app.add_option("--cp", a.cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
+  app.add_option("--cp,--nproc", a.cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
   app.add_option("--cp-algo", a.algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
@@ -77,45 +78,11 @@ bool data_order(const hp::cp::ContextParallelConfig& config) {
   return config.load_balance && config.load_balance_form == hp::cp::LoadBalanceForm::kDataOrder;
 }
 
-std::vector<char> read_bytes(const std::string& path) {
-  HP_CHECK(!std::filesystem::is_directory(path), "hp-cp-run: cannot read --input '", path,
-           "': it is a directory; give a torch.save file");
-  std::ifstream f(path, std::ios::binary);
-  HP_CHECK(f.good(), "hp-cp-run: cannot open --input '", path, "'");
-  return std::vector<char>(std::istreambuf_iterator<char>(f), {});
-}
+constexpr hp_cp_run::InputHint kAttentionHint{
+    "torch.save({'q': q, 'k': k, 'v': v, 'dout': dout}, path)", "q, k, v and dout"};
 
-// The pickled object of a torch.save file; errors name the file.
-c10::IValue load_file(const std::string& path) {
-  const auto bytes = read_bytes(path);
-  try {
-    return torch::jit::pickle_load(bytes);
-  } catch (const std::exception& e) {
-    const auto* c = dynamic_cast<const c10::Error*>(&e);
-    HP_CHECK(false, "hp-cp-run: cannot read --input '", path,
-             "' as a torch.save file (save one with torch.save({'q': q, 'k': k, 'v': v, "
-             "'dout': dout}, path)): ",
-             c != nullptr ? c->what_without_backtrace() : e.what());
-  }
-  return {};  // not reached
-}
-
-// --output is checked before any compute: a writable file path.
-void check_output(const std::string& path) {
-  const auto why = hp::common::why_file_unwritable(path);
-  HP_CHECK(why.empty(), "hp-cp-run: cannot write --output '", path, "': ", why);
-}
-
-at::Tensor entry(const c10::IValue& dict, const std::string& key, const std::string& path) {
-  HP_CHECK(dict.isGenericDict(), "hp-cp-run: '", path,
-           "' does not hold a dict (save one with "
-           "torch.save({'q': q, 'k': k, 'v': v, 'dout': dout}, path))");
-  auto d = dict.toGenericDict();
-  HP_CHECK(d.contains(key), "hp-cp-run: '", path, "' has no entry '", key,
-           "'; it needs q, k, v and dout");
-  auto t = d.at(key);
-  HP_CHECK(t.isTensor(), "hp-cp-run: entry '", key, "' in '", path, "' is not a tensor");
-  return t.toTensor().contiguous();
+at::Tensor entry(const c10::IValue& file, const std::string& key, const std::string& path) {
+  return hp_cp_run::entry(file, key, path, kAttentionHint);
 }
 
 // The full-sequence tensors of --input and where their sequence and head dims are.
@@ -126,7 +93,7 @@ struct Inputs {
 
 Inputs load_inputs(const Args& a, const hp::cp::ContextParallelConfig& config) {
   const bool bshd = a.layout == "bshd";
-  auto in = load_file(a.input);
+  auto in = hp_cp_run::load_file(a.input, kAttentionHint);
   Inputs x;
   x.q = entry(in, "q", a.input);
   x.k = entry(in, "k", a.input);
@@ -209,19 +176,7 @@ void write_output(const Args& a, const hp::cp::ContextParallelConfig& config, co
   out.insert("dq", cat(&hp::bench::CPLayerResult::dq));
   out.insert("dk", cat(&hp::bench::CPLayerResult::dk));
   out.insert("dv", cat(&hp::bench::CPLayerResult::dv));
-  auto data = torch::jit::pickle_save(c10::IValue(out));
-  const std::string tmp = a.output + ".tmp";
-  bool ok = false;
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    HP_CHECK(f.good(), "hp-cp-run: cannot write --output '", a.output, "' (its temporary file '",
-             tmp, "')");
-    f.write(data.data(), static_cast<std::streamsize>(data.size()));
-    f.close();
-    ok = !f.fail() && std::rename(tmp.c_str(), a.output.c_str()) == 0;
-  }
-  if (!ok) std::remove(tmp.c_str());  // never left behind
-  HP_CHECK(ok, "hp-cp-run: cannot write the result to --output '", a.output, "'");
+  hp_cp_run::write_dict(a.output, out);
 }
 
 // The one-line JSON summary: configuration, counted bytes and the formula's.
@@ -248,7 +203,7 @@ nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& confi
 }
 
 int run(const Args& a) {
-  check_output(a.output);
+  hp_cp_run::check_output(a.output);
   const auto config = resolve_config(a);
   const auto inputs = load_inputs(a, config);
   const auto ranks = run_ranks(a, config, inputs);
@@ -265,8 +220,16 @@ int main(int argc, char** argv) {
   CLI::App app{"hp-cp-run: one CP attention forward/backward on tensors from a torch.save file"};
   Args a;
   add_options(app, a);
+  hp_cp_run::MixerArgs m;
+  hp_cp_run::add_mixer_options(app, m);
   CLI11_PARSE(app, argc, argv);
   try {
+    if (hp_cp_run::mixer_requested(app, m)) {
+      m.input = a.input;
+      m.output = a.output;
+      m.cp_size = a.cp_size;
+      return hp_cp_run::run_mixer(m);
+    }
     return run(a);
   } catch (const std::exception& e) {
     // Messages that already name the tool are printed as they are.

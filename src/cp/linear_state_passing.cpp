@@ -1,14 +1,19 @@
 // Linear attention, mode state_passing (the source's "state P2P"): every rank keeps its
-// contiguous shard of the sequence and receives only states.
+// contiguous shard of the sequence and receives only states. The mixer-level core
+// (detail::state_passing_mix, what linear_mixer_cp runs) and the layer mode around it.
 //
-//   x [B, S/P, hidden] --project--> qkv [B, S/P, C], beta, gate, out_gate
-//   conv halo: qkv's last w-1 rows --ring shift +1--> the next rank (rank 0: zeros)
-//   convolve [halo | qkv] -> q, k, v, g, beta of the shard
-//   summary of the shard: final = M h + S   (M [B, HV, K, K], S [B, HV, K, V])
-//   initial state h_r = fold of the summaries of ranks < r:
-//     all_gather  [S | M] [B, HV, K, V+K] all-gathered once; h = M_p h + S_p for p < r
-//     p2p         P-1 ring steps of M h + S; rank r's h is exact after r of them
-//   delta rule from h_r -> output
+//   layer only: x [B, S/P, hidden] --project--> qkv [B, S/P, C], beta, gate, out_gate
+//     conv halo: qkv's last w-1 rows --ring shift +1--> the next rank (rank 0: zeros)
+//     convolve [halo | qkv] -> q, k, v, g, beta of the shard; after the mixer: output
+//   state_passing_mix (q, k, v, g, beta of the shard):
+//     summary of the shard: final = M h + S   (M [B, HV, K, K], S [B, HV, K, V], float32+)
+//     rank 0 with a user initial state h0: S <- M h0 + S (its final state; h0 enters there)
+//     initial state h_r = fold of the summaries of ranks < r (rank 0: h0 or zeros):
+//       all_gather  [S | M] [1, B, HV, K, V+K] all-gathered once; h = M_p h + S_p for p < r;
+//                   the final state folds all P (every rank, no more bytes)
+//       p2p         P-1 ring steps of M h + S; rank r's h is exact after r of them; the final
+//                   state: every rank's M h + S all-gathered, rank P-1's kept
+//     delta rule from h_r -> out [B, S/P, HV, V]
 //   backward: every exchange is differentiable (all-gather <-> reduce-scatter, shift <-> the
 //   opposite shift), so d(initial state) flows back to the ranks whose summaries made it.
 #include <ATen/ATen.h>
@@ -16,16 +21,88 @@
 #include "hp/comm/autograd_collectives.h"
 #include "hp/common/check.h"
 #include "hp/cp/linear.h"
+#include "hp/cp/linear_mixer.h"
 #include "hp/cp/strategy.h"
 
-namespace hp::cp::detail {
+namespace hp::cp {
+namespace detail {
 namespace {
 
-// `x` on every rank but rank 0 of the group; zeros (still in the graph, gradient 0) on rank 0.
-at::Tensor zero_on_first(const at::Tensor& x, int64_t rank) {
+// `x` on every rank but rank 0 of the group; `first` (still in the graph, gradient 0 for x) on
+// rank 0.
+at::Tensor replace_on_first(const at::Tensor& x, const at::Tensor& first, int64_t rank) {
   auto keep = at::full({}, rank > 0, at::TensorOptions().dtype(at::kBool));
-  return at::where(keep, x, at::zeros_like(x));
+  return at::where(keep, x, first);
 }
+
+// all_gather: this rank's initial state (and, asked for, the final state) from every rank's
+// [S | M]. `s` is rank 0's final state there when a user initial state entered.
+void gather_and_fold(const at::Tensor& m, const at::Tensor& s, const at::Tensor& h0,
+                     bool output_final_state, const CPTopology& topo, at::Tensor& h,
+                     at::Tensor& final_state) {
+  const int64_t p = topo.cp_size, r = topo.cp_rank, v = s.size(-1);
+  auto packed = at::cat({s, m}, -1).unsqueeze(0).contiguous();  // [1, B, HV, K, V+K]
+  auto all = comm::all_gather_autograd(packed, 0, topo.cp);     // [P, B, HV, K, V+K]
+  at::Tensor fold;                                              // undefined: the zero state
+  const int64_t upto = output_final_state ? p : r;
+  for (int64_t i = 0; i < upto; ++i) {
+    auto summary = all.select(0, i);
+    auto si = summary.narrow(-1, 0, v);
+    fold = fold.defined() ? at::matmul(summary.narrow(-1, v, summary.size(-1) - v), fold) + si : si;
+    if (i + 1 == r) h = fold;
+  }
+  if (r == 0) h = h0.defined() ? h0 : at::zeros_like(s);
+  if (output_final_state) final_state = fold;
+  // Every rank's graph uses the gathered summaries (rank 0 folds none), so every rank runs
+  // their reduce-scatter in backward.
+  h = anchored(h, {all});
+}
+
+// p2p: the chain. Rank 0's state is h0 (zeros without one) throughout.
+at::Tensor chain(const at::Tensor& m, const at::Tensor& s, const at::Tensor& h0,
+                 const CPTopology& topo) {
+  const int64_t p = topo.cp_size, r = topo.cp_rank;
+  const auto first = h0.defined() ? h0 : at::zeros_like(s);
+  auto h = first;
+  for (int64_t step = 1; step < p; ++step) {
+    auto final_state = (at::matmul(m, h) + s).contiguous();
+    h = replace_on_first(comm::ring_shift(final_state, 1, topo.cp), first, r);
+  }
+  return h;
+}
+
+}  // namespace
+
+attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
+                                         const MixerKernel& kernel, bool output_final_state,
+                                         const std::string& state_exchange,
+                                         const CPTopology& topology) {
+  const int64_t p = topology.cp_size, r = topology.cp_rank;
+  auto in = shard;
+  in.initial_state = at::Tensor();
+  at::Tensor m, s;
+  kernel.summary(in, m, s);
+  at::Tensor h0;
+  if (r == 0 && shard.initial_state.defined()) h0 = shard.initial_state.to(s.scalar_type());
+  at::Tensor h, final_state;
+  if (state_exchange == "p2p") {
+    h = chain(m, s, h0, topology);
+    if (output_final_state) {
+      auto mine = (at::matmul(m, h) + s).unsqueeze(0).contiguous();
+      final_state = comm::all_gather_autograd(mine, 0, topology.cp).select(0, p - 1);
+    }
+  } else {
+    HP_INTERNAL_ASSERT(state_exchange == "all_gather", "state_exchange '", state_exchange, "'");
+    gather_and_fold(m, h0.defined() ? at::matmul(m, h0) + s : s, h0, output_final_state, topology,
+                    h, final_state);
+  }
+  in.initial_state = h;
+  auto res = kernel.mix(in, false);
+  res.final_state = final_state;
+  return res;
+}
+
+namespace {
 
 class LinearStatePassing final : public attention::LinearInterceptor {
  public:
@@ -39,7 +116,6 @@ class LinearStatePassing final : public attention::LinearInterceptor {
 
   at::Tensor forward(const at::Tensor& x, const attention::LinearLayerStages& stages) override {
     const auto shape = stages.shape();
-    const auto& group = topology_->cp;
     const int64_t r = topology_->cp_rank, w = shape.conv_width;
     HP_CHECK(x.size(1) >= w - 1, "linear attention CP (state_passing) on module '",
              options_.module_path, "': the local shard has ", x.size(1),
@@ -49,42 +125,21 @@ class LinearStatePassing final : public attention::LinearInterceptor {
     at::Tensor halo;
     if (w > 1) {
       auto tail = t.qkv.narrow(1, x.size(1) - (w - 1), w - 1).contiguous();
-      halo = zero_on_first(comm::ring_shift(tail, 1, group), r);
+      auto shifted = comm::ring_shift(tail, 1, topology_->cp);
+      halo = replace_on_first(shifted, at::zeros_like(shifted), r);
     }
     auto conv = stages.convolve(t.qkv, halo, at::Tensor());
     auto in = stages.mixer_inputs(conv, t.beta_logit, t.gate_in, 0, shape.heads);
-    at::Tensor m, s;
-    stages.state_summary(in, m, s);
-    in.initial_state = options_.state_exchange == "p2p" ? chain(m, s) : gather_and_fold(m, s);
-    auto o = stages.mix(in, false).out;
+    MixerKernel kernel;
+    kernel.mix = [&stages](const attention::MixerInputs& i, bool f) { return stages.mix(i, f); };
+    kernel.summary = [&stages](const attention::MixerInputs& i, at::Tensor& m, at::Tensor& s) {
+      stages.state_summary(i, m, s);
+    };
+    auto o = state_passing_mix(in, kernel, false, options_.state_exchange, *topology_).out;
     return stages.output(o, t.out_gate);
   }
 
  private:
-  at::Tensor gather_and_fold(const at::Tensor& m, const at::Tensor& s) const {
-    const int64_t r = topology_->cp_rank, v = s.size(-1);
-    auto packed = at::cat({s, m}, -1).unsqueeze(0).contiguous();     // [1, B, HV, K, V+K]
-    auto all = comm::all_gather_autograd(packed, 0, topology_->cp);  // [P, B, HV, K, V+K]
-    auto h = at::zeros_like(s);
-    for (int64_t p = 0; p < r; ++p) {
-      auto mine = all.select(0, p);
-      h = at::matmul(mine.narrow(-1, v, mine.size(-1) - v), h) + mine.narrow(-1, 0, v);
-    }
-    // Every rank's graph uses the gathered summaries (rank 0 folds none), so every rank runs
-    // their reduce-scatter in backward.
-    return anchored(h, {all});
-  }
-
-  at::Tensor chain(const at::Tensor& m, const at::Tensor& s) const {
-    const int64_t p = topology_->cp_size, r = topology_->cp_rank;
-    auto h = at::zeros_like(s);
-    for (int64_t step = 1; step < p; ++step) {
-      auto final_state = (at::matmul(m, h) + s).contiguous();
-      h = zero_on_first(comm::ring_shift(final_state, 1, topology_->cp), r);
-    }
-    return h;
-  }
-
   LinearCPOptions options_;
   std::shared_ptr<const CPTopology> topology_;
 };
@@ -96,4 +151,5 @@ std::shared_ptr<attention::LinearInterceptor> make_linear_state_passing(
   return std::make_shared<LinearStatePassing>(options, std::move(topology));
 }
 
-}  // namespace hp::cp::detail
+}  // namespace detail
+}  // namespace hp::cp

@@ -11,6 +11,8 @@
 //                  state_exchange: all_gather (one all-gather of [S | M], no serialization) or
 //                  p2p (the chain: P-1 ring steps, rank r's state exact after r of them).
 // Every exchange is differentiable: outputs and every gradient equal the single-process layer.
+// The exchanges and the state-passing core are shared with the mixer-level entry
+// (cp/linear_mixer.h: linear_mixer_cp), so each exists once.
 #pragma once
 
 #include <memory>
