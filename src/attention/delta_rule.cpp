@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
+#include "delta_rule_scan.h"
 
 namespace hp::attention {
 namespace {
@@ -31,8 +32,9 @@ Prepared prepare(const MixerInputs& in, const MixerOptions& o, GateKind gate, co
   p.compute = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t r = p.shape.value_heads / p.shape.heads;
   auto to = [&](const at::Tensor& t) { return t.to(p.compute); };
-  p.q = to(in.q).repeat_interleave(r, 2) * p.shape.scale;
-  p.k = to(in.k).repeat_interleave(r, 2);
+  auto heads = [&](const at::Tensor& t) { return r == 1 ? t : t.repeat_interleave(r, 2); };
+  p.q = heads(to(in.q)) * p.shape.scale;
+  p.k = heads(to(in.k));
   p.v = to(in.v);
   p.g = gate == GateKind::kPerHead ? to(in.g).unsqueeze(-1) : to(in.g);  // [B, T, HV, K or 1]
   p.beta = to(in.beta);
@@ -51,9 +53,9 @@ MixerResult finish(const MixerInputs& in, const MixerOptions& o, const at::Tenso
   return r;
 }
 
-// [B, Tp, HV, X] -> [B, HV, N, C, X]
+// [B, Tp, HV, X] -> contiguous [B, HV, N, C, X]
 at::Tensor chunked_view(const at::Tensor& x, int64_t n, int64_t c) {
-  return x.view({x.size(0), n, c, x.size(2), x.size(3)}).permute({0, 3, 1, 2, 4});
+  return x.reshape({x.size(0), n, c, x.size(2), x.size(3)}).permute({0, 3, 1, 2, 4}).contiguous();
 }
 
 // Decayed products D[t, i] = sum_k x_t[k] k_i[k] exp(G_t[k] - G_i[k]) for every pair of one chunk
@@ -64,6 +66,13 @@ at::Tensor chunked_view(const at::Tensor& x, int64_t n, int64_t c) {
 at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& k, const at::Tensor& G,
                             int64_t s) {
   const int64_t c = x.size(-2), nb = c / s;
+  if (G.size(-1) == 1) {  // one gate per row (GDN): e^{G_t - G_i} <= 1 below the diagonal
+    auto lower = at::ones({c, c}, x.options().dtype(at::kBool)).tril();
+    auto expo = G - G.transpose(-1, -2);  // [.., C, C]
+    const double neg_inf = -std::numeric_limits<double>::infinity();
+    return at::matmul(x, k.transpose(-1, -2)) *
+           at::exp(at::where(lower, expo, at::full({}, neg_inf, expo.options())));
+  }
   auto lead = x.sizes().slice(0, x.dim() - 2).vec();
   auto blocks = [&](const at::Tensor& t) {  // [.., C, X] -> [.., nb, s, X]
     auto shape = lead;
@@ -125,11 +134,7 @@ namespace {
 // The intra-chunk terms of every chunk at once ([B, HV, N, C, .]); the state enters afterwards.
 struct Chunks {
   int64_t n = 0, c = 0;
-  at::Tensor u, w;       // WY: v_new = u - w h
-  at::Tensor q_decayed;  // q e^G: what reads the entering state
-  at::Tensor qk;         // tril((q e^G)(k e^-G)^T)
-  at::Tensor k_end;      // k e^{G_C - G}: what the chunk writes into the leaving state
-  at::Tensor decay_end;  // e^{G_C} [B, HV, N, K or 1, 1]
+  detail::ChunkTerms t;
 };
 
 Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
@@ -148,18 +153,20 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
   auto v = chunked_view(padded(p.v), n, c);
   auto G = chunked_view(padded(p.g), n, c).cumsum(-2);           // [B, HV, N, C, K or 1]
   auto beta = chunked_view(padded(p.beta).unsqueeze(-1), n, c);  // [B, HV, N, C, 1]
-  // WY: T = (I + tril_-1(diag(beta) KK_dec))^-1, U = T diag(beta) V, W = T diag(beta) K e^G.
+  // WY: (I + tril_-1(diag(beta) KK_dec)) [U, W] = diag(beta) [V, K e^G], one triangular solve.
   auto kk = decayed_products(k, k, G, s).tril(-1);
   auto eye = at::eye(c, q.options());
-  auto tri = at::linalg_solve_triangular(eye + beta * kk, eye.expand_as(kk), /*upper=*/false,
-                                         /*left=*/true, /*unitriangular=*/true);
-  ch.u = at::matmul(tri, beta * v);
-  ch.w = at::matmul(tri, beta * (k * at::exp(G)));
-  ch.qk = decayed_products(q, k, G, s);
-  ch.q_decayed = q * at::exp(G);
+  auto k_decayed = k * at::exp(G);
+  auto sol = at::linalg_solve_triangular(eye + beta * kk, beta * at::cat({v, k_decayed}, -1),
+                                         /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  const int64_t vd = v.size(-1), kd = k.size(-1);
+  ch.t.u = sol.narrow(-1, 0, vd);
+  ch.t.w = sol.narrow(-1, vd, kd);
+  ch.t.qk = decayed_products(q, k, G, s);
+  ch.t.q_decayed = q * at::exp(G);
   auto g_end = G.narrow(-2, c - 1, 1);  // [B, HV, N, 1, K or 1]
-  ch.k_end = k * at::exp(g_end - G);
-  ch.decay_end = at::exp(g_end).transpose(-1, -2);
+  ch.t.k_end = k * at::exp(g_end - G);
+  ch.t.decay_end = at::exp(g_end).transpose(-1, -2);
   return ch;
 }
 
@@ -169,23 +176,11 @@ MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, Gat
   auto p = prepare(in, o, gate, "delta rule (chunked)");
   const auto& sh = p.shape;
   auto ch = chunk_terms(p, o);
-  // The state through the chunks in order: v_new = U - W h; h' = e^{G_C} h + K_end^T v_new.
-  // unbind (not select per chunk): its backward stacks the chunks' gradients once, where N
-  // selects would each materialise a gradient of the whole tensor.
-  auto us = ch.u.unbind(2), ws = ch.w.unbind(2), decays = ch.decay_end.unbind(2);
-  auto ends = ch.k_end.transpose(-1, -2).unbind(2);
-  auto h = p.h0;
-  std::vector<at::Tensor> states, v_new;
-  for (int64_t i = 0; i < ch.n; ++i) {
-    auto vn = us[i] - at::matmul(ws[i], h);
-    states.push_back(h);
-    v_new.push_back(vn);
-    h = decays[i] * h + at::matmul(ends[i], vn);
-  }
-  auto hs = at::stack(states, 2), vs = at::stack(v_new, 2);         // [B, HV, N, K, V], [.., C, V]
-  auto out = at::matmul(ch.q_decayed, hs) + at::matmul(ch.qk, vs);  // [B, HV, N, C, V]
-  out = out.permute({0, 2, 3, 1, 4}).reshape({sh.batch, ch.n * ch.c, sh.value_heads, sh.value_dim});
-  return finish(in, o, out.narrow(1, 0, sh.tokens), h);
+  // The state through the chunks in order (one autograd node, delta_rule_scan.h).
+  auto r = detail::delta_rule_scan(ch.t, p.h0);  // out [B, HV, N, C, V]
+  auto out =
+      r.out.permute({0, 2, 3, 1, 4}).reshape({sh.batch, ch.n * ch.c, sh.value_heads, sh.value_dim});
+  return finish(in, o, out.narrow(1, 0, sh.tokens), r.final_state);
 }
 
 void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, GateKind gate,
@@ -194,11 +189,11 @@ void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, Gate
   auto ch = chunk_terms(p, o);
   const int64_t kd = p.shape.key_dim;
   // Chunk c maps h to M_c h + S_c with M_c = Diag(e^{G_C}) - K_end^T W and S_c = K_end^T U.
-  auto ends = ch.k_end.transpose(-1, -2);  // [B, HV, N, K, C]
-  auto decay = ch.decay_end.squeeze(-1);   // [B, HV, N, K or 1]
+  auto ends = ch.t.k_end.transpose(-1, -2);  // [B, HV, N, K, C]
+  auto decay = ch.t.decay_end.squeeze(-1);   // [B, HV, N, K or 1]
   auto mc = at::diag_embed(decay.expand({decay.size(0), decay.size(1), decay.size(2), kd})) -
-            at::matmul(ends, ch.w);
-  auto sc = at::matmul(ends, ch.u);
+            at::matmul(ends, ch.t.w);
+  auto sc = at::matmul(ends, ch.t.u);
   auto ms = mc.unbind(2), ss = sc.unbind(2);
   m = at::eye(kd, p.q.options()).expand({p.shape.batch, p.shape.value_heads, kd, kd});
   s = at::zeros({p.shape.batch, p.shape.value_heads, kd, p.shape.value_dim}, p.q.options());
