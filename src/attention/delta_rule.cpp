@@ -14,7 +14,8 @@
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
-#include "delta_rule_scan.h"
+#include "delta_rule_chunks.h"
+#include "delta_rule_kernel.h"
 
 namespace hp::attention {
 namespace {
@@ -58,56 +59,6 @@ at::Tensor chunked_view(const at::Tensor& x, int64_t n, int64_t c) {
   return x.reshape({x.size(0), n, c, x.size(2), x.size(3)}).permute({0, 3, 1, 2, 4}).contiguous();
 }
 
-// Decayed products D[t, i] = sum_k x_t[k] k_i[k] exp(G_t[k] - G_i[k]) for every pair of one chunk
-// (x, k [.., C, K]; G [.., C, K or 1] cumulative log-gates, non-increasing), lower triangle incl.
-// the diagonal, upper triangle 0. Built from sub-blocks of s rows: a row block against earlier
-// columns through the reference G at the row before the block (both factors <= 1); the block
-// against itself through a reference at its middle row (factors within e^{s/2 * 10}).
-at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& k, const at::Tensor& G,
-                            int64_t s) {
-  const int64_t c = x.size(-2), nb = c / s;
-  if (G.size(-1) == 1) {  // one gate per row (GDN): e^{G_t - G_i} <= 1 below the diagonal
-    auto lower = at::ones({c, c}, x.options().dtype(at::kBool)).tril();
-    auto expo = G - G.transpose(-1, -2);  // [.., C, C]
-    const double neg_inf = -std::numeric_limits<double>::infinity();
-    return at::matmul(x, k.transpose(-1, -2)) *
-           at::exp(at::where(lower, expo, at::full({}, neg_inf, expo.options())));
-  }
-  auto lead = x.sizes().slice(0, x.dim() - 2).vec();
-  auto blocks = [&](const at::Tensor& t) {  // [.., C, X] -> [.., nb, s, X]
-    auto shape = lead;
-    shape.insert(shape.end(), {nb, s, t.size(-1)});
-    return t.reshape(shape);
-  };
-  auto xb = blocks(x), kb = blocks(k), Gb = blocks(G);
-  // Within each row block: reference at its middle row.
-  auto mid = Gb.narrow(-2, s / 2, 1);  // [.., nb, 1, Kg]
-  // Its upper triangle multiplies the two large sides (e^{G_t - G_i}, t < i, can overflow):
-  // dropped before anything else sees it.
-  auto diag = at::matmul(xb * at::exp(Gb - mid), (kb * at::exp(mid - Gb)).transpose(-1, -2)).tril();
-  auto eye = at::eye(nb, x.options()).view({nb, 1, nb, 1});
-  auto full_shape = lead;
-  full_shape.insert(full_shape.end(), {c, c});
-  auto D = (diag.unsqueeze(-2) * eye).reshape(full_shape);  // block diagonal
-  if (nb > 1) {
-    // Row block a (a >= 1) against columns [0, a*s): reference G[a*s - 1].
-    auto ref = Gb.narrow(-2, s - 1, 1).narrow(-3, 0, nb - 1);  // [.., nb-1, 1, Kg]
-    auto rows = xb.narrow(-3, 1, nb - 1) * at::exp(Gb.narrow(-3, 1, nb - 1) - ref);
-    auto cols = at::arange(c, x.options().dtype(at::kLong));
-    auto limit = (at::arange(1, nb, x.options().dtype(at::kLong)) * s).view({nb - 1, 1, 1});
-    auto before = cols.view({1, c, 1}).lt(limit);  // [nb-1, C, 1]
-    auto expo = ref - G.unsqueeze(-3);             // [.., nb-1, C, Kg]
-    const double neg_inf = -std::numeric_limits<double>::infinity();
-    auto keys =
-        k.unsqueeze(-3) * at::exp(at::where(before, expo, at::full({}, neg_inf, expo.options())));
-    auto off = at::matmul(rows, keys.transpose(-1, -2));  // [.., nb-1, s, C]
-    auto off_shape = lead;
-    off_shape.insert(off_shape.end(), {(nb - 1) * s, c});
-    D = D + at::constant_pad_nd(off.reshape(off_shape), {0, 0, s, 0});
-  }
-  return D.tril();
-}
-
 }  // namespace
 
 MixerResult delta_rule_recurrent(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
@@ -131,7 +82,7 @@ MixerResult delta_rule_recurrent(const MixerInputs& in, const MixerOptions& o, G
 
 namespace {
 
-// The intra-chunk terms of every chunk at once ([B, HV, N, C, .]); the state enters afterwards.
+// The intra-chunk terms of every chunk at once ([B, HV, N, C, .]), by autograd-visible ATen ops.
 struct Chunks {
   int64_t n = 0, c = 0;
   detail::ChunkTerms t;
@@ -143,7 +94,6 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
   ch.c = o.chunk_size;
   ch.n = (sh.tokens + ch.c - 1) / ch.c;
   const int64_t c = ch.c, n = ch.n, pad = n * c - sh.tokens;
-  const int64_t s = c % 16 == 0 ? 16 : c;               // sub-block rows of the decayed products
   auto padded = [&](const at::Tensor& t) {              // zeros after the last token (dim 1)
     std::vector<int64_t> widths(2 * (t.dim() - 1), 0);  // last dim first; the last pair is dim 1
     widths.back() = pad;
@@ -153,20 +103,7 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
   auto v = chunked_view(padded(p.v), n, c);
   auto G = chunked_view(padded(p.g), n, c).cumsum(-2);           // [B, HV, N, C, K or 1]
   auto beta = chunked_view(padded(p.beta).unsqueeze(-1), n, c);  // [B, HV, N, C, 1]
-  // WY: (I + tril_-1(diag(beta) KK_dec)) [U, W] = diag(beta) [V, K e^G], one triangular solve.
-  auto kk = decayed_products(k, k, G, s).tril(-1);
-  auto eye = at::eye(c, q.options());
-  auto k_decayed = k * at::exp(G);
-  auto sol = at::linalg_solve_triangular(eye + beta * kk, beta * at::cat({v, k_decayed}, -1),
-                                         /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
-  const int64_t vd = v.size(-1), kd = k.size(-1);
-  ch.t.u = sol.narrow(-1, 0, vd);
-  ch.t.w = sol.narrow(-1, vd, kd);
-  ch.t.qk = decayed_products(q, k, G, s);
-  ch.t.q_decayed = q * at::exp(G);
-  auto g_end = G.narrow(-2, c - 1, 1);  // [B, HV, N, 1, K or 1]
-  ch.t.k_end = k * at::exp(g_end - G);
-  ch.t.decay_end = at::exp(g_end).transpose(-1, -2);
+  ch.t = detail::chunk_terms(q, k, v, G, beta);
   return ch;
 }
 
@@ -175,12 +112,15 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
 MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
   auto p = prepare(in, o, gate, "delta rule (chunked)");
   const auto& sh = p.shape;
-  auto ch = chunk_terms(p, o);
-  // The state through the chunks in order (one autograd node, delta_rule_scan.h).
-  auto r = detail::delta_rule_scan(ch.t, p.h0);  // out [B, HV, N, C, V]
-  auto out =
-      r.out.permute({0, 2, 3, 1, 4}).reshape({sh.batch, ch.n * ch.c, sh.value_heads, sh.value_dim});
-  return finish(in, o, out.narrow(1, 0, sh.tokens), r.final_state);
+  const int64_t bh = sh.batch * sh.value_heads;
+  auto rows = [&](const at::Tensor& t) {  // [B, T, HV, X] -> contiguous [B*HV, T, X]
+    return t.transpose(1, 2).reshape({bh, sh.tokens, t.size(3)});
+  };
+  auto r = detail::delta_rule_chunked_kernel(
+      rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta.unsqueeze(-1)).squeeze(-1),
+      p.h0.reshape({bh, sh.key_dim, sh.value_dim}), o.chunk_size);
+  auto out = r.out.view({sh.batch, sh.value_heads, sh.tokens, sh.value_dim}).transpose(1, 2);
+  return finish(in, o, out, r.final_state.view(p.h0.sizes()));
 }
 
 void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, GateKind gate,
