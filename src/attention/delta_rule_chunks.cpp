@@ -1,8 +1,8 @@
 // The intra-chunk terms of the chunked delta rule (delta_rule_chunks.h).
 //
 //   q, k, v, G, beta [.., C, X] -> decayed products kk, qk [.., C, C] (block decomposition for
-//   KDA, one masked gate matrix for GDN) -> one unit-lower triangular solve of
-//   (I + beta tril_-1(kk)) [U W] = beta [V, K e^G] -> u, w; q e^G, k e^{G_C - G}, e^{G_C}.
+//   KDA, one masked gate matrix for GDN) -> T = (I + beta tril_-1(kk))^-1 (one unit-lower
+//   triangular solve) -> [u w] = T beta [V, K e^G] (one matmul); q e^G, k e^{G_C - G}, e^{G_C}.
 #include "delta_rule_chunks.h"
 
 #include <limits>
@@ -70,12 +70,14 @@ ChunkTerms chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t c = q.size(-2);
   const int64_t s = c % 16 == 0 ? 16 : c;  // sub-block rows of the decayed products
   ChunkTerms t;
-  // WY: (I + tril_-1(diag(beta) KK_dec)) [U, W] = diag(beta) [V, K e^G], one triangular solve.
+  // WY: T = (I + tril_-1(diag(beta) KK_dec))^-1 by one unit-lower triangular solve against I
+  // (C right-hand sides, cheaper than solving for [V, K] directly), then [U, W] = T diag(beta)
+  // [V, K e^G] in one matmul.
   auto kk = decayed_products(k, k, G, s).tril(-1);
   auto eye = at::eye(c, q.options());
-  auto k_decayed = k * at::exp(G);
-  auto sol = at::linalg_solve_triangular(eye + beta * kk, beta * at::cat({v, k_decayed}, -1),
-                                         /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  auto tri = at::linalg_solve_triangular(eye + beta * kk, eye.expand_as(kk), /*upper=*/false,
+                                         /*left=*/true, /*unitriangular=*/true);
+  auto sol = at::matmul(tri, beta * at::cat({v, k * at::exp(G)}, -1));
   const int64_t vd = v.size(-1), kd = k.size(-1);
   t.u = sol.narrow(-1, 0, vd);
   t.w = sol.narrow(-1, vd, kd);
