@@ -9,18 +9,115 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace hp::attention::detail {
 namespace {
 
 // Decayed products D[t, i] = sum_k x_t[k] k_i[k] exp(G_t[k] - G_i[k]) for every pair of one chunk
 // (x, k [.., C, K]; G [.., C, K or 1] cumulative log-gates, non-increasing), lower triangle incl.
-// the diagonal, upper triangle 0. Built from sub-blocks of s rows: a row block against earlier
-// columns through the reference G at the row before the block (both factors <= 1); the block
-// against itself through a reference at its middle row (factors within e^{s/2 * 10}).
+// the diagonal, upper triangle 0.
+//
+// GDN (one gate per row): (x k^T) * e^{G_t - G_i} with the gate matrix masked before its exp.
+//
+// KDA: built from sub-blocks of s rows: row block a against earlier columns [0, a*s) through the
+// reference G at the row before the block (both factors <= 1); each block against itself through
+// a reference at its middle row (factors within e^{s/2 * 10}; its upper triangle, which
+// multiplies the two large sides, is dropped before anything else sees it). A hand-written
+// backward reuses the same factors: with dD lower-triangular, dx = rowf (dD colf k),
+// dk = colf (dD^T rowf x), and since every entry depends on G only through G_t - G_i,
+// dG = x dx - k dk.
+struct KdaFactors {
+  at::Tensor ed, ed_inv;   // e^{G - mid} and e^{mid - G} per row block [.., nb, s, K]
+  at::Tensor rowf, colf;   // e^{G_a - ref_a} [.., nb-1, s, K]; e^{ref_a - G_i}, i < a*s, else 0
+};                         //                                   [.., nb-1, C, K]
+
+KdaFactors kda_factors(const at::Tensor& G, int64_t s) {
+  const int64_t c = G.size(-2), nb = c / s;
+  auto shape = G.sizes().slice(0, G.dim() - 2).vec();
+  shape.insert(shape.end(), {nb, s, G.size(-1)});
+  auto Gb = G.reshape(shape);
+  KdaFactors f;
+  auto mid = Gb.narrow(-2, s / 2, 1);  // [.., nb, 1, K]
+  f.ed = at::exp(Gb - mid);
+  f.ed_inv = at::exp(mid - Gb);
+  if (nb > 1) {
+    auto ref = Gb.narrow(-2, s - 1, 1).narrow(-3, 0, nb - 1);  // [.., nb-1, 1, K]
+    f.rowf = at::exp(Gb.narrow(-3, 1, nb - 1) - ref);
+    auto cols = at::arange(c, G.options().dtype(at::kLong));
+    auto limit = (at::arange(1, nb, G.options().dtype(at::kLong)) * s).view({nb - 1, 1, 1});
+    auto before = cols.view({1, c, 1}).lt(limit);  // [nb-1, C, 1]
+    const double neg_inf = -std::numeric_limits<double>::infinity();
+    auto expo = ref - G.unsqueeze(-3);  // [.., nb-1, C, K]
+    f.colf = at::exp(at::where(before, expo, at::full({}, neg_inf, expo.options())));
+  }
+  return f;
+}
+
+// [.., C, X] -> [.., C/s, s, X]
+at::Tensor row_blocks(const at::Tensor& t, int64_t s) {
+  auto shape = t.sizes().slice(0, t.dim() - 2).vec();
+  shape.insert(shape.end(), {t.size(-2) / s, s, t.size(-1)});
+  return t.reshape(shape);
+}
+
+struct KdaDecayedFn : torch::autograd::Function<KdaDecayedFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& k, const at::Tensor& G, int64_t s) {
+    const int64_t c = x.size(-2), nb = c / s;
+    auto f = kda_factors(G, s);
+    auto xb = row_blocks(x, s), kb = row_blocks(k, s);
+    auto diag = at::matmul(xb * f.ed, (kb * f.ed_inv).transpose(-1, -2)).tril();  // [.., nb, s, s]
+    auto lead = x.sizes().slice(0, x.dim() - 2).vec();
+    auto full_shape = lead;
+    full_shape.insert(full_shape.end(), {c, c});
+    auto eye = at::eye(nb, x.options()).view({nb, 1, nb, 1});
+    auto D = (diag.unsqueeze(-2) * eye).reshape(full_shape);  // block diagonal
+    if (nb > 1) {
+      auto rows = xb.narrow(-3, 1, nb - 1) * f.rowf;                          // [.., nb-1, s, K]
+      auto off = at::matmul(rows, (k.unsqueeze(-3) * f.colf).transpose(-1, -2));  // [.., s, C]
+      auto off_shape = lead;
+      off_shape.insert(off_shape.end(), {(nb - 1) * s, c});
+      D.narrow(-2, s, (nb - 1) * s).add_(off.reshape(off_shape));
+    }
+    ctx->save_for_backward({x, k, G});
+    ctx->saved_data["s"] = s;
+    return D;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &k = saved[1], &G = saved[2];
+    const int64_t s = ctx->saved_data["s"].toInt(), c = x.size(-2), nb = c / s;
+    auto dD = grads[0].tril();
+    auto f = kda_factors(G, s);
+    auto xb = row_blocks(x, s), kb = row_blocks(k, s);
+    // Diagonal blocks [.., nb, s, s] of dD.
+    auto blocks_shape = dD.sizes().slice(0, dD.dim() - 2).vec();
+    blocks_shape.insert(blocks_shape.end(), {nb, s, nb, s});
+    auto dd = at::diagonal(dD.reshape(blocks_shape), 0, -4, -2).movedim(-1, -3).tril();
+    auto dx = at::matmul(dd, kb * f.ed_inv) * f.ed;                 // [.., nb, s, K]
+    auto dk = at::matmul(dd.transpose(-1, -2), xb * f.ed) * f.ed_inv;
+    if (nb > 1) {
+      auto off_shape = dD.sizes().slice(0, dD.dim() - 2).vec();
+      off_shape.insert(off_shape.end(), {nb - 1, s, c});
+      auto doff = dD.narrow(-2, s, (nb - 1) * s).reshape(off_shape);  // [.., nb-1, s, C]
+      auto keys = k.unsqueeze(-3) * f.colf;                           // [.., nb-1, C, K]
+      auto rows = xb.narrow(-3, 1, nb - 1) * f.rowf;                  // [.., nb-1, s, K]
+      dx.narrow(-3, 1, nb - 1).add_(at::matmul(doff, keys) * f.rowf);
+      auto dk_off = (at::matmul(doff.transpose(-1, -2), rows) * f.colf).sum(-3);  // [.., C, K]
+      dk = dk + row_blocks(dk_off, s);
+    }
+    dx = dx.reshape(x.sizes());
+    dk = dk.reshape(k.sizes());
+    return {dx, dk, x * dx - k * dk, at::Tensor()};
+  }
+};
+
 at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& k, const at::Tensor& G,
                             int64_t s) {
-  const int64_t c = x.size(-2), nb = c / s;
+  const int64_t c = x.size(-2);
   if (G.size(-1) == 1) {  // one gate per row (GDN): e^{G_t - G_i} <= 1 below the diagonal
     auto lower = at::ones({c, c}, x.options().dtype(at::kBool)).tril();
     auto expo = G - G.transpose(-1, -2);  // [.., C, C]
@@ -28,39 +125,7 @@ at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& k, const at::
     return at::matmul(x, k.transpose(-1, -2)) *
            at::exp(at::where(lower, expo, at::full({}, neg_inf, expo.options())));
   }
-  auto lead = x.sizes().slice(0, x.dim() - 2).vec();
-  auto blocks = [&](const at::Tensor& t) {  // [.., C, X] -> [.., nb, s, X]
-    auto shape = lead;
-    shape.insert(shape.end(), {nb, s, t.size(-1)});
-    return t.reshape(shape);
-  };
-  auto xb = blocks(x), kb = blocks(k), Gb = blocks(G);
-  // Within each row block: reference at its middle row.
-  auto mid = Gb.narrow(-2, s / 2, 1);  // [.., nb, 1, Kg]
-  // Its upper triangle multiplies the two large sides (e^{G_t - G_i}, t < i, can overflow):
-  // dropped before anything else sees it.
-  auto diag = at::matmul(xb * at::exp(Gb - mid), (kb * at::exp(mid - Gb)).transpose(-1, -2)).tril();
-  auto eye = at::eye(nb, x.options()).view({nb, 1, nb, 1});
-  auto full_shape = lead;
-  full_shape.insert(full_shape.end(), {c, c});
-  auto D = (diag.unsqueeze(-2) * eye).reshape(full_shape);  // block diagonal
-  if (nb > 1) {
-    // Row block a (a >= 1) against columns [0, a*s): reference G[a*s - 1].
-    auto ref = Gb.narrow(-2, s - 1, 1).narrow(-3, 0, nb - 1);  // [.., nb-1, 1, Kg]
-    auto rows = xb.narrow(-3, 1, nb - 1) * at::exp(Gb.narrow(-3, 1, nb - 1) - ref);
-    auto cols = at::arange(c, x.options().dtype(at::kLong));
-    auto limit = (at::arange(1, nb, x.options().dtype(at::kLong)) * s).view({nb - 1, 1, 1});
-    auto before = cols.view({1, c, 1}).lt(limit);  // [nb-1, C, 1]
-    auto expo = ref - G.unsqueeze(-3);             // [.., nb-1, C, Kg]
-    const double neg_inf = -std::numeric_limits<double>::infinity();
-    auto keys =
-        k.unsqueeze(-3) * at::exp(at::where(before, expo, at::full({}, neg_inf, expo.options())));
-    auto off = at::matmul(rows, keys.transpose(-1, -2));  // [.., nb-1, s, C]
-    auto off_shape = lead;
-    off_shape.insert(off_shape.end(), {(nb - 1) * s, c});
-    D = D + at::constant_pad_nd(off.reshape(off_shape), {0, 0, s, 0});
-  }
-  return D.tril();
+  return KdaDecayedFn::apply(x, k, G, s);
 }
 
 }  // namespace
