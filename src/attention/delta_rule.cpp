@@ -1,10 +1,12 @@
 // Gated delta rule (GDN, KDA): the token recurrence and the chunked WY kernel (delta_rule.h).
 //
-//   q, k [B, T, H, K] --GVA repeat--> [B, T, HV, K]; v [B, T, HV, V]; g [B, T, HV(, K)];
-//   beta [B, T, HV]; state [B, HV, K, V]
-//   chunked: pad T to N*C (g = 0, beta = 0, k = 0: padding leaves the state alone), view as
-//   [B, HV, N, C, .], intra-chunk WY terms for all chunks at once, then the state passes through
-//   the N chunks in order (two matmuls each), and the outputs of all chunks in one batch.
+//   q, k [B, T, H, K] --GVA repeat (none when HV == H)--> [B, T, HV, K]; v [B, T, HV, V];
+//   g [B, T, HV(, K)]; beta [B, T, HV]; state [B, HV, K, V]
+//   chunked: [B, T, HV, X] -> rows [B*HV, T, X] -> delta_rule_kernel.cpp (one autograd node:
+//   rows in parallel, each padded to N*C tokens and viewed as [N, C, X]; intra-chunk terms of
+//   all its chunks at once (delta_rule_chunks.cpp), then the state through its N chunks in
+//   order) -> out [B*HV, T, V] -> [B, T, HV, V].
+//   state summary: [B, HV, N, C, X] chunk terms by autograd-visible ops, folded chunk by chunk.
 #include "hp/attention/delta_rule.h"
 
 #include <cmath>
