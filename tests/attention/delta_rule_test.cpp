@@ -102,6 +102,7 @@ TEST(DeltaRule, ChunkedHoldsAtTheStrongestGates) {
   c.min_gate = kMinLogGate;
   c.tokens = 70;
   auto ref = run(inputs(c), c, false);
+  expect_same(run(inputs(c), c, true), ref, "float64 at g = -10", 1e-9);
   c.dtype = at::kFloat;
   auto got = run(inputs(c), c, true);
   EXPECT_TRUE(got.out.isfinite().all().item<bool>());
@@ -121,6 +122,7 @@ TEST(DeltaRule, GdnChunkedHoldsAtTheStrongestGates) {
   c.min_gate = kMinLogGate;
   c.tokens = 70;
   auto ref = run(inputs(c), c, false);
+  expect_same(run(inputs(c), c, true), ref, "float64 at g = -10", 1e-9);
   c.dtype = at::kFloat;
   auto got = run(inputs(c), c, true);
   EXPECT_TRUE(got.out.isfinite().all().item<bool>());
