@@ -43,10 +43,12 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-double g_last_min = 0;  // the fastest run of the last time_median (printed beside the median)
+struct Timing {
+  double median = 0, min = 0;
+};
 
 template <class F>
-double time_median(int64_t reps, F&& f) {
+Timing time_runs(int64_t reps, F&& f) {
   f();  // warm-up
   std::vector<double> t;
   for (int64_t i = 0; i < reps; ++i) {
@@ -54,8 +56,7 @@ double time_median(int64_t reps, F&& f) {
     f();
     t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  g_last_min = *std::min_element(t.begin(), t.end());
-  return median(t);
+  return {median(t), *std::min_element(t.begin(), t.end())};
 }
 
 hp::attention::MixerInputs make_inputs(const Args& a, int64_t tokens, GateKind gate) {
@@ -126,8 +127,8 @@ int main(int argc, char** argv) {
   // head of the sequence.
   const int64_t n = (a.tokens + a.chunk - 1) / a.chunk * a.heads;
   auto x = at::randn({n, a.chunk, a.dim}), y = at::randn({n, a.dim, a.dim});
-  const double mm_s = time_median(a.reps, [&] { at::bmm(x, y); });
-  const double mm_min = g_last_min;
+  const auto mm = time_runs(a.reps, [&] { at::bmm(x, y); });
+  const double mm_s = mm.median, mm_min = mm.min;
   const double mm_rate = 2.0 * n * a.chunk * a.dim * a.dim / mm_s / 1e9;
   std::printf("matmul  bmm [%lld,%lld,%lld]x[%lld,%lld]  %.4f s (min %.4f)  %.1f GFLOP/s\n",
               (long long)n, (long long)a.chunk, (long long)a.dim, (long long)a.dim,
@@ -141,13 +142,12 @@ int main(int argc, char** argv) {
     if (!a.only.empty() && a.only != name) continue;
     auto in = make_inputs(a, a.tokens, gate);
     const double f = fwd_flops(a, a.tokens);
-    const double fwd = time_median(a.reps, [&] {
+    const auto tf = time_runs(a.reps, [&] {
       at::NoGradGuard ng;
       hp::attention::delta_rule_chunked(in, o, gate);
     });
-    const double fwd_min = g_last_min;
-    const double fb = time_median(a.reps, [&] { fwd_bwd(in, o, gate, false); });
-    const double fb_min = g_last_min;
+    const auto tfb = time_runs(a.reps, [&] { fwd_bwd(in, o, gate, false); });
+    const double fwd = tf.median, fwd_min = tf.min, fb = tfb.median, fb_min = tfb.min;
     std::printf("%s chunked fwd      %.4f s (min %.4f)  %.1f GFLOP/s  %.0f%% of matmul\n", name,
                 fwd, fwd_min, f / fwd / 1e9, 100 * f / fwd / 1e9 / mm_rate);
     std::printf("%s chunked fwd+bwd  %.4f s (min %.4f)  %.1f GFLOP/s  %.0f%% of matmul\n", name,
