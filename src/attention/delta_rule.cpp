@@ -1,10 +1,12 @@
 // Gated delta rule (GDN, KDA): the token recurrence and the chunked WY kernel (delta_rule.h).
 //
-//   q, k [B, T, H, K] --GVA repeat--> [B, T, HV, K]; v [B, T, HV, V]; g [B, T, HV(, K)];
-//   beta [B, T, HV]; state [B, HV, K, V]
-//   chunked: pad T to N*C (g = 0, beta = 0, k = 0: padding leaves the state alone), view as
-//   [B, HV, N, C, .], intra-chunk WY terms for all chunks at once, then the state passes through
-//   the N chunks in order (two matmuls each), and the outputs of all chunks in one batch.
+//   q, k [B, T, H, K] --GVA repeat (none when HV == H)--> [B, T, HV, K]; v [B, T, HV, V];
+//   g [B, T, HV(, K)]; beta [B, T, HV]; state [B, HV, K, V]
+//   chunked: [B, T, HV, X] -> rows [B*HV, T, X] -> delta_rule_kernel.cpp (one autograd node:
+//   rows in parallel, each padded to N*C tokens and viewed as [N, C, X]; intra-chunk terms of
+//   all its chunks at once (delta_rule_chunks.cpp), then the state through its N chunks in
+//   order) -> out [B*HV, T, V] -> [B, T, HV, V].
+//   state summary: [B, HV, N, C, X] chunk terms by autograd-visible ops, folded chunk by chunk.
 #include "hp/attention/delta_rule.h"
 
 #include <cmath>
@@ -14,6 +16,8 @@
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
+#include "delta_rule_chunks.h"
+#include "delta_rule_kernel.h"
 
 namespace hp::attention {
 namespace {
@@ -31,8 +35,9 @@ Prepared prepare(const MixerInputs& in, const MixerOptions& o, GateKind gate, co
   p.compute = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t r = p.shape.value_heads / p.shape.heads;
   auto to = [&](const at::Tensor& t) { return t.to(p.compute); };
-  p.q = to(in.q).repeat_interleave(r, 2) * p.shape.scale;
-  p.k = to(in.k).repeat_interleave(r, 2);
+  auto heads = [&](const at::Tensor& t) { return r == 1 ? t : t.repeat_interleave(r, 2); };
+  p.q = heads(to(in.q)) * p.shape.scale;
+  p.k = heads(to(in.k));
   p.v = to(in.v);
   p.g = gate == GateKind::kPerHead ? to(in.g).unsqueeze(-1) : to(in.g);  // [B, T, HV, K or 1]
   p.beta = to(in.beta);
@@ -51,52 +56,9 @@ MixerResult finish(const MixerInputs& in, const MixerOptions& o, const at::Tenso
   return r;
 }
 
-// [B, Tp, HV, X] -> [B, HV, N, C, X]
+// [B, Tp, HV, X] -> contiguous [B, HV, N, C, X]
 at::Tensor chunked_view(const at::Tensor& x, int64_t n, int64_t c) {
-  return x.view({x.size(0), n, c, x.size(2), x.size(3)}).permute({0, 3, 1, 2, 4});
-}
-
-// Decayed products D[t, i] = sum_k x_t[k] k_i[k] exp(G_t[k] - G_i[k]) for every pair of one chunk
-// (x, k [.., C, K]; G [.., C, K or 1] cumulative log-gates, non-increasing), lower triangle incl.
-// the diagonal, upper triangle 0. Built from sub-blocks of s rows: a row block against earlier
-// columns through the reference G at the row before the block (both factors <= 1); the block
-// against itself through a reference at its middle row (factors within e^{s/2 * 10}).
-at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& k, const at::Tensor& G,
-                            int64_t s) {
-  const int64_t c = x.size(-2), nb = c / s;
-  auto lead = x.sizes().slice(0, x.dim() - 2).vec();
-  auto blocks = [&](const at::Tensor& t) {  // [.., C, X] -> [.., nb, s, X]
-    auto shape = lead;
-    shape.insert(shape.end(), {nb, s, t.size(-1)});
-    return t.reshape(shape);
-  };
-  auto xb = blocks(x), kb = blocks(k), Gb = blocks(G);
-  // Within each row block: reference at its middle row.
-  auto mid = Gb.narrow(-2, s / 2, 1);  // [.., nb, 1, Kg]
-  // Its upper triangle multiplies the two large sides (e^{G_t - G_i}, t < i, can overflow):
-  // dropped before anything else sees it.
-  auto diag = at::matmul(xb * at::exp(Gb - mid), (kb * at::exp(mid - Gb)).transpose(-1, -2)).tril();
-  auto eye = at::eye(nb, x.options()).view({nb, 1, nb, 1});
-  auto full_shape = lead;
-  full_shape.insert(full_shape.end(), {c, c});
-  auto D = (diag.unsqueeze(-2) * eye).reshape(full_shape);  // block diagonal
-  if (nb > 1) {
-    // Row block a (a >= 1) against columns [0, a*s): reference G[a*s - 1].
-    auto ref = Gb.narrow(-2, s - 1, 1).narrow(-3, 0, nb - 1);  // [.., nb-1, 1, Kg]
-    auto rows = xb.narrow(-3, 1, nb - 1) * at::exp(Gb.narrow(-3, 1, nb - 1) - ref);
-    auto cols = at::arange(c, x.options().dtype(at::kLong));
-    auto limit = (at::arange(1, nb, x.options().dtype(at::kLong)) * s).view({nb - 1, 1, 1});
-    auto before = cols.view({1, c, 1}).lt(limit);  // [nb-1, C, 1]
-    auto expo = ref - G.unsqueeze(-3);             // [.., nb-1, C, Kg]
-    const double neg_inf = -std::numeric_limits<double>::infinity();
-    auto keys =
-        k.unsqueeze(-3) * at::exp(at::where(before, expo, at::full({}, neg_inf, expo.options())));
-    auto off = at::matmul(rows, keys.transpose(-1, -2));  // [.., nb-1, s, C]
-    auto off_shape = lead;
-    off_shape.insert(off_shape.end(), {(nb - 1) * s, c});
-    D = D + at::constant_pad_nd(off.reshape(off_shape), {0, 0, s, 0});
-  }
-  return D.tril();
+  return x.reshape({x.size(0), n, c, x.size(2), x.size(3)}).permute({0, 3, 1, 2, 4}).contiguous();
 }
 
 }  // namespace
@@ -122,14 +84,10 @@ MixerResult delta_rule_recurrent(const MixerInputs& in, const MixerOptions& o, G
 
 namespace {
 
-// The intra-chunk terms of every chunk at once ([B, HV, N, C, .]); the state enters afterwards.
+// The intra-chunk terms of every chunk at once ([B, HV, N, C, .]), by autograd-visible ATen ops.
 struct Chunks {
   int64_t n = 0, c = 0;
-  at::Tensor u, w;       // WY: v_new = u - w h
-  at::Tensor q_decayed;  // q e^G: what reads the entering state
-  at::Tensor qk;         // tril((q e^G)(k e^-G)^T)
-  at::Tensor k_end;      // k e^{G_C - G}: what the chunk writes into the leaving state
-  at::Tensor decay_end;  // e^{G_C} [B, HV, N, K or 1, 1]
+  detail::ChunkTerms t;
 };
 
 Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
@@ -138,7 +96,6 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
   ch.c = o.chunk_size;
   ch.n = (sh.tokens + ch.c - 1) / ch.c;
   const int64_t c = ch.c, n = ch.n, pad = n * c - sh.tokens;
-  const int64_t s = c % 16 == 0 ? 16 : c;               // sub-block rows of the decayed products
   auto padded = [&](const at::Tensor& t) {              // zeros after the last token (dim 1)
     std::vector<int64_t> widths(2 * (t.dim() - 1), 0);  // last dim first; the last pair is dim 1
     widths.back() = pad;
@@ -148,18 +105,7 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
   auto v = chunked_view(padded(p.v), n, c);
   auto G = chunked_view(padded(p.g), n, c).cumsum(-2);           // [B, HV, N, C, K or 1]
   auto beta = chunked_view(padded(p.beta).unsqueeze(-1), n, c);  // [B, HV, N, C, 1]
-  // WY: T = (I + tril_-1(diag(beta) KK_dec))^-1, U = T diag(beta) V, W = T diag(beta) K e^G.
-  auto kk = decayed_products(k, k, G, s).tril(-1);
-  auto eye = at::eye(c, q.options());
-  auto tri = at::linalg_solve_triangular(eye + beta * kk, eye.expand_as(kk), /*upper=*/false,
-                                         /*left=*/true, /*unitriangular=*/true);
-  ch.u = at::matmul(tri, beta * v);
-  ch.w = at::matmul(tri, beta * (k * at::exp(G)));
-  ch.qk = decayed_products(q, k, G, s);
-  ch.q_decayed = q * at::exp(G);
-  auto g_end = G.narrow(-2, c - 1, 1);  // [B, HV, N, 1, K or 1]
-  ch.k_end = k * at::exp(g_end - G);
-  ch.decay_end = at::exp(g_end).transpose(-1, -2);
+  ch.t = detail::chunk_terms(q, k, v, G, beta);
   return ch;
 }
 
@@ -168,24 +114,15 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
 MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
   auto p = prepare(in, o, gate, "delta rule (chunked)");
   const auto& sh = p.shape;
-  auto ch = chunk_terms(p, o);
-  // The state through the chunks in order: v_new = U - W h; h' = e^{G_C} h + K_end^T v_new.
-  // unbind (not select per chunk): its backward stacks the chunks' gradients once, where N
-  // selects would each materialise a gradient of the whole tensor.
-  auto us = ch.u.unbind(2), ws = ch.w.unbind(2), decays = ch.decay_end.unbind(2);
-  auto ends = ch.k_end.transpose(-1, -2).unbind(2);
-  auto h = p.h0;
-  std::vector<at::Tensor> states, v_new;
-  for (int64_t i = 0; i < ch.n; ++i) {
-    auto vn = us[i] - at::matmul(ws[i], h);
-    states.push_back(h);
-    v_new.push_back(vn);
-    h = decays[i] * h + at::matmul(ends[i], vn);
-  }
-  auto hs = at::stack(states, 2), vs = at::stack(v_new, 2);         // [B, HV, N, K, V], [.., C, V]
-  auto out = at::matmul(ch.q_decayed, hs) + at::matmul(ch.qk, vs);  // [B, HV, N, C, V]
-  out = out.permute({0, 2, 3, 1, 4}).reshape({sh.batch, ch.n * ch.c, sh.value_heads, sh.value_dim});
-  return finish(in, o, out.narrow(1, 0, sh.tokens), h);
+  const int64_t bh = sh.batch * sh.value_heads;
+  auto rows = [&](const at::Tensor& t) {  // [B, T, HV, X] -> contiguous [B*HV, T, X]
+    return t.transpose(1, 2).reshape({bh, sh.tokens, t.size(3)});
+  };
+  auto r = detail::delta_rule_chunked_kernel(
+      rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta.unsqueeze(-1)).squeeze(-1),
+      p.h0.reshape({bh, sh.key_dim, sh.value_dim}), o.chunk_size);
+  auto out = r.out.view({sh.batch, sh.value_heads, sh.tokens, sh.value_dim}).transpose(1, 2);
+  return finish(in, o, out, r.final_state.view(p.h0.sizes()));
 }
 
 void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, GateKind gate,
@@ -194,11 +131,11 @@ void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, Gate
   auto ch = chunk_terms(p, o);
   const int64_t kd = p.shape.key_dim;
   // Chunk c maps h to M_c h + S_c with M_c = Diag(e^{G_C}) - K_end^T W and S_c = K_end^T U.
-  auto ends = ch.k_end.transpose(-1, -2);  // [B, HV, N, K, C]
-  auto decay = ch.decay_end.squeeze(-1);   // [B, HV, N, K or 1]
+  auto ends = ch.t.k_end.transpose(-1, -2);  // [B, HV, N, K, C]
+  auto decay = ch.t.decay_end.squeeze(-1);   // [B, HV, N, K or 1]
   auto mc = at::diag_embed(decay.expand({decay.size(0), decay.size(1), decay.size(2), kd})) -
-            at::matmul(ends, ch.w);
-  auto sc = at::matmul(ends, ch.u);
+            at::matmul(ends, ch.t.w);
+  auto sc = at::matmul(ends, ch.t.u);
   auto ms = mc.unbind(2), ss = sc.unbind(2);
   m = at::eye(kd, p.q.options()).expand({p.shape.batch, p.shape.value_heads, kd, kd});
   s = at::zeros({p.shape.batch, p.shape.value_heads, kd, p.shape.value_dim}, p.q.options());

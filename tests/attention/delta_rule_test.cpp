@@ -102,6 +102,7 @@ TEST(DeltaRule, ChunkedHoldsAtTheStrongestGates) {
   c.min_gate = kMinLogGate;
   c.tokens = 70;
   auto ref = run(inputs(c), c, false);
+  expect_same(run(inputs(c), c, true), ref, "float64 at g = -10", 1e-9);
   c.dtype = at::kFloat;
   auto got = run(inputs(c), c, true);
   EXPECT_TRUE(got.out.isfinite().all().item<bool>());
@@ -112,6 +113,54 @@ TEST(DeltaRule, ChunkedHoldsAtTheStrongestGates) {
     return g;
   };
   expect_same(f64(got), ref, "kda float32 at g = -10", 2e-4);
+}
+
+TEST(DeltaRule, GdnChunkedHoldsAtTheStrongestGates) {
+  // GDN's decayed products are one C x C gate matrix masked before its exp: finite at g = -10.
+  Case c;
+  c.gate = GateKind::kPerHead;
+  c.min_gate = kMinLogGate;
+  c.tokens = 70;
+  auto ref = run(inputs(c), c, false);
+  expect_same(run(inputs(c), c, true), ref, "float64 at g = -10", 1e-9);
+  c.dtype = at::kFloat;
+  auto got = run(inputs(c), c, true);
+  EXPECT_TRUE(got.out.isfinite().all().item<bool>());
+  EXPECT_TRUE(got.dg.isfinite().all().item<bool>());
+  auto f64 = [](Grads g) {
+    for (auto* t : {&g.out, &g.final_state, &g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta, &g.dh0})
+      *t = t->to(at::kDouble);
+    return g;
+  };
+  expect_same(f64(got), ref, "gdn float32 at g = -10", 2e-4);
+}
+
+TEST(DeltaRule, ChunkedBackwardWithoutTheFinalState) {
+  // The state pass's hand-written backward when only the outputs reach the loss (no gradient
+  // of the final state), without an initial state and with HV == H: the recurrence's gradients.
+  for (auto gate : {GateKind::kPerHead, GateKind::kPerChannel}) {
+    Case c;
+    c.gate = gate;
+    c.tokens = 77;
+    c.initial_state = false;
+    c.value_heads = c.heads;  // no GVA repeat
+    MixerOptions o;
+    o.chunk_size = 16;
+    auto grads = [&](bool chunked) {
+      auto in = inputs(c);
+      auto r = chunked ? delta_rule_chunked(in, o, gate) : delta_rule_recurrent(in, o, gate);
+      EXPECT_FALSE(r.final_state.defined());
+      (r.out * rnd(95, r.out.sizes())).sum().backward();
+      return std::vector<at::Tensor>{r.out.detach(), in.q.grad(), in.k.grad(),
+                                     in.v.grad(),    in.g.grad(), in.beta.grad()};
+    };
+    auto got = grads(true), ref = grads(false);
+    const char* names[] = {"out", "dq", "dk", "dv", "dg", "dbeta"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      expect_close(got[i], ref[i], std::string(gate_name(gate)) + " no final state " + names[i],
+                   1e-9, 1e-9);
+    }
+  }
 }
 
 TEST(DeltaRule, SplitSequenceWithStatePassingEqualsTheWhole) {

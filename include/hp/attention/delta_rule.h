@@ -18,11 +18,13 @@
 //              so the state passes between chunks with two [C,K]x[K,V]-sized matmuls, and every
 //              C x C matrix of decayed products is built from factors e^{G_t - G_ref} with a
 //              reference inside the block (no overflow for log-gates in [-10, 0] per token).
-//              No [T, T] tensor. Computed in float32 (float64 for double inputs) with LibTorch
-//              ops, so autograd gives every gradient: q, k, v, g, beta and the initial state, and
-//              a gradient of the final state flows in (a sequence split in two with the first
-//              half's final state as the second half's initial state has the gradients of the
-//              whole).
+//              No [T, T] tensor. Computed in float32 (float64 for double inputs), one autograd
+//              node: (batch, value head) rows in parallel; forward keeps only the inputs and the
+//              state entering each chunk; a hand-written backward recomputes a row's chunk terms
+//              and runs the state gradient back through the chunks. It gives every gradient: q,
+//              k, v, g, beta and the initial state, and a gradient of the final state flows in
+//              (a sequence split in two with the first half's final state as the second half's
+//              initial state has the gradients of the whole). Once differentiable.
 #pragma once
 
 #include <memory>
