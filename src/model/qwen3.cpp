@@ -294,12 +294,12 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
   for (size_t i = 0; i < layers.size(); ++i) {
     const std::string base = common::str_cat("layers.", i);
     auto& attn = layers[i]->self_attn;
-    out.push_back({base, {}, std::nullopt});
+    out.push_back({base, {}, std::nullopt, std::nullopt});
     if (!attn) {
       auto& lin = layers[i]->linear_attn;
       plan::LinearSlotInfo slot{lin->shape(), &lin->host()};
       out.push_back({base + ".linear_attn", tp::tp_shard_dims(*lin), std::nullopt, slot});
-      out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt});
+      out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
       continue;
     }
     plan::AttentionSlotInfo slot;
@@ -312,8 +312,8 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
     slot.handoffs = {{"q", attn->q_handoff.name()},
                      {"k", attn->k_handoff.name()},
                      {"v", attn->v_handoff.name()}};
-    out.push_back({base + ".self_attn", tp::tp_shard_dims(*attn), slot});
-    out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt});
+    out.push_back({base + ".self_attn", tp::tp_shard_dims(*attn), slot, std::nullopt});
+    out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
   }
   return out;
 }
