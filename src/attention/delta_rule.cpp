@@ -136,13 +136,28 @@ void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, Gate
   auto mc = at::diag_embed(decay.expand({decay.size(0), decay.size(1), decay.size(2), kd})) -
             at::matmul(ends, ch.t.w);
   auto sc = at::matmul(ends, ch.t.u);
-  auto ms = mc.unbind(2), ss = sc.unbind(2);
-  m = at::eye(kd, p.q.options()).expand({p.shape.batch, p.shape.value_heads, kd, kd});
-  s = at::zeros({p.shape.batch, p.shape.value_heads, kd, p.shape.value_dim}, p.q.options());
-  for (int64_t i = 0; i < ch.n; ++i) {
-    m = at::matmul(ms[i], m);
-    s = at::matmul(ms[i], s) + ss[i];
+  // The chunks' maps composed as a tree: neighbours (earlier e, later l) pair up into
+  // (M_l M_e, M_l S_e + S_l), all pairs of a level in one batched matmul, so log2(N) levels
+  // instead of N dependent steps. An odd level gets an identity map appended.
+  if (mc.size(2) == 0) {  // no tokens: the identity map
+    m = at::eye(kd, p.q.options()).expand({p.shape.batch, p.shape.value_heads, kd, kd});
+    s = at::zeros({p.shape.batch, p.shape.value_heads, kd, p.shape.value_dim}, p.q.options());
+    return;
   }
+  while (mc.size(2) > 1) {
+    if (mc.size(2) % 2 == 1) {
+      auto id = at::eye(kd, mc.options()).expand({mc.size(0), mc.size(1), 1, kd, kd});
+      mc = at::cat({mc, id}, 2);
+      sc = at::cat({sc, at::zeros_like(sc.narrow(2, 0, 1))}, 2);
+    }
+    const int64_t half = mc.size(2) / 2;
+    auto mp = mc.unflatten(2, {half, 2}), sp = sc.unflatten(2, {half, 2});
+    auto m_later = mp.select(3, 1);
+    mc = at::matmul(m_later, mp.select(3, 0));
+    sc = at::matmul(m_later, sp.select(3, 0)) + sp.select(3, 1);
+  }
+  m = mc.squeeze(2);
+  s = sc.squeeze(2);
 }
 
 namespace {

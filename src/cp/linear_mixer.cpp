@@ -39,10 +39,6 @@ MixerKernel delta_rule_kernel(const attention::MixerOptions& options, attention:
     return chunked ? attention::delta_rule_chunked(in, o, gate)
                    : attention::delta_rule_recurrent(in, o, gate);
   };
-  // The summary is the chunked form whatever the kernel: exact for any initial state.
-  k.summary = [options, gate](const attention::MixerInputs& in, at::Tensor& m, at::Tensor& s) {
-    attention::delta_rule_state_summary(in, options, gate, m, s);
-  };
   return k;
 }
 

@@ -6,14 +6,17 @@
 //     conv halo: qkv's last w-1 rows --ring shift +1--> the next rank (rank 0: zeros)
 //     convolve [halo | qkv] -> q, k, v, g, beta of the shard; after the mixer: output
 //   state_passing_mix (q, k, v, g, beta of the shard):
-//     summary of the shard: final = M h + S   (M [B, HV, K, K], S [B, HV, K, V], float32+)
+//     one run of the kernel over the shard from a symbolic initial state, before any exchange:
+//       values [v | 0_K], initial state [0 | I_K]  (state columns evolve independently)
+//       -> out [out0 | P], final [S | M]: the shard's output and final state from any initial
+//          state h are out0 + P h and M h + S   (M [B, HV, K, K], S [B, HV, K, V], float32+)
 //     rank 0 with a user initial state h0: S <- M h0 + S (its final state; h0 enters there)
 //     initial state h_r = fold of the summaries of ranks < r (rank 0: h0 or zeros):
 //       all_gather  [S | M] [1, B, HV, K, V+K] all-gathered once; h = M_p h + S_p for p < r;
 //                   the final state folds all P (every rank, no more bytes)
 //       p2p         P-1 ring steps of M h + S; rank r's h is exact after r of them; the final
 //                   state: every rank's M h + S all-gathered, rank P-1's kept
-//     delta rule from h_r -> out [B, S/P, HV, V]
+//     out = out0 + P h_r -> [B, S/P, HV, V]   (no second pass over the shard)
 //   backward: every exchange is differentiable (all-gather <-> reduce-scatter, shift <-> the
 //   opposite shift), so d(initial state) flows back to the ranks whose summaries made it.
 #include <ATen/ATen.h>
@@ -27,6 +30,26 @@
 namespace hp::cp {
 namespace detail {
 namespace {
+
+// The shard's affine run (see the sketch above).
+struct AffineRun {
+  at::Tensor out0, transport;  // [B, T, HV, V], [B, T, HV, K]: out = out0 + transport . h
+  at::Tensor m, s;             // [B, HV, K, K], [B, HV, K, V]: final = m h + s
+};
+
+AffineRun affine_run(const attention::MixerInputs& shard, const MixerKernel& kernel) {
+  const int64_t b = shard.v.size(0), t = shard.v.size(1), hv = shard.v.size(2);
+  const int64_t vd = shard.v.size(3), kd = shard.k.size(3);
+  auto in = shard;
+  in.v = at::cat({shard.v, at::zeros({b, t, hv, kd}, shard.v.options())}, -1);
+  const auto state_dtype = shard.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto opts = shard.v.options().dtype(state_dtype);
+  in.initial_state =
+      at::cat({at::zeros({b, hv, kd, vd}, opts), at::eye(kd, opts).expand({b, hv, kd, kd})}, -1);
+  auto res = kernel.mix(in, /*output_final_state=*/true);
+  return {res.out.narrow(-1, 0, vd), res.out.narrow(-1, vd, kd),
+          res.final_state.narrow(-1, vd, kd), res.final_state.narrow(-1, 0, vd)};
+}
 
 // `x` on every rank but rank 0 of the group; `first` (still in the graph, gradient 0 for x) on
 // rank 0.
@@ -78,10 +101,9 @@ attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
                                          const std::string& state_exchange,
                                          const CPTopology& topology) {
   const int64_t p = topology.cp_size, r = topology.cp_rank;
-  auto in = shard;
-  in.initial_state = at::Tensor();
-  at::Tensor m, s;
-  kernel.summary(in, m, s);
+  auto run = affine_run(shard, kernel);
+  const auto& m = run.m;
+  const auto& s = run.s;
   at::Tensor h0;
   if (r == 0 && shard.initial_state.defined()) h0 = shard.initial_state.to(s.scalar_type());
   at::Tensor h, final_state;
@@ -96,8 +118,10 @@ attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
     gather_and_fold(m, h0.defined() ? at::matmul(m, h0) + s : s, h0, output_final_state, topology,
                     h, final_state);
   }
-  in.initial_state = h;
-  auto res = kernel.mix(in, false);
+  // out[b, t, hv, :] = out0 + sum_k transport[b, t, hv, k] h[b, hv, k, :]
+  auto correction = at::matmul(run.transport.transpose(1, 2).to(h.scalar_type()), h);
+  attention::MixerResult res;
+  res.out = run.out0 + correction.transpose(1, 2).to(run.out0.scalar_type());
   res.final_state = final_state;
   return res;
 }
@@ -132,9 +156,6 @@ class LinearStatePassing final : public attention::LinearInterceptor {
     auto in = stages.mixer_inputs(conv, t.beta_logit, t.gate_in, 0, shape.heads);
     MixerKernel kernel;
     kernel.mix = [&stages](const attention::MixerInputs& i, bool f) { return stages.mix(i, f); };
-    kernel.summary = [&stages](const attention::MixerInputs& i, at::Tensor& m, at::Tensor& s) {
-      stages.state_summary(i, m, s);
-    };
     auto o = state_passing_mix(in, kernel, false, options_.state_exchange, *topology_).out;
     return stages.output(o, t.out_gate);
   }

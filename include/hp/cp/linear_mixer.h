@@ -93,12 +93,12 @@ int64_t linear_mixer_forward_bytes_per_rank(const attention::MixerShape& global,
                                             const LinearMixerElementSizes& elements,
                                             bool output_final_state);
 
-// What a linear CP mode runs on its share of the work: the mixer from an initial state, and the
-// affine summary of a shard (final = m * initial + s; m [B, HV, K, K], s [B, HV, K, V]).
-// delta_rule_kernel gives the delta rule's; a layer's stages give theirs (cp/linear_*.cpp).
+// What a linear CP mode runs on its share of the work: the mixer from an initial state (state
+// passing runs it once, with values [v | 0] from the initial state [0 | I], to get the shard's
+// output and final state as affine maps of any initial state). delta_rule_kernel gives the delta
+// rule's; a layer's stages give theirs (cp/linear_*.cpp).
 struct MixerKernel {
   std::function<attention::MixerResult(const attention::MixerInputs&, bool output_final_state)> mix;
-  std::function<void(const attention::MixerInputs&, at::Tensor& m, at::Tensor& s)> summary;
 };
 MixerKernel delta_rule_kernel(const attention::MixerOptions& options, attention::GateKind gate,
                               const std::string& kernel);
