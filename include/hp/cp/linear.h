@@ -5,9 +5,10 @@
 //                  (q, k, v, beta, gate), the short convolution and the delta rule over the full
 //                  sequence on P-th of the heads, head->seq all-to-all back. Heads % cp == 0.
 //   state_passing  every rank keeps its contiguous shard: the conv halo (the previous rank's last
-//                  w-1 pre-convolution rows), the shard's affine state summary
-//                  (final = M * initial + S, float32 at least), the initial state as the fold of
-//                  the summaries of the ranks before it, then the delta rule from that state.
+//                  w-1 pre-convolution rows), one run of the delta rule over the shard that
+//                  gives its output and final state as affine maps of any initial state
+//                  (out = out0 + P h, final = M h + S; float32 at least), the initial state h as
+//                  the fold of the summaries [S | M] of the ranks before it, then out0 + P h.
 //                  state_exchange: all_gather (one all-gather of [S | M], no serialization) or
 //                  p2p (the chain: P-1 ring steps, rank r's state exact after r of them).
 // Every exchange is differentiable: outputs and every gradient equal the single-process layer.
