@@ -62,9 +62,10 @@ void verify_same_shapes(OpKind op, Group& g, const at::Tensor& t) {
     acc[2 + i] = t.size(i);
   auto wire_desc = desc.to(t.device());
   auto all = at::empty({g.size(), kMaxDims + 2}, wire_desc.options());
-  auto pending = g.transport().all_gather(all, wire_desc);
   try {
-    pending->wait();
+    // Starting can fail too: a point-to-point leg's send runs on this thread and meets a peer
+    // that already left.
+    g.transport().all_gather(all, wire_desc)->wait();
   } catch (const std::exception& e) {
     detail::throw_comm_failure(op, g, detail::backend_message(e), "verifying shapes");
   }

@@ -1,5 +1,7 @@
 #include "hp/comm/world.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -77,7 +79,23 @@ World World::from_env(const WorldOptions& options) {
   return from_launch_env(*env, options);
 }
 
+namespace {
+
+// A write to a socket whose peer left raises SIGPIPE, whose default action ends the process
+// silently. Python (and so PyTorch) ignores it; so does a multi-process World: the write fails
+// with EPIPE instead and becomes a CommError naming the collective. A handler the program set
+// itself is left alone.
+void ignore_sigpipe_unless_handled() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
+}  // namespace
+
 World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) {
+  if (env.world_size > 1) ignore_sigpipe_unless_handled();
   auto state = std::make_shared<State>();
   state->rank = env.rank;
   state->size = env.world_size;

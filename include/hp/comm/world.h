@@ -53,6 +53,8 @@ struct WorldOptions {
 class World {
  public:
   static World from_env(const WorldOptions& options = {});
+  // With more than one rank, SIGPIPE is ignored from here on unless the program handles it (as
+  // Python does): a peer that left makes a write fail with an error, not end this process.
   static World from_launch_env(const LaunchEnv& env, const WorldOptions& options = {});
   static World in_process(int rank, int size, const c10::intrusive_ptr<c10d::Store>& store,
                           const WorldOptions& options = {});
