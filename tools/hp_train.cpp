@@ -195,7 +195,8 @@ void resolve(Args& a) {
   if (o.model.mixer == "gdn" || o.model.mixer == "kda") {
     HP_CHECK(a.algo == "all_gather" && a.schedule == "sync" && !a.load_balance && a.degree == 0,
              "hp-train: --cp-algo, --ulysses-degree, --schedule and --load-balance choose softmax "
-             "attention's CP; with --mixer ", o.model.mixer,
+             "attention's CP; with --mixer ",
+             o.model.mixer,
              " choose --cp-mode state_passing|ulysses and --state-exchange all_gather|p2p|auto");
   } else {
     const hp::plan::LinearPlanOptions defaults;

@@ -103,15 +103,24 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (f == "--tokens") a.tokens = std::atoll(next());
-    else if (f == "--heads") a.heads = std::atoll(next());
-    else if (f == "--dim") a.dim = std::atoll(next());
-    else if (f == "--chunk") a.chunk = std::atoll(next());
-    else if (f == "--threads") a.threads = std::atoll(next());
-    else if (f == "--reps") a.reps = std::atoll(next());
-    else if (f == "--recurrent-tokens") a.recurrent_tokens = std::atoll(next());
-    else if (f == "--only") a.only = next();
-    else if (f == "--profile") a.profile = true;
+    if (f == "--tokens")
+      a.tokens = std::atoll(next());
+    else if (f == "--heads")
+      a.heads = std::atoll(next());
+    else if (f == "--dim")
+      a.dim = std::atoll(next());
+    else if (f == "--chunk")
+      a.chunk = std::atoll(next());
+    else if (f == "--threads")
+      a.threads = std::atoll(next());
+    else if (f == "--reps")
+      a.reps = std::atoll(next());
+    else if (f == "--recurrent-tokens")
+      a.recurrent_tokens = std::atoll(next());
+    else if (f == "--only")
+      a.only = next();
+    else if (f == "--profile")
+      a.profile = true;
     else {
       std::fprintf(stderr, "unknown flag %s (see the comment atop delta_rule_speed.cpp)\n",
                    f.c_str());
@@ -150,8 +159,8 @@ int main(int argc, char** argv) {
     const double fwd = tf.median, fwd_min = tf.min, fb = tfb.median, fb_min = tfb.min;
     std::printf("%s chunked fwd      %.4f s (min %.4f)  %.1f GFLOP/s  %.0f%% of matmul\n", name,
                 fwd, fwd_min, f / fwd / 1e9, 100 * f / fwd / 1e9 / mm_rate);
-    std::printf("%s chunked fwd+bwd  %.4f s (min %.4f)  %.1f GFLOP/s  %.0f%% of matmul\n", name,
-                fb, fb_min, 3 * f / fb / 1e9, 100 * 3 * f / fb / 1e9 / mm_rate);
+    std::printf("%s chunked fwd+bwd  %.4f s (min %.4f)  %.1f GFLOP/s  %.0f%% of matmul\n", name, fb,
+                fb_min, 3 * f / fb / 1e9, 100 * 3 * f / fb / 1e9 / mm_rate);
     if (a.profile) {
       torch::autograd::profiler::RecordProfile guard(std::string("/tmp/delta_rule_") + name +
                                                      ".trace.json");

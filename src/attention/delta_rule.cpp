@@ -15,9 +15,9 @@
 
 #include <ATen/ATen.h>
 
-#include "hp/common/check.h"
 #include "delta_rule_chunks.h"
 #include "delta_rule_kernel.h"
+#include "hp/common/check.h"
 
 namespace hp::attention {
 namespace {

@@ -30,9 +30,9 @@ namespace {
 // dk = colf (dD^T rowf x), and since every entry depends on G only through G_t - G_i,
 // dG = x dx - k dk.
 struct KdaFactors {
-  at::Tensor ed, ed_inv;   // e^{G - mid} and e^{mid - G} per row block [.., nb, s, K]
-  at::Tensor rowf, colf;   // e^{G_a - ref_a} [.., nb-1, s, K]; e^{ref_a - G_i}, i < a*s, else 0
-};                         //                                   [.., nb-1, C, K]
+  at::Tensor ed, ed_inv;  // e^{G - mid} and e^{mid - G} per row block [.., nb, s, K]
+  at::Tensor rowf, colf;  // e^{G_a - ref_a} [.., nb-1, s, K]; e^{ref_a - G_i}, i < a*s, else 0
+};                        //                                   [.., nb-1, C, K]
 
 KdaFactors kda_factors(const at::Tensor& G, int64_t s) {
   const int64_t c = G.size(-2), nb = c / s;

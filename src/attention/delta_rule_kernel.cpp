@@ -51,7 +51,8 @@ void for_each_row(int64_t n, const Fn& fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot) {
-      for (int64_t row = next++; row < n; row = next++) fn(row);
+      for (int64_t row = next++; row < n; row = next++)
+        fn(row);
     }
   });
 }
@@ -67,7 +68,8 @@ RowTerms row_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   RowTerms r;
   r.leaves[0] = q, r.leaves[1] = k, r.leaves[2] = v, r.leaves[3] = g, r.leaves[4] = beta;
   if (with_grad) {
-    for (auto& l : r.leaves) l = l.detach().requires_grad_(true);
+    for (auto& l : r.leaves)
+      l = l.detach().requires_grad_(true);
   }
   auto G = chunked(r.leaves[3], n, c).cumsum(1);
   r.t = chunk_terms(chunked(r.leaves[0], n, c), chunked(r.leaves[1], n, c),
@@ -93,7 +95,7 @@ struct ChunkedFn : torch::autograd::Function<ChunkedFn> {
       for (int64_t i = 0; i < n; ++i) {
         hs[j][i].copy_(h);
         auto vn = vs[i];
-        at::addmm_out(vn, r.u[i], r.w[i], h, 1, -1);  // u - w h
+        at::addmm_out(vn, r.u[i], r.w[i], h, 1, -1);        // u - w h
         h.mul_(r.decay_end[i]).addmm_(r.k_end[i].t(), vn);  // e^{G_C} h + k_end^T v_new
       }
       auto o = at::baddbmm(at::bmm(r.qk, vs), r.q_decayed, hs[j]);  // [N, C, V]
@@ -122,9 +124,9 @@ struct ChunkedFn : torch::autograd::Function<ChunkedFn> {
         at::NoGradGuard no_grad;
         auto u = r.t.u.detach(), w = r.t.w.detach(), ke = r.t.k_end.detach();
         auto decay = r.t.decay_end.detach(), h = hs[j];
-        auto d_o = chunked(dout[j], n, c);                     // [N, C, V]
-        auto vs = at::baddbmm(u, w, h, 1, -1);                 // v_new [N, C, V]
-        auto a = at::bmm(r.t.qk.detach().transpose(1, 2), d_o);  // [N, C, V]
+        auto d_o = chunked(dout[j], n, c);                              // [N, C, V]
+        auto vs = at::baddbmm(u, w, h, 1, -1);                          // v_new [N, C, V]
+        auto a = at::bmm(r.t.qk.detach().transpose(1, 2), d_o);         // [N, C, V]
         auto b = at::bmm(r.t.q_decayed.detach().transpose(1, 2), d_o);  // [N, K, V]
         auto dh_next = at::empty_like(h), dvs = at::empty_like(vs);
         auto dhj = dh[j];

@@ -18,7 +18,6 @@ struct KernelResult {
 // gradient of the final state; not twice differentiable.
 KernelResult delta_rule_chunked_kernel(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& g,
-                                       const at::Tensor& beta, const at::Tensor& h0,
-                                       int64_t chunk);
+                                       const at::Tensor& beta, const at::Tensor& h0, int64_t chunk);
 
 }  // namespace hp::attention::detail

@@ -29,8 +29,7 @@ void throw_comm_failure(OpKind op, const Group& group, const std::string& backen
   const auto& diagnose = group.context().diagnose_failure;
   throw CommError(common::str_cat(
       op_name(op), " on ", group.describe(), " failed", phase ? " while " : "", phase ? phase : "",
-      ": ", backend,
-      diagnose ? common::str_cat(". Diagnosis: ", diagnose()) : std::string(),
+      ": ", backend, diagnose ? common::str_cat(". Diagnosis: ", diagnose()) : std::string(),
       ". A peer rank may have exited, or did not reach this collective within the group "
       "timeout of ",
       group.timeout().count(), " ms"));

@@ -93,9 +93,9 @@ std::string diagnose_lost_peers(const HeartbeatTarget& target) {
     return common::str_cat("lost peer", n_lost > 1 ? "s " : " ", lost, ": no heartbeat in ",
                            kHeartbeatStale.count(), " ms at the store ", store_at);
   } catch (const std::exception&) {
-    return common::str_cat("lost peer rank 0's host ", target.store_host,
-                           ": the job's store at ", store_at, " cannot be reached from rank ",
-                           target.rank, " within ", kProbeJoinTimeout.count(), " ms");
+    return common::str_cat("lost peer rank 0's host ", target.store_host, ": the job's store at ",
+                           store_at, " cannot be reached from rank ", target.rank, " within ",
+                           kProbeJoinTimeout.count(), " ms");
   }
 }
 

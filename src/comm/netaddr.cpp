@@ -25,8 +25,8 @@ std::string local_address_towards(const std::string& host) {
   HP_CHECK(rc == 0 && found != nullptr, "cannot resolve '", host, "' (", ::gai_strerror(rc),
            "); set MASTER_ADDR to an address of rank 0's machine");
   const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
-  HP_CHECK(fd >= 0, "cannot open a socket to find the route to '", host, "': ",
-           std::strerror(errno));
+  HP_CHECK(fd >= 0, "cannot open a socket to find the route to '", host,
+           "': ", std::strerror(errno));
   const bool routed = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0;
   const int connect_errno = errno;
   ::freeaddrinfo(found);

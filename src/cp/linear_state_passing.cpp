@@ -47,8 +47,8 @@ AffineRun affine_run(const attention::MixerInputs& shard, const MixerKernel& ker
   in.initial_state =
       at::cat({at::zeros({b, hv, kd, vd}, opts), at::eye(kd, opts).expand({b, hv, kd, kd})}, -1);
   auto res = kernel.mix(in, /*output_final_state=*/true);
-  return {res.out.narrow(-1, 0, vd), res.out.narrow(-1, vd, kd),
-          res.final_state.narrow(-1, vd, kd), res.final_state.narrow(-1, 0, vd)};
+  return {res.out.narrow(-1, 0, vd), res.out.narrow(-1, vd, kd), res.final_state.narrow(-1, vd, kd),
+          res.final_state.narrow(-1, 0, vd)};
 }
 
 // `x` on every rank but rank 0 of the group; `first` (still in the graph, gradient 0 for x) on

@@ -34,8 +34,10 @@ void validate(const Qwen3Config& c, int64_t tp) {
   HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda", "Qwen3Config.mixer='",
            c.mixer, "' is not valid; valid: attention, gdn, kda");
   if (c.mixer != "attention") {
-    HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer, ": linear-attention layers have no tensor "
-             "parallelism; use tp_size=1 (got ", tp, ") and split the sequence with cp instead");
+    HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
+             ": linear-attention layers have no tensor "
+             "parallelism; use tp_size=1 (got ",
+             tp, ") and split the sequence with cp instead");
     validate(linear_config(c));
   }
 }
@@ -65,8 +67,7 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
     const auto l = linear_config(c);
     const int64_t hv = l.value_heads, conv = 2 * l.heads * l.key_dim + hv * l.value_dim;
     const int64_t gates = c.mixer == "kda" ? hv * l.key_dim : hv;
-    const int64_t gate_proj =
-        c.mixer == "kda" ? l.gate_rank * h + gates * l.gate_rank : hv * h;
+    const int64_t gate_proj = c.mixer == "kda" ? l.gate_rank * h + gates * l.gate_rank : hv * h;
     const int64_t mixer = conv * h + conv * l.conv_width + hv * h + gate_proj +
                           2 * hv * l.value_dim * h + hv + gates + l.value_dim;
     for (int64_t i = 0; i < c.layers; ++i)
@@ -75,9 +76,8 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
     // Per token: projections, convolution and SiLU, normalised q/k, gates; the chunked
     // kernel's per-chunk C x C products (three per value head) and states (one [K, V] per head
     // per chunk); the gated norm and the output; the MLP and the hidden-size tensors as above.
-    m.layer_act = 10 * h + 4 * conv + 3 * gates + 10 * hv * l.value_dim +
-                  3 * l.chunk_size * hv + 2 * hv * l.key_dim * l.value_dim / l.chunk_size +
-                  4 * f;
+    m.layer_act = 10 * h + 4 * conv + 3 * gates + 10 * hv * l.value_dim + 3 * l.chunk_size * hv +
+                  2 * hv * l.key_dim * l.value_dim / l.chunk_size + 4 * f;
     m.layer_input = h;
     return m;
   }
@@ -299,7 +299,8 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
       auto& lin = layers[i]->linear_attn;
       plan::LinearSlotInfo slot{lin->shape(), &lin->host()};
       out.push_back({base + ".linear_attn", tp::tp_shard_dims(*lin), std::nullopt, slot});
-      out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
+      out.push_back(
+          {base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
       continue;
     }
     plan::AttentionSlotInfo slot;

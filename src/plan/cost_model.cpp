@@ -236,7 +236,8 @@ std::vector<StateExchangePrediction> rank_state_exchanges(const Calibration& c, 
   const double kd = static_cast<double>(w.key_dim), vd = static_cast<double>(w.value_dim);
   const double state_bytes = 4.0 * heads * kd * vd, matrix_bytes = 4.0 * heads * kd * kd;
   const double steps = static_cast<double>(p - 1);
-  HP_CHECK(c.matmul_gflops > 0, "cost model: the calibration has no matmul rate; rerun hp-bench "
+  HP_CHECK(c.matmul_gflops > 0,
+           "cost model: the calibration has no matmul rate; rerun hp-bench "
            "calibrate");
   // Up to P-1 folds (K x K times K x V) on a rank, forward and backward (2x each way).
   const double fold = 2.0 * steps * 2.0 * heads * kd * kd * vd / (c.matmul_gflops * 1e9);

@@ -22,8 +22,8 @@ std::string ShardingPlan::describe() const {
   out += ")";
   const bool has_attention = std::any_of(modules.begin(), modules.end(),
                                          [](const auto& m) { return m.second.is_attention; });
-  const bool has_linear = std::any_of(modules.begin(), modules.end(),
-                                      [](const auto& m) { return m.second.is_linear; });
+  const bool has_linear =
+      std::any_of(modules.begin(), modules.end(), [](const auto& m) { return m.second.is_linear; });
   if (cp_config && has_attention) out += " cp: " + cp::describe(*cp_config, cp_size);
   if (has_linear && cp_size > 1) {
     out += " linear: mode=" + linear.mode;
@@ -77,8 +77,8 @@ LinearPlanOptions plan_linear(const std::vector<ModuleInfo>& lins, const PlanOpt
                               std::vector<std::string>& log) {
   LinearPlanOptions out = o.linear;
   if (lins.empty() || o.cp_size == 1) return out;
-  HP_CHECK(out.mode == "state_passing" || out.mode == "ulysses", "plan: linear CP mode '",
-           out.mode, "' is not valid; valid: state_passing, ulysses");
+  HP_CHECK(out.mode == "state_passing" || out.mode == "ulysses", "plan: linear CP mode '", out.mode,
+           "' is not valid; valid: state_passing, ulysses");
   HP_CHECK(out.state_exchange == "all_gather" || out.state_exchange == "p2p" ||
                out.state_exchange == "auto",
            "plan: state_exchange '", out.state_exchange,
@@ -92,8 +92,8 @@ LinearPlanOptions plan_linear(const std::vector<ModuleInfo>& lins, const PlanOpt
                "; use mode state_passing or a cp size that divides ", s.heads);
     } else if (o.seq_len > 0) {
       const int64_t local = o.seq_len / o.cp_size;
-      HP_CHECK(local >= s.conv_width - 1, "plan: module '", info.path, "': each rank's ",
-               local, " tokens (seq_len ", o.seq_len, " / cp ", o.cp_size,
+      HP_CHECK(local >= s.conv_width - 1, "plan: module '", info.path, "': each rank's ", local,
+               " tokens (seq_len ", o.seq_len, " / cp ", o.cp_size,
                ") are fewer than the conv halo of ", s.conv_width - 1,
                " rows state passing takes from the previous rank; use a longer sequence or a "
                "smaller cp");

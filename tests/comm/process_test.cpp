@@ -53,8 +53,8 @@ TEST(Processes, PeerThatExitsEarlyBecomesAnErrorNotAHang) {
       o, std::chrono::seconds(60));
   EXPECT_EQ(results[2].exit_code, 0);
   for (int r : {0, 1}) {
-    EXPECT_EQ(results[r].exit_code, 1) << "rank " << r << " should have raised (signal "
-                                       << results[r].term_signal << ")";
+    EXPECT_EQ(results[r].exit_code, 1)
+        << "rank " << r << " should have raised (signal " << results[r].term_signal << ")";
     EXPECT_NE(results[r].error.find("all_reduce on group 'world' (rank " + std::to_string(r) +
                                     " of 3, world rank " + std::to_string(r) + ") failed"),
               std::string::npos)

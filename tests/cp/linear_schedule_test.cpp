@@ -65,10 +65,10 @@ TEST(LinearCPSchedule, UlyssesIsTwoAllToAllsEachWay) {
     auto s = observe(w, 2, "ulysses", "all_gather");
     // To heads: q, k (2 heads x K), v (2 x V), g and beta (2 each) of each head group packed,
     // [B, T/P, P, 26]; back: this rank's 2 value heads x V over the whole sequence.
-    EXPECT_EQ(s.forward, (std::vector<std::string>{"all_to_all(cp)[1,8,2,26]",
-                                                   "all_to_all(cp)[1,16,1,6]"}));
-    EXPECT_EQ(s.backward, (std::vector<std::string>{"all_to_all(cp)[1,8,2,6]",
-                                                    "all_to_all(cp)[1,16,1,26]"}));
+    EXPECT_EQ(s.forward,
+              (std::vector<std::string>{"all_to_all(cp)[1,8,2,26]", "all_to_all(cp)[1,16,1,6]"}));
+    EXPECT_EQ(s.backward,
+              (std::vector<std::string>{"all_to_all(cp)[1,8,2,6]", "all_to_all(cp)[1,16,1,26]"}));
   });
 }
 

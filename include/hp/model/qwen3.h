@@ -113,8 +113,8 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
   at::Tensor mix(const at::Tensor& x, const at::Tensor& position_ids);  // the token mixer
   LayerValidation validation;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  Qwen3Attention self_attn{nullptr};        // mixer "attention"
-  LinearAttention linear_attn{nullptr};     // mixer "gdn" | "kda"
+  Qwen3Attention self_attn{nullptr};     // mixer "attention"
+  LinearAttention linear_attn{nullptr};  // mixer "gdn" | "kda"
   Qwen3MLP mlp{nullptr};
 };
 TORCH_MODULE(Qwen3DecoderLayer);

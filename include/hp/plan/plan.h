@@ -128,7 +128,7 @@ struct ShardingPlan {
   hsdp::HsdpOptions hsdp_options;  // used when hsdp()
   int64_t seq_len = 0;
   Mode mode = Mode::kProduction;
-  LinearPlanOptions linear;       // resolved (no "auto") when the model has linear modules
+  LinearPlanOptions linear;      // resolved (no "auto") when the model has linear modules
   std::vector<std::string> log;  // planner decisions (auto's prediction for every candidate)
   std::unique_ptr<BoundaryChecker> checker;       // validate mode, set by the applier
   std::shared_ptr<hsdp::FullyShard> fully_shard;  // HSDP, set by the applier
