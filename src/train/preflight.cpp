@@ -65,16 +65,23 @@ void check_output_paths(const TrainOptions& o, int rank) {
   if (rank == 0) check_file("--metrics-json", o.metrics_json);
 }
 
-plan::MemoryEstimate estimate_memory(const TrainOptions& o) {
+plan::PlanOptions plan_options(const TrainOptions& o) {
   plan::PlanOptions po;
   po.tp_size = o.tp;
   po.cp_size = o.cp;
   po.cp_config = o.cp_config;
+  po.seq_len = o.seq_len;
   po.dp_shard = o.dp_shard;
   po.dp_replicate = o.dp_replicate;
-  po.seq_len = o.seq_len;
+  po.comm_fusion = o.comm_fusion;
+  po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
   po.batch = o.batch;
-  return plan::estimate_memory(model::footprint(o.model), po);
+  po.linear = o.linear;
+  return po;
+}
+
+plan::MemoryEstimate estimate_memory(const TrainOptions& o) {
+  return plan::estimate_memory(model::footprint(o.model), plan_options(o));
 }
 
 void check_memory(const TrainOptions& o, int ranks_on_machine) {

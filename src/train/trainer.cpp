@@ -37,17 +37,7 @@ int64_t peak_rss() {
 
 // Every static check before the first collective: the plan of this run over `world`.
 plan::ShardingPlan plan_run(const comm::World& world, const TrainOptions& o) {
-  plan::PlanOptions po;
-  po.tp_size = o.tp;
-  po.cp_size = o.cp;
-  po.cp_config = o.cp_config;
-  po.seq_len = o.seq_len;
-  po.dp_shard = o.dp_shard;
-  po.dp_replicate = o.dp_replicate;
-  po.comm_fusion = o.comm_fusion;
-  po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
-  po.batch = o.batch;
-  po.linear = o.linear;
+  auto po = plan_options(o);
   const bool exchange_auto = o.model.mixer != "attention" && o.linear.mode == "state_passing" &&
                              o.linear.state_exchange == "auto";
   if (o.cp > 1 && (o.cp_auto || exchange_auto)) {

@@ -24,6 +24,10 @@ void check_output_paths(const TrainOptions& options, int rank);
 // footprint and the layout), before anything is allocated.
 plan::MemoryEstimate estimate_memory(const TrainOptions& options);
 
+// The planner's options for this run's layout (mesh sizes, CP, HSDP, linear CP, workload); the
+// plan, the memory estimate and the checks all read them from here.
+plan::PlanOptions plan_options(const TrainOptions& options);
+
 // Refuses a run whose `ranks_on_machine` ranks (plus --validate's single-process reference)
 // would exceed the machine's available memory, or options.memory_limit when set.
 void check_memory(const TrainOptions& options, int ranks_on_machine);
