@@ -193,11 +193,12 @@ void resolve(Args& a) {
   if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
   if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
   if (o.model.mixer == "gdn" || o.model.mixer == "kda") {
-    HP_CHECK(a.algo == "all_gather" && a.schedule == "sync" && !a.load_balance && a.degree == 0,
-             "hp-train: --cp-algo, --ulysses-degree, --schedule and --load-balance choose softmax "
+    HP_CHECK(a.algo == "all_gather" && !a.load_balance && a.degree == 0,
+             "hp-train: --cp-algo, --ulysses-degree and --load-balance choose softmax "
              "attention's CP; with --mixer ",
              o.model.mixer,
-             " choose --cp-mode state_passing|ulysses and --state-exchange all_gather|p2p|auto");
+             " choose --cp-mode state_passing|ulysses, --state-exchange all_gather|p2p|auto "
+             "(and --schedule sync|async)");
   } else {
     const hp::plan::LinearPlanOptions defaults;
     HP_CHECK(o.linear.mode == defaults.mode && o.linear.state_exchange == defaults.state_exchange,

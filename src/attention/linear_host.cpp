@@ -9,7 +9,7 @@ at::Tensor run_linear_stages(const at::Tensor& x, const LinearLayerStages& stage
   auto t = stages.project(x);
   auto conv = stages.convolve(t.qkv, at::Tensor(), at::Tensor());
   auto in = stages.mixer_inputs(conv, t.beta_logit, t.gate_in, 0, shape.heads);
-  return stages.output(stages.mix(in, false).out, t.out_gate);
+  return stages.output(stages.mix(in, false).out, stages.project_out_gate(x));
 }
 
 void LinearHost::install(std::shared_ptr<LinearInterceptor> interceptor) {

@@ -1,63 +1,13 @@
-// AsyncSlot plumbing: the producer node (HandoffLaunch) and the consumer node
-// (DifferentiableWait) of one async collective, linked by the slot they share.
+// AsyncSlot plumbing: per role a FIFO of the transfers the handoff points started
+// (comm/async_transfer.h: its start node is the handoff's, its finish node the consumer's).
 #include "hp/cp/async.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
 
-#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 
 namespace hp::cp {
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-using SlotPtr = std::shared_ptr<AsyncSlot>;
-
-SlotPtr slot_of(AutogradContext* ctx) {
-  return common::from_capsule<SlotPtr>(ctx->saved_data["slot"]);
-}
-
-// Identity in forward (the collective was launched by the caller); in backward, waits for the
-// inverse collective the consumer launched and returns the real gradient.
-struct HandoffLaunchFn : torch::autograd::Function<HandoffLaunchFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, SlotPtr slot) {
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["slot"] = common::to_capsule(std::move(slot));
-    return x;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto slot = slot_of(ctx);
-    HP_INTERNAL_ASSERT(slot->backward_launched, "backward of handoff '", slot->handoff,
-                       "' ran before its consumer launched the inverse collective");
-    auto real = slot->backward.wait();
-    if (grads[0].defined()) real = real + grads[0];  // other uses of the handoff output
-    return {real, at::Tensor()};
-  }
-};
-
-// Waits for the slot's collective in forward; in backward launches the inverse collective and
-// returns no gradient here (HandoffLaunch delivers it once the collective is done).
-struct DifferentiableWaitFn : torch::autograd::Function<DifferentiableWaitFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*y*/, SlotPtr slot) {
-    auto out = slot->forward.wait();
-    ctx->saved_data["slot"] = common::to_capsule(std::move(slot));
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto slot = slot_of(ctx);
-    HP_INTERNAL_ASSERT(!slot->backward_launched, "slot of handoff '", slot->handoff,
-                       "' back-propagated twice");
-    slot->backward = slot->launch_inverse(grads[0].contiguous());
-    slot->backward_launched = true;
-    return {at::Tensor(), at::Tensor()};
-  }
-};
-
-}  // namespace
 
 at::Tensor CPRuntimeState::produce(
     QKVRole role, const std::string& handoff, const at::Tensor& x,
@@ -76,12 +26,8 @@ at::Tensor CPRuntimeState::produce(
   }
   slot->role = role;
   slot->handoff = handoff;
-  slot->launch_inverse = launch_inverse;
-  {
-    at::NoGradGuard no_grad;  // the collective moves data; autograd is wired by the two nodes
-    slot->forward = launch(x.detach());
-  }
-  auto y = HandoffLaunchFn::apply(x, slot);
+  auto y = comm::start_transfer(x, handoff, comm::handle_launch(launch),
+                                comm::handle_launch(launch_inverse), slot->transfer);
   slot->produced.emplace(y.getIntrusivePtr());
   slot->produced_sizes = y.sizes().vec();
   slot->produced_dtype = y.scalar_type();
@@ -119,7 +65,7 @@ at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
            "): something transformed it after the handoff, or the call belongs to another "
            "invocation. Move the handoff point after the last transform");
   slot->produced.reset();
-  return DifferentiableWaitFn::apply(consumer, slot);
+  return comm::finish_transfer(consumer, slot->transfer);
 }
 
 void CPRuntimeState::check_drained() {

@@ -19,7 +19,7 @@ std::string apply_linear_cp(attention::LinearHost& host, const attention::Linear
   return common::str_cat("linear CP: module=", options.module_path, " mode=", options.mode,
                          options.mode == "state_passing" ? " state_exchange=" : "",
                          options.mode == "state_passing" ? options.state_exchange : "",
-                         " cp_size=", p);
+                         " schedule=", to_string(options.schedule), " cp_size=", p);
 }
 
 }  // namespace hp::cp

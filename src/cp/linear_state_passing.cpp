@@ -2,7 +2,7 @@
 // contiguous shard of the sequence and receives only states. The mixer-level core
 // (detail::state_passing_mix, what linear_mixer_cp runs) and the layer mode around it.
 //
-//   layer only: x [B, S/P, hidden] --project--> qkv [B, S/P, C], beta, gate, out_gate
+//   layer only: x [B, S/P, hidden] --project--> qkv [B, S/P, C], beta, gate
 //     conv halo: qkv's last w-1 rows --ring shift +1--> the next rank (rank 0: zeros)
 //     convolve [halo | qkv] -> q, k, v, g, beta of the shard; after the mixer: output
 //   state_passing_mix (q, k, v, g, beta of the shard):
@@ -17,10 +17,13 @@
 //       p2p         P-1 ring steps of M h + S; rank r's h is exact after r of them; the final
 //                   state: every rank's M h + S all-gathered, rank P-1's kept
 //     out = out0 + P h_r -> [B, S/P, HV, V]   (no second pass over the shard)
+//     async (layer): the output gate's projection z = x Wz runs while the all-gather (or the
+//     chain's first shift) travels; sync computes it with the other projections
 //   backward: every exchange is differentiable (all-gather <-> reduce-scatter, shift <-> the
 //   opposite shift), so d(initial state) flows back to the ranks whose summaries made it.
 #include <ATen/ATen.h>
 
+#include "hp/comm/async_transfer.h"
 #include "hp/comm/autograd_collectives.h"
 #include "hp/common/check.h"
 #include "hp/cp/linear.h"
@@ -61,11 +64,14 @@ at::Tensor replace_on_first(const at::Tensor& x, const at::Tensor& first, int64_
 // all_gather: this rank's initial state (and, asked for, the final state) from every rank's
 // [S | M]. `s` is rank 0's final state there when a user initial state entered.
 void gather_and_fold(const at::Tensor& m, const at::Tensor& s, const at::Tensor& h0,
-                     bool output_final_state, const CPTopology& topo, at::Tensor& h,
+                     bool output_final_state, const CPTopology& topo,
+                     const std::function<void()>& while_in_flight, at::Tensor& h,
                      at::Tensor& final_state) {
   const int64_t p = topo.cp_size, r = topo.cp_rank, v = s.size(-1);
   auto packed = at::cat({s, m}, -1).unsqueeze(0).contiguous();  // [1, B, HV, K, V+K]
-  auto all = comm::all_gather_autograd(packed, 0, topo.cp);     // [P, B, HV, K, V+K]
+  auto flight = comm::all_gather_start(packed, 0, topo.cp);
+  if (while_in_flight) while_in_flight();
+  auto all = flight.wait();  // [P, B, HV, K, V+K]
   at::Tensor fold;                                              // undefined: the zero state
   const int64_t upto = output_final_state ? p : r;
   for (int64_t i = 0; i < upto; ++i) {
@@ -81,16 +87,26 @@ void gather_and_fold(const at::Tensor& m, const at::Tensor& s, const at::Tensor&
   h = anchored(h, {all});
 }
 
-// p2p: the chain. Rank 0's state is h0 (zeros without one) throughout.
+// p2p: the chain. Rank 0's state is h0 (zeros without one) throughout. `while_in_flight` runs
+// while the first shift travels (the later ones need the state it brings).
 at::Tensor chain(const at::Tensor& m, const at::Tensor& s, const at::Tensor& h0,
-                 const CPTopology& topo) {
+                 const CPTopology& topo, const std::function<void()>& while_in_flight) {
   const int64_t p = topo.cp_size, r = topo.cp_rank;
   const auto first = h0.defined() ? h0 : at::zeros_like(s);
   auto h = first;
   for (int64_t step = 1; step < p; ++step) {
     auto final_state = (at::matmul(m, h) + s).contiguous();
-    h = replace_on_first(comm::ring_shift(final_state, 1, topo.cp), first, r);
+    at::Tensor shifted;
+    if (step == 1) {
+      auto flight = comm::shift_start(final_state, 1, topo.cp);
+      if (while_in_flight) while_in_flight();
+      shifted = flight.wait();
+    } else {
+      shifted = comm::ring_shift(final_state, 1, topo.cp);
+    }
+    h = replace_on_first(shifted, first, r);
   }
+  if (p == 1 && while_in_flight) while_in_flight();
   return h;
 }
 
@@ -99,7 +115,8 @@ at::Tensor chain(const at::Tensor& m, const at::Tensor& s, const at::Tensor& h0,
 attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
                                          const MixerKernel& kernel, bool output_final_state,
                                          const std::string& state_exchange,
-                                         const CPTopology& topology) {
+                                         const CPTopology& topology,
+                                         const std::function<void()>& while_in_flight) {
   const int64_t p = topology.cp_size, r = topology.cp_rank;
   auto run = affine_run(shard, kernel);
   const auto& m = run.m;
@@ -108,7 +125,7 @@ attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
   if (r == 0 && shard.initial_state.defined()) h0 = shard.initial_state.to(s.scalar_type());
   at::Tensor h, final_state;
   if (state_exchange == "p2p") {
-    h = chain(m, s, h0, topology);
+    h = chain(m, s, h0, topology, while_in_flight);
     if (output_final_state) {
       auto mine = (at::matmul(m, h) + s).unsqueeze(0).contiguous();
       final_state = comm::all_gather_autograd(mine, 0, topology.cp).select(0, p - 1);
@@ -116,7 +133,7 @@ attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
   } else {
     HP_INTERNAL_ASSERT(state_exchange == "all_gather", "state_exchange '", state_exchange, "'");
     gather_and_fold(m, h0.defined() ? at::matmul(m, h0) + s : s, h0, output_final_state, topology,
-                    h, final_state);
+                    while_in_flight, h, final_state);
   }
   // out[b, t, hv, :] = out0 + sum_k transport[b, t, hv, k] h[b, hv, k, :]
   auto correction = at::matmul(run.transport.transpose(1, 2).to(h.scalar_type()), h);
@@ -146,6 +163,13 @@ class LinearStatePassing final : public attention::LinearInterceptor {
              " tokens, fewer than the conv halo of ", w - 1,
              "; use fewer CP ranks or a longer sequence");
     auto t = stages.project(x);
+    at::Tensor out_gate;
+    std::function<void()> while_in_flight;
+    if (options_.schedule == CPSchedule::kAsync) {
+      while_in_flight = [&] { out_gate = stages.project_out_gate(x); };
+    } else {
+      out_gate = stages.project_out_gate(x);
+    }
     at::Tensor halo;
     if (w > 1) {
       auto tail = t.qkv.narrow(1, x.size(1) - (w - 1), w - 1).contiguous();
@@ -156,8 +180,10 @@ class LinearStatePassing final : public attention::LinearInterceptor {
     auto in = stages.mixer_inputs(conv, t.beta_logit, t.gate_in, 0, shape.heads);
     MixerKernel kernel;
     kernel.mix = [&stages](const attention::MixerInputs& i, bool f) { return stages.mix(i, f); };
-    auto o = state_passing_mix(in, kernel, false, options_.state_exchange, *topology_).out;
-    return stages.output(o, t.out_gate);
+    auto o = state_passing_mix(in, kernel, false, options_.state_exchange, *topology_,
+                               while_in_flight)
+                 .out;
+    return stages.output(o, out_gate);
   }
 
  private:

@@ -1,6 +1,6 @@
 // Linear attention, mode ulysses: the mixer on P-th of the heads over the whole sequence. The
-// two exchanges (shared by the mixer-level core and the layer mode), the mixer-level core
-// (detail::ulysses_mix, what linear_mixer_cp runs) and the layer mode.
+// mixer-level core (detail::ulysses_mix, what linear_mixer_cp runs) and the layer mode, over
+// the packed exchanges of the Ulysses piece (strategy_pieces.h):
 //
 //   ulysses_to_heads: pack per destination rank j the parts of head group j
 //        [B, T/P, P, Cg] --A2A(split P, concat seq)--> [B, T, Cg] -> the parts    (one all-to-all)
@@ -8,57 +8,22 @@
 //   ulysses_mix:  parts q, k [.., H/P, K], v [.., HV/P, V], g [.., HV/P(, K)], beta [.., HV/P]
 //                 -> delta rule on [B, T, HV/P, .] (initial state: this rank's HV/P heads)
 //                 -> out back to [B, T/P, HV, V]; final [B, HV/P, K, V] all-gathered over heads
-//   layer:   x [B, S/P, hidden] --project--> qkv, beta, gate (local tokens, all heads), out_gate
+//   layer:   x [B, S/P, hidden] --project--> qkv, beta, gate (local tokens, all heads)
 //            parts: [conv channels of head group j | beta_j | gate_j] -> to_heads ->
 //            convolve (this group's conv channels, full sequence: no halo) -> delta rule
-//            (zero state) -> to_sequence -> output (local z)
+//            (zero state) -> to_sequence -> output (local z = x Wz)
+//            async: to_heads is started, z = x Wz computed while it travels, then waited
 //   backward: the inverse all-to-alls (differentiable collectives).
 #include <ATen/ATen.h>
 
+#include "hp/comm/async_transfer.h"
 #include "hp/comm/autograd_collectives.h"
 #include "hp/common/check.h"
 #include "hp/cp/linear.h"
 #include "hp/cp/linear_mixer.h"
+#include "strategy_pieces.h"
 
 namespace hp::cp::detail {
-
-std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tensor>>& parts,
-                                         const comm::GroupPtr& group) {
-  HP_INTERNAL_ASSERT(!parts.empty() && !parts[0].empty(), "ulysses_to_heads: no parts");
-  const auto& first = parts[0];
-  auto dtype = first[0].scalar_type();
-  std::vector<int64_t> widths;
-  for (const auto& t : first) {
-    dtype = c10::promoteTypes(dtype, t.scalar_type());
-    widths.push_back(t.numel() / (t.size(0) * t.size(1)));
-  }
-  std::vector<at::Tensor> groups;
-  groups.reserve(parts.size());
-  for (const auto& dest : parts) {
-    std::vector<at::Tensor> flat;
-    flat.reserve(dest.size());
-    for (const auto& t : dest)
-      flat.push_back(t.reshape({t.size(0), t.size(1), -1}).to(dtype));
-    groups.push_back(at::cat(flat, 2));
-  }
-  auto packed = at::stack(groups, 2);                                     // [B, T/P, P, Cg]
-  auto mine = comm::ulysses_seq_to_head(packed, 1, 2, group).squeeze(2);  // [B, T, Cg]
-  std::vector<at::Tensor> out;
-  int64_t offset = 0;
-  for (size_t i = 0; i < first.size(); ++i) {
-    auto shape = first[i].sizes().vec();
-    shape[1] = mine.size(1);
-    out.push_back(mine.narrow(2, offset, widths[i]).reshape(shape).to(first[i].scalar_type()));
-    offset += widths[i];
-  }
-  return out;
-}
-
-at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group) {
-  const int64_t p = group->size();
-  auto back = comm::ulysses_head_to_seq(o.flatten(2).unsqueeze(2), 1, 2, group);  // [B, T/P, P, nX]
-  return back.reshape({o.size(0), back.size(1), p * o.size(2), o.size(3)});
-}
 
 attention::MixerResult ulysses_mix(const attention::MixerInputs& shard, const MixerKernel& kernel,
                                    bool output_final_state, const CPTopology& topology) {
@@ -109,11 +74,21 @@ class LinearUlysses final : public attention::LinearInterceptor {
                        t.beta_logit.narrow(2, j * nv, nv),
                        t.gate_in.narrow(2, j * nv * gw, nv * gw)});
     }
-    auto mine = ulysses_to_heads(parts, topology_->cp);  // qkv, beta, gate: [B, S, .]
+    std::vector<at::Tensor> mine;  // qkv, beta, gate: [B, S, .]
+    at::Tensor out_gate;
+    if (options_.schedule == CPSchedule::kAsync) {
+      HeadPacking how;
+      auto flight = comm::all_to_all_start(pack_for_heads(parts, how), 2, 1, topology_->cp);
+      out_gate = stages.project_out_gate(x);  // while the channels travel
+      mine = unpack_heads(flight.wait(), how);
+    } else {
+      out_gate = stages.project_out_gate(x);
+      mine = ulysses_to_heads(parts, topology_->cp);
+    }
     auto conv = stages.convolve(mine[0], at::Tensor(), stages.head_channels(r * nh, nh));
     auto in = stages.mixer_inputs(conv, mine[1], mine[2], r * nh, nh);
     auto o = stages.mix(in, false).out;  // [B, S, nv, V]
-    return stages.output(ulysses_to_sequence(o, topology_->cp), t.out_gate);
+    return stages.output(ulysses_to_sequence(o, topology_->cp), out_gate);
   }
 
  private:

@@ -134,9 +134,7 @@ at::Tensor head_tail_restore(const std::vector<at::Tensor>& outs, const CPRuntim
   return at::cat({outs[0], tail}, ctx.layout.seq_dim);
 }
 
-at::Tensor natural_order(const at::Tensor& gathered, const CPRuntimeContext& ctx) {
-  const int64_t p = ctx.topology->cp_size;
-  const int64_t seq = ctx.layout.seq_dim;
+at::Tensor natural_order(const at::Tensor& gathered, int64_t p, int64_t seq) {
   auto chunks = gathered.chunk(2 * p, seq);  // rank order: r's two chunks at 2r, 2r+1
   std::vector<at::Tensor> natural(2 * p);
   for (int64_t r = 0; r < p; ++r) {

@@ -110,8 +110,8 @@ class AllGatherStrategy final : public CPStrategy {
     const int64_t kv_len = p.k.size(ctx.layout.seq_dim);
     if (ctx.load_balance) {
       if (ctx.load_balance_form == LoadBalanceForm::kDataOrder) {
-        p.k = detail::natural_order(p.k, ctx);
-        p.v = detail::natural_order(p.v, ctx);
+        p.k = detail::natural_order(p.k, ctx.topology->cp_size, ctx.layout.seq_dim);
+        p.v = detail::natural_order(p.v, ctx.topology->cp_size, ctx.layout.seq_dim);
       }
       p.parts = detail::head_tail_parts(q, ctx, kv_len);
       return p;
@@ -186,8 +186,8 @@ class AllGatherStrategy final : public CPStrategy {
     // 2. The gathered K/V (natural order).
     auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
     if (ctx.load_balance) {
-      kg = detail::natural_order(kg, ctx);
-      vg = detail::natural_order(vg, ctx);
+      kg = detail::natural_order(kg, ctx.topology->cp_size, ctx.layout.seq_dim);
+      vg = detail::natural_order(vg, ctx.topology->cp_size, ctx.layout.seq_dim);
     }
     // 3. The visible key ranges outside this rank's chunks.
     std::vector<Range> sorted = local;

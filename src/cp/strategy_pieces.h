@@ -34,6 +34,25 @@ comm::CommHandle scatter_heads_async(const at::Tensor& x, const comm::GroupPtr& 
 comm::CommHandle scatter_heads_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
                                           const QKVLayout& l);  // the inverse all-to-all
 
+// Packed seq->head all-to-all of several tensors (BSHD-like, sequence at dim 1): parts[j]
+// lists the tensors [B, T/P, ...] bound for rank j (the same shapes for every j).
+// pack_for_heads -> [B, T/P, P, Cg] in the parts' promoted dtype; after the all-to-all
+// (split dim 2, concat dim 1) unpack_heads gives this rank's part i from every rank in sequence
+// order, [B, T, ...] each, in its own dtype. ulysses_to_heads is the two around one
+// differentiable all-to-all (linear-attention and MLA CP modes share it).
+struct HeadPacking {
+  std::vector<at::Tensor> first;  // parts[0]: the shapes and dtypes to restore
+  std::vector<int64_t> widths;    // channels per token of each part
+  at::ScalarType dtype = at::kFloat;
+};
+at::Tensor pack_for_heads(const std::vector<std::vector<at::Tensor>>& parts, HeadPacking& how);
+std::vector<at::Tensor> unpack_heads(const at::Tensor& moved, const HeadPacking& how);
+std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tensor>>& parts,
+                                         const comm::GroupPtr& group);
+// The head->seq all-to-all back: o [B, T, n, X] (this rank's n heads, every token) ->
+// [B, T/P, P*n, X] (this rank's tokens, every head, in rank order).
+at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group);
+
 // The Ulysses way of moving q, k and v (seq -> head all-to-all in the Ulysses group): what the
 // ulysses and hybrid strategies share.
 class UlyssesMoves : public CPStrategy {
@@ -63,6 +82,7 @@ void check_head_tail(const at::Tensor& q, const CPRuntimeContext& ctx);  // befo
 std::vector<QueryPart> head_tail_parts(const at::Tensor& q, const CPRuntimeContext& ctx,
                                        int64_t kv_len);
 at::Tensor head_tail_restore(const std::vector<at::Tensor>& outs, const CPRuntimeContext& ctx);
-at::Tensor natural_order(const at::Tensor& gathered, const CPRuntimeContext& ctx);
+// `gathered` holds P data-order shards along seq_dim (rank r: chunks 2r and 2P-2r-1).
+at::Tensor natural_order(const at::Tensor& gathered, int64_t cp_size, int64_t seq_dim);
 
 }  // namespace hp::cp::detail

@@ -43,6 +43,55 @@ comm::CommHandle detail::scatter_heads_grad_async(const at::Tensor& g, const com
   return comm::all_to_all_async(*group, g, l.seq_dim, l.heads_dim);
 }
 
+// parts[j] -> [B, T/P, P, Cg] in the parts' promoted dtype.
+at::Tensor detail::pack_for_heads(const std::vector<std::vector<at::Tensor>>& parts, HeadPacking& how) {
+  HP_INTERNAL_ASSERT(!parts.empty() && !parts[0].empty(), "ulysses_to_heads: no parts");
+  how.first = parts[0];
+  how.dtype = how.first[0].scalar_type();
+  for (const auto& t : how.first) {
+    how.dtype = c10::promoteTypes(how.dtype, t.scalar_type());
+    how.widths.push_back(t.numel() / (t.size(0) * t.size(1)));
+  }
+  std::vector<at::Tensor> groups;
+  groups.reserve(parts.size());
+  for (const auto& dest : parts) {
+    std::vector<at::Tensor> flat;
+    flat.reserve(dest.size());
+    for (const auto& t : dest)
+      flat.push_back(t.reshape({t.size(0), t.size(1), -1}).to(how.dtype));
+    groups.push_back(at::cat(flat, 2));
+  }
+  return at::stack(groups, 2);
+}
+
+// moved [B, T, 1, Cg] (after the seq->head all-to-all) -> the parts, [B, T, ...] each.
+std::vector<at::Tensor> detail::unpack_heads(const at::Tensor& moved, const HeadPacking& how) {
+  auto mine = moved.squeeze(2);
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (size_t i = 0; i < how.first.size(); ++i) {
+    auto shape = how.first[i].sizes().vec();
+    shape[1] = mine.size(1);
+    out.push_back(
+        mine.narrow(2, offset, how.widths[i]).reshape(shape).to(how.first[i].scalar_type()));
+    offset += how.widths[i];
+  }
+  return out;
+}
+
+std::vector<at::Tensor> detail::ulysses_to_heads(const std::vector<std::vector<at::Tensor>>& parts,
+                                         const comm::GroupPtr& group) {
+  HeadPacking how;
+  auto packed = pack_for_heads(parts, how);  // [B, T/P, P, Cg]
+  return unpack_heads(comm::ulysses_seq_to_head(packed, 1, 2, group), how);
+}
+
+at::Tensor detail::ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group) {
+  const int64_t p = group->size();
+  auto back = comm::ulysses_head_to_seq(o.flatten(2).unsqueeze(2), 1, 2, group);  // [B, T/P, P, nX]
+  return back.reshape({o.size(0), back.size(1), p * o.size(2), o.size(3)});
+}
+
 std::vector<QKVRole> detail::UlyssesMoves::moved_roles() const {
   return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
 }

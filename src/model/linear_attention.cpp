@@ -96,8 +96,11 @@ attention::LinearTokens LinearAttentionImpl::project(const at::Tensor& x) const 
   p.beta_logit = at::matmul(x, w_beta.t());
   p.gate_in = config_.mixer == "kda" ? at::matmul(at::matmul(x, w_gate_a.t()), w_gate_b.t())
                                      : at::matmul(x, w_gate_a.t());
-  p.out_gate = at::matmul(x, w_out_gate.t());
   return p;
+}
+
+at::Tensor LinearAttentionImpl::project_out_gate(const at::Tensor& x) const {
+  return at::matmul(x, w_out_gate.t());
 }
 
 at::Tensor LinearAttentionImpl::convolve(const at::Tensor& qkv, const at::Tensor& halo,

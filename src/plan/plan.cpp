@@ -249,6 +249,7 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
       o.module_path = info.path;
       o.mode = plan.linear.mode;
       o.state_exchange = plan.linear.state_exchange;
+      o.schedule = plan.cp_config->schedule;
       lines.push_back(cp::apply_linear_cp(*info.linear->host, info.linear->shape, o, topo));
     }
   }

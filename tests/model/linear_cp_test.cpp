@@ -50,7 +50,7 @@ Reference reference(const std::string& mixer, const at::Tensor& x, const at::Ten
 }
 
 void run_mode(const std::string& mixer, const std::string& mode, const std::string& exchange,
-              int p) {
+              int p, cp::CPSchedule schedule) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
   auto x = at::randn({2, kS, kHidden}, gen, at::kDouble);
   auto dy = at::randn({2, kS, kHidden}, gen, at::kDouble);
@@ -64,14 +64,17 @@ void run_mode(const std::string& mixer, const std::string& mode, const std::stri
     o.module_path = "layers.0.linear_attn";
     o.mode = mode;
     o.state_exchange = exchange;
+    o.schedule = schedule;
     auto line = cp::apply_linear_cp(m->host(), m->shape(), o, topo);
     EXPECT_NE(line.find("mode=" + mode), std::string::npos) << line;
+    EXPECT_NE(line.find(std::string("schedule=") + cp::to_string(schedule)), std::string::npos)
+        << line;
     const int64_t r = w.rank(), s = kS / p;
     auto xs = x.narrow(1, r * s, s).clone().requires_grad_(true);
     auto y = m->forward(xs);
     y.backward(dy.narrow(1, r * s, s));
-    const std::string what = mixer + " " + mode + "/" + exchange + " P=" + std::to_string(p) +
-                             " rank " + std::to_string(r);
+    const std::string what = mixer + " " + mode + "/" + exchange + " " + cp::to_string(schedule) +
+                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
     expect_close(y, ref.y.narrow(1, r * s, s), what + " y", 1e-9, 1e-9);
     expect_close(xs.grad(), ref.dx.narrow(1, r * s, s), what + " dx", 1e-9, 1e-9);
     for (const auto& par : m->named_parameters()) {
@@ -82,21 +85,116 @@ void run_mode(const std::string& mixer, const std::string& mode, const std::stri
 }
 
 TEST(LinearCP, UlyssesEqualsTheSingleProcessLayer) {
-  for (const std::string mixer : {"gdn", "kda"})
-    for (int p : {2, 3, 4})
-      run_mode(mixer, "ulysses", "all_gather", p);
+  for (auto schedule : {cp::CPSchedule::kSync, cp::CPSchedule::kAsync})
+    for (const std::string mixer : {"gdn", "kda"})
+      for (int p : {2, 3, 4})
+        run_mode(mixer, "ulysses", "all_gather", p, schedule);
 }
 
 TEST(LinearCP, StatePassingAllGatherEqualsTheSingleProcessLayer) {
-  for (const std::string mixer : {"gdn", "kda"})
-    for (int p : {2, 3, 4})
-      run_mode(mixer, "state_passing", "all_gather", p);
+  for (auto schedule : {cp::CPSchedule::kSync, cp::CPSchedule::kAsync})
+    for (const std::string mixer : {"gdn", "kda"})
+      for (int p : {2, 3, 4})
+        run_mode(mixer, "state_passing", "all_gather", p, schedule);
 }
 
 TEST(LinearCP, StatePassingP2PEqualsTheSingleProcessLayer) {
-  for (const std::string mixer : {"gdn", "kda"})
-    for (int p : {2, 3, 4})
-      run_mode(mixer, "state_passing", "p2p", p);
+  for (auto schedule : {cp::CPSchedule::kSync, cp::CPSchedule::kAsync})
+    for (const std::string mixer : {"gdn", "kda"})
+      for (int p : {2, 3, 4})
+        run_mode(mixer, "state_passing", "p2p", p, schedule);
+}
+
+// The stages as a CP mode calls them, each call logged; project_out_gate also logs the
+// collectives launched so far ("project_out_gate after N").
+class LoggedStages final : public attention::LinearLayerStages {
+ public:
+  LoggedStages(const LinearAttentionImpl& inner, const comm::CollectiveRecorder& rec)
+      : inner_(inner), rec_(rec) {}
+  mutable std::vector<std::string> log;  // the calls, in order
+
+  attention::LinearLayerShape shape() const override { return inner_.shape(); }
+  attention::LinearTokens project(const at::Tensor& x) const override {
+    note("project");
+    return inner_.project(x);
+  }
+  at::Tensor project_out_gate(const at::Tensor& x) const override {
+    note("project_out_gate after " + std::to_string(rec_.records().size()));
+    return inner_.project_out_gate(x);
+  }
+  at::Tensor head_channels(int64_t h0, int64_t n) const override {
+    return inner_.head_channels(h0, n);
+  }
+  at::Tensor convolve(const at::Tensor& qkv, const at::Tensor& halo,
+                      const at::Tensor& channels) const override {
+    note("convolve");
+    return inner_.convolve(qkv, halo, channels);
+  }
+  attention::MixerInputs mixer_inputs(const at::Tensor& conv, const at::Tensor& beta,
+                                      const at::Tensor& gate, int64_t h0,
+                                      int64_t n) const override {
+    return inner_.mixer_inputs(conv, beta, gate, h0, n);
+  }
+  attention::MixerResult mix(const attention::MixerInputs& in, bool f) const override {
+    note("mix");
+    return inner_.mix(in, f);
+  }
+  void state_summary(const attention::MixerInputs& in, at::Tensor& m,
+                     at::Tensor& s) const override {
+    inner_.state_summary(in, m, s);
+  }
+  at::Tensor output(const at::Tensor& mixed, const at::Tensor& out_gate) const override {
+    note("output");
+    return inner_.output(mixed, out_gate);
+  }
+
+ private:
+  void note(const std::string& what) const { log.push_back(what); }
+  const LinearAttentionImpl& inner_;
+  const comm::CollectiveRecorder& rec_;
+};
+
+// Sync projects the output gate with the other projections, before any collective; async
+// starts the exchange first and projects the gate while it travels: ulysses right after the
+// seq->head all-to-all is launched (before its result is convolved), state passing once the
+// halo shift and the summaries' all-gather (or the chain's first shift) are launched.
+TEST(LinearCP, AsyncProjectsTheOutputGateWhileTheExchangeTravels) {
+  run_ranks(2, [](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", 2}});
+    auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), *cp::normalize(std::nullopt, 2));
+    auto order = [&](const std::string& mode, const std::string& exchange,
+                     cp::CPSchedule schedule) {
+      LinearAttention m(config("kda"));
+      cp::LinearCPOptions o;
+      o.module_path = "l";
+      o.mode = mode;
+      o.state_exchange = exchange;
+      o.schedule = schedule;
+      cp::apply_linear_cp(m->host(), m->shape(), o, topo);
+      auto& rec = *w.context().recorder;
+      rec.clear();
+      LoggedStages stages(*m, rec);
+      auto x = at::randn({1, kS / 2, kHidden}).requires_grad_(true);
+      auto y = m->host().installed()->forward(x, stages);
+      y.sum().backward();  // the backward of the split transfer completes
+      EXPECT_TRUE(x.grad().defined());
+      return stages.log;
+    };
+    using V = std::vector<std::string>;
+    const auto sync = cp::CPSchedule::kSync, async = cp::CPSchedule::kAsync;
+    EXPECT_EQ(order("ulysses", "all_gather", sync),
+              (V{"project", "project_out_gate after 0", "convolve", "mix", "output"}));
+    EXPECT_EQ(order("ulysses", "all_gather", async),
+              (V{"project", "project_out_gate after 1", "convolve", "mix", "output"}));
+    for (const std::string exchange : {"all_gather", "p2p"}) {
+      EXPECT_EQ(order("state_passing", exchange, sync),
+                (V{"project", "project_out_gate after 0", "convolve", "mix", "output"}));
+      // The halo shift (a recv and a send), then the all-gather (one) or the first shift (two).
+      const std::string launched = exchange == "p2p" ? "4" : "3";
+      EXPECT_EQ(order("state_passing", exchange, async),
+                (V{"project", "convolve", "mix", "project_out_gate after " + launched, "output"}));
+    }
+  });
 }
 
 TEST(LinearCP, FailFast) {

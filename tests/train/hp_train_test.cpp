@@ -476,10 +476,13 @@ TEST(HpTrain, LinearMixersUnderContextParallelism) {
   struct Case {
     std::string mixer, args, log;
   };
-  for (const Case& c : {Case{"kda", "--cp-mode state_passing --state-exchange p2p",
-                             "mode=state_passing state_exchange=p2p cp_size=2"},
-                        Case{"gdn", "--cp-mode ulysses", "mode=ulysses cp_size=2"}}) {
-    const std::string m = dir + "/train_linear_" + c.mixer + ".json";
+  for (const Case& c :
+       {Case{"kda", "--cp-mode state_passing --state-exchange p2p",
+             "mode=state_passing state_exchange=p2p schedule=sync cp_size=2"},
+        Case{"gdn", "--cp-mode ulysses --schedule async", "mode=ulysses schedule=async cp_size=2"},
+        Case{"kda", "--cp-mode state_passing --schedule async",
+             "mode=state_passing state_exchange=all_gather schedule=async cp_size=2"}}) {
+    const std::string m = dir + "/train_linear_" + c.mixer + std::to_string(c.args.size()) + ".json";
     auto r = run("--nproc 2 --cp 2 --mixer " + c.mixer + " " + c.args + " " + model +
                  "--seq-len 64 --steps 3 --validate --metrics-json " + m);
     ASSERT_EQ(r.rc, 0) << r.out;

@@ -5,7 +5,9 @@
 // host.forward(x, stages). With nothing installed that runs the stages in order on the local
 // tokens; a CP mode (cp/linear_*) installs an interceptor that puts communication between them:
 //   project -> [halo | all-to-all] -> convolve -> mixer_inputs -> [state exchange] -> mix
-//           -> [all-to-all] -> output
+//           -> [all-to-all] -> output(project_out_gate)
+// project_out_gate is a stage of its own: nothing before output needs it, so an async CP mode
+// computes it while a collective travels.
 #pragma once
 
 #include <cstdint>
@@ -28,12 +30,11 @@ struct LinearLayerShape {
   int64_t gate_width = 0;   // gate_in channels per value head: 1 (GDN) or K (KDA)
 };
 
-// Per-token projections of a layer: [B, S, *] each.
+// Per-token projections of a layer that the mixer needs: [B, S, *] each.
 struct LinearTokens {
   at::Tensor qkv;         // conv channels: q [H*K] | k [H*K] | v [HV*V]
   at::Tensor beta_logit;  // [B, S, HV]
   at::Tensor gate_in;     // [B, S, HV * gate_width]
-  at::Tensor out_gate;    // [B, S, HV*V]
 };
 
 class LinearLayerStages {
@@ -41,6 +42,8 @@ class LinearLayerStages {
   virtual ~LinearLayerStages() = default;
   virtual LinearLayerShape shape() const = 0;
   virtual LinearTokens project(const at::Tensor& x) const = 0;
+  // The output gate's projection [B, S, HV*V] (only output() reads it).
+  virtual at::Tensor project_out_gate(const at::Tensor& x) const = 0;
   // The conv channels (indices into qkv) of q/k heads [first, first + n) and their value heads,
   // in the order convolve/mixer_inputs expect them for that head range.
   virtual at::Tensor head_channels(int64_t first_head, int64_t num_heads) const = 0;

@@ -1,12 +1,12 @@
 // The async CP schedule's bookkeeping (DESIGN section 5.6).
 //
-//   handoff point emits x  --> launch the role's collective, push an AsyncSlot (forward FIFO)
-//                              and return x wired to a HandoffLaunch autograd node
-//   attention call         --> pop the slot through DifferentiableWait: checks that the tensor
+//   handoff point emits x  --> start the role's collective (comm::start_transfer), push an
+//                              AsyncSlot (forward FIFO) and return x wired to its start node
+//   attention call         --> pop the slot and finish the transfer: checks that the tensor
 //                              reaching attention is the one the handoff emitted (shape, dtype,
 //                              identity = same invocation), waits, returns the moved tensor
-//   backward               --> DifferentiableWait launches the inverse collective and returns;
-//                              HandoffLaunch (the producer side) waits for it and hands the real
+//   backward               --> the finish node launches the inverse collective and returns; the
+//                              start node (the producer side) waits for it and hands the real
 //                              gradient to the projection, so each projection's weight-gradient
 //                              GEMM waits only for its own collective.
 // A slot belongs to one invocation (two micro-batches in flight, or a recompute, each get their
@@ -23,7 +23,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "hp/comm/comm_handle.h"
+#include "hp/comm/async_transfer.h"
 #include "hp/cp/strategy.h"
 
 namespace hp::cp {
@@ -32,7 +32,7 @@ struct AsyncSlot {
   QKVRole role = QKVRole::kQ;
   int64_t invocation = 0;
   std::string handoff;       // handoff point name (messages)
-  comm::CommHandle forward;  // the role's collective, launched at the handoff
+  comm::AsyncTransferPtr transfer;  // the role's collective, launched at the handoff (comm/)
   // What the handoff emitted (the consumer must pass exactly this): a weak reference, since the
   // emitted tensor's autograd node owns the slot (a strong one would be a cycle that leaks an
   // unconsumed slot), plus its shape and dtype for messages.
@@ -40,9 +40,6 @@ struct AsyncSlot {
   std::vector<int64_t> produced_sizes;
   at::ScalarType produced_dtype = at::kFloat;
   bool consumed = false;
-  std::function<comm::CommHandle(const at::Tensor&)> launch_inverse;
-  comm::CommHandle backward;  // the inverse collective of the gradient
-  bool backward_launched = false;
 };
 
 // Per attention module: one forward FIFO of slots per role.

@@ -11,6 +11,12 @@
 //                  the fold of the summaries [S | M] of the ranks before it, then out0 + P h.
 //                  state_exchange: all_gather (one all-gather of [S | M], no serialization) or
 //                  p2p (the chain: P-1 ring steps, rank r's state exact after r of them).
+// schedule async: the exchange that precedes output() starts, and the output gate's projection
+// (project_out_gate) runs while it travels, forward and (its weight-gradient GEMMs) backward:
+//   ulysses        the packed seq->head all-to-all of the projected channels
+//   state_passing  the summaries' all-gather (all_gather) or the chain's first shift (p2p; the
+//                  later hops wait for the fold); the conv halo, w-1 rows, stays blocking
+// sync: every collective blocks where it is issued. Both give the same numbers.
 // Every exchange is differentiable: outputs and every gradient equal the single-process layer.
 // The exchanges and the state-passing core are shared with the mixer-level entry
 // (cp/linear_mixer.h: linear_mixer_cp), so each exists once.
@@ -20,6 +26,7 @@
 #include <string>
 
 #include "hp/attention/linear_host.h"
+#include "hp/cp/config.h"
 #include "hp/cp/topology.h"
 
 namespace hp::cp {
@@ -28,6 +35,7 @@ struct LinearCPOptions {
   std::string module_path;                    // messages and the interceptor id
   std::string mode = "state_passing";         // state_passing | ulysses
   std::string state_exchange = "all_gather";  // all_gather | p2p (state_passing)
+  CPSchedule schedule = CPSchedule::kSync;      // async: see the sketch above
 };
 
 // Checks (before any collective; messages name field, value and fix): the mode and exchange

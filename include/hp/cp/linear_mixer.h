@@ -106,25 +106,19 @@ MixerKernel delta_rule_kernel(const attention::MixerOptions& options, attention:
 namespace detail {
 
 // state_passing on this rank's shard (its initial_state per the contract above): summary,
-// exchange ("all_gather" | "p2p"), then kernel.mix from the folded state.
+// exchange ("all_gather" | "p2p"), then kernel.mix from the folded state. `while_in_flight`
+// (optional) runs once while the exchange's first collective travels (the caller's
+// independent work: the async schedule).
 attention::MixerResult state_passing_mix(const attention::MixerInputs& shard,
                                          const MixerKernel& kernel, bool output_final_state,
                                          const std::string& state_exchange,
-                                         const CPTopology& topology);
+                                         const CPTopology& topology,
+                                         const std::function<void()>& while_in_flight = {});
 
 // ulysses on this rank's shard: to_heads, kernel.mix, to_sequence (and the final state
 // all-gathered over heads).
 attention::MixerResult ulysses_mix(const attention::MixerInputs& shard, const MixerKernel& kernel,
                                    bool output_final_state, const CPTopology& topology);
-
-// The packed seq->head all-to-all: parts[j] lists the tensors [B, T/P, ...] bound for rank j
-// (the same shapes for every j). Returns this rank's part i from every rank in sequence order,
-// [B, T, ...] each, in its own dtype (the buffer travels in their promoted type).
-std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tensor>>& parts,
-                                         const comm::GroupPtr& group);
-// The head->seq all-to-all back: o [B, T, n, X] (this rank's n heads, every token) ->
-// [B, T/P, P*n, X] (this rank's tokens, every head, in rank order).
-at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group);
 
 }  // namespace detail
 }  // namespace hp::cp

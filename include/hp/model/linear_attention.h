@@ -53,8 +53,9 @@ class LinearAttentionImpl : public torch::nn::Module, public attention::LinearLa
 
   attention::LinearLayerShape shape() const override;
   // qkv [B, S, 2HK + HV*V] before the convolution; beta_logit [B, S, HV]; gate_in [B, S, HV]
-  // (GDN) or [B, S, HV*K] (KDA); out_gate [B, S, HV*V].
+  // (GDN) or [B, S, HV*K] (KDA).
   attention::LinearTokens project(const at::Tensor& x) const override;
+  at::Tensor project_out_gate(const at::Tensor& x) const override;  // [B, S, HV*V]
   // silu(depthwise causal conv) of qkv [B, S, C] over the sequence; `halo` [B, w-1, C] is what
   // precedes the first row (undefined: zeros, the start of the sequence). `channels`
   // (optional) selects a subset of the conv channels (a head slice under Ulysses CP): then qkv

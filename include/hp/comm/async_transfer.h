@@ -1,0 +1,68 @@
+// A collective started now and finished later, differentiably: two autograd nodes joined by
+// the transfer they share.
+//
+//   y = start(x)        launches launch(x) (no grad) and returns x unchanged (node A)
+//       ... compute that does not need the result runs while it travels ...
+//   z = finish(y)       waits and returns the moved tensor (node B)
+//   backward            B launches launch_inverse(dz) and returns no gradient; A waits for it
+//                       and hands the real gradient to x's producer. The nodes autograd runs
+//                       between B and A (those created between start and finish) overlap the
+//                       inverse collective.
+// start immediately followed by finish is the blocking collective (the sync schedule).
+// Contract: finish runs once per start, with the tensor start returned (or the graph between
+// them carries no gradient); a transfer back-propagates once.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/comm/comm_handle.h"
+#include "hp/comm/group.h"
+
+namespace hp::comm {
+
+// A result in flight: blocks until done and returns it; called once.
+using Pending = std::function<at::Tensor()>;
+using TransferLaunch = std::function<Pending(const at::Tensor&)>;
+
+// A CommHandle as a Pending (shared so the function stays copyable; a handle dropped unwaited
+// still waits in its destructor).
+Pending pending(CommHandle handle);
+// A launch that returns a CommHandle, as a TransferLaunch.
+TransferLaunch handle_launch(std::function<CommHandle(const at::Tensor&)> launch);
+
+struct AsyncTransfer;
+using AsyncTransferPtr = std::shared_ptr<AsyncTransfer>;
+
+// Node A: launches launch(x.detach()) and returns x wired to `transfer` (created here).
+// `name` appears in messages.
+at::Tensor start_transfer(const at::Tensor& x, const std::string& name, const TransferLaunch& launch,
+                          const TransferLaunch& launch_inverse, AsyncTransferPtr& transfer);
+// Node B: waits for the transfer; `emitted` is what start_transfer returned.
+at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& transfer);
+
+// start_transfer + finish_transfer held together.
+class InFlight {
+ public:
+  InFlight(at::Tensor emitted, AsyncTransferPtr transfer)
+      : emitted_(std::move(emitted)), transfer_(std::move(transfer)) {}
+  at::Tensor wait();  // once
+
+ private:
+  at::Tensor emitted_;
+  AsyncTransferPtr transfer_;
+};
+
+// The differentiable collectives of autograd_collectives.h, started now:
+//   all_to_all_start(x, split, concat)  fwd all_to_all(split, concat)  bwd all_to_all(concat, split)
+//   all_gather_start(x, dim)            fwd all_gather                 bwd reduce_scatter(sum)
+//   shift_start(x, offset)              fwd shift(offset)              bwd shift(-offset)
+InFlight all_to_all_start(const at::Tensor& x, int64_t split_dim, int64_t concat_dim,
+                          const GroupPtr& group);
+InFlight all_gather_start(const at::Tensor& x, int64_t dim, const GroupPtr& group);
+InFlight shift_start(const at::Tensor& x, int offset, const GroupPtr& group);
+
+}  // namespace hp::comm

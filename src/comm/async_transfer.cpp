@@ -1,0 +1,155 @@
+// The two nodes of an async differentiable transfer (see the header) and the ready-made starts.
+#include "hp/comm/async_transfer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "hp/comm/collectives.h"
+#include "hp/common/capsule.h"
+#include "hp/common/check.h"
+
+namespace hp::comm {
+
+struct AsyncTransfer {
+  std::string name;
+  Pending forward;
+  bool forward_done = false;
+  TransferLaunch launch_inverse;
+  Pending backward;
+  bool backward_launched = false;
+};
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+AsyncTransferPtr transfer_of(AutogradContext* ctx) {
+  return common::from_capsule<AsyncTransferPtr>(ctx->saved_data["transfer"]);
+}
+
+// Identity in forward (the caller launched the collective); in backward, waits for the inverse
+// collective the finishing node launched and returns the real gradient.
+struct StartFn : torch::autograd::Function<StartFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, AsyncTransferPtr t) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["transfer"] = common::to_capsule(std::move(t));
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto t = transfer_of(ctx);
+    HP_INTERNAL_ASSERT(t->backward_launched, "backward of transfer '", t->name,
+                       "' reached its start before its finish launched the inverse collective");
+    auto real = t->backward();
+    t->backward = nullptr;
+    if (grads[0].defined()) real = real + grads[0];  // other uses of the emitted tensor
+    return {real, at::Tensor()};
+  }
+};
+
+// Waits in forward; in backward launches the inverse collective and returns no gradient here.
+struct FinishFn : torch::autograd::Function<FinishFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*emitted*/,
+                            AsyncTransferPtr t) {
+    auto out = t->forward();
+    t->forward = nullptr;
+    ctx->saved_data["transfer"] = common::to_capsule(std::move(t));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto t = transfer_of(ctx);
+    HP_INTERNAL_ASSERT(!t->backward_launched, "transfer '", t->name, "' back-propagated twice");
+    HP_INTERNAL_ASSERT(grads[0].defined(), "transfer '", t->name, "': undefined gradient");
+    t->backward = t->launch_inverse(grads[0].contiguous());
+    t->backward_launched = true;
+    return {at::Tensor(), at::Tensor()};
+  }
+};
+
+Pending shift_pending(Group& g, const at::Tensor& t, int offset) {
+  const int p = g.size();
+  const int to = ((g.rank() + offset) % p + p) % p, from = ((g.rank() - offset) % p + p) % p;
+  if (to == g.rank()) {
+    auto copy = t.clone();
+    return [copy] { return copy; };
+  }
+  // Both legs in flight together, as comm::shift.
+  auto r = std::make_shared<CommHandle>(recv_async(g, t.sizes(), t.options(), from));
+  auto s = std::make_shared<CommHandle>(send_async(g, t, to));
+  return [r, s] {
+    s->wait();
+    return r->wait();
+  };
+}
+
+Group& checked(const GroupPtr& g, const char* fn) {
+  HP_CHECK(g != nullptr, fn, ": group is null (this rank is not a member of it)");
+  return *g;
+}
+
+}  // namespace
+
+Pending pending(CommHandle handle) {
+  auto h = std::make_shared<CommHandle>(std::move(handle));
+  return [h] { return h->wait(); };
+}
+
+TransferLaunch handle_launch(std::function<CommHandle(const at::Tensor&)> launch) {
+  return [fn = std::move(launch)](const at::Tensor& x) { return pending(fn(x)); };
+}
+
+at::Tensor start_transfer(const at::Tensor& x, const std::string& name, const TransferLaunch& launch,
+                          const TransferLaunch& launch_inverse, AsyncTransferPtr& transfer) {
+  HP_CHECK(x.defined(), "transfer '", name, "': the input tensor is undefined");
+  transfer = std::make_shared<AsyncTransfer>();
+  transfer->name = name;
+  transfer->launch_inverse = launch_inverse;
+  {
+    at::NoGradGuard no_grad;  // the collective moves data; the two nodes carry autograd
+    transfer->forward = launch(x.detach());
+  }
+  return StartFn::apply(x, transfer);
+}
+
+at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& transfer) {
+  HP_CHECK(transfer != nullptr, "finish_transfer: no transfer (start it first)");
+  HP_CHECK(transfer->forward != nullptr, "transfer '", transfer->name, "' finished twice");
+  return FinishFn::apply(emitted, transfer);
+}
+
+at::Tensor InFlight::wait() {
+  return finish_transfer(emitted_, transfer_);
+}
+
+InFlight all_to_all_start(const at::Tensor& x, int64_t split_dim, int64_t concat_dim,
+                          const GroupPtr& group) {
+  checked(group, "all_to_all_start");
+  AsyncTransferPtr t;
+  auto y = start_transfer(
+      x, "all_to_all",
+      handle_launch([=](const at::Tensor& a) { return all_to_all_async(*group, a, split_dim, concat_dim); }),
+      handle_launch([=](const at::Tensor& g) { return all_to_all_async(*group, g, concat_dim, split_dim); }),
+      t);
+  return {y, t};
+}
+
+InFlight all_gather_start(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  checked(group, "all_gather_start");
+  AsyncTransferPtr t;
+  auto y = start_transfer(
+      x, "all_gather",
+      handle_launch([=](const at::Tensor& a) { return all_gather_async(*group, a, dim); }),
+      handle_launch([=](const at::Tensor& g) { return reduce_scatter_async(*group, g, dim); }), t);
+  return {y, t};
+}
+
+InFlight shift_start(const at::Tensor& x, int offset, const GroupPtr& group) {
+  checked(group, "shift_start");
+  AsyncTransferPtr t;
+  auto y = start_transfer(
+      x, "shift", [=](const at::Tensor& a) { return shift_pending(*group, a, offset); },
+      [=](const at::Tensor& g) { return shift_pending(*group, g, -offset); }, t);
+  return {y, t};
+}
+
+}  // namespace hp::comm
