@@ -1,0 +1,59 @@
+// Multi-head latent attention (DeepSeek-V3 MLA) after its projections: the core that CP
+// strategies move data around (cp/mla.h) and the single-process form of it.
+//
+//   q       [B, Sq, H, d_nope + d_rope]   RoPE already applied to the last d_rope channels
+//   latent  [B, Skv, R]                   the compressed KV (after its RMSNorm), R = kv_rank
+//   k_rope  [B, Skv, d_rope]              one rotated key part shared by every head
+//   w_ukv   [H * (d_nope + d_v), R]       per head h: rows [h*(dn+dv), +dn) give k_nope,
+//                                         the next d_v rows give v
+//   k_h = [latent W_k,h^T | k_rope]  [Skv, dn+dr];  v_h = latent W_v,h^T  [Skv, dv]
+//   out_h = softmax(q_h k_h^T * scale + causal) v_h,  scale = 1/sqrt(d_nope + d_rope)
+//   out     [B, Sq, H, d_v]
+// Causal positions: query i sits at q_offset + i, key j at j (j <= q_offset + i is visible).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/attention.h"
+
+namespace hp::attention {
+
+struct MLAShape {
+  int64_t heads = 4;
+  int64_t d_nope = 32;
+  int64_t d_rope = 16;
+  int64_t d_v = 32;
+  int64_t kv_rank = 64;
+  int64_t qk_dim() const { return d_nope + d_rope; }
+  // Every size positive; `who` starts the message.
+  void check(const std::string& who) const;
+  // The shape the tensors describe (heads from q, the rest from q, latent, k_rope and w_ukv);
+  // throws naming the tensor whose size disagrees.
+  static MLAShape of(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
+                     const at::Tensor& w_ukv, int64_t d_v, const std::string& who);
+};
+
+// Keys and values of heads [first, first + n) for the tokens of `latent` / `k_rope`, BNSD:
+// k [B, n, S, d_nope + d_rope], v [B, n, S, d_v].
+struct MLAKeys {
+  at::Tensor k, v;
+};
+MLAKeys mla_expand(const at::Tensor& latent, const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                   const MLAShape& shape, int64_t first_head, int64_t num_heads);
+
+// Attention of q (BSHD, the heads of `keys`) against `keys`, causal with `q_offset` (the
+// position of q's first row relative to the keys' first row), or unmasked when !causal.
+// Returns {out [B, n, Sq, d_v] (BNSD), lse [B, n, Sq]} for merges by log-sum-exp.
+AttentionResult mla_attend(const at::Tensor& q, const MLAKeys& keys, const MLAShape& shape,
+                           bool causal, int64_t q_offset,
+                           const AttentionPrimitive& primitive);
+
+// The whole single-process core: causal MLA of q over the latent, out [B, S, H, d_v].
+at::Tensor mla_attention(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
+                         const at::Tensor& w_ukv, const MLAShape& shape,
+                         const std::string& primitive = "blockwise");
+
+}  // namespace hp::attention

@@ -1,0 +1,79 @@
+// MLA under CP: checks, the dispatch to the two strategies and their byte formulas.
+#include "hp/cp/mla.h"
+
+#include <algorithm>
+
+#include "hp/common/check.h"
+
+namespace hp::cp {
+
+const std::vector<std::string>& mla_cp_strategies() {
+  static const std::vector<std::string> names{"latent_all_gather", "ulysses"};
+  return names;
+}
+
+void check_mla_cp(const std::string& who, const MLACPOptions& options,
+                  const attention::MLAShape& shape, int64_t local_seq, int64_t cp_size) {
+  const auto& names = mla_cp_strategies();
+  HP_CHECK(std::find(names.begin(), names.end(), options.strategy) != names.end(), who,
+           ": MLA CP strategy='", options.strategy,
+           "' is not valid; valid: latent_all_gather, ulysses");
+  shape.check(who);
+  attention::AttentionRegistry::builtin().get(options.primitive);  // lists the valid names
+  if (options.strategy == "ulysses") {
+    HP_CHECK(shape.heads % cp_size == 0, who, ": MLA heads must be divisible by TP x CP: heads=",
+             shape.heads, ", cp_size=", cp_size,
+             "; use strategy=latent_all_gather or a CP size that divides the heads");
+    HP_CHECK(!options.load_balance, who,
+             ": load_balance applies to strategy=latent_all_gather, not ulysses (every rank sees "
+             "the whole sequence); drop load_balance");
+  }
+  if (options.load_balance && cp_size > 1) {
+    HP_CHECK(local_seq % 2 == 0, who, ": head-tail load balance needs an even local sequence "
+             "length, got ", local_seq, "; pad the sequence to a multiple of 2 * cp = ",
+             2 * cp_size);
+  }
+}
+
+at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at::Tensor& latent,
+                            const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                            const attention::MLAShape& shape, const MLACPOptions& options,
+                            const CPTopology& topology) {
+  const std::string who = "MLA CP (" + options.strategy + ")";
+  HP_CHECK(latent.defined() && k_rope.defined() && w_ukv.defined(), who,
+           ": latent, k_rope and w_ukv are required");
+  HP_CHECK(latent.dim() == 3 && latent.size(2) == shape.kv_rank, who, ": latent ",
+           latent.sizes(), " must be [B, S/P, kv_rank=", shape.kv_rank, "]");
+  HP_CHECK(k_rope.dim() == 3 && k_rope.size(0) == latent.size(0) &&
+               k_rope.size(1) == latent.size(1) && k_rope.size(2) == shape.d_rope,
+           who, ": k_rope ", k_rope.sizes(), " must be [B, S/P, d_rope=", shape.d_rope, "] like latent ",
+           latent.sizes());
+  check_mla_cp(who, options, shape, latent.size(1), topology.cp_size);
+  if (topology.cp_size == 1) {
+    return attention::mla_attention(queries(), latent, k_rope, w_ukv, shape, options.primitive);
+  }
+  return options.strategy == "ulysses"
+             ? detail::mla_ulysses(queries, latent, k_rope, w_ukv, shape, options, topology)
+             : detail::mla_latent_all_gather(queries, latent, k_rope, w_ukv, shape, options,
+                                             topology);
+}
+
+int64_t mla_forward_bytes_per_rank(const std::string& strategy, const attention::MLAShape& shape,
+                                   int64_t batch, int64_t seq, int64_t cp_size,
+                                   int64_t element_size) {
+  const int64_t p = cp_size, s = seq / p, e = element_size;
+  if (strategy == "ulysses") {
+    const int64_t in = batch * s * shape.heads * (2 * shape.qk_dim() + shape.d_v) * e;
+    const int64_t out = batch * s * shape.heads * shape.d_v * e;
+    return (in + out) * (p - 1) / p;
+  }
+  return (p - 1) * batch * s * (shape.kv_rank + shape.d_rope) * e;
+}
+
+int64_t mla_expanded_gather_bytes_per_rank(const attention::MLAShape& shape, int64_t batch,
+                                           int64_t seq, int64_t cp_size, int64_t element_size) {
+  return (cp_size - 1) * batch * (seq / cp_size) * shape.heads * (shape.qk_dim() + shape.d_v) *
+         element_size;
+}
+
+}  // namespace hp::cp
