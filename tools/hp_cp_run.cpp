@@ -12,6 +12,10 @@
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --mixer gdn|kda
 //     [--cp-mode ulysses|state_passing] [--state-exchange all_gather|p2p] [--scale S]
 //     [--chunk-size C]
+//
+// MLA's core under CP instead (hp_cp_run_mla.h):
+//   hp-cp-run --input IN.pt --output OUT.pt --cp P --attention mla
+//     [--cp-algo latent_all_gather|ulysses|all_gather] [--schedule sync|async] [--load-balance]
 #include <iostream>
 
 #include <ATen/ATen.h>
@@ -28,6 +32,7 @@
 #include "hp/cp/volume.h"
 #include "hp_cp_run_io.h"
 #include "hp_cp_run_mixer.h"
+#include "hp_cp_run_mla.h"
 
 namespace {
 
@@ -222,8 +227,30 @@ int main(int argc, char** argv) {
   add_options(app, a);
   hp_cp_run::MixerArgs m;
   hp_cp_run::add_mixer_options(app, m);
+  std::string attention = "softmax";
+  app.add_option("--attention", attention,
+                 "softmax (q, k, v) | mla (q, latent, k_rope, w_ukv; causal)");
   CLI11_PARSE(app, argc, argv);
   try {
+    HP_CHECK(attention == "softmax" || attention == "mla", "hp-cp-run: --attention '", attention,
+             "' is not valid; valid: softmax, mla");
+    if (attention == "mla") {
+      for (const char* flag :
+           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer"}) {
+        HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag,
+                 " does not apply to --attention mla; drop it (MLA takes --cp-algo "
+                 "latent_all_gather|ulysses|all_gather, --schedule, --load-balance, --primitive)");
+      }
+      hp_cp_run::MLAArgs mla;
+      mla.input = a.input;
+      mla.output = a.output;
+      mla.cp_size = a.cp_size;
+      if (app.count("--cp-algo") > 0) mla.strategy = a.algo;
+      mla.schedule = a.schedule;
+      mla.load_balance = a.load_balance;
+      mla.primitive = a.primitive;
+      return hp_cp_run::run_mla(mla);
+    }
     if (hp_cp_run::mixer_requested(app, m)) {
       m.input = a.input;
       m.output = a.output;

@@ -8,7 +8,7 @@
 namespace hp::cp {
 
 const std::vector<std::string>& mla_cp_strategies() {
-  static const std::vector<std::string> names{"latent_all_gather", "ulysses"};
+  static const std::vector<std::string> names{"latent_all_gather", "ulysses", "all_gather"};
   return names;
 }
 
@@ -17,7 +17,7 @@ void check_mla_cp(const std::string& who, const MLACPOptions& options,
   const auto& names = mla_cp_strategies();
   HP_CHECK(std::find(names.begin(), names.end(), options.strategy) != names.end(), who,
            ": MLA CP strategy='", options.strategy,
-           "' is not valid; valid: latent_all_gather, ulysses");
+           "' is not valid; valid: latent_all_gather, ulysses, all_gather");
   shape.check(who);
   attention::AttentionRegistry::builtin().get(options.primitive);  // lists the valid names
   if (options.strategy == "ulysses") {
@@ -25,8 +25,8 @@ void check_mla_cp(const std::string& who, const MLACPOptions& options,
              shape.heads, ", cp_size=", cp_size,
              "; use strategy=latent_all_gather or a CP size that divides the heads");
     HP_CHECK(!options.load_balance, who,
-             ": load_balance applies to strategy=latent_all_gather, not ulysses (every rank sees "
-             "the whole sequence); drop load_balance");
+             ": load_balance applies to strategy=latent_all_gather or all_gather, not ulysses "
+             "(every rank sees the whole sequence); drop load_balance");
   }
   if (options.load_balance && cp_size > 1) {
     HP_CHECK(local_seq % 2 == 0, who, ": head-tail load balance needs an even local sequence "
@@ -67,6 +67,7 @@ int64_t mla_forward_bytes_per_rank(const std::string& strategy, const attention:
     const int64_t out = batch * s * shape.heads * shape.d_v * e;
     return (in + out) * (p - 1) / p;
   }
+  if (strategy == "all_gather") return mla_expanded_gather_bytes_per_rank(shape, batch, seq, p, e);
   return (p - 1) * batch * s * (shape.kv_rank + shape.d_rope) * e;
 }
 

@@ -122,6 +122,18 @@ TEST(MLACP, LatentAllGatherEqualsTheReference) {
       }
 }
 
+// The comparison strategy: expanded K/V all-gathered.
+TEST(MLACP, ExpandedAllGatherEqualsTheReference) {
+  for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync})
+    for (bool lb : {false, true}) {
+      MLACPOptions o;
+      o.strategy = "all_gather";
+      o.schedule = schedule;
+      o.load_balance = lb;
+      run_cp(3, o);
+    }
+}
+
 TEST(MLACP, UlyssesEqualsTheReference) {
   for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync})
     for (int p : {2, 3, 4}) {
@@ -180,7 +192,12 @@ TEST(MLACP, SchedulesAndBytes) {
                                 "all_to_all(cp)[2,24,1,36]"}));
     EXPECT_EQ(uly_async.fwd_bytes, uly.fwd_bytes);
     // The latent form sends (R + dr) per token instead of H (dq + dv).
-    EXPECT_EQ(mla_expanded_gather_bytes_per_rank(s, kB, kS, 2, 4),
+    o = MLACPOptions{};
+    o.strategy = "all_gather";
+    auto expanded = observe(o);
+    EXPECT_EQ(expanded.fwd, (V{"all_gather(cp)[2,12,216]"}));  // H * (dq + dv) = 12 * 18
+    EXPECT_EQ(expanded.fwd_bytes, mla_expanded_gather_bytes_per_rank(s, kB, kS, 2, 4));
+    EXPECT_EQ(expanded.fwd_bytes,
               latent.fwd_bytes * s.heads * (s.qk_dim() + s.d_v) / (s.kv_rank + s.d_rope));
   });
 }
@@ -190,7 +207,8 @@ TEST(MLACP, FailFast) {
   MLACPOptions o;
   o.strategy = "ring";
   HP_EXPECT_ERROR(check_mla_cp("m", o, s, 8, 2),
-                  "MLA CP strategy='ring' is not valid; valid: latent_all_gather, ulysses");
+                  "MLA CP strategy='ring' is not valid; valid: latent_all_gather, ulysses, "
+                  "all_gather");
   o.strategy = "ulysses";
   s.heads = 6;
   HP_EXPECT_ERROR(check_mla_cp("m", o, s, 8, 4),

@@ -13,6 +13,8 @@
 //                      async: the gather starts before the queries exist; queries() runs while
 //                      it travels, then each part attends its local keys (the diagonal block),
 //                      then the earlier keys once they arrived (merged by log-sum-exp).
+//   all_gather         the comparison: K/V expanded locally, then all-gathered (every head),
+//                      otherwise as latent_all_gather (load balance, async)
 //   ulysses            q, k, v (expanded from the local latent; unequal last dims) packed into
 //                      one seq->head all-to-all, causal attention on H/P heads over the whole
 //                      sequence, head->seq back. async: K/V's all-to-all starts first and
@@ -21,7 +23,7 @@
 // Bytes one rank sends in the forward (e = element size, s = S/P):
 //   latent_all_gather  (P-1) * B * s * (R + dr) * e
 //   ulysses            B * s * H * (2 dq + dv) * e * (P-1)/P  +  B * s * H * dv * e * (P-1)/P
-//   (gathering expanded K/V instead: (P-1) * B * s * H * (dq + dv) * e)
+//   all_gather         (P-1) * B * s * H * (dq + dv) * e
 // The backward moves the same bytes back.
 #pragma once
 
@@ -39,17 +41,17 @@
 namespace hp::cp {
 
 struct MLACPOptions {
-  std::string strategy = "latent_all_gather";  // latent_all_gather | ulysses
-  bool load_balance = false;                   // head-tail, data order (latent_all_gather)
+  std::string strategy = "latent_all_gather";  // latent_all_gather | ulysses | all_gather
+  bool load_balance = false;  // head-tail, data order (latent_all_gather, all_gather)
   CPSchedule schedule = CPSchedule::kSync;
   std::string primitive = "blockwise";  // the attention primitive each rank runs
 };
 
-const std::vector<std::string>& mla_cp_strategies();  // latent_all_gather, ulysses
+const std::vector<std::string>& mla_cp_strategies();  // latent_all_gather, ulysses, all_gather
 
 // Before any collective; rank-independent; messages start with `who` and name the field, the
-// value and the fix: the strategy name, heads divisible by cp (ulysses), load balance only with
-// latent_all_gather and an even local length, the primitive name.
+// value and the fix: the strategy name, heads divisible by cp (ulysses), load balance not with
+// ulysses and an even local length, the primitive name.
 void check_mla_cp(const std::string& who, const MLACPOptions& options,
                   const attention::MLAShape& shape, int64_t local_seq, int64_t cp_size);
 

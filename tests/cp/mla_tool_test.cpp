@@ -1,0 +1,140 @@
+// hp-cp-run --attention mla end to end: a torch.save file in, the whole-sequence results out,
+// compared with the float64 explicit-score reference (harness/reference_mla.h); counted bytes
+// equal the cp/mla.h formula; bad names and shapes refused before anything runs.
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <nlohmann/json.hpp>
+
+#include "hp/common/check.h"
+#include "rank_harness.h"
+#include "reference_mla.h"
+
+namespace {
+
+using hp::testing::expect_close;
+
+void save(const std::string& path, const c10::Dict<std::string, at::Tensor>& d) {
+  auto data = torch::jit::pickle_save(c10::IValue(d));
+  std::ofstream f(path, std::ios::binary);
+  f.write(data.data(), static_cast<std::streamsize>(data.size()));
+}
+
+c10::Dict<c10::IValue, c10::IValue> load(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
+  return torch::jit::pickle_load(bytes).toGenericDict();
+}
+
+constexpr int64_t kB = 1, kS = 24, kH = 4, kNope = 8, kRope = 4, kDv = 6, kRank = 10;
+
+c10::Dict<std::string, at::Tensor> mla_file() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(41);
+  auto r = [&](std::vector<int64_t> shape) { return at::randn(shape, gen, at::kDouble); };
+  c10::Dict<std::string, at::Tensor> d;
+  d.insert("q", r({kB, kS, kH, kNope + kRope}));
+  d.insert("latent", r({kB, kS, kRank}));
+  d.insert("k_rope", r({kB, kS, kRope}));
+  d.insert("w_ukv", r({kH * (kNope + kDv), kRank}) * 0.3);
+  d.insert("dout", r({kB, kS, kH, kDv}));
+  return d;
+}
+
+nlohmann::json last_json(const std::string& out) {
+  std::istringstream lines(out);
+  std::string line, last;
+  while (std::getline(lines, line)) {
+    if (!line.empty() && line[0] == '{') last = line;
+  }
+  return nlohmann::json::parse(last);
+}
+
+TEST(HpCpRun, MLAMatchesTheExplicitScoreReference) {
+  const std::string& dir = hp::testing::scratch_dir();
+  const auto file = mla_file();
+  auto leaf = [&](const char* n) { return file.at(n).clone().requires_grad_(true); };
+  auto q = leaf("q"), latent = leaf("latent"), k_rope = leaf("k_rope"), w = leaf("w_ukv");
+  auto ref_out = hp::testing::reference_mla(q, latent, k_rope, w, kDv);
+  ref_out.backward(file.at("dout"));
+  const std::map<std::string, at::Tensor> ref{{"out", ref_out.detach()},
+                                              {"dq", q.grad()},
+                                              {"dlatent", latent.grad()},
+                                              {"dk_rope", k_rope.grad()},
+                                              {"dw_ukv", w.grad()}};
+  const std::string in = dir + "/mla_in.pt", out = dir + "/mla_out.pt";
+  save(in, file);
+  for (const std::string args :
+       {"--cp 2", "--cp 3 --cp-algo latent_all_gather --schedule async --load-balance",
+        "--cp 4 --cp-algo ulysses --schedule async", "--cp 2 --cp-algo all_gather --load-balance",
+        "--cp 1"}) {
+    const std::string cmd = hp::common::str_cat(HP_CP_RUN_BINARY, " --input ", in, " --output ",
+                                                out, " --attention mla ", args);
+    auto r = hp::testing::run_command(cmd);
+    ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    auto res = load(out);
+    for (const auto& [name, want] : ref) {
+      ASSERT_TRUE(res.contains(name)) << args << ": no " << name;
+      expect_close(res.at(name).toTensor(), want, args + " " + name, 1e-9, 1e-9);
+    }
+    auto j = last_json(r.out);
+    EXPECT_EQ(j["attention"], "mla");
+    EXPECT_EQ(j["d_v"], kDv);
+    const auto theory = j["comm_bytes_theory"].get<int64_t>();
+    for (const auto& b : j["comm_bytes_per_rank"])
+      EXPECT_EQ(b.get<int64_t>(), theory) << args << "\n" << r.out;
+    EXPECT_EQ(theory > 0, j["cp"].get<int>() > 1) << r.out;
+    if (j["cp_algo"] == "latent_all_gather" && j["cp"].get<int>() > 1) {
+      // (R + dr) per token instead of H (dq + dv)
+      EXPECT_EQ(j["expanded_kv_gather_bytes_theory"].get<int64_t>() * (kRank + kRope),
+                theory * kH * (kNope + kRope + kDv))
+          << r.out;
+    }
+  }
+}
+
+TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
+  namespace fs = std::filesystem;
+  const std::string dir = hp::testing::scratch_dir() + "/mla_bad";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto file = mla_file();
+  save(dir + "/mla.pt", file);
+  const std::string out = dir + "/out.pt";
+  const std::string base = std::string(HP_CP_RUN_BINARY) + " --output " + out + " --input ";
+  auto expect_refused = [&](const std::string& args, const std::string& text) {
+    auto r = hp::testing::run_command(base + args);
+    EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("comm_bytes"), std::string::npos) << "nothing ran\n" << r.out;
+    EXPECT_FALSE(fs::exists(out)) << args;
+  };
+  const std::string mla = dir + "/mla.pt --attention mla";
+  expect_refused(mla + " --cp 2 --cp-algo ring",
+                 "MLA CP strategy='ring' is not valid; valid: latent_all_gather, ulysses");
+  expect_refused(mla + " --cp 3 --cp-algo ulysses",
+                 "MLA heads must be divisible by TP x CP: heads=4, cp_size=3");
+  expect_refused(mla + " --cp 5", "the sequence length S=24 is not divisible by 5 (--cp)");
+  expect_refused(mla + " --cp 5 --load-balance",
+                 "the sequence length S=24 is not divisible by 10 (2 * --cp, load balance)");
+  expect_refused(mla + " --cp 2 --layout bshd", "--layout does not apply to --attention mla");
+  expect_refused(dir + "/mla.pt --attention gqa", "--attention 'gqa' is not valid; valid: softmax, mla");
+  file.insert_or_assign("k_rope", at::zeros({kB, kS + 1, kRope}, at::kDouble));
+  save(dir + "/rope.pt", file);
+  expect_refused(dir + "/rope.pt --attention mla", "k_rope [1, 25, 4] must be [B=1, S=24, d_rope]");
+  file = mla_file();
+  file.insert_or_assign("w_ukv", at::zeros({kH * (kNope + kDv) + 1, kRank}, at::kDouble));
+  save(dir + "/w.pt", file);
+  expect_refused(dir + "/w.pt --attention mla", "w_ukv [57, 10] must be [H * (d_nope + d_v), kv_rank]");
+  file = mla_file();
+  file.insert_or_assign("kv", at::zeros({1}));
+  save(dir + "/typo.pt", file);
+  expect_refused(dir + "/typo.pt --attention mla",
+                 "has an entry 'kv' this run does not know; valid: q, latent, k_rope, w_ukv, dout");
+}
+
+}  // namespace
