@@ -4,6 +4,8 @@
 //                      [--primitive math|blockwise|all] [--iters K] [--json]
 //   hp-bench cp --seq S --heads H --kv-heads HK --head-dim D --cp P --cp-algo A
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
+//   hp-bench cp --attention mla --seq S --heads H --cp P [--cp-algo latent_all_gather|ulysses|
+//               all_gather] [--d-nope --d-rope --d-v --kv-rank] [--schedule] [--load-balance]
 //   hp-bench calibrate [--link-rate RATE] [--out FILE]
 //   hp-bench report [--link-rate RATE ...] [--out docs/benchmarks] [--recalibrate]
 //   hp-bench linear --mixer gdn|kda --seq S --heads H --head-dim K [--value-dim V]
@@ -297,7 +299,15 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
   if (c.hsdp_cmd->parsed()) return run_hsdp(c.hsdp, args);
   if (c.calibrate_cmd->parsed()) return run_calibrate(c.calibrate_out);
   if (c.report_cmd->parsed()) return run_report_cmd(c.report);
-  if (c.cp_cmd->parsed()) return run_cp(c.cp, args);
+  if (c.cp_cmd->parsed()) {
+    auto cp = c.cp;
+    cp.algo_given = c.cp_cmd->count("--cp-algo") > 0;
+    for (const char* flag : {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter",
+                             "--causal", "--projections"}) {
+      if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
+    }
+    return run_cp(cp, args);
+  }
   if (c.linear_cmd->parsed()) return run_linear(c.linear, args);
   if (c.comm_cmd->parsed()) return run_comm(c.comm, args);
   if (c.attention_cmd->parsed()) return run_attention(c.attention);

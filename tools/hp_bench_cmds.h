@@ -1,7 +1,7 @@
 // hp-bench's subcommands. Each has an options struct, an add_*_command that registers its CLI
 // options (in help order) and a run_* that validates, runs and reports. comm and attention (and
 // main) are in hp_bench.cpp; cp, hsdp, calibrate and report in hp_bench_layers.cpp; linear in
-// hp_bench_linear.cpp.
+// hp_bench_linear.cpp; cp --attention mla in hp_bench_mla.cpp.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include "hp/bench/cp_bench.h"
 #include "hp/bench/hsdp_bench.h"
 #include "hp/bench/linear_bench.h"
+#include "hp/bench/mla_bench.h"
 #include "hp/bench/report.h"
 #include "hp/comm/types.h"
 
@@ -33,9 +34,17 @@ struct CPArgs {
   int64_t degree = 0;
   bool json = false;
   double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+  // --attention mla (hp_bench_mla.cpp): the MLA dims; the softmax-only flags that were given
+  // (refused with mla), and whether --cp-algo was (else both latent and expanded gathers run).
+  std::string attention = "softmax";
+  hp::attention::MLAShape mla;
+  std::vector<std::string> softmax_flags_given;
+  bool algo_given = false;
 };
 CLI::App* add_cp_command(CLI::App& app, CPArgs& a);
 int run_cp(CPArgs a, const std::vector<std::string>& argv);
+void add_mla_options(CLI::App* cp_cmd, CPArgs& a);
+int run_mla_cp(const CPArgs& a, const std::vector<std::string>& argv);
 
 struct HsdpArgs {
   hp::bench::HsdpBenchOptions bench;

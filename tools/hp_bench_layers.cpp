@@ -40,6 +40,7 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   cmd->add_flag("--json", a.json, "one JSON object on stdout");
+  add_mla_options(cmd, a);
   return cmd;
 }
 
@@ -167,6 +168,7 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
 }  // namespace
 
 int run_cp(CPArgs a, const std::vector<std::string>& argv) {
+  if (a.attention != "softmax") return run_mla_cp(a, argv);
   resolve_cp_config(a);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");

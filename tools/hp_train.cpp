@@ -6,6 +6,7 @@
 //     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
 //     [--mixer attention|gdn|kda] [--value-heads HV] [--cp-mode state_passing|ulysses]
 //     [--state-exchange all_gather|p2p|auto]
+//     [--attention softmax|mla] [--mla-cp latent_all_gather|ulysses|all_gather] [--kv-rank R]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 //     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
@@ -66,6 +67,7 @@ struct Args {
   int max_restarts = 0;
   std::string fusion = "off";
   std::string mode = "production";
+  std::string attention = "softmax";
 };
 
 // --nproc, the parallel layout and the CP schedule.
@@ -91,6 +93,10 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--state-exchange", o.linear.state_exchange,
                  "gdn/kda state_passing: all_gather | p2p | auto (cost model)")
       ->capture_default_str();
+  app.add_option("--mla-cp", o.mla.strategy,
+                 "mla under CP: latent_all_gather (the latent travels) | ulysses | all_gather "
+                 "(expanded K/V travel)")
+      ->capture_default_str();
 }
 
 // The task: sequence, batch, steps, model sizes, optimizer and data.
@@ -113,6 +119,12 @@ void add_task_options(CLI::App& app, Args& a) {
       ->capture_default_str();
   app.add_option("--value-heads", o.model.value_heads,
                  "gdn/kda: value heads, a multiple of --heads (default: --heads)");
+  app.add_option("--attention", a.attention,
+                 "softmax (default; --mixer attention) | mla (multi-head latent attention in "
+                 "every layer: d_nope = d_v = --head-dim, d_rope = --head-dim / 2)")
+      ->capture_default_str();
+  app.add_option("--kv-rank", o.model.kv_rank, "mla: latent width (default 2 x --head-dim)");
+  app.add_option("--q-rank", o.model.q_rank, "mla: query low rank (default 3 x --head-dim)");
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
   app.add_option("--data-dtype", o.data_dtype, ".bin token width: uint16 | uint32");
@@ -192,6 +204,22 @@ void resolve(Args& a) {
   // The fault hook of the tests (a NaN loss at one step on one rank).
   if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
   if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
+  HP_CHECK(a.attention == "softmax" || a.attention == "mla", "hp-train: --attention '",
+           a.attention, "' is not valid; valid: softmax, mla");
+  if (a.attention == "mla") {
+    HP_CHECK(o.model.mixer == "attention", "hp-train: --attention mla and --mixer ",
+             o.model.mixer, " both choose the token mixer; give one of them");
+    o.model.mixer = "mla";
+  }
+  const hp::plan::MLAPlanOptions mla_defaults;
+  HP_CHECK(o.model.mixer == "mla" || o.mla.strategy == mla_defaults.strategy,
+           "hp-train: --mla-cp applies to --attention mla");
+  if (o.model.mixer == "mla") {
+    HP_CHECK(a.algo == "all_gather" && a.degree == 0,
+             "hp-train: --cp-algo and --ulysses-degree choose softmax attention's CP; with "
+             "--attention mla choose --mla-cp latent_all_gather|ulysses|all_gather (and "
+             "--schedule, --load-balance)");
+  }
   if (o.model.mixer == "gdn" || o.model.mixer == "kda") {
     HP_CHECK(a.algo == "all_gather" && !a.load_balance && a.degree == 0,
              "hp-train: --cp-algo, --ulysses-degree and --load-balance choose softmax "
@@ -263,6 +291,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"value_heads", o.model.value_heads},
                         {"cp_mode", o.linear.mode},
                         {"state_exchange", o.linear.state_exchange},
+                        {"mla_cp", o.mla.strategy},
                         {"data", o.data},
                         {"seed", o.seed},
                         {"plan", r.plan}}},

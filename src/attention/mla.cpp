@@ -71,4 +71,23 @@ at::Tensor mla_attention(const at::Tensor& q, const at::Tensor& latent, const at
   return res.out.transpose(1, 2);
 }
 
+void MLAHost::install(std::shared_ptr<MLAInterceptor> interceptor) {
+  HP_CHECK(interceptor != nullptr, "MLAHost::install: interceptor is null");
+  if (interceptor_) {
+    HP_CHECK(interceptor_->id() == interceptor->id(),
+             "a different CP strategy is already installed on this MLA layer: installed '",
+             interceptor_->id(), "', new '", interceptor->id(),
+             "'. Apply context parallelism once per layer (re-applying the same plan is fine)");
+    return;
+  }
+  interceptor_ = std::move(interceptor);
+}
+
+at::Tensor MLAHost::attend(const MLAQueries& queries, const at::Tensor& latent,
+                           const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                           const MLAShape& shape) {
+  if (interceptor_) return interceptor_->attend(queries, latent, k_rope, w_ukv, shape);
+  return mla_attention(queries(), latent, k_rope, w_ukv, shape, primitive_);
+}
+
 }  // namespace hp::attention

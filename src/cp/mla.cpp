@@ -58,6 +58,46 @@ at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at
                                              topology);
 }
 
+namespace {
+
+class MLACPInterceptor final : public attention::MLAInterceptor {
+ public:
+  MLACPInterceptor(std::string path, MLACPOptions options,
+                   std::shared_ptr<const CPTopology> topology)
+      : path_(std::move(path)), options_(std::move(options)), topology_(std::move(topology)) {}
+  std::string id() const override {
+    return common::str_cat("mla-cp:", path_, ":", options_.strategy, ":", to_string(options_.schedule),
+                           options_.load_balance ? ":lb:" : ":", topology_->id());
+  }
+  at::Tensor attend(const attention::MLAQueries& queries, const at::Tensor& latent,
+                    const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                    const attention::MLAShape& shape) override {
+    return mla_attention_cp(queries, latent, k_rope, w_ukv, shape, options_, *topology_);
+  }
+
+ private:
+  std::string path_;
+  MLACPOptions options_;
+  std::shared_ptr<const CPTopology> topology_;
+};
+
+}  // namespace
+
+std::string apply_mla_cp(attention::MLAHost& host, const attention::MLAShape& shape,
+                         const std::string& module_path, const MLACPOptions& options,
+                         const std::shared_ptr<const CPTopology>& topology) {
+  HP_CHECK(topology != nullptr, "apply_mla_cp('", module_path,
+           "'): no CP topology; build one with CPTopology::build at apply time");
+  const std::string who = "MLA CP on module '" + module_path + "'";
+  // The local length is checked per call (it is not known here); 2 passes the even check.
+  check_mla_cp(who, options, shape, 2, topology->cp_size);
+  host.install(std::make_shared<MLACPInterceptor>(module_path, options, topology));
+  return common::str_cat("MLA CP: module=", module_path, " strategy=", options.strategy,
+                         " schedule=", to_string(options.schedule),
+                         options.load_balance ? " load_balance" : "", " cp_size=",
+                         topology->cp_size);
+}
+
 int64_t mla_forward_bytes_per_rank(const std::string& strategy, const attention::MLAShape& shape,
                                    int64_t batch, int64_t seq, int64_t cp_size,
                                    int64_t element_size) {

@@ -31,9 +31,15 @@ void validate(const Qwen3Config& c, int64_t tp) {
            " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
            "; choose a tp_size that divides ", c.kv_heads);
   HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
-  HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda", "Qwen3Config.mixer='",
-           c.mixer, "' is not valid; valid: attention, gdn, kda");
-  if (c.mixer != "attention") {
+  HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda" || c.mixer == "mla",
+           "Qwen3Config.mixer='", c.mixer, "' is not valid; valid: attention, gdn, kda, mla");
+  if (c.mixer == "mla") {
+    HP_CHECK(tp == 1, "Qwen3Config.mixer=mla: MLA layers have no tensor parallelism here; use "
+             "tp_size=1 (got ", tp, ") and split the sequence with cp instead");
+    HP_CHECK(c.head_dim % 4 == 0, "Qwen3Config.head_dim=", c.head_dim,
+             " must be a multiple of 4 with mixer=mla (d_rope = head_dim / 2 must be even)");
+    validate(mla_config(c));
+  } else if (c.mixer != "attention") {
     HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
              ": linear-attention layers have no tensor "
              "parallelism; use tp_size=1 (got ",
@@ -55,6 +61,21 @@ LinearAttentionConfig linear_config(const Qwen3Config& c) {
   return l;
 }
 
+MLAConfig mla_config(const Qwen3Config& c) {
+  MLAConfig m;
+  m.hidden = c.hidden;
+  m.heads = c.heads;
+  m.d_nope = m.d_v = c.head_dim;
+  m.d_rope = c.head_dim / 2;
+  m.kv_rank = c.kv_rank > 0 ? c.kv_rank : 2 * c.head_dim;
+  m.q_rank = c.q_rank > 0 ? c.q_rank : 3 * c.head_dim;
+  m.rope_theta = c.rope_theta;
+  m.rms_eps = c.rms_eps;
+  m.primitive = c.primitive;
+  m.seed = c.seed;
+  return m;
+}
+
 plan::ModelFootprint footprint(const Qwen3Config& c) {
   const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim, f = c.ffn,
                 v = c.vocab;
@@ -63,6 +84,23 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
   m.layers = c.layers;
   m.head_act = 3 * h + 4 * v;  // the final norm, the logits, their log-softmax and both gradients
   m.recompute = c.recompute;
+  if (c.mixer == "mla") {
+    const auto a = mla_config(c);
+    const int64_t dq = a.d_nope + a.d_rope, q = a.heads * dq, kv = a.heads * (dq + a.d_v);
+    for (int64_t i = 0; i < c.layers; ++i)
+      m.units.push_back({mla_parameter_count(a) + 3 * h * f, 2 * h});
+    m.largest_param = std::max({v * h, q * a.q_rank, kv * a.kv_rank, h * f});
+    // Per token: the query path (low rank, norm, up-projection, RoPE: 6 tensors of q), the
+    // latent and its norm, the rotated key, the output and its projection input; the MLP; ten
+    // hidden-size tensors. The K/V each rank expands from the gathered latent count as gathered
+    // K/V (kv_per_token over the whole sequence).
+    m.layer_act = 6 * q + 3 * a.q_rank + 4 * a.kv_rank + 3 * a.d_rope + 3 * a.heads * a.d_v +
+                  10 * h + 4 * f;
+    m.layer_input = h;
+    m.q_per_token = q;
+    m.kv_per_token = kv;
+    return m;
+  }
   if (c.mixer != "attention") {
     const auto l = linear_config(c);
     const int64_t hv = l.value_heads, conv = 2 * l.heads * l.key_dim + hv * l.value_dim;
@@ -177,6 +215,8 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden, c.rms_eps));
   if (c.mixer == "attention") {
     self_attn = register_module("self_attn", Qwen3Attention(c, layer, tp));
+  } else if (c.mixer == "mla") {
+    mla_attn = register_module("mla_attn", MLAAttention(mla_config(c), layer));
   } else {
     linear_attn = register_module("linear_attn", LinearAttention(linear_config(c), layer));
   }
@@ -186,7 +226,9 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer
 }
 
 at::Tensor Qwen3DecoderLayerImpl::mix(const at::Tensor& x, const at::Tensor& position_ids) {
-  return self_attn ? self_attn->forward(x, position_ids) : linear_attn->forward(x);
+  if (self_attn) return self_attn->forward(x, position_ids);
+  if (mla_attn) return mla_attn->forward(x, position_ids);
+  return linear_attn->forward(x);
 }
 
 at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
@@ -295,6 +337,15 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
     const std::string base = common::str_cat("layers.", i);
     auto& attn = layers[i]->self_attn;
     out.push_back({base, {}, std::nullopt, std::nullopt});
+    if (auto& mla = layers[i]->mla_attn) {
+      plan::ModuleInfo info{base + ".mla_attn", tp::tp_shard_dims(*mla), std::nullopt,
+                            std::nullopt};
+      info.mla = plan::MLASlotInfo{mla->shape(), &mla->host()};
+      out.push_back(std::move(info));
+      out.push_back(
+          {base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
+      continue;
+    }
     if (!attn) {
       auto& lin = layers[i]->linear_attn;
       plan::LinearSlotInfo slot{lin->shape(), &lin->host()};
@@ -333,7 +384,9 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
       HP_CHECK(it != specs->end(), "validate: the plan has no spec for module '", path, "'");
       return &it->second;
     };
-    const char* mixer = layers[i]->self_attn ? ".self_attn" : ".linear_attn";
+    const char* mixer = layers[i]->self_attn  ? ".self_attn"
+                         : layers[i]->mla_attn ? ".mla_attn"
+                                               : ".linear_attn";
     v = {checker, find(base), find(base + mixer), find(base + ".mlp")};
     if (i == 0) first_layer_ = v.layer;
   }

@@ -5,6 +5,7 @@
 
 #include "hp/common/check.h"
 #include "hp/cp/linear.h"
+#include "hp/cp/mla.h"
 #include "hp/cp/topology.h"
 
 namespace hp::plan {
@@ -28,6 +29,12 @@ std::string ShardingPlan::describe() const {
   if (has_linear && cp_size > 1) {
     out += " linear: mode=" + linear.mode;
     if (linear.mode == "state_passing") out += " state_exchange=" + linear.state_exchange;
+  }
+  const bool has_mla =
+      std::any_of(modules.begin(), modules.end(), [](const auto& m) { return m.second.is_mla; });
+  if (has_mla && cp_config) {
+    out += " mla: strategy=" + mla.strategy + " schedule=" + cp::to_string(cp_config->schedule);
+    if (cp_config->load_balance) out += " load_balance";
   }
   if (hsdp()) {
     out += common::str_cat(" hsdp: R=", dp_replicate, " x Sd=", dp_shard * cp_size,
@@ -69,7 +76,32 @@ std::vector<ModuleInfo> linear_modules(Plannable& model) {
   return out;
 }
 
+std::vector<ModuleInfo> mla_modules(Plannable& model) {
+  std::vector<ModuleInfo> out;
+  for (auto& m : model.plan_modules()) {
+    if (m.mla) out.push_back(std::move(m));
+  }
+  return out;
+}
+
 namespace {
+
+// MLA CP for these modules on cp_size ranks, checked before any collective.
+void check_mla_plan(const std::vector<ModuleInfo>& mlas, const PlanOptions& o,
+                    const std::optional<cp::ContextParallelConfig>& config) {
+  if (mlas.empty() || !config) return;
+  HP_CHECK(!config->load_balance ||
+               config->load_balance_form == cp::LoadBalanceForm::kDataOrder,
+           "plan: MLA CP balances head-tail shards in data order; set load_balance_form="
+           "data_order (the default) or drop load_balance");
+  for (const auto& info : mlas) {
+    cp::MLACPOptions m;
+    m.strategy = o.mla.strategy;
+    m.load_balance = config->load_balance;
+    const int64_t local = o.seq_len > 0 ? o.seq_len / o.cp_size : 2;
+    cp::check_mla_cp("MLA module '" + info.path + "'", m, info.mla->shape, local, o.cp_size);
+  }
+}
 
 // The linear-attention CP options for these modules on cp_size ranks, checked (names the
 // option, the value and the fix), with state_exchange=auto resolved by the cost model.
@@ -184,6 +216,8 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
   p.seq_len = o.seq_len;
   p.linear = plan_linear(lins, o, p.log);
+  check_mla_plan(mla_modules(m), o, p.cp_config);
+  p.mla = o.mla;
   const Layout act = p.activation_layout();
   for (const auto& info : infos) {
     ModuleShardingSpec spec;
@@ -211,6 +245,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
       }
     }
     spec.is_linear = info.linear.has_value();
+    spec.is_mla = info.mla.has_value();
     HP_CHECK(p.modules.emplace(info.path, std::move(spec)).second,
              "plan: the model reports module '", info.path,
              "' twice; every module path must be unique");
@@ -251,6 +286,15 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
       o.state_exchange = plan.linear.state_exchange;
       o.schedule = plan.cp_config->schedule;
       lines.push_back(cp::apply_linear_cp(*info.linear->host, info.linear->shape, o, topo));
+    }
+    for (const auto& info : mla_modules(model)) {
+      HP_CHECK(plan.modules.count(info.path) == 1, "apply: module '", info.path,
+               "' is not in the plan; plan and apply the same model");
+      cp::MLACPOptions o;
+      o.strategy = plan.mla.strategy;
+      o.schedule = plan.cp_config->schedule;
+      o.load_balance = plan.cp_config->load_balance;
+      lines.push_back(cp::apply_mla_cp(*info.mla->host, info.mla->shape, info.path, o, topo));
     }
   }
   model.set_fully_shard(nullptr);

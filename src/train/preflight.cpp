@@ -77,6 +77,7 @@ plan::PlanOptions plan_options(const TrainOptions& o) {
   po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
   po.batch = o.batch;
   po.linear = o.linear;
+  po.mla = o.mla;
   return po;
 }
 

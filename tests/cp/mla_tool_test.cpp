@@ -137,4 +137,35 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
                  "has an entry 'kv' this run does not know; valid: q, latent, k_rope, w_ukv, dout");
 }
 
+// hp-bench cp --attention mla: both gathers in one run by default, counted bytes equal the
+// formula, the latent form sends (R + dr) / (H (dq + dv)) of the expanded one.
+TEST(MLABench, RunsLatentAndExpandedGathersWithCountedBytesEqualToTheFormula) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --attention mla --seq 96 --heads 4 --d-nope 8 --d-rope 4 --d-v 6 "
+                          "--kv-rank 10 --cp 2 --iters 1 --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+  auto j = last_json(r.out)["results"];
+  ASSERT_EQ(j.size(), 2u) << r.out;
+  EXPECT_EQ(j[0]["algorithm"], "latent_all_gather");
+  EXPECT_EQ(j[1]["algorithm"], "all_gather");
+  for (const auto& res : j) {
+    EXPECT_EQ(res["comm_bytes_per_rank"], res["comm_bytes_theory"]) << r.out;
+    EXPECT_GT(res["step_time_s"].get<double>(), 0) << r.out;
+  }
+  EXPECT_EQ(j[0]["comm_bytes_per_rank"].get<int64_t>() * kH * (kNope + kRope + kDv),
+            j[1]["comm_bytes_per_rank"].get<int64_t>() * (kRank + kRope))
+      << r.out;
+  auto one = hp::testing::run_command(cmd + " --cp-algo ulysses --schedule async");
+  ASSERT_EQ(one.rc, 0) << one.out;
+  auto u = last_json(one.out)["results"];
+  ASSERT_EQ(u.size(), 1u) << one.out;
+  EXPECT_EQ(u[0]["algorithm"], "ulysses");
+  EXPECT_EQ(u[0]["comm_bytes_per_rank"], u[0]["comm_bytes_theory"]) << one.out;
+  auto bad = hp::testing::run_command(cmd + " --kv-heads 2");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--kv-heads does not apply to --attention mla"), std::string::npos)
+      << bad.out;
+}
+
 }  // namespace

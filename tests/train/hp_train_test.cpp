@@ -501,6 +501,40 @@ TEST(HpTrain, LinearMixersUnderContextParallelism) {
                  {"linear-attention layers have no tensor parallelism"});
 }
 
+// A model of MLA layers (--attention mla) under CP: each strategy (async and balanced for the
+// latent gather) agrees with the single-process run, the plan and the apply log name it.
+TEST(HpTrain, MLAUnderContextParallelism) {
+  const std::string dir = hp::testing::scratch_dir();
+  const std::string model = "--layers 2 --hidden 32 --heads 4 --head-dim 8 --ffn 48 ";
+  struct Case {
+    std::string args, log;
+  };
+  for (const Case& c :
+       {Case{"--schedule async --load-balance",
+             "strategy=latent_all_gather schedule=async load_balance cp_size=2"},
+        Case{"--mla-cp ulysses", "strategy=ulysses schedule=sync cp_size=2"},
+        Case{"--mla-cp all_gather --kv-rank 12", "strategy=all_gather schedule=sync cp_size=2"}}) {
+    const std::string m = dir + "/train_mla" + std::to_string(c.args.size()) + ".json";
+    auto r = run("--nproc 2 --cp 2 --attention mla " + c.args + " " + model +
+                 "--seq-len 64 --steps 3 --validate --metrics-json " + m);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    auto j = metrics(m);
+    losses(j, 3);
+    expect_validated(r.out, j, 3, 1e-4);
+    EXPECT_EQ(j["config"]["mixer"], "mla");
+    EXPECT_NE(r.out.find("MLA CP: module=layers.1.mla_attn " + c.log), std::string::npos)
+        << r.out;
+  }
+  expect_refused("--nproc 2 --cp 2 --attention mla --cp-algo ulysses",
+                 {"with --attention mla choose --mla-cp latent_all_gather|ulysses|all_gather"});
+  expect_refused("--nproc 2 --cp 2 --mla-cp ulysses", {"--mla-cp applies to --attention mla"});
+  expect_refused("--nproc 2 --tp 2 --attention mla", {"MLA layers have no tensor parallelism"});
+  expect_refused("--nproc 2 --cp 2 --attention mla --mixer gdn",
+                 {"--attention mla and --mixer gdn both choose the token mixer"});
+  expect_refused("--nproc 2 --cp 2 --attention mla --mla-cp ulysses --heads 3 --kv-heads 3",
+                 {"MLA heads must be divisible by TP x CP: heads=3, cp_size=2"});
+}
+
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
   // Refused by the launcher, before any rank starts.
   expect_refused("--nproc 4 --tp 3 --cp 1",

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -55,5 +57,35 @@ AttentionResult mla_attend(const at::Tensor& q, const MLAKeys& keys, const MLASh
 at::Tensor mla_attention(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
                          const at::Tensor& w_ukv, const MLAShape& shape,
                          const std::string& primitive = "blockwise");
+
+// The model-facing surface CP hooks into for MLA layers (as host.h for softmax attention): a
+// layer calls host.attend(queries, latent, k_rope, w_ukv, shape); with nothing installed that
+// is mla_attention(queries(), ...) on the local tokens, and a CP strategy (cp/mla.h) installs an
+// interceptor that moves the latent (or Q/K/V) around the core. `queries` produces the layer's
+// q; an async interceptor calls it while its first collective travels.
+using MLAQueries = std::function<at::Tensor()>;
+
+class MLAInterceptor {
+ public:
+  virtual ~MLAInterceptor() = default;
+  virtual std::string id() const = 0;
+  virtual at::Tensor attend(const MLAQueries& queries, const at::Tensor& latent,
+                            const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                            const MLAShape& shape) = 0;
+};
+
+class MLAHost {
+ public:
+  explicit MLAHost(std::string primitive = "blockwise") : primitive_(std::move(primitive)) {}
+  // A second interceptor with another id is an error; the same id again is a no-op.
+  void install(std::shared_ptr<MLAInterceptor> interceptor);
+  MLAInterceptor* installed() const { return interceptor_.get(); }
+  at::Tensor attend(const MLAQueries& queries, const at::Tensor& latent, const at::Tensor& k_rope,
+                    const at::Tensor& w_ukv, const MLAShape& shape);
+
+ private:
+  std::string primitive_;
+  std::shared_ptr<MLAInterceptor> interceptor_;
+};
 
 }  // namespace hp::attention

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,13 @@ at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at
                             const at::Tensor& k_rope, const at::Tensor& w_ukv,
                             const attention::MLAShape& shape, const MLACPOptions& options,
                             const CPTopology& topology);
+
+// Installs `options` into an MLA layer's host (the interceptor runs mla_attention_cp over the
+// topology's CP group). Checks the names before any collective; installing a different
+// strategy on the same host is an error. Returns the apply log line.
+std::string apply_mla_cp(attention::MLAHost& host, const attention::MLAShape& shape,
+                         const std::string& module_path, const MLACPOptions& options,
+                         const std::shared_ptr<const CPTopology>& topology);
 
 // The formulas above, per rank; `seq` is the global length S.
 int64_t mla_forward_bytes_per_rank(const std::string& strategy, const attention::MLAShape& shape,

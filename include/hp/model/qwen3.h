@@ -17,6 +17,7 @@
 #include "hp/attention/host.h"
 #include "hp/comm/group.h"
 #include "hp/model/linear_attention.h"
+#include "hp/model/mla.h"
 #include "hp/plan/memory.h"
 #include "hp/plan/plan.h"
 #include "hp/tp/parallel_linear.h"
@@ -40,13 +41,19 @@ struct Qwen3Config {
   // The token mixer of every layer: "attention" (softmax, above), or a linear-attention layer
   // "gdn" | "kda" (linear_attention.h: q/k heads = heads, value heads = value_heads, K = V =
   // head_dim, conv width 4; no TP). Mixed stacks come with the model families.
+  // "mla": multi-head latent attention (mla.h): heads = heads, d_nope = d_v = head_dim,
+  // d_rope = head_dim / 2, kv_rank and q_rank below; no TP.
   std::string mixer = "attention";
   int64_t value_heads = 0;  // linear mixers: HV, a multiple of heads (0: heads)
+  int64_t kv_rank = 0;      // mla: the latent width (0: 2 * head_dim)
+  int64_t q_rank = 0;       // mla: the query's low rank (0: 3 * head_dim)
 };
 
 // The linear-attention layer config of layer `layer` (mixer gdn | kda).
 LinearAttentionConfig linear_config(const Qwen3Config& c);
 
+// The MLA layer config (mixer mla).
+MLAConfig mla_config(const Qwen3Config& c);
 // Checks sizes against tp_size: heads, kv_heads and ffn must divide; names what to change.
 void validate(const Qwen3Config& c, int64_t tp_size = 1);
 
@@ -115,6 +122,7 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3Attention self_attn{nullptr};     // mixer "attention"
   LinearAttention linear_attn{nullptr};  // mixer "gdn" | "kda"
+  MLAAttention mla_attn{nullptr};        // mixer "mla"
   Qwen3MLP mlp{nullptr};
 };
 TORCH_MODULE(Qwen3DecoderLayer);

@@ -17,6 +17,7 @@
 
 #include "hp/attention/host.h"
 #include "hp/attention/linear_host.h"
+#include "hp/attention/mla.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/apply.h"
 #include "hp/cp/config.h"
@@ -52,6 +53,12 @@ struct LinearSlotInfo {
   attention::LinearHost* host = nullptr;
 };
 
+// An MLA module whose CP strategy (cp/mla.h) is installed into.
+struct MLASlotInfo {
+  attention::MLAShape shape;
+  attention::MLAHost* host = nullptr;
+};
+
 struct ModuleInfo {
   std::string path;  // e.g. "layers.0.self_attn"
   // Every parameter the module holds directly or below it (relative names) -> the dim TP
@@ -59,6 +66,7 @@ struct ModuleInfo {
   std::map<std::string, int64_t> tp_shard_dims;
   std::optional<AttentionSlotInfo> attention;  // set for attention modules
   std::optional<LinearSlotInfo> linear;        // set for linear-attention modules
+  std::optional<MLASlotInfo> mla;              // set for MLA modules
 };
 
 class Plannable {
@@ -81,12 +89,20 @@ class Plannable {
 std::vector<ModuleInfo> attention_modules(Plannable& model);
 // The linear-attention modules of plan_modules(), in order.
 std::vector<ModuleInfo> linear_modules(Plannable& model);
+// The MLA modules of plan_modules(), in order.
+std::vector<ModuleInfo> mla_modules(Plannable& model);
 
 // Linear-attention CP (cp/linear.h) for every linear module: mode state_passing | ulysses;
 // state_exchange all_gather | p2p | auto (the cost model picks; needs a calibration).
 struct LinearPlanOptions {
   std::string mode = "state_passing";
   std::string state_exchange = "all_gather";
+};
+
+// MLA CP (cp/mla.h) for every MLA module: latent_all_gather | ulysses | all_gather; the
+// schedule and head-tail load balance come from the CP config.
+struct MLAPlanOptions {
+  std::string strategy = "latent_all_gather";
 };
 
 struct PlanOptions {
@@ -106,6 +122,7 @@ struct PlanOptions {
   std::optional<Calibration> calibration;
   int64_t batch = 1;  // sequences per rank (auto's workload)
   LinearPlanOptions linear;
+  MLAPlanOptions mla;
 };
 
 // What a module gets (DESIGN section 9); CP fields as in cp::CPModuleSpec.
@@ -117,6 +134,7 @@ struct ModuleShardingSpec {
   cp::CPModuleSpec cp;           // attention modules only
   bool is_attention = false;
   bool is_linear = false;  // linear-attention modules: ShardingPlan::linear applies
+  bool is_mla = false;     // MLA modules: ShardingPlan::mla applies
 };
 
 struct ShardingPlan {
@@ -129,6 +147,7 @@ struct ShardingPlan {
   int64_t seq_len = 0;
   Mode mode = Mode::kProduction;
   LinearPlanOptions linear;      // resolved (no "auto") when the model has linear modules
+  MLAPlanOptions mla;            // checked when the model has MLA modules
   std::vector<std::string> log;  // planner decisions (auto's prediction for every candidate)
   std::unique_ptr<BoundaryChecker> checker;       // validate mode, set by the applier
   std::shared_ptr<hsdp::FullyShard> fully_shard;  // HSDP, set by the applier

@@ -27,6 +27,8 @@ struct TrainOptions {
   bool cp_auto = false;  // --cp-algo auto: the cost model chooses (calibration of this link)
   // Linear-attention layers (model.mixer gdn | kda): --cp-mode, --state-exchange.
   plan::LinearPlanOptions linear;
+  // MLA layers (model.mixer mla): --mla-cp.
+  plan::MLAPlanOptions mla;
   int64_t seq_len = 512;
   int64_t batch = 1;  // sequences per data-parallel rank and micro-batch
   int64_t steps = 50;

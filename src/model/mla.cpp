@@ -1,0 +1,95 @@
+#include "hp/model/mla.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "hp/common/check.h"
+#include "hp/model/qwen3.h"
+
+namespace hp::model {
+namespace {
+
+at::Tensor seeded(uint64_t seed, at::IntArrayRef shape, double std) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kFloat) * std;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+}
+
+}  // namespace
+
+void validate(const MLAConfig& c) {
+  HP_CHECK(c.hidden > 0 && c.heads > 0 && c.q_rank > 0 && c.kv_rank > 0 && c.d_nope > 0 &&
+               c.d_rope > 0 && c.d_v > 0,
+           "MLAConfig: every size must be positive (hidden=", c.hidden, " heads=", c.heads,
+           " q_rank=", c.q_rank, " kv_rank=", c.kv_rank, " d_nope=", c.d_nope,
+           " d_rope=", c.d_rope, " d_v=", c.d_v, ")");
+  HP_CHECK(c.d_rope % 2 == 0, "MLAConfig.d_rope=", c.d_rope, " must be even for RoPE");
+}
+
+int64_t mla_parameter_count(const MLAConfig& c) {
+  const int64_t dq = c.d_nope + c.d_rope;
+  return c.q_rank * c.hidden + c.q_rank + c.heads * dq * c.q_rank + c.kv_rank * c.hidden +
+         c.kv_rank + c.d_rope * c.hidden + c.heads * (c.d_nope + c.d_v) * c.kv_rank +
+         c.hidden * c.heads * c.d_v;
+}
+
+MLAAttentionImpl::MLAAttentionImpl(const MLAConfig& c, int64_t layer)
+    : config_(c), host_(c.primitive) {
+  validate(c);
+  const uint64_t base = c.seed * 1000003ULL + static_cast<uint64_t>(layer) * 131ULL + 17;
+  auto fan_in = [](int64_t n) { return 1.0 / std::sqrt(static_cast<double>(n)); };
+  const int64_t dq = c.d_nope + c.d_rope;
+  w_dq = register_parameter("w_dq", seeded(base + 1, {c.q_rank, c.hidden}, fan_in(c.hidden)));
+  q_norm = register_parameter("q_norm", at::ones({c.q_rank}));
+  w_uq = register_parameter("w_uq", seeded(base + 2, {c.heads * dq, c.q_rank}, fan_in(c.q_rank)));
+  w_dkv = register_parameter("w_dkv", seeded(base + 3, {c.kv_rank, c.hidden}, fan_in(c.hidden)));
+  kv_norm = register_parameter("kv_norm", at::ones({c.kv_rank}));
+  w_kr = register_parameter("w_kr", seeded(base + 4, {c.d_rope, c.hidden}, fan_in(c.hidden)));
+  w_ukv = register_parameter(
+      "w_ukv", seeded(base + 5, {c.heads * (c.d_nope + c.d_v), c.kv_rank}, fan_in(c.kv_rank)));
+  w_o = register_parameter("w_o",
+                           seeded(base + 6, {c.hidden, c.heads * c.d_v}, fan_in(c.heads * c.d_v)));
+}
+
+attention::MLAShape MLAAttentionImpl::shape() const {
+  attention::MLAShape s;
+  s.heads = config_.heads;
+  s.d_nope = config_.d_nope;
+  s.d_rope = config_.d_rope;
+  s.d_v = config_.d_v;
+  s.kv_rank = config_.kv_rank;
+  return s;
+}
+
+at::Tensor MLAAttentionImpl::queries(const at::Tensor& x, const at::Tensor& position_ids) const {
+  const auto& c = config_;
+  const int64_t b = x.size(0), s = x.size(1), dq = c.d_nope + c.d_rope;
+  auto q = at::matmul(rms_norm(at::matmul(x, w_dq.t()), q_norm, c.rms_eps), w_uq.t())
+               .view({b, s, c.heads, dq});
+  auto rope = apply_rope(q.narrow(-1, c.d_nope, c.d_rope).transpose(1, 2), position_ids,
+                         c.rope_theta)
+                  .transpose(1, 2);
+  return at::cat({q.narrow(-1, 0, c.d_nope), rope}, -1);
+}
+
+void MLAAttentionImpl::latent_and_rope(const at::Tensor& x, const at::Tensor& position_ids,
+                                       at::Tensor& latent, at::Tensor& k_rope) const {
+  const auto& c = config_;
+  latent = rms_norm(at::matmul(x, w_dkv.t()), kv_norm, c.rms_eps);
+  k_rope = apply_rope(at::matmul(x, w_kr.t()).unsqueeze(1), position_ids, c.rope_theta).squeeze(1);
+}
+
+at::Tensor MLAAttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
+  HP_CHECK(x.dim() == 3 && x.size(2) == config_.hidden, "MLA layer: x ", x.sizes(),
+           " must be [B, S, hidden=", config_.hidden, "]");
+  at::Tensor latent, k_rope;
+  latent_and_rope(x, position_ids, latent, k_rope);
+  auto o = host_.attend([&] { return queries(x, position_ids); }, latent, k_rope, w_ukv, shape());
+  return at::matmul(o.flatten(2), w_o.t());
+}
+
+}  // namespace hp::model
