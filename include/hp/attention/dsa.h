@@ -1,0 +1,76 @@
+// DeepSeek sparse attention (V3.2 style) after its projections: the lightning indexer, top-k
+// selection, MLA in its shared-latent (MQA) form over the selected keys, and the indexer's KL
+// loss. What cp/dsa.h runs on each rank (with the keys gathered) and the single-process form.
+//
+//   indexer    q_I [B, Sq, H_I, d_I], w [B, Sq, H_I], k_I [B, Skv, d_I] (one key per token):
+//              I[t, s] = sum_j w[t, j] * relu(q_I[t, j] . k_I[s])   for s <= q_offset + t
+//   selection  per query the top-k keys by I (every visible key when fewer), ties to the lower
+//              position; indices [B, Sq, k] int64, ascending, -1 past the visible count; not
+//              differentiated
+//   attention  MLA (attention/mla.h shapes) over the selected keys only, in the absorbed form:
+//              q_abs,h = [q_nope,h W_k,h | q_rope,h]  [R + dr];  kv_s = [latent_s | k_rope_s];
+//              p = softmax(q_abs . kv_s * scale) over the selection; o_h = (p latent) W_v,h^T
+//              (the same numbers as the expanded form, scale 1/sqrt(d_nope + d_rope))
+//   loss       sum over queries t of KL(p_t || softmax(I[t, sel_t])), p_t the attention
+//              distribution summed over heads and L1-normalised (a constant: the indexer learns
+//              only from this loss, and the loss moves nothing but q_I, w and k_I)
+//   variants   loss "sparse": attention and loss over the top-k selection; "dense" (indexer
+//              warm-up): attention and loss over every visible key (the top-k is still reported)
+// Memory: no [Sq, Skv] tensor; the indexer scores and the attention run in query blocks, and
+// both custom backward passes recompute a block from what the forward kept.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/mla.h"
+
+namespace hp::attention {
+
+struct DSAOptions {
+  int64_t topk = 2048;
+  std::string loss = "sparse";  // sparse | dense
+  int64_t block_q = 64;         // query rows per block
+  // Every name and size checked; `who` starts the message.
+  void check(const std::string& who) const;
+};
+
+// The indexer inputs: query, weights and the (gathered) keys.
+struct DSAIndexer {
+  at::Tensor q, w, k;  // [B, Sq, H_I, d_I], [B, Sq, H_I], [B, Skv, d_I]
+};
+
+// Top-k selection of queries at global positions q_offset.. against keys 0..Skv-1: indices
+// [B, Sq, min(topk, Skv)].
+at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, int64_t block_q);
+// Every visible key (the dense variant's "selection"): [B, Sq, min(Skv, q_offset + Sq)].
+at::Tensor dsa_all_visible(int64_t batch, int64_t sq, int64_t skv, int64_t q_offset);
+
+struct DSAResult {
+  at::Tensor out;      // [B, Sq, H, d_v]
+  at::Tensor loss;     // scalar: the indexer loss summed over this call's queries
+  at::Tensor indices;  // [B, Sq, min(topk, Skv)]: the selection (key positions, -1 pad)
+};
+
+// One call: q [B, Sq, H, dq] (RoPE applied) at global positions q_offset.., the keys' latent
+// [B, Skv, R] and k_rope [B, Skv, dr] at positions 0.., w_ukv; the indexer. Differentiable:
+// out in q, latent, k_rope, w_ukv; loss in index.q, index.w, index.k.
+DSAResult dsa_attention(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
+                        const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
+                        int64_t q_offset, const DSAOptions& options);
+
+// The pieces dsa_attention is made of (public for CP and tests).
+// q_abs [B, Sq, H, R + dr] (the absorbed query) from q and w_ukv.
+at::Tensor dsa_absorb_queries(const at::Tensor& q, const at::Tensor& w_ukv, const MLAShape& shape);
+// Sparse MQA attention: out [B, Sq, H, R] (latent space) and the head-mean distribution
+// p_mean [B, Sq, k] (not differentiated). kv [B, Skv, R + dr]; its first R columns are the values.
+void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Tensor& indices,
+                    int64_t value_dim, double scale, int64_t block_q, at::Tensor& out,
+                    at::Tensor& p_mean);
+// The indexer loss over `indices` with targets p [B, Sq, k] (rows sum to 1 over the valid keys).
+at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices,
+                            const at::Tensor& p, int64_t block_q);
+
+}  // namespace hp::attention

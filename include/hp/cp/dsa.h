@@ -1,0 +1,55 @@
+// Context parallelism for DSA (attention/dsa.h), the all-gather family of the source design:
+// the index keys k_I [B, S/P, d_I] and [latent | k_rope] [B, S/P, R + dr] are all-gathered
+// along the sequence, once each (every consumer in the layer reads the one gathered tensor and
+// its gradient is reduce-scattered once); each rank scores its local queries against every
+// visible global key with its causal offset, selects the top-k, runs the sparse attention and
+// the indexer loss on its queries. Head-tail load balance (data-order shards: two query parts
+// with their offsets over the natural-order keys) and async (the gathers start first; the
+// queries' absorption into the latent space runs while they travel) are both supported.
+//
+//   k_I     --all-gather--> [B, S, d_I]        selection + loss (gradient: reduce-scatter)
+//   latent | k_rope --all-gather--> [B, S, R + dr]   sparse attention (gradient: reduce-scatter)
+//   per query part (offset o): select(q_I, w, k_I[0, S)) -> sparse MQA -> out, p -> loss
+//
+// Bytes one rank sends in the forward: (P-1) * B * S/P * (d_I + R + dr) * e; the backward the
+// same again. The loss returned is this rank's share (sum over its queries); the sum over
+// ranks is the single-process loss. Outputs, the loss and every gradient equal
+// attention::dsa_attention on the whole sequence.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "hp/attention/dsa.h"
+#include "hp/cp/config.h"
+#include "hp/cp/topology.h"
+
+namespace hp::cp {
+
+struct DSACPOptions {
+  bool load_balance = false;  // head-tail, data order
+  CPSchedule schedule = CPSchedule::kSync;
+};
+
+// Before any collective: the DSA options, the shapes of this rank's shard, the local length
+// (even with load balance), the layout (BSND only: q [B, S/P, H, dq]).
+void check_dsa_cp(const std::string& who, const attention::DSAOptions& dsa,
+                  const DSACPOptions& options, const at::Tensor& q, const at::Tensor& latent,
+                  const at::Tensor& k_rope, const attention::DSAIndexer& index, int64_t cp_size);
+
+// This rank's shard of every input (q, latent, k_rope, index.q, index.w, index.k: [B, S/P, ...]);
+// w_ukv replicated. indices are global key positions.
+attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& latent,
+                                      const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                                      const attention::MLAShape& shape,
+                                      const attention::DSAIndexer& index,
+                                      const attention::DSAOptions& dsa,
+                                      const DSACPOptions& options, const CPTopology& topology);
+
+int64_t dsa_forward_bytes_per_rank(const attention::MLAShape& shape, int64_t index_dim,
+                                   int64_t batch, int64_t seq, int64_t cp_size,
+                                   int64_t element_size);
+
+}  // namespace hp::cp

@@ -1,0 +1,215 @@
+// DSA (attention/dsa.h) and its CP form (cp/dsa.h) against the float64 explicit reference
+// (harness/reference_mla.h: explicit indexer scores, sort-based top-k, masked dense MLA,
+// explicit KL): outputs, the indexer loss, the selection (as sets), the gradients of q, latent,
+// k_rope and w_ukv (from the output) and of q_I, w_I, k_I (from the loss), sparse and dense,
+// with ties in the indexer scores; under CP sync/async x load balance x P in {2, 3, 4}.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "hp/attention/dsa.h"
+#include "hp/comm/collectives.h"
+#include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
+#include "hp/cp/dsa.h"
+#include "hp/cp/sequence.h"
+#include "rank_harness.h"
+#include "reference_mla.h"
+
+namespace hp::cp {
+namespace {
+
+using hp::testing::expect_close;
+using hp::testing::run_ranks;
+
+constexpr int64_t kB = 2, kS = 24, kHI = 3, kDI = 5, kTopk = 5;
+
+attention::MLAShape shape() {
+  attention::MLAShape s;
+  s.heads = 4;
+  s.d_nope = 6;
+  s.d_rope = 4;
+  s.d_v = 5;
+  s.kv_rank = 7;
+  return s;
+}
+
+struct Inputs {
+  at::Tensor q, latent, k_rope, w_ukv, qi, wi, ki, dout;
+};
+
+Inputs inputs() {
+  const auto s = shape();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
+  auto r = [&](std::vector<int64_t> sh) { return at::randn(sh, gen, at::kDouble); };
+  Inputs in{r({kB, kS, s.heads, s.qk_dim()}), r({kB, kS, s.kv_rank}), r({kB, kS, s.d_rope}),
+            r({s.heads * (s.d_nope + s.d_v), s.kv_rank}) * 0.4, r({kB, kS, kHI, kDI}),
+            r({kB, kS, kHI}).abs(), r({kB, kS, kDI}), r({kB, kS, s.heads, s.d_v})};
+  // Ties: keys 3, 9 and 15 are the same index key, so every query scores them equally (the
+  // lower position must win a place at the top-k boundary).
+  in.ki.select(1, 9).copy_(in.ki.select(1, 3));
+  in.ki.select(1, 15).copy_(in.ki.select(1, 3));
+  return in;
+}
+
+struct Got {
+  at::Tensor out, loss, indices, dq, dlatent, dk_rope, dw, dqi, dwi, dki;
+};
+
+template <typename Fn>
+Got run_and_grad(const Inputs& in, const std::function<at::Tensor(const at::Tensor&)>& shard,
+                 Fn fn) {
+  auto leaf = [&](const at::Tensor& t) { return shard(t).clone().requires_grad_(true); };
+  auto q = leaf(in.q), latent = leaf(in.latent), k_rope = leaf(in.k_rope);
+  auto w = in.w_ukv.clone().requires_grad_(true);
+  auto qi = leaf(in.qi), wi = leaf(in.wi), ki = leaf(in.ki);
+  attention::DSAResult r = fn(q, latent, k_rope, w, qi, wi, ki);
+  ((r.out * shard(in.dout)).sum() + r.loss).backward();
+  return {r.out.detach(), r.loss.detach(), r.indices, q.grad(), latent.grad(), k_rope.grad(),
+          w.grad(), qi.grad(), wi.grad(), ki.grad()};
+}
+
+// The selection as a [B, S, S] mask from indices (-1 = none).
+at::Tensor as_mask(const at::Tensor& indices, int64_t s) {
+  auto mask = at::zeros({indices.size(0), indices.size(1), s + 1}, at::kBool);
+  auto idx = indices.clamp_min(-1) + 1;  // -1 -> column 0, dropped below
+  mask.scatter_(2, idx, true);
+  return mask.narrow(2, 1, s);
+}
+
+void expect_grads(const Got& got, const Got& ref, const std::string& what, bool summed_w) {
+  expect_close(got.out, ref.out, what + " out", 1e-10, 1e-10);
+  expect_close(got.dq, ref.dq, what + " dq", 1e-9, 1e-10);
+  expect_close(got.dlatent, ref.dlatent, what + " dlatent", 1e-9, 1e-10);
+  expect_close(got.dk_rope, ref.dk_rope, what + " dk_rope", 1e-9, 1e-10);
+  if (!summed_w) expect_close(got.dw, ref.dw, what + " dw_ukv", 1e-9, 1e-10);
+  expect_close(got.dqi, ref.dqi, what + " dq_index", 1e-9, 1e-10);
+  expect_close(got.dwi, ref.dwi, what + " dw_index", 1e-9, 1e-10);
+  expect_close(got.dki, ref.dki, what + " dk_index", 1e-9, 1e-10);
+}
+
+Got reference(const Inputs& in, const std::string& loss, at::Tensor& selected) {
+  auto id = [](const at::Tensor& t) { return t; };
+  return run_and_grad(in, id, [&](auto q, auto l, auto kr, auto w, auto qi, auto wi, auto ki) {
+    auto r = hp::testing::reference_dsa(q, l, kr, w, shape().d_v, qi, wi, ki, kTopk, loss);
+    selected = r.selected;
+    return attention::DSAResult{r.out, r.loss, at::Tensor()};
+  });
+}
+
+TEST(DSA, SingleProcessEqualsTheExplicitReference) {
+  const auto in = inputs();
+  for (const std::string loss : {"sparse", "dense"}) {
+    at::Tensor selected;
+    auto ref = reference(in, loss, selected);
+    auto id = [](const at::Tensor& t) { return t; };
+    attention::DSAOptions o;
+    o.topk = kTopk;
+    o.loss = loss;
+    o.block_q = 7;  // blocks that do not divide S
+    auto got = run_and_grad(in, id, [&](auto q, auto l, auto kr, auto w, auto qi, auto wi, auto ki) {
+      return attention::dsa_attention(q, l, kr, w, shape(), {qi, wi, ki}, 0, o);
+    });
+    EXPECT_TRUE(at::equal(as_mask(got.indices, kS), selected)) << loss << ": the selection";
+    EXPECT_EQ(got.indices.size(2), kTopk);
+    EXPECT_EQ(got.indices[0][0][1].item<int64_t>(), -1) << "query 0 sees one key";
+    expect_close(got.loss, ref.loss, loss + " index loss", 1e-10, 1e-10);
+    expect_grads(got, ref, "dsa " + loss, false);
+  }
+}
+
+void run_cp(int p, const std::string& loss, const DSACPOptions& co) {
+  const auto in = inputs();
+  at::Tensor selected;
+  auto ref = reference(in, loss, selected);
+  run_ranks(p, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", p}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, p));
+    const int64_t r = w.rank();
+    auto shard = [&](const at::Tensor& t) { return shard_sequence(t, 1, r, p, co.load_balance); };
+    attention::DSAOptions o;
+    o.topk = kTopk;
+    o.loss = loss;
+    o.block_q = 4;
+    auto got = run_and_grad(in, shard, [&](auto q, auto l, auto kr, auto wu, auto qi, auto wi, auto ki) {
+      return dsa_attention_cp(q, l, kr, wu, shape(), {qi, wi, ki}, o, co, *topo);
+    });
+    const std::string what = loss + (co.load_balance ? " lb " : " ") + to_string(co.schedule) +
+                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
+    EXPECT_TRUE(at::equal(as_mask(got.indices, kS), shard(selected))) << what << ": selection";
+    auto total = comm::all_reduce(mesh.group("cp"), got.loss.reshape({1}));
+    expect_close(total.squeeze(), ref.loss, what + " loss (sum over ranks)", 1e-10, 1e-10);
+    Got ref_shard{shard(ref.out), ref.loss, at::Tensor(), shard(ref.dq), shard(ref.dlatent),
+                  shard(ref.dk_rope), ref.dw, shard(ref.dqi), shard(ref.dwi), shard(ref.dki)};
+    expect_grads(got, ref_shard, what, true);
+    auto dw = comm::all_reduce(mesh.group("cp"), got.dw);
+    expect_close(dw, ref.dw, what + " dw_ukv", 1e-9, 1e-10);
+  });
+}
+
+TEST(DSACP, AllGatherFamilyEqualsTheReference) {
+  for (const std::string loss : {"sparse", "dense"})
+    for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync})
+      for (bool lb : {false, true})
+        for (int p : {2, 3, 4}) {
+          DSACPOptions co;
+          co.schedule = schedule;
+          co.load_balance = lb;
+          run_cp(p, loss, co);
+        }
+}
+
+// Two gathers forward (k_I, then [latent | k_rope]), their two reduce-scatters backward;
+// counted bytes equal the formula.
+TEST(DSACP, ScheduleAndBytes) {
+  const auto in = inputs();
+  run_ranks(2, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", 2}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
+    auto shard = [&](const at::Tensor& t) {
+      return shard_sequence(t.to(at::kFloat), 1, w.rank(), 2, false).contiguous().requires_grad_(true);
+    };
+    auto q = shard(in.q), l = shard(in.latent), kr = shard(in.k_rope);
+    auto qi = shard(in.qi), wi = shard(in.wi), ki = shard(in.ki);
+    attention::DSAOptions o;
+    o.topk = kTopk;
+    auto& rec = *w.context().recorder;
+    rec.clear();
+    w.context().counters.reset();
+    auto r = dsa_attention_cp(q, l, kr, in.w_ukv.to(at::kFloat), shape(), {qi, wi, ki}, o, {}, *topo);
+    EXPECT_EQ(rec.schedule(),
+              (std::vector<std::string>{"all_gather(cp)[2,12,5]", "all_gather(cp)[2,12,11]"}));
+    EXPECT_EQ(w.context().counters.total_bytes(),
+              dsa_forward_bytes_per_rank(shape(), kDI, kB, kS, 2, 4));
+    rec.clear();
+    (r.out.sum() + r.loss).backward();
+    auto bwd = rec.schedule();
+    std::sort(bwd.begin(), bwd.end());
+    EXPECT_EQ(bwd, (std::vector<std::string>{"reduce_scatter(cp)[2,24,11]",
+                                             "reduce_scatter(cp)[2,24,5]"}));
+  });
+}
+
+TEST(DSACP, FailFast) {
+  const auto in = inputs();
+  attention::DSAOptions o;
+  o.loss = "entropy";
+  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope, {in.qi, in.wi, in.ki}, 2),
+                  "DSA index loss 'entropy' is not valid; valid: sparse, dense");
+  o = attention::DSAOptions{};
+  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q.flatten(2), in.latent, in.k_rope,
+                               {in.qi, in.wi, in.ki}, 2),
+                  "DSA takes BSND tensors");
+  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope,
+                               {in.qi, in.wi, in.ki.narrow(2, 0, 2)}, 2),
+                  "k_index [2, 24, 2] must be [B=2, S=24, d_I=5]");
+  DSACPOptions lb;
+  lb.load_balance = true;
+  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, lb, in.q.narrow(1, 0, 5), in.latent.narrow(1, 0, 5),
+                               in.k_rope.narrow(1, 0, 5),
+                               {in.qi.narrow(1, 0, 5), in.wi.narrow(1, 0, 5), in.ki.narrow(1, 0, 5)},
+                               2),
+                  "head-tail load balance needs an even local sequence length, got 5");
+}
+
+}  // namespace
+}  // namespace hp::cp
