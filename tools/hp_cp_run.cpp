@@ -16,6 +16,8 @@
 // MLA's core under CP instead (hp_cp_run_mla.h):
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --attention mla
 //     [--cp-algo latent_all_gather|ulysses|all_gather] [--schedule sync|async] [--load-balance]
+//   hp-cp-run --input IN.pt --output OUT.pt --cp P --attention dsa [--topk N]
+//     [--index-loss sparse|dense] [--schedule sync|async] [--load-balance]
 #include <iostream>
 
 #include <ATen/ATen.h>
@@ -229,19 +231,37 @@ int main(int argc, char** argv) {
   hp_cp_run::add_mixer_options(app, m);
   std::string attention = "softmax";
   app.add_option("--attention", attention,
-                 "softmax (q, k, v) | mla (q, latent, k_rope, w_ukv; causal)");
+                 "softmax (q, k, v) | mla (q, latent, k_rope, w_ukv; causal) | dsa (mla + "
+                 "q_index, w_index, k_index)");
+  int64_t topk = 2048;
+  std::string index_loss = "sparse";
+  app.add_option("--topk", topk, "dsa: keys each query attends (clamped to S)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--index-loss", index_loss, "dsa: sparse | dense (indexer warm-up)");
   CLI11_PARSE(app, argc, argv);
   try {
-    HP_CHECK(attention == "softmax" || attention == "mla", "hp-cp-run: --attention '", attention,
-             "' is not valid; valid: softmax, mla");
-    if (attention == "mla") {
+    HP_CHECK(attention == "softmax" || attention == "mla" || attention == "dsa",
+             "hp-cp-run: --attention '", attention, "' is not valid; valid: softmax, mla, dsa");
+    for (const char* flag : {"--topk", "--index-loss"}) {
+      HP_CHECK(attention == "dsa" || app.count(flag) == 0, "hp-cp-run: ", flag,
+               " applies to --attention dsa");
+    }
+    if (attention != "softmax") {
       for (const char* flag :
            {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag,
-                 " does not apply to --attention mla; drop it (MLA takes --cp-algo "
-                 "latent_all_gather|ulysses|all_gather, --schedule, --load-balance, --primitive)");
+                 " does not apply to --attention ", attention,
+                 "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "
+                 "--cp-algo all_gather; both --schedule, --load-balance)");
       }
+      HP_CHECK(attention != "dsa" || app.count("--primitive") == 0,
+               "hp-cp-run: --primitive does not apply to --attention dsa (its sparse kernel is "
+               "its own); drop it");
       hp_cp_run::MLAArgs mla;
+      mla.attention = attention;
+      if (attention == "dsa") mla.strategy = "all_gather";
+      mla.topk = topk;
+      mla.index_loss = index_loss;
       mla.input = a.input;
       mla.output = a.output;
       mla.cp_size = a.cp_size;

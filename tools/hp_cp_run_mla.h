@@ -1,4 +1,4 @@
-// hp-cp-run --attention mla: MLA's core (attention/mla.h) forward/backward under CP
+// hp-cp-run --attention mla|dsa: MLA's core (attention/mla.h) forward/backward under CP
 // (cp/mla.h) over P ranks (threads in this process) on whole-sequence tensors from a
 // torch.save file; writes whole-sequence results loadable by torch.load. Causal always.
 //
@@ -9,6 +9,13 @@
 //   (then gradients). d_rope is k_rope's width, d_nope q's width minus d_rope, kv_rank latent's
 //   width, d_v w_ukv's rows / H - d_nope.
 // OUT.pt: out [B, S, H, d_v]; with dout also dq, dlatent, dk_rope, dw_ukv (the sum over ranks).
+//
+// --attention dsa (attention/dsa.h, cp/dsa.h): the same entries plus q_index [B, S, H_I, d_I],
+// w_index [B, S, H_I], k_index [B, S, d_I]; --topk N (clamped to S with a note on stderr),
+// --index-loss sparse|dense; --cp-algo all_gather (the only DSA strategy) [--schedule]
+// [--load-balance]. OUT.pt adds topk_indices [B, S, min(N, S)] (global key positions, -1 where
+// fewer are visible), index_loss (scalar, summed over all queries) and, with dout, dq_index,
+// dw_index, dk_index (gradients of the index loss only; dout drives the attention's).
 // --cp-algo latent_all_gather (default) | ulysses | all_gather (expanded K/V, the comparison);
 // --schedule sync|async; --load-balance (head-tail, the shards made by shard_sequence);
 // --primitive math|blockwise.
@@ -23,8 +30,11 @@ namespace hp_cp_run {
 struct MLAArgs {
   std::string input, output;
   int cp_size = 2;
+  std::string attention = "mla";  // mla | dsa
   std::string strategy = "latent_all_gather", schedule = "sync", primitive = "blockwise";
   bool load_balance = false;
+  int64_t topk = 2048;                 // dsa
+  std::string index_loss = "sparse";   // dsa
 };
 
 int run_mla(const MLAArgs& m);

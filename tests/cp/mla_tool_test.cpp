@@ -122,7 +122,12 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   expect_refused(mla + " --cp 5 --load-balance",
                  "the sequence length S=24 is not divisible by 10 (2 * --cp, load balance)");
   expect_refused(mla + " --cp 2 --layout bshd", "--layout does not apply to --attention mla");
-  expect_refused(dir + "/mla.pt --attention gqa", "--attention 'gqa' is not valid; valid: softmax, mla");
+  expect_refused(dir + "/mla.pt --attention gqa",
+                 "--attention 'gqa' is not valid; valid: softmax, mla, dsa");
+  expect_refused(mla + " --topk 4", "--topk applies to --attention dsa");
+  expect_refused(dir + "/mla.pt --attention dsa", "'" + dir + "/mla.pt' has no entry 'q_index'");
+  expect_refused(dir + "/mla.pt --attention dsa --cp-algo ulysses",
+                 "--cp-algo 'ulysses' is not a DSA strategy");
   file.insert_or_assign("k_rope", at::zeros({kB, kS + 1, kRope}, at::kDouble));
   save(dir + "/rope.pt", file);
   expect_refused(dir + "/rope.pt --attention mla", "k_rope [1, 25, 4] must be [B=1, S=24, d_rope]");
@@ -134,7 +139,61 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   file.insert_or_assign("kv", at::zeros({1}));
   save(dir + "/typo.pt", file);
   expect_refused(dir + "/typo.pt --attention mla",
-                 "has an entry 'kv' this run does not know; valid: q, latent, k_rope, w_ukv, dout");
+                 "has an entry 'kv' this run does not know; valid: q, latent, k_rope and w_ukv "
+                 "(optional: dout)");
+}
+
+// hp-cp-run --attention dsa: against the explicit reference (selection as sets, the summed
+// loss, every gradient), sparse and dense, sync and async, balanced, and the clamped top-k.
+TEST(HpCpRun, DSAMatchesTheExplicitReference) {
+  const std::string& dir = hp::testing::scratch_dir();
+  auto file = mla_file();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
+  file.insert("q_index", at::randn({kB, kS, 3, 5}, gen, at::kDouble));
+  file.insert("w_index", at::randn({kB, kS, 3}, gen, at::kDouble).abs());
+  file.insert("k_index", at::randn({kB, kS, 5}, gen, at::kDouble));
+  const std::string in = dir + "/dsa_in.pt", out = dir + "/dsa_out.pt";
+  save(in, file);
+  struct Case {
+    std::string args, loss;
+    int64_t topk;
+  };
+  for (const Case& c : {Case{"--cp 2 --topk 5", "sparse", 5},
+                        Case{"--cp 3 --topk 5 --schedule async --load-balance", "sparse", 5},
+                        Case{"--cp 2 --topk 4 --index-loss dense", "dense", 4},
+                        Case{"--cp 1 --topk 100", "sparse", 100}}) {
+    auto leaf = [&](const char* n) { return file.at(n).clone().requires_grad_(true); };
+    auto q = leaf("q"), latent = leaf("latent"), k_rope = leaf("k_rope"), w = leaf("w_ukv");
+    auto qi = leaf("q_index"), wi = leaf("w_index"), ki = leaf("k_index");
+    auto ref = hp::testing::reference_dsa(q, latent, k_rope, w, kDv, qi, wi, ki, c.topk, c.loss);
+    ((ref.out * file.at("dout")).sum() + ref.loss).backward();
+    const std::string cmd = hp::common::str_cat(HP_CP_RUN_BINARY, " --input ", in, " --output ",
+                                                out, " --attention dsa ", c.args);
+    auto r = hp::testing::run_command(cmd);
+    ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    auto res = load(out);
+    expect_close(res.at("out").toTensor(), ref.out.detach(), c.args + " out", 1e-9, 1e-9);
+    expect_close(res.at("index_loss").toTensor(), ref.loss.detach(), c.args + " loss", 1e-9, 1e-9);
+    const std::map<std::string, at::Tensor> grads{
+        {"dq", q.grad()},        {"dlatent", latent.grad()}, {"dk_rope", k_rope.grad()},
+        {"dw_ukv", w.grad()},    {"dq_index", qi.grad()},    {"dw_index", wi.grad()},
+        {"dk_index", ki.grad()}};
+    for (const auto& [name, want] : grads)
+      expect_close(res.at(name).toTensor(), want, c.args + " " + name, 1e-8, 1e-9);
+    auto idx = res.at("topk_indices").toTensor();
+    EXPECT_EQ(idx.size(2), std::min<int64_t>(c.topk, kS)) << c.args;
+    auto mask = at::zeros({kB, kS, kS + 1}, at::kBool).scatter_(2, idx + 1, true).narrow(2, 1, kS);
+    EXPECT_TRUE(at::equal(mask, ref.selected)) << c.args << ": the selection";
+    auto j = last_json(r.out);
+    EXPECT_EQ(j["attention"], "dsa");
+    for (const auto& b : j["comm_bytes_per_rank"])
+      EXPECT_EQ(b, j["comm_bytes_theory"]) << r.out;
+    if (c.topk > kS) {
+      EXPECT_NE(r.out.find("--topk 100 exceeds the sequence length 24; clamped to 24"),
+                std::string::npos)
+          << r.out;
+    }
+  }
 }
 
 // hp-bench cp --attention mla: both gathers in one run by default, counted bytes equal the
