@@ -38,6 +38,8 @@ struct CPArgs {
   // (refused with mla), and whether --cp-algo was (else both latent and expanded gathers run).
   std::string attention = "softmax";
   hp::attention::MLAShape mla;
+  int64_t index_heads = 4, index_dim = 32, topk = 2048;  // dsa
+  std::string index_loss = "sparse";
   std::vector<std::string> softmax_flags_given;
   bool algo_given = false;
 };

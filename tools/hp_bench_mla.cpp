@@ -17,20 +17,26 @@ namespace hp_bench {
 void add_mla_options(CLI::App* cmd, CPArgs& a) {
   cmd->add_option("--attention", a.attention,
                   "softmax (default) | mla: MLA's core (--cp-algo latent_all_gather | ulysses | "
-                  "all_gather; default: latent_all_gather and all_gather in one run)");
+                  "all_gather; default: latent_all_gather and all_gather in one run) | dsa: "
+                  "sparse attention + indexer + loss beside dense MLA of the same shape");
   cmd->add_option("--d-nope", a.mla.d_nope, "mla: per-head dims without RoPE")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--d-rope", a.mla.d_rope, "mla: rotary dims (shared key part)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--d-v", a.mla.d_v, "mla: value dims per head")->check(CLI::PositiveNumber);
   cmd->add_option("--kv-rank", a.mla.kv_rank, "mla: latent width R")->check(CLI::PositiveNumber);
+  cmd->add_option("--index-heads", a.index_heads, "dsa: indexer heads H_I")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--index-dim", a.index_dim, "dsa: indexer dim d_I")->check(CLI::PositiveNumber);
+  cmd->add_option("--topk", a.topk, "dsa: keys per query")->check(CLI::PositiveNumber);
+  cmd->add_option("--index-loss", a.index_loss, "dsa: sparse | dense");
 }
 
 namespace {
 
 hp::bench::MLABenchOptions mla_options(const CPArgs& a) {
-  HP_CHECK(a.attention == "mla", "hp-bench cp: --attention '", a.attention,
-           "' is not valid; valid: softmax, mla");
+  HP_CHECK(a.attention == "mla" || a.attention == "dsa", "hp-bench cp: --attention '",
+           a.attention, "' is not valid; valid: softmax, mla, dsa");
   for (const auto& flag : a.softmax_flags_given) {
     HP_CHECK(false, "hp-bench cp: ", flag,
              " does not apply to --attention mla; drop it (MLA takes --heads, --d-nope, "
@@ -42,6 +48,15 @@ hp::bench::MLABenchOptions mla_options(const CPArgs& a) {
   o.shape = a.mla;
   o.shape.heads = a.bench.heads;
   if (a.algo_given) o.strategies = {a.algo};
+  if (a.attention == "dsa") {
+    HP_CHECK(!a.algo_given || a.algo == "all_gather", "hp-bench cp --attention dsa: --cp-algo '",
+             a.algo, "' is not a DSA strategy; DSA runs the all_gather family");
+    o.strategies = {"dsa", "latent_all_gather"};
+    o.index_heads = a.index_heads;
+    o.index_dim = a.index_dim;
+    o.topk = a.topk;
+    o.index_loss = a.index_loss;
+  }
   o.schedule = hp::cp::parse_schedule(a.schedule);
   o.load_balance = a.bench.config.load_balance;
   o.iters = a.bench.iters;
@@ -52,8 +67,8 @@ nlohmann::json mla_json(const hp::bench::MLABenchOptions& o,
                         const std::vector<hp::bench::MLABenchResult>& results, int threads) {
   nlohmann::json list = nlohmann::json::array();
   for (const auto& r : results) {
-    list.push_back({{"attention", "mla"},
-                    {"algorithm", r.strategy},
+    list.push_back({{"attention", r.strategy == "dsa" ? "dsa" : "mla"},
+                    {"algorithm", r.strategy == "dsa" ? "all_gather" : r.strategy},
                     {"schedule", r.schedule},
                     {"cp", r.cp},
                     {"seq", o.seq},

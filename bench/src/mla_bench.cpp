@@ -11,6 +11,7 @@
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
+#include "hp/cp/dsa.h"
 #include "hp/cp/mla.h"
 #include "hp/cp/topology.h"
 
@@ -32,6 +33,15 @@ void check_mla_bench(const MLABenchOptions& o, int64_t cp_size) {
   HP_CHECK(o.seq % multiple == 0, who, ": --seq ", o.seq, " is not divisible by ", multiple,
            o.load_balance ? " (2 * --cp, load balance)" : " (--cp)", "; choose a --seq it divides");
   for (const auto& s : o.strategies) {
+    if (s == "dsa") {
+      attention::DSAOptions d;
+      d.topk = o.topk;
+      d.loss = o.index_loss;
+      d.check(who);
+      HP_CHECK(o.index_heads >= 1 && o.index_dim >= 1, who,
+               ": --index-heads and --index-dim must be >= 1");
+      continue;
+    }
     cp::MLACPOptions c;
     c.strategy = s;
     c.load_balance = o.load_balance;
@@ -55,6 +65,9 @@ std::vector<MLABenchResult> run_mla_bench(const comm::World& world, const MLABen
   auto w_ukv = at::randn({shape.heads * (shape.d_nope + shape.d_v), shape.kv_rank}, gen) /
                std::sqrt(static_cast<double>(shape.kv_rank));
   auto dout = at::randn({o.batch, s, shape.heads, shape.d_v}, gen);
+  auto q_index = at::randn({o.batch, s, o.index_heads, o.index_dim}, gen);
+  auto w_index = at::rand({o.batch, s, o.index_heads}, gen);
+  auto k_index = at::randn({o.batch, s, o.index_dim}, gen);
   auto& counters = world.context().counters;
   const bool on_wire = emulated_link_rate().has_value();
   std::vector<MLABenchResult> results;
@@ -63,9 +76,24 @@ std::vector<MLABenchResult> run_mla_bench(const comm::World& world, const MLABen
     co.strategy = strategy;
     co.schedule = o.schedule;
     co.load_balance = o.load_balance;
+    const bool dsa = strategy == "dsa";
+    attention::DSAOptions dsa_options;
+    dsa_options.topk = o.topk;
+    dsa_options.loss = o.index_loss;
+    cp::DSACPOptions dsa_cp;
+    dsa_cp.load_balance = o.load_balance;
+    dsa_cp.schedule = o.schedule;
     auto step = [&] {
       auto ql = q.detach().requires_grad_(true), ll = latent.detach().requires_grad_(true);
       auto rl = k_rope.detach().requires_grad_(true), wl = w_ukv.detach().requires_grad_(true);
+      if (dsa) {
+        attention::DSAIndexer index{q_index.detach().requires_grad_(true),
+                                    w_index.detach().requires_grad_(true),
+                                    k_index.detach().requires_grad_(true)};
+        auto res = cp::dsa_attention_cp(ql, ll, rl, wl, shape, index, dsa_options, dsa_cp, *topo);
+        ((res.out * dout).sum() + res.loss).backward();
+        return;
+      }
       auto out = cp::mla_attention_cp([&] { return ql; }, ll, rl, wl, shape, co, *topo);
       out.backward(dout);
     };
@@ -97,7 +125,9 @@ std::vector<MLABenchResult> run_mla_bench(const comm::World& world, const MLABen
     res.step_time_s = median(steps);
     res.comm_bytes_per_rank = bytes;
     res.comm_bytes_theory =
-        p > 1 ? 2 * cp::mla_forward_bytes_per_rank(strategy, shape, o.batch, o.seq, p, 4) : 0;
+        p == 1 ? 0
+        : dsa  ? 2 * cp::dsa_forward_bytes_per_rank(shape, o.index_dim, o.batch, o.seq, p, 4)
+               : 2 * cp::mla_forward_bytes_per_rank(strategy, shape, o.batch, o.seq, p, 4);
     results.push_back(res);
   }
   rusage u{};

@@ -36,6 +36,7 @@
 
 #include "hp/attention/attention.h"
 #include "hp/common/threads.h"
+#include "parallel_units.h"
 #include "problem.h"
 #include "softmax_rows.h"
 
@@ -43,6 +44,7 @@ namespace hp::attention {
 namespace {
 
 using detail::BlockKind;
+using detail::for_each_unit;
 using detail::Problem;
 using detail::TileMask;
 using torch::autograd::AutogradContext;
@@ -88,21 +90,8 @@ detail::TileRows tile_rows(const Problem& p, const TileMask& t, int64_t qb, int6
   return tr;
 }
 
-// Runs fn(unit) for units [0, n) on every intra-op thread, handing out units dynamically
-// (callers order them largest first, so causal imbalance evens out). fn gets the thread slot.
-template <typename Fn>
-void for_each_unit(int64_t n, int threads, const Fn& fn) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    // Worker threads do not inherit the caller's grad mode: the kernels work on raw data.
-    at::NoGradGuard no_grad;
-    for (int64_t slot = begin; slot < end; ++slot) {
-      for (int64_t u = next++; u < n; u = next++)
-        fn(u, slot);
-    }
-  });
-}
-
+// Units (callers order them largest first, so causal imbalance evens out) run through
+// detail::for_each_unit (parallel_units.h).
 // Per q block: [B*Nkv][G*bq, D] contiguous blocks of a [B, Nq, Sq, last] tensor.
 std::vector<at::Tensor> grouped_blocks(const Problem& p, const TileMask& t, const at::Tensor& x,
                                        int64_t last) {

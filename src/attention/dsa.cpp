@@ -11,9 +11,13 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "hp/common/check.h"
+#include "hp/common/threads.h"
+#include "parallel_units.h"
 
 namespace hp::attention {
 namespace {
+
+using detail::for_each_unit;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -29,6 +33,39 @@ BlockKeys block_keys(const at::Tensor& indices, int64_t b, int64_t t0, int64_t n
   return {raw.clamp_min(0), raw.ge(0)};
 }
 
+// fn(b, t0, n, slot) for every (batch row, query block) in parallel, BLAS on one thread each.
+template <typename Fn>
+void for_each_block(int64_t batch, int64_t sq, int64_t block_q, const Fn& fn) {
+  const int64_t blocks = (sq + block_q - 1) / block_q;
+  common::ScopedBlasThreads one_blas_thread(1);
+  for_each_unit(batch * blocks, at::get_num_threads(), [&](int64_t u, int64_t slot) {
+    const int64_t b = u / blocks, t0 = (u % blocks) * block_q;
+    fn(b, t0, std::min(block_q, sq - t0), slot);
+  });
+}
+
+// Per-slot accumulators of a gradient scattered into rows (index_add_ from several threads
+// would race): slot i's own zeros, summed at the end.
+class SlotSums {
+ public:
+  SlotSums(const at::Tensor& like, int threads) : like_(like), parts_(threads) {}
+  at::Tensor& at_slot(int64_t slot) {
+    if (!parts_[slot].defined()) parts_[slot] = at::zeros_like(like_);
+    return parts_[slot];
+  }
+  at::Tensor sum() const {
+    at::Tensor total;
+    for (const auto& p : parts_) {
+      if (p.defined()) total = total.defined() ? total.add_(p) : p;
+    }
+    return total.defined() ? total : at::zeros_like(like_);
+  }
+
+ private:
+  at::Tensor like_;
+  std::vector<at::Tensor> parts_;
+};
+
 // kv[b] rows at idx: [n, k, C].
 at::Tensor gather_rows(const at::Tensor& kv_b, const at::Tensor& idx) {
   return kv_b.index_select(0, idx.flatten()).view({idx.size(0), idx.size(1), kv_b.size(1)});
@@ -43,21 +80,18 @@ struct SparseMQAFn : torch::autograd::Function<SparseMQAFn> {
     auto out = at::zeros({batch, sq, heads, value_dim}, q.options());
     auto lse = at::empty({batch, sq, heads}, q.options());
     auto p_mean = at::zeros({batch, sq, k}, q.options());
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t t0 = 0; t0 < sq; t0 += block_q) {
-        const int64_t n = std::min(block_q, sq - t0);
-        auto keys = block_keys(indices, b, t0, n);
-        auto g = gather_rows(kv.select(0, b), keys.idx);             // [n, k, C]
-        auto qb = q.select(0, b).narrow(0, t0, n);                    // [n, H, C]
-        auto s = at::bmm(qb, g.transpose(1, 2)) * scale;              // [n, H, k]
-        s.masked_fill_(keys.valid.logical_not().unsqueeze(1), kNegInf);
-        auto l = at::logsumexp(s, -1);                                // [n, H]
-        auto p = at::exp(s - l.unsqueeze(-1));
-        out.select(0, b).narrow(0, t0, n).copy_(at::bmm(p, g.narrow(2, 0, value_dim)));
-        lse.select(0, b).narrow(0, t0, n).copy_(l);
-        p_mean.select(0, b).narrow(0, t0, n).copy_(p.mean(1));
-      }
-    }
+    for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t) {
+      auto keys = block_keys(indices, b, t0, n);
+      auto g = gather_rows(kv.select(0, b), keys.idx);      // [n, k, C]
+      auto qb = q.select(0, b).narrow(0, t0, n);            // [n, H, C]
+      auto s = at::bmm(qb, g.transpose(1, 2)).mul_(scale);  // [n, H, k]
+      s.masked_fill_(keys.valid.logical_not().unsqueeze(1), kNegInf);
+      auto l = at::logsumexp(s, -1);  // [n, H]
+      auto p = s.sub_(l.unsqueeze(-1)).exp_();
+      out.select(0, b).narrow(0, t0, n).copy_(at::bmm(p, g.narrow(2, 0, value_dim)));
+      lse.select(0, b).narrow(0, t0, n).copy_(l);
+      p_mean.select(0, b).narrow(0, t0, n).copy_(p.mean(1));
+    });
     ctx->save_for_backward({q, kv, indices, out, lse});
     ctx->saved_data["value_dim"] = value_dim;
     ctx->saved_data["scale"] = scale;
@@ -68,45 +102,41 @@ struct SparseMQAFn : torch::autograd::Function<SparseMQAFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &kv = saved[1], &indices = saved[2], &out = saved[3],
-               &lse = saved[4];
+    const auto &q = saved[0], &kv = saved[1], &indices = saved[2], &out = saved[3], &lse = saved[4];
     const int64_t value_dim = ctx->saved_data["value_dim"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t block_q = ctx->saved_data["block_q"].toInt();
     auto dout = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(out);
     auto dq = at::zeros_like(q);
-    auto dkv = at::zeros_like(kv);
+    SlotSums dkv(kv, at::get_num_threads());
     const int64_t batch = q.size(0), sq = q.size(1), c = kv.size(2);
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t t0 = 0; t0 < sq; t0 += block_q) {
-        const int64_t n = std::min(block_q, sq - t0);
-        auto keys = block_keys(indices, b, t0, n);
-        auto g = gather_rows(kv.select(0, b), keys.idx);
-        auto qb = q.select(0, b).narrow(0, t0, n);
-        auto s = at::bmm(qb, g.transpose(1, 2)) * scale;
-        s.masked_fill_(keys.valid.logical_not().unsqueeze(1), kNegInf);
-        auto p = at::exp(s - lse.select(0, b).narrow(0, t0, n).unsqueeze(-1));  // [n, H, k]
-        auto dob = dout.select(0, b).narrow(0, t0, n);                          // [n, H, R]
-        auto ob = out.select(0, b).narrow(0, t0, n);
-        auto gv = g.narrow(2, 0, value_dim);
-        auto dp = at::bmm(dob, gv.transpose(1, 2));                  // [n, H, k]
-        auto d = (dob * ob).sum(-1, /*keepdim=*/true);               // [n, H, 1]
-        auto ds = p * (dp - d) * scale;
-        dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(ds, g));      // [n, H, C]
-        auto dg = at::bmm(ds.transpose(1, 2), qb);                   // [n, k, C]
-        dg.narrow(2, 0, value_dim).add_(at::bmm(p.transpose(1, 2), dob));
-        dg.mul_(keys.valid.unsqueeze(-1));
-        dkv.select(0, b).index_add_(0, keys.idx.flatten(), dg.view({-1, c}));
-      }
-    }
-    return {dq, dkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
+      auto keys = block_keys(indices, b, t0, n);
+      auto g = gather_rows(kv.select(0, b), keys.idx);
+      auto qb = q.select(0, b).narrow(0, t0, n);
+      auto s = at::bmm(qb, g.transpose(1, 2)).mul_(scale);
+      s.masked_fill_(keys.valid.logical_not().unsqueeze(1), kNegInf);
+      auto p = s.sub_(lse.select(0, b).narrow(0, t0, n).unsqueeze(-1)).exp_();  // [n, H, k]
+      auto dob = dout.select(0, b).narrow(0, t0, n);                            // [n, H, R]
+      auto ob = out.select(0, b).narrow(0, t0, n);
+      auto gv = g.narrow(2, 0, value_dim);
+      auto dp = at::bmm(dob, gv.transpose(1, 2));     // [n, H, k]
+      auto d = (dob * ob).sum(-1, /*keepdim=*/true);  // [n, H, 1]
+      auto ds = dp.sub_(d).mul_(p).mul_(scale);
+      dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(ds, g));  // [n, H, C]
+      auto dg = at::bmm(ds.transpose(1, 2), qb);               // [n, k, C]
+      dg.narrow(2, 0, value_dim).add_(at::bmm(p.transpose(1, 2), dob));
+      dg.mul_(keys.valid.unsqueeze(-1));
+      dkv.at_slot(slot).select(0, b).index_add_(0, keys.idx.flatten(), dg.view({-1, c}));
+    });
+    return {dq, dkv.sum(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 // The indexer scores of a block against its keys: a [n, H_I, k] (pre-relu) and I [n, k].
 void index_scores(const at::Tensor& qb, const at::Tensor& wb, const at::Tensor& g, at::Tensor& a,
                   at::Tensor& scores) {
-  a = at::bmm(qb, g.transpose(1, 2));               // [n, H_I, k]
+  a = at::bmm(qb, g.transpose(1, 2));                // [n, H_I, k]
   scores = (at::relu(a) * wb.unsqueeze(-1)).sum(1);  // [n, k]
 }
 
@@ -117,33 +147,35 @@ struct IndexerLossFn : torch::autograd::Function<IndexerLossFn> {
                             const at::Tensor& k, const at::Tensor& indices, const at::Tensor& p,
                             int64_t block_q) {
     const int64_t batch = q.size(0), sq = q.size(1), d = k.size(2);
-    auto dq = at::zeros_like(q), dw = at::zeros_like(w), dk = at::zeros_like(k);
-    auto total = at::zeros({}, q.options());
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t t0 = 0; t0 < sq; t0 += block_q) {
-        const int64_t n = std::min(block_q, sq - t0);
-        auto keys = block_keys(indices, b, t0, n);
-        auto g = gather_rows(k.select(0, b), keys.idx);  // [n, k, d_I]
-        auto qb = q.select(0, b).narrow(0, t0, n);       // [n, H_I, d_I]
-        auto wb = w.select(0, b).narrow(0, t0, n);       // [n, H_I]
-        at::Tensor a, scores;
-        index_scores(qb, wb, g, a, scores);
-        scores.masked_fill_(keys.valid.logical_not(), kNegInf);
-        auto logq = at::log_softmax(scores, -1);
-        auto pb = p.select(0, b).narrow(0, t0, n) * keys.valid;
-        // KL(p || q) = sum p (log p - log q); terms with p = 0 (or invalid keys) are 0.
-        auto kl = at::xlogy(pb, pb) - at::where(keys.valid, pb * logq, at::zeros_like(pb));
-        total += kl.sum();
-        auto di = (at::exp(logq) * pb.sum(-1, /*keepdim=*/true) - pb) * keys.valid;  // [n, k]
-        dw.select(0, b).narrow(0, t0, n).copy_((at::relu(a) * di.unsqueeze(1)).sum(-1));
-        auto da = di.unsqueeze(1) * wb.unsqueeze(-1) * a.gt(0);  // [n, H_I, k]
-        dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(da, g));
-        auto dg = at::bmm(da.transpose(1, 2), qb).mul_(keys.valid.unsqueeze(-1));  // [n, k, d_I]
-        dk.select(0, b).index_add_(0, keys.idx.flatten(), dg.view({-1, d}));
-      }
-    }
-    ctx->save_for_backward({dq, dw, dk});
-    return total;
+    auto dq = at::zeros_like(q), dw = at::zeros_like(w);
+    const int threads = at::get_num_threads();
+    SlotSums dk(k, threads);
+    std::vector<double> totals(threads, 0.0);
+    for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
+      auto keys = block_keys(indices, b, t0, n);
+      auto g = gather_rows(k.select(0, b), keys.idx);  // [n, k, d_I]
+      auto qb = q.select(0, b).narrow(0, t0, n);       // [n, H_I, d_I]
+      auto wb = w.select(0, b).narrow(0, t0, n);       // [n, H_I]
+      at::Tensor a, scores;
+      index_scores(qb, wb, g, a, scores);
+      scores.masked_fill_(keys.valid.logical_not(), kNegInf);
+      auto logq = at::log_softmax(scores, -1);
+      auto pb = p.select(0, b).narrow(0, t0, n) * keys.valid;
+      // KL(p || q) = sum p (log p - log q); terms with p = 0 (or invalid keys) are 0.
+      auto kl = at::xlogy(pb, pb) - at::where(keys.valid, pb * logq, at::zeros_like(pb));
+      totals[slot] += kl.sum().item<double>();
+      auto di = (at::exp(logq) * pb.sum(-1, /*keepdim=*/true) - pb) * keys.valid;  // [n, k]
+      dw.select(0, b).narrow(0, t0, n).copy_((at::relu(a) * di.unsqueeze(1)).sum(-1));
+      auto da = di.unsqueeze(1) * wb.unsqueeze(-1) * a.gt(0);  // [n, H_I, k]
+      dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(da, g));
+      auto dg = at::bmm(da.transpose(1, 2), qb).mul_(keys.valid.unsqueeze(-1));  // [n, k, d_I]
+      dk.at_slot(slot).select(0, b).index_add_(0, keys.idx.flatten(), dg.view({-1, d}));
+    });
+    ctx->save_for_backward({dq, dw, dk.sum()});
+    double total = 0;
+    for (double t : totals)
+      total += t;
+    return at::full({}, total, q.options());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -168,34 +200,34 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
   topk = std::min(topk, skv);
   auto out = at::full({batch, sq, topk}, -1, index.q.options().dtype(at::kLong));
   auto positions = at::arange(skv, index.q.options().dtype(at::kLong));
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t t0 = 0; t0 < sq; t0 += block_q) {
-      const int64_t n = std::min(block_q, sq - t0);
-      auto qb = index.q.select(0, b).narrow(0, t0, n);  // [n, H_I, d_I]
-      auto wb = index.w.select(0, b).narrow(0, t0, n);
-      auto a = at::matmul(qb, index.k.select(0, b).t());           // [n, H_I, Skv]
-      auto scores = (at::relu(a) * wb.unsqueeze(-1)).sum(1);        // [n, Skv]
-      auto rows = at::arange(q_offset + t0, q_offset + t0 + n, positions.options()).unsqueeze(1);
-      auto visible = positions.unsqueeze(0).le(rows);  // [n, Skv]
-      scores.masked_fill_(visible.logical_not(), kNegInf);
-      at::Tensor selected;
-      if (topk == skv) {
-        selected = visible;
-      } else {
-        // The k-th largest score per row; everything above it, then its ties by position.
-        auto kth = std::get<0>(at::topk(scores, topk, -1)).select(1, topk - 1).unsqueeze(1);
-        auto above = scores.gt(kth).logical_and(visible);
-        auto tie = scores.eq(kth).logical_and(visible);
-        auto need = topk - above.sum(-1, /*keepdim=*/true);
-        selected = above.logical_or(tie.logical_and(at::cumsum(tie, -1).le(need)));
-      }
-      auto slot = at::cumsum(selected, -1) - 1;  // [n, Skv]: the rank among the selected
-      auto nz = selected.nonzero();              // [m, 2] (row, key), keys ascending per row
-      auto r = nz.select(1, 0), key = nz.select(1, 1);
-      auto block = out.select(0, b).narrow(0, t0, n);
-      block.index_put_({r, slot.index({r, key})}, key);
+  for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t) {
+    auto qb = index.q.select(0, b).narrow(0, t0, n);  // [n, H_I, d_I]
+    auto wb = index.w.select(0, b).narrow(0, t0, n);
+    // Keys past the block's last query are never visible: score the causal prefix only.
+    const int64_t width = std::min(skv, q_offset + t0 + n);
+    auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t());  // [n, H_I, w]
+    auto scores = (at::relu(a) * wb.unsqueeze(-1)).sum(1);                  // [n, w]
+    auto rows = at::arange(q_offset + t0, q_offset + t0 + n, positions.options()).unsqueeze(1);
+    auto visible = positions.narrow(0, 0, width).unsqueeze(0).le(rows);  // [n, w]
+    scores.masked_fill_(visible.logical_not(), kNegInf);
+    at::Tensor selected;
+    if (topk >= width) {
+      selected = visible;
+    } else {
+      // The k-th largest score per row (a selection, not a sort); everything above it, then
+      // its ties by position.
+      auto kth = std::get<0>(at::kthvalue(scores, width - topk + 1, -1, /*keepdim=*/true));
+      auto above = scores.gt(kth).logical_and(visible);
+      auto tie = scores.eq(kth).logical_and(visible);
+      auto need = topk - above.sum(-1, /*keepdim=*/true);
+      selected = above.logical_or(tie.logical_and(at::cumsum(tie, -1).le(need)));
     }
-  }
+    auto slot = at::cumsum(selected, -1) - 1;  // [n, Skv]: the rank among the selected
+    auto nz = selected.nonzero();              // [m, 2] (row, key), keys ascending per row
+    auto r = nz.select(1, 0), key = nz.select(1, 1);
+    auto block = out.select(0, b).narrow(0, t0, n);
+    block.index_put_({r, slot.index({r, key})}, key);
+  });
   return out;
 }
 
@@ -207,8 +239,7 @@ at::Tensor dsa_all_visible(int64_t batch, int64_t sq, int64_t skv, int64_t q_off
   return idx.unsqueeze(0).expand({batch, sq, width}).contiguous();
 }
 
-at::Tensor dsa_absorb_queries(const at::Tensor& q, const at::Tensor& w_ukv,
-                              const MLAShape& shape) {
+at::Tensor dsa_absorb_queries(const at::Tensor& q, const at::Tensor& w_ukv, const MLAShape& shape) {
   const int64_t per_head = shape.d_nope + shape.d_v;
   auto w = w_ukv.view({shape.heads, per_head, shape.kv_rank});
   auto w_k = w.narrow(1, 0, shape.d_nope);  // [H, dn, R]
@@ -225,8 +256,8 @@ void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Ten
   p_mean = res[1];
 }
 
-at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices,
-                            const at::Tensor& p, int64_t block_q) {
+at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices, const at::Tensor& p,
+                            int64_t block_q) {
   return IndexerLossFn::apply(index.q, index.w, index.k, indices, p.detach(), block_q);
 }
 
@@ -242,8 +273,8 @@ DSAResult dsa_attention(const at::Tensor& q, const at::Tensor& latent, const at:
   auto kv = at::cat({latent, k_rope.to(latent.scalar_type())}, -1);
   at::Tensor out_latent, p_mean;
   dsa_sparse_mqa(dsa_absorb_queries(q, w_ukv, shape), kv, attend, shape.kv_rank,
-                 1.0 / std::sqrt(static_cast<double>(shape.qk_dim())), options.block_q,
-                 out_latent, p_mean);
+                 1.0 / std::sqrt(static_cast<double>(shape.qk_dim())), options.block_q, out_latent,
+                 p_mean);
   const int64_t per_head = shape.d_nope + shape.d_v;
   auto w_v = w_ukv.view({shape.heads, per_head, shape.kv_rank}).narrow(1, shape.d_nope, shape.d_v);
   r.out = at::einsum("bshr,hvr->bshv", {out_latent, w_v});

@@ -32,7 +32,7 @@ namespace hp::attention {
 struct DSAOptions {
   int64_t topk = 2048;
   std::string loss = "sparse";  // sparse | dense
-  int64_t block_q = 64;         // query rows per block
+  int64_t block_q = 16;         // query rows per block
   // Every name and size checked; `who` starts the message.
   void check(const std::string& who) const;
 };
