@@ -44,7 +44,7 @@ void for_each_block(int64_t batch, int64_t sq, int64_t block_q, const Fn& fn) {
   });
 }
 
-// Per-slot accumulators of a gradient scattered into rows (index_add_ from several threads
+// Per-slot accumulators of a gradient scattered into rows (adding from several threads
 // would race): slot i's own zeros, summed at the end.
 class SlotSums {
  public:
@@ -65,6 +65,23 @@ class SlotSums {
   at::Tensor like_;
   std::vector<at::Tensor> parts_;
 };
+
+// dst[idx[i], :] += src[i, :] for the rows of src [m, C] (float or double, contiguous): a
+// plain loop, much cheaper than index_add_ for many short rows.
+void scatter_add_rows(at::Tensor& dst, const at::Tensor& idx, const at::Tensor& src) {
+  const int64_t m = src.size(0), c = src.size(1);
+  const auto* ip = idx.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "scatter_add_rows", [&] {
+    auto* d = dst.data_ptr<scalar_t>();
+    const auto* sp = src.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < m; ++i) {
+      scalar_t* row = d + ip[i] * c;
+      const scalar_t* from = sp + i * c;
+      for (int64_t j = 0; j < c; ++j)
+        row[j] += from[j];
+    }
+  });
+}
 
 // kv[b] rows at idx: [n, k, C].
 at::Tensor gather_rows(const at::Tensor& kv_b, const at::Tensor& idx) {
@@ -127,7 +144,8 @@ struct SparseMQAFn : torch::autograd::Function<SparseMQAFn> {
       auto dg = at::bmm(ds.transpose(1, 2), qb);               // [n, k, C]
       dg.narrow(2, 0, value_dim).add_(at::bmm(p.transpose(1, 2), dob));
       dg.mul_(keys.valid.unsqueeze(-1));
-      dkv.at_slot(slot).select(0, b).index_add_(0, keys.idx.flatten(), dg.view({-1, c}));
+      auto dst = dkv.at_slot(slot).select(0, b);
+      scatter_add_rows(dst, keys.idx.contiguous(), dg.view({-1, c}));
     });
     return {dq, dkv.sum(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -169,7 +187,8 @@ struct IndexerLossFn : torch::autograd::Function<IndexerLossFn> {
       auto da = di.unsqueeze(1) * wb.unsqueeze(-1) * a.gt(0);  // [n, H_I, k]
       dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(da, g));
       auto dg = at::bmm(da.transpose(1, 2), qb).mul_(keys.valid.unsqueeze(-1));  // [n, k, d_I]
-      dk.at_slot(slot).select(0, b).index_add_(0, keys.idx.flatten(), dg.view({-1, d}));
+      auto dst = dk.at_slot(slot).select(0, b);
+      scatter_add_rows(dst, keys.idx.contiguous(), dg.view({-1, d}));
     });
     ctx->save_for_backward({dq, dw, dk.sum()});
     double total = 0;
@@ -206,7 +225,7 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
     // Keys past the block's last query are never visible: score the causal prefix only.
     const int64_t width = std::min(skv, q_offset + t0 + n);
     auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t());  // [n, H_I, w]
-    auto scores = (at::relu(a) * wb.unsqueeze(-1)).sum(1);                  // [n, w]
+    auto scores = at::bmm(wb.unsqueeze(1), a.relu_()).squeeze(1);            // [n, w]
     auto rows = at::arange(q_offset + t0, q_offset + t0 + n, positions.options()).unsqueeze(1);
     auto visible = positions.narrow(0, 0, width).unsqueeze(0).le(rows);  // [n, w]
     scores.masked_fill_(visible.logical_not(), kNegInf);
