@@ -121,8 +121,15 @@ void add_task_options(CLI::App& app, Args& a) {
                  "gdn/kda: value heads, a multiple of --heads (default: --heads)");
   app.add_option("--attention", a.attention,
                  "softmax (default; --mixer attention) | mla (multi-head latent attention in "
-                 "every layer: d_nope = d_v = --head-dim, d_rope = --head-dim / 2)")
+                 "every layer: d_nope = d_v = --head-dim, d_rope = --head-dim / 2) | dsa (mla "
+                 "with a lightning indexer and top-k sparse attention)")
       ->capture_default_str();
+  app.add_option("--topk", o.model.topk, "dsa: keys each query attends")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--index-loss", o.model.index_loss,
+                 "dsa: sparse (over the selection) | dense (indexer warm-up: every visible key)");
+  app.add_option("--index-loss-coef", o.index_loss_coef,
+                 "dsa: the indexer loss's weight (it trains only the indexer)");
   app.add_option("--kv-rank", o.model.kv_rank, "mla: latent width (default 2 x --head-dim)");
   app.add_option("--q-rank", o.model.q_rank, "mla: query low rank (default 3 x --head-dim)");
   app.add_option("--lr", o.lr, "peak learning rate");
@@ -204,21 +211,34 @@ void resolve(Args& a) {
   // The fault hook of the tests (a NaN loss at one step on one rank).
   if (const char* step = std::getenv("HP_TEST_NAN_AT_STEP")) o.test_nan_step = std::atoll(step);
   if (const char* rank = std::getenv("HP_TEST_NAN_RANK")) o.test_nan_rank = std::atoi(rank);
-  HP_CHECK(a.attention == "softmax" || a.attention == "mla", "hp-train: --attention '",
-           a.attention, "' is not valid; valid: softmax, mla");
-  if (a.attention == "mla") {
-    HP_CHECK(o.model.mixer == "attention", "hp-train: --attention mla and --mixer ",
+  HP_CHECK(a.attention == "softmax" || a.attention == "mla" || a.attention == "dsa",
+           "hp-train: --attention '", a.attention, "' is not valid; valid: softmax, mla, dsa");
+  if (a.attention != "softmax") {
+    HP_CHECK(o.model.mixer == "attention", "hp-train: --attention ", a.attention, " and --mixer ",
              o.model.mixer, " both choose the token mixer; give one of them");
-    o.model.mixer = "mla";
+    o.model.mixer = a.attention;
+  }
+  {
+    const hp::model::Qwen3Config model_defaults;
+    const hp::train::TrainOptions train_defaults;
+    HP_CHECK(o.model.mixer == "dsa" || (o.model.topk == model_defaults.topk &&
+                                        o.model.index_loss == model_defaults.index_loss &&
+                                        o.index_loss_coef == train_defaults.index_loss_coef),
+             "hp-train: --topk, --index-loss and --index-loss-coef apply to --attention dsa");
   }
   const hp::plan::MLAPlanOptions mla_defaults;
   HP_CHECK(o.model.mixer == "mla" || o.mla.strategy == mla_defaults.strategy,
-           "hp-train: --mla-cp applies to --attention mla");
-  if (o.model.mixer == "mla") {
+           "hp-train: --mla-cp applies to --attention mla (DSA's CP is the all-gather family)");
+  if (o.model.mixer == "mla" || o.model.mixer == "dsa") {
     HP_CHECK(a.algo == "all_gather" && a.degree == 0,
              "hp-train: --cp-algo and --ulysses-degree choose softmax attention's CP; with "
-             "--attention mla choose --mla-cp latent_all_gather|ulysses|all_gather (and "
-             "--schedule, --load-balance)");
+             "--attention ",
+             o.model.mixer,
+             o.model.mixer == "mla"
+                 ? " choose --mla-cp latent_all_gather|ulysses|all_gather (and --schedule, "
+                   "--load-balance)"
+                 : " CP gathers the index keys and the latent (--schedule, --load-balance "
+                   "apply)");
   }
   if (o.model.mixer == "gdn" || o.model.mixer == "kda") {
     HP_CHECK(a.algo == "all_gather" && !a.load_balance && a.degree == 0,
@@ -292,6 +312,8 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"cp_mode", o.linear.mode},
                         {"state_exchange", o.linear.state_exchange},
                         {"mla_cp", o.mla.strategy},
+                        {"topk", o.model.topk},
+                        {"index_loss", o.model.index_loss},
                         {"data", o.data},
                         {"seed", o.seed},
                         {"plan", r.plan}}},

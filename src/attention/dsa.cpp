@@ -301,4 +301,23 @@ DSAResult dsa_attention(const at::Tensor& q, const at::Tensor& latent, const at:
   return r;
 }
 
+void DSAHost::install(std::shared_ptr<DSAInterceptor> interceptor) {
+  HP_CHECK(interceptor != nullptr, "DSAHost::install: interceptor is null");
+  if (interceptor_) {
+    HP_CHECK(interceptor_->id() == interceptor->id(),
+             "a different CP strategy is already installed on this DSA layer: installed '",
+             interceptor_->id(), "', new '", interceptor->id(),
+             "'. Apply context parallelism once per layer (re-applying the same plan is fine)");
+    return;
+  }
+  interceptor_ = std::move(interceptor);
+}
+
+DSAResult DSAHost::attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
+                          const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
+                          const DSAOptions& options) {
+  if (interceptor_) return interceptor_->attend(q, latent, k_rope, w_ukv, shape, index, options);
+  return dsa_attention(q, latent, k_rope, w_ukv, shape, index, 0, options);
+}
+
 }  // namespace hp::attention

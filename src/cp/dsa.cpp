@@ -121,6 +121,43 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
   return res;
 }
 
+namespace {
+
+class DSACPInterceptor final : public attention::DSAInterceptor {
+ public:
+  DSACPInterceptor(std::string path, DSACPOptions options,
+                   std::shared_ptr<const CPTopology> topology)
+      : path_(std::move(path)), options_(options), topology_(std::move(topology)) {}
+  std::string id() const override {
+    return common::str_cat("dsa-cp:", path_, ":", to_string(options_.schedule),
+                           options_.load_balance ? ":lb:" : ":", topology_->id());
+  }
+  attention::DSAResult attend(const at::Tensor& q, const at::Tensor& latent,
+                              const at::Tensor& k_rope, const at::Tensor& w_ukv,
+                              const attention::MLAShape& shape, const attention::DSAIndexer& index,
+                              const attention::DSAOptions& options) override {
+    return dsa_attention_cp(q, latent, k_rope, w_ukv, shape, index, options, options_, *topology_);
+  }
+
+ private:
+  std::string path_;
+  DSACPOptions options_;
+  std::shared_ptr<const CPTopology> topology_;
+};
+
+}  // namespace
+
+std::string apply_dsa_cp(attention::DSAHost& host, const std::string& module_path,
+                         const DSACPOptions& options,
+                         const std::shared_ptr<const CPTopology>& topology) {
+  HP_CHECK(topology != nullptr, "apply_dsa_cp('", module_path,
+           "'): no CP topology; build one with CPTopology::build at apply time");
+  host.install(std::make_shared<DSACPInterceptor>(module_path, options, topology));
+  return common::str_cat("DSA CP: module=", module_path, " strategy=all_gather schedule=",
+                         to_string(options.schedule), options.load_balance ? " load_balance" : "",
+                         " cp_size=", topology->cp_size);
+}
+
 int64_t dsa_forward_bytes_per_rank(const attention::MLAShape& shape, int64_t index_dim,
                                    int64_t batch, int64_t seq, int64_t cp_size,
                                    int64_t element_size) {

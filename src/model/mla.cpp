@@ -28,13 +28,24 @@ void validate(const MLAConfig& c) {
            " q_rank=", c.q_rank, " kv_rank=", c.kv_rank, " d_nope=", c.d_nope,
            " d_rope=", c.d_rope, " d_v=", c.d_v, ")");
   HP_CHECK(c.d_rope % 2 == 0, "MLAConfig.d_rope=", c.d_rope, " must be even for RoPE");
+  if (c.sparse) {
+    HP_CHECK(c.index_heads > 0 && c.index_dim > 0, "MLAConfig: index_heads=", c.index_heads,
+             " and index_dim=", c.index_dim, " must be positive");
+    attention::DSAOptions o;
+    o.topk = c.topk;
+    o.loss = c.index_loss;
+    o.check("MLAConfig (sparse)");
+  }
 }
 
 int64_t mla_parameter_count(const MLAConfig& c) {
   const int64_t dq = c.d_nope + c.d_rope;
+  const int64_t indexer =
+      c.sparse ? c.index_heads * c.index_dim * c.q_rank + (c.index_dim + c.index_heads) * c.hidden
+               : 0;
   return c.q_rank * c.hidden + c.q_rank + c.heads * dq * c.q_rank + c.kv_rank * c.hidden +
          c.kv_rank + c.d_rope * c.hidden + c.heads * (c.d_nope + c.d_v) * c.kv_rank +
-         c.hidden * c.heads * c.d_v;
+         c.hidden * c.heads * c.d_v + indexer;
 }
 
 MLAAttentionImpl::MLAAttentionImpl(const MLAConfig& c, int64_t layer)
@@ -53,6 +64,13 @@ MLAAttentionImpl::MLAAttentionImpl(const MLAConfig& c, int64_t layer)
       "w_ukv", seeded(base + 5, {c.heads * (c.d_nope + c.d_v), c.kv_rank}, fan_in(c.kv_rank)));
   w_o = register_parameter("w_o",
                            seeded(base + 6, {c.hidden, c.heads * c.d_v}, fan_in(c.heads * c.d_v)));
+  if (c.sparse) {
+    w_iq = register_parameter(
+        "w_iq", seeded(base + 7, {c.index_heads * c.index_dim, c.q_rank}, fan_in(c.q_rank)));
+    w_ik = register_parameter("w_ik", seeded(base + 8, {c.index_dim, c.hidden}, fan_in(c.hidden)));
+    w_iw = register_parameter("w_iw",
+                              seeded(base + 9, {c.index_heads, c.hidden}, fan_in(c.hidden)));
+  }
 }
 
 attention::MLAShape MLAAttentionImpl::shape() const {
@@ -88,8 +106,28 @@ at::Tensor MLAAttentionImpl::forward(const at::Tensor& x, const at::Tensor& posi
            " must be [B, S, hidden=", config_.hidden, "]");
   at::Tensor latent, k_rope;
   latent_and_rope(x, position_ids, latent, k_rope);
+  if (config_.sparse) return forward_sparse(x, position_ids, latent, k_rope);
   auto o = host_.attend([&] { return queries(x, position_ids); }, latent, k_rope, w_ukv, shape());
   return at::matmul(o.flatten(2), w_o.t());
+}
+
+at::Tensor MLAAttentionImpl::forward_sparse(const at::Tensor& x, const at::Tensor& position_ids,
+                                            const at::Tensor& latent, const at::Tensor& k_rope) {
+  const auto& c = config_;
+  const int64_t b = x.size(0), s = x.size(1);
+  // The indexer reads detached inputs: only its loss trains it, and it trains nothing else.
+  auto xd = x.detach();
+  auto c_q = rms_norm(at::matmul(xd, w_dq.t().detach()), q_norm.detach(), c.rms_eps);
+  attention::DSAIndexer index;
+  index.q = at::matmul(c_q, w_iq.t()).view({b, s, c.index_heads, c.index_dim});
+  index.k = at::matmul(xd, w_ik.t());
+  index.w = at::matmul(xd, w_iw.t()) / std::sqrt(static_cast<double>(c.index_heads));
+  attention::DSAOptions o;
+  o.topk = c.topk;
+  o.loss = c.index_loss;
+  auto res = dsa_host_.attend(queries(x, position_ids), latent, k_rope, w_ukv, shape(), index, o);
+  index_loss_ = res.loss;
+  return at::matmul(res.out.flatten(2), w_o.t());
 }
 
 }  // namespace hp::model

@@ -31,13 +31,15 @@ void validate(const Qwen3Config& c, int64_t tp) {
            " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
            "; choose a tp_size that divides ", c.kv_heads);
   HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
-  HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda" || c.mixer == "mla",
-           "Qwen3Config.mixer='", c.mixer, "' is not valid; valid: attention, gdn, kda, mla");
-  if (c.mixer == "mla") {
-    HP_CHECK(tp == 1, "Qwen3Config.mixer=mla: MLA layers have no tensor parallelism here; use "
-             "tp_size=1 (got ", tp, ") and split the sequence with cp instead");
-    HP_CHECK(c.head_dim % 4 == 0, "Qwen3Config.head_dim=", c.head_dim,
-             " must be a multiple of 4 with mixer=mla (d_rope = head_dim / 2 must be even)");
+  HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda" || c.mixer == "mla" ||
+               c.mixer == "dsa",
+           "Qwen3Config.mixer='", c.mixer, "' is not valid; valid: attention, gdn, kda, mla, dsa");
+  if (c.mixer == "mla" || c.mixer == "dsa") {
+    HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
+             ": MLA layers have no tensor parallelism here; use tp_size=1 (got ", tp,
+             ") and split the sequence with cp instead");
+    HP_CHECK(c.head_dim % 4 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be a multiple of 4 with mixer=",
+             c.mixer, " (d_rope = head_dim / 2 must be even)");
     validate(mla_config(c));
   } else if (c.mixer != "attention") {
     HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
@@ -73,6 +75,11 @@ MLAConfig mla_config(const Qwen3Config& c) {
   m.rms_eps = c.rms_eps;
   m.primitive = c.primitive;
   m.seed = c.seed;
+  m.sparse = c.mixer == "dsa";
+  m.topk = c.topk;
+  m.index_loss = c.index_loss;
+  m.index_heads = c.index_heads;
+  m.index_dim = c.index_dim;
   return m;
 }
 
@@ -84,7 +91,7 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
   m.layers = c.layers;
   m.head_act = 3 * h + 4 * v;  // the final norm, the logits, their log-softmax and both gradients
   m.recompute = c.recompute;
-  if (c.mixer == "mla") {
+  if (c.mixer == "mla" || c.mixer == "dsa") {
     const auto a = mla_config(c);
     const int64_t dq = a.d_nope + a.d_rope, q = a.heads * dq, kv = a.heads * (dq + a.d_v);
     for (int64_t i = 0; i < c.layers; ++i)
@@ -96,6 +103,12 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
     // K/V (kv_per_token over the whole sequence).
     m.layer_act = 6 * q + 3 * a.q_rank + 4 * a.kv_rank + 3 * a.d_rope + 3 * a.heads * a.d_v +
                   10 * h + 4 * f;
+    if (a.sparse) {
+      // The indexer's inputs and outputs, and the selection: int64 indices and the selected
+      // keys' probabilities per query (kept for backward).
+      m.layer_act += 3 * a.q_rank + 2 * a.index_heads * a.index_dim + 2 * a.index_dim +
+                     a.index_heads + 3 * a.topk;
+    }
     m.layer_input = h;
     m.q_per_token = q;
     m.kv_per_token = kv;
@@ -215,7 +228,7 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden, c.rms_eps));
   if (c.mixer == "attention") {
     self_attn = register_module("self_attn", Qwen3Attention(c, layer, tp));
-  } else if (c.mixer == "mla") {
+  } else if (c.mixer == "mla" || c.mixer == "dsa") {
     mla_attn = register_module("mla_attn", MLAAttention(mla_config(c), layer));
   } else {
     linear_attn = register_module("linear_attn", LinearAttention(linear_config(c), layer));
@@ -340,7 +353,8 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
     if (auto& mla = layers[i]->mla_attn) {
       plan::ModuleInfo info{base + ".mla_attn", tp::tp_shard_dims(*mla), std::nullopt,
                             std::nullopt};
-      info.mla = plan::MLASlotInfo{mla->shape(), &mla->host()};
+      info.mla = plan::MLASlotInfo{mla->shape(), &mla->host(),
+                                   mla->config().sparse ? &mla->dsa_host() : nullptr};
       out.push_back(std::move(info));
       out.push_back(
           {base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
@@ -390,6 +404,16 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
     v = {checker, find(base), find(base + mixer), find(base + ".mlp")};
     if (i == 0) first_layer_ = v.layer;
   }
+}
+
+at::Tensor Qwen3Impl::aux_loss() const {
+  at::Tensor total;
+  for (const auto& layer : layers) {
+    if (!layer->mla_attn || !layer->mla_attn->index_loss().defined()) continue;
+    const auto& l = layer->mla_attn->index_loss();
+    total = total.defined() ? total + l : l;
+  }
+  return total;
 }
 
 std::vector<at::Tensor> Qwen3Impl::tp_partial_grad_parameters() const {

@@ -5,6 +5,7 @@
 
 #include "hp/common/check.h"
 #include "hp/cp/linear.h"
+#include "hp/cp/dsa.h"
 #include "hp/cp/mla.h"
 #include "hp/cp/topology.h"
 
@@ -30,10 +31,15 @@ std::string ShardingPlan::describe() const {
     out += " linear: mode=" + linear.mode;
     if (linear.mode == "state_passing") out += " state_exchange=" + linear.state_exchange;
   }
-  const bool has_mla =
-      std::any_of(modules.begin(), modules.end(), [](const auto& m) { return m.second.is_mla; });
-  if (has_mla && cp_config) {
-    out += " mla: strategy=" + mla.strategy + " schedule=" + cp::to_string(cp_config->schedule);
+  const bool has_mla = std::any_of(modules.begin(), modules.end(), [](const auto& m) {
+    return m.second.is_mla && !m.second.is_dsa;
+  });
+  const bool has_dsa =
+      std::any_of(modules.begin(), modules.end(), [](const auto& m) { return m.second.is_dsa; });
+  if ((has_mla || has_dsa) && cp_config) {
+    if (has_mla) out += " mla: strategy=" + mla.strategy;
+    if (has_dsa) out += " dsa: strategy=all_gather";
+    out += common::str_cat(" schedule=", cp::to_string(cp_config->schedule));
     if (cp_config->load_balance) out += " load_balance";
   }
   if (hsdp()) {
@@ -95,6 +101,17 @@ void check_mla_plan(const std::vector<ModuleInfo>& mlas, const PlanOptions& o,
            "plan: MLA CP balances head-tail shards in data order; set load_balance_form="
            "data_order (the default) or drop load_balance");
   for (const auto& info : mlas) {
+    if (info.mla->dsa != nullptr) {
+      HP_CHECK(o.mla.strategy == MLAPlanOptions{}.strategy, "plan: module '", info.path,
+               "' is a DSA layer: its CP is the all-gather family (the index keys and the latent "
+               "gathered); the MLA strategy '",
+               o.mla.strategy, "' does not apply; drop it");
+      const int64_t local = o.seq_len > 0 ? o.seq_len / o.cp_size : 2;
+      HP_CHECK(!config->load_balance || local % 2 == 0, "plan: module '", info.path,
+               "': head-tail load balance needs an even local sequence length, got ", local,
+               "; pad the sequence to a multiple of 2 * cp = ", 2 * o.cp_size);
+      continue;
+    }
     cp::MLACPOptions m;
     m.strategy = o.mla.strategy;
     m.load_balance = config->load_balance;
@@ -246,6 +263,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
     }
     spec.is_linear = info.linear.has_value();
     spec.is_mla = info.mla.has_value();
+    spec.is_dsa = info.mla.has_value() && info.mla->dsa != nullptr;
     HP_CHECK(p.modules.emplace(info.path, std::move(spec)).second,
              "plan: the model reports module '", info.path,
              "' twice; every module path must be unique");
@@ -290,6 +308,13 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
     for (const auto& info : mla_modules(model)) {
       HP_CHECK(plan.modules.count(info.path) == 1, "apply: module '", info.path,
                "' is not in the plan; plan and apply the same model");
+      if (info.mla->dsa != nullptr) {
+        cp::DSACPOptions d;
+        d.schedule = plan.cp_config->schedule;
+        d.load_balance = plan.cp_config->load_balance;
+        lines.push_back(cp::apply_dsa_cp(*info.mla->dsa, info.path, d, topo));
+        continue;
+      }
       cp::MLACPOptions o;
       o.strategy = plan.mla.strategy;
       o.schedule = plan.cp_config->schedule;

@@ -79,6 +79,9 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
   if (fully_shard != nullptr) fully_shard->set_requires_all_reduce(micro == o.grad_accum - 1);
   auto logits = model->forward(b.input_ids, b.position_ids);
   auto local_sum = loss_sum(logits, b.labels);
+  // DSA layers' indexer losses (sums over this rank's queries): trained with the same
+  // normalisation, reported apart from the language-model loss.
+  const auto aux = model->aux_loss();
   if (o.test_nan_step == step && mesh.world().rank() == o.test_nan_rank) {
     local_sum = local_sum * std::numeric_limits<double>::quiet_NaN();  // the test hook
   }
@@ -89,7 +92,8 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
                                 at::stack({count, local_sum.detach().to(at::kDouble)}));
   const double global_count = stats[0].item<double>() / tp;
   HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
-  (local_sum / (global_count * static_cast<double>(o.grad_accum))).backward();
+  auto objective = aux.defined() ? local_sum + aux * o.index_loss_coef : local_sum;
+  (objective / (global_count * static_cast<double>(o.grad_accum))).backward();
   return stats[1].item<double>() / tp / global_count / static_cast<double>(o.grad_accum);
 }
 

@@ -177,5 +177,69 @@ TEST(MLALayer, Qwen3StackPlansAndAppliesMLA) {
   HP_EXPECT_ERROR(validate(c), "must be a multiple of 4 with mixer=mla");
 }
 
+// A Qwen3 stack of DSA layers in float64: under CP (async, balanced) the logits, the indexer
+// loss (summed over ranks) and every gradient (the indexer's from its loss) equal the
+// single-process model; the planner refuses an MLA strategy for DSA layers.
+TEST(DSALayer, Qwen3StackUnderCPEqualsTheSingleProcessModel) {
+  Qwen3Config c;
+  c.layers = 2;
+  c.hidden = 32;
+  c.heads = 4;
+  c.head_dim = 8;
+  c.ffn = 48;
+  c.mixer = "dsa";
+  c.topk = 5;
+  Qwen3 ref(c);
+  ref->to(at::kDouble);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto ids = at::randint(0, c.vocab, {1, 16}, gen, at::kLong);
+  auto pos = at::arange(16, at::kLong).unsqueeze(0);
+  auto logits = ref->forward(ids, pos);
+  auto ref_aux = ref->aux_loss();
+  ASSERT_TRUE(ref_aux.defined());
+  (logits.pow(2).mean() + ref_aux).backward();
+  auto refs = ref->named_parameters();
+  EXPECT_TRUE(refs["layers.0.mla_attn.w_iq"].grad().abs().sum().item<double>() > 0);
+  run_ranks(2, [&](comm::World& w) {
+    Qwen3 m(c);
+    m->to(at::kDouble);
+    plan::PlanOptions po;
+    po.cp_size = 2;
+    po.seq_len = 16;
+    cp::ContextParallelConfig cc;
+    cc.schedule = cp::CPSchedule::kAsync;
+    cc.load_balance = true;
+    po.cp_config = cc;
+    auto plan = plan::ShardingPlanner().plan(*m, 2, po, {});
+    EXPECT_NE(plan.describe().find("dsa: strategy=all_gather schedule=async load_balance"),
+              std::string::npos)
+        << plan.describe();
+    comm::DeviceMesh mesh(w, plan.mesh_dims, plan.mesh_options());
+    auto lines = plan::ShardingApplier().apply(*m, plan, mesh);
+    EXPECT_NE(lines[0].find("DSA CP: module=layers.0.mla_attn strategy=all_gather"),
+              std::string::npos)
+        << lines[0];
+    const int64_t r = w.rank();
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, 1, r, 2, true); };
+    auto out = m->forward(shard(ids), shard(pos));
+    expect_close(out, shard(logits.detach()), "logits rank " + std::to_string(r), 1e-10, 1e-10);
+    auto aux = m->aux_loss();
+    auto total = comm::all_reduce(mesh.group("cp"), aux.detach().reshape({1}));
+    expect_close(total.squeeze(), ref_aux.detach(), "index loss", 1e-10, 1e-10);
+    (out.pow(2).sum() / logits.numel() + aux).backward();
+    for (const auto& par : m->named_parameters()) {
+      auto g = comm::all_reduce(mesh.group("cp"), par.value().grad());
+      expect_close(g, refs[par.key()].grad(), "d" + par.key(), 1e-9, 1e-10);
+    }
+  });
+  Qwen3 m(c);
+  plan::PlanOptions po;
+  po.cp_size = 2;
+  po.seq_len = 16;
+  po.mla.strategy = "ulysses";
+  HP_EXPECT_ERROR(plan::ShardingPlanner().plan(*m, 2, po, {}),
+                  "is a DSA layer: its CP is the all-gather family");
+}
+
 }  // namespace
 }  // namespace hp::model

@@ -535,6 +535,42 @@ TEST(HpTrain, MLAUnderContextParallelism) {
                  {"MLA heads must be divisible by TP x CP: heads=3, cp_size=2"});
 }
 
+// A model of DSA layers (--attention dsa): the indexer warm-up (--index-loss dense: attention and
+// loss over every visible key) agrees with the single-process run under CP, async and balanced;
+// the sparse run (top-k below the sequence) trains under CP. Exact agreement of float32 sparse
+// runs is not asserted: the copy task repeats tokens, whose index keys tie in exact arithmetic
+// and may order differently between layouts in their last bits (attention/dsa.h); the float64
+// equality of every layout is tested in DSALayer and DSACP.
+TEST(HpTrain, DSAUnderContextParallelism) {
+  const std::string dir = hp::testing::scratch_dir();
+  const std::string model = "--layers 2 --hidden 32 --heads 4 --head-dim 8 --ffn 48 ";
+  const std::string m = dir + "/train_dsa.json";
+  auto r = run("--nproc 2 --cp 2 --attention dsa --topk 8 --index-loss dense --schedule async "
+               "--load-balance " +
+               model + "--seq-len 64 --steps 3 --validate --metrics-json " + m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = metrics(m);
+  losses(j, 3);
+  expect_validated(r.out, j, 3, 1e-4);
+  EXPECT_EQ(j["config"]["mixer"], "dsa");
+  EXPECT_EQ(j["config"]["topk"], 8);
+  EXPECT_NE(r.out.find("DSA CP: module=layers.1.mla_attn strategy=all_gather schedule=async "
+                       "load_balance cp_size=2"),
+            std::string::npos)
+      << r.out;
+  const std::string m2 = dir + "/train_dsa_sparse.json";
+  auto sparse = run("--nproc 2 --cp 2 --attention dsa --topk 8 " + model +
+                    "--seq-len 64 --steps 4 --lr 1e-2 --metrics-json " + m2);
+  ASSERT_EQ(sparse.rc, 0) << sparse.out;
+  auto l = losses(metrics(m2), 4);
+  EXPECT_LT(l.back(), l.front()) << sparse.out;
+  expect_refused("--nproc 2 --cp 2 --attention dsa --mla-cp ulysses",
+                 {"--mla-cp applies to --attention mla"});
+  expect_refused("--nproc 2 --cp 2 --topk 8", {"--topk, --index-loss and --index-loss-coef apply"});
+  expect_refused("--nproc 1 --attention dsa --index-loss entropy",
+                 {"DSA index loss 'entropy' is not valid; valid: sparse, dense"});
+}
+
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
   // Refused by the launcher, before any rank starts.
   expect_refused("--nproc 4 --tp 3 --cp 1",

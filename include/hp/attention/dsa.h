@@ -16,11 +16,18 @@
 //              only from this loss, and the loss moves nothing but q_I, w and k_I)
 //   variants   loss "sparse": attention and loss over the top-k selection; "dense" (indexer
 //              warm-up): attention and loss over every visible key (the top-k is still reported)
+// Layouts: given the same inputs, the selection is the same in every layout (CP ranks score
+// other key widths; the scores of a key do not depend on them). In float32 a model's indexer
+// inputs themselves differ between layouts in their last bits (a GEMM rounds a row by where it
+// falls in its blocking), and two keys that tie in exact arithmetic (a repeated token) may then
+// order differently: float32 DSA under CP can select other keys than the single-process run
+// where scores tie. float64 inputs select identically (the tests hold it to that).
 // Memory: no [Sq, Skv] tensor; the indexer scores and the attention run in query blocks, and
 // both custom backward passes recompute a block from what the forward kept.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -72,5 +79,29 @@ void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Ten
 // The indexer loss over `indices` with targets p [B, Sq, k] (rows sum to 1 over the valid keys).
 at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices,
                             const at::Tensor& p, int64_t block_q);
+
+// The model-facing surface CP hooks into for DSA layers (as MLAHost for MLA): with nothing
+// installed, dsa_attention on the local tokens (q_offset 0); cp/dsa.h installs its strategy.
+class DSAInterceptor {
+ public:
+  virtual ~DSAInterceptor() = default;
+  virtual std::string id() const = 0;
+  virtual DSAResult attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
+                           const at::Tensor& w_ukv, const MLAShape& shape,
+                           const DSAIndexer& index, const DSAOptions& options) = 0;
+};
+
+class DSAHost {
+ public:
+  // A second interceptor with another id is an error; the same id again is a no-op.
+  void install(std::shared_ptr<DSAInterceptor> interceptor);
+  DSAInterceptor* installed() const { return interceptor_.get(); }
+  DSAResult attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
+                   const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
+                   const DSAOptions& options);
+
+ private:
+  std::shared_ptr<DSAInterceptor> interceptor_;
+};
 
 }  // namespace hp::attention

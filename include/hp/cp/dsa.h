@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +48,12 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                                       const attention::DSAIndexer& index,
                                       const attention::DSAOptions& dsa,
                                       const DSACPOptions& options, const CPTopology& topology);
+
+// Installs DSA CP into a DSA layer's host (the interceptor runs dsa_attention_cp over the
+// topology's CP group). Returns the apply log line.
+std::string apply_dsa_cp(attention::DSAHost& host, const std::string& module_path,
+                         const DSACPOptions& options,
+                         const std::shared_ptr<const CPTopology>& topology);
 
 int64_t dsa_forward_bytes_per_rank(const attention::MLAShape& shape, int64_t index_dim,
                                    int64_t batch, int64_t seq, int64_t cp_size,

@@ -8,6 +8,12 @@
 //              its strategy into the host: cp/mla.h)
 //     out    = W_o o                  [B, S, hidden]
 // RoPE at the global positions `position_ids` [B, S] (what CP shards with the tokens).
+//
+// sparse (DSA, DeepSeek-V3.2): the same layer with a lightning indexer on inputs detached from
+// the main model (it learns only from its KL loss): q_I = W_iq c_q [B, S, H_I, d_I] (c_q the
+// query's normed low-rank latent), k_I = W_ik x [B, S, d_I], w = W_iw x / sqrt(H_I); attention
+// runs over each query's top-k keys (attention/dsa.h) through the DSA host (cp/dsa.h installs
+// CP into it); index_loss() is the indexer's loss of the last forward, summed over its queries.
 // Weights are seeded, so every layout starts identical to its single-process twin.
 #pragma once
 
@@ -18,6 +24,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "hp/attention/dsa.h"
 #include "hp/attention/mla.h"
 
 namespace hp::model {
@@ -34,6 +41,11 @@ struct MLAConfig {
   double rms_eps = 1e-6;
   std::string primitive = "blockwise";
   uint64_t seed = 7;
+  bool sparse = false;  // DSA
+  int64_t index_heads = 4;
+  int64_t index_dim = 32;
+  int64_t topk = 2048;
+  std::string index_loss = "sparse";  // sparse | dense (indexer warm-up)
 };
 
 // Checks the config (names the field, the value and the fix).
@@ -51,15 +63,23 @@ class MLAAttentionImpl : public torch::nn::Module {
 
   attention::MLAShape shape() const;
   attention::MLAHost& host() { return host_; }
+  attention::DSAHost& dsa_host() { return dsa_host_; }
+  // sparse: the indexer loss of the last forward (a scalar in the graph); undefined otherwise.
+  const at::Tensor& index_loss() const { return index_loss_; }
   const MLAConfig& config() const { return config_; }
 
   at::Tensor w_dq, q_norm, w_uq;       // [q_rank, hidden], [q_rank], [H * dq, q_rank]
   at::Tensor w_dkv, kv_norm, w_kr;     // [kv_rank, hidden], [kv_rank], [d_rope, hidden]
   at::Tensor w_ukv, w_o;               // [H * (d_nope + d_v), kv_rank], [hidden, H * d_v]
+  at::Tensor w_iq, w_ik, w_iw;  // sparse: [H_I * d_I, q_rank], [d_I, hidden], [H_I, hidden]
 
  private:
+  at::Tensor forward_sparse(const at::Tensor& x, const at::Tensor& position_ids,
+                            const at::Tensor& latent, const at::Tensor& k_rope);
   MLAConfig config_;
   attention::MLAHost host_;
+  attention::DSAHost dsa_host_;
+  at::Tensor index_loss_;
 };
 TORCH_MODULE(MLAAttention);
 

@@ -42,11 +42,16 @@ struct Qwen3Config {
   // "gdn" | "kda" (linear_attention.h: q/k heads = heads, value heads = value_heads, K = V =
   // head_dim, conv width 4; no TP). Mixed stacks come with the model families.
   // "mla": multi-head latent attention (mla.h): heads = heads, d_nope = d_v = head_dim,
-  // d_rope = head_dim / 2, kv_rank and q_rank below; no TP.
+  // d_rope = head_dim / 2, kv_rank and q_rank below; no TP. "dsa": the same, sparse.
   std::string mixer = "attention";
   int64_t value_heads = 0;  // linear mixers: HV, a multiple of heads (0: heads)
   int64_t kv_rank = 0;      // mla: the latent width (0: 2 * head_dim)
   int64_t q_rank = 0;       // mla: the query's low rank (0: 3 * head_dim)
+  // "dsa": the MLA layer with its lightning indexer and top-k sparse attention (mla.h sparse).
+  int64_t topk = 2048;
+  std::string index_loss = "sparse";  // sparse | dense
+  int64_t index_heads = 4;
+  int64_t index_dim = 32;
 };
 
 // The linear-attention layer config of layer `layer` (mixer gdn | kda).
@@ -122,7 +127,7 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3Attention self_attn{nullptr};     // mixer "attention"
   LinearAttention linear_attn{nullptr};  // mixer "gdn" | "kda"
-  MLAAttention mla_attn{nullptr};        // mixer "mla"
+  MLAAttention mla_attn{nullptr};        // mixer "mla" | "dsa"
   Qwen3MLP mlp{nullptr};
 };
 TORCH_MODULE(Qwen3DecoderLayer);
@@ -146,6 +151,10 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
   // Parameters replicated over TP whose gradient is a partial sum per TP rank (QK-norm weights
   // act on the rank's own heads): their gradients must be all-reduced over TP.
   std::vector<at::Tensor> tp_partial_grad_parameters() const;
+  // The auxiliary losses of the last forward (DSA layers' indexer losses, summed over this
+  // rank's queries and the layers): a scalar in the graph, undefined when there are none. The
+  // trainer adds it (times its coefficient) to the objective.
+  at::Tensor aux_loss() const;
 
   at::Tensor embed_tokens;  // [vocab, hidden], replicated
   std::vector<Qwen3DecoderLayer> layers;

@@ -17,6 +17,7 @@
 
 #include "hp/attention/host.h"
 #include "hp/attention/linear_host.h"
+#include "hp/attention/dsa.h"
 #include "hp/attention/mla.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/apply.h"
@@ -57,6 +58,7 @@ struct LinearSlotInfo {
 struct MLASlotInfo {
   attention::MLAShape shape;
   attention::MLAHost* host = nullptr;
+  attention::DSAHost* dsa = nullptr;  // set for sparse (DSA) layers: cp/dsa.h is installed
 };
 
 struct ModuleInfo {
@@ -135,6 +137,7 @@ struct ModuleShardingSpec {
   bool is_attention = false;
   bool is_linear = false;  // linear-attention modules: ShardingPlan::linear applies
   bool is_mla = false;     // MLA modules: ShardingPlan::mla applies
+  bool is_dsa = false;     // DSA modules (sparse MLA): the all-gather family
 };
 
 struct ShardingPlan {

@@ -29,6 +29,9 @@ struct TrainOptions {
   plan::LinearPlanOptions linear;
   // MLA layers (model.mixer mla): --mla-cp.
   plan::MLAPlanOptions mla;
+  // DSA layers (model.mixer dsa): the indexer loss's weight in the objective (it trains only
+  // the indexer, whose inputs are detached from the main model).
+  double index_loss_coef = 1.0;
   int64_t seq_len = 512;
   int64_t batch = 1;  // sequences per data-parallel rank and micro-batch
   int64_t steps = 50;
