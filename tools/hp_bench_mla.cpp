@@ -86,6 +86,12 @@ nlohmann::json mla_json(const hp::bench::MLABenchOptions& o,
                     {"wire_bytes_per_rank", r.wire_bytes_per_rank},
                     {"link", hp::bench::emulated_link_rate().value_or("loopback")},
                     {"peak_rss_bytes", r.peak_rss_bytes}});
+    if (r.strategy == "dsa") {
+      list.back()["topk"] = o.topk;
+      list.back()["index_heads"] = o.index_heads;
+      list.back()["index_dim"] = o.index_dim;
+      list.back()["index_loss"] = o.index_loss;
+    }
   }
   return {{"results", list}};
 }

@@ -1,6 +1,7 @@
 // A standalone timing of DSA's parts (issue 15): selection, sparse attention fwd and bwd,
 // indexer loss, against dense blockwise MLA of the same shape. One process.
 //   dsa_speed [--tokens S] [--heads H] [--topk K] [--index-heads HI] [--index-dim DI] [--reps N]
+//             [--threads T]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--index-heads")) hi = v;
     if (!std::strcmp(argv[i], "--index-dim")) di = v;
     if (!std::strcmp(argv[i], "--reps")) reps = static_cast<int>(v);
+    if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(static_cast<int>(v));
   }
   hp::attention::MLAShape shape;
   shape.heads = heads;

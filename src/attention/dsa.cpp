@@ -75,8 +75,9 @@ void scatter_add_rows(at::Tensor& dst, const at::Tensor& idx, const at::Tensor& 
     auto* d = dst.data_ptr<scalar_t>();
     const auto* sp = src.data_ptr<scalar_t>();
     for (int64_t i = 0; i < m; ++i) {
-      scalar_t* row = d + ip[i] * c;
-      const scalar_t* from = sp + i * c;
+      scalar_t* __restrict__ row = d + ip[i] * c;
+      const scalar_t* __restrict__ from = sp + i * c;
+#pragma GCC ivdep
       for (int64_t j = 0; j < c; ++j)
         row[j] += from[j];
     }
@@ -226,20 +227,23 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
     const int64_t width = std::min(skv, q_offset + t0 + n);
     auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t());  // [n, H_I, w]
     auto scores = at::bmm(wb.unsqueeze(1), a.relu_()).squeeze(1);            // [n, w]
+    // Only the last columns (the keys at the block's own positions) are hidden from some rows.
+    const int64_t diag = std::min(q_offset + t0, width);
     auto rows = at::arange(q_offset + t0, q_offset + t0 + n, positions.options()).unsqueeze(1);
-    auto visible = positions.narrow(0, 0, width).unsqueeze(0).le(rows);  // [n, w]
-    scores.masked_fill_(visible.logical_not(), kNegInf);
+    auto hidden = positions.narrow(0, diag, width - diag).unsqueeze(0).gt(rows);  // [n, w - diag]
+    scores.narrow(1, diag, width - diag).masked_fill_(hidden, kNegInf);
     at::Tensor selected;
     if (topk >= width) {
-      selected = visible;
+      selected = scores.isfinite();  // every visible key
     } else {
       // The k-th largest score per row (a selection, not a sort); everything above it, then
-      // its ties by position.
+      // its ties by position. A row with fewer visible keys than topk has kth = -inf: "above"
+      // is then exactly its visible keys and no tie is taken.
       auto kth = std::get<0>(at::kthvalue(scores, width - topk + 1, -1, /*keepdim=*/true));
-      auto above = scores.gt(kth).logical_and(visible);
-      auto tie = scores.eq(kth).logical_and(visible);
+      auto above = scores.gt(kth);
+      auto tie = scores.eq(kth).logical_and_(kth.isfinite());
       auto need = topk - above.sum(-1, /*keepdim=*/true);
-      selected = above.logical_or(tie.logical_and(at::cumsum(tie, -1).le(need)));
+      selected = above.logical_or_(tie.logical_and_(at::cumsum(tie, -1).le(need)));
     }
     auto slot = at::cumsum(selected, -1) - 1;  // [n, Skv]: the rank among the selected
     auto nz = selected.nonzero();              // [m, 2] (row, key), keys ascending per row
