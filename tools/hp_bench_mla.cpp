@@ -35,8 +35,8 @@ void add_mla_options(CLI::App* cmd, CPArgs& a) {
 namespace {
 
 hp::bench::MLABenchOptions mla_options(const CPArgs& a) {
-  HP_CHECK(a.attention == "mla" || a.attention == "dsa", "hp-bench cp: --attention '",
-           a.attention, "' is not valid; valid: softmax, mla, dsa");
+  HP_CHECK(a.attention == "mla" || a.attention == "dsa", "hp-bench cp: --attention '", a.attention,
+           "' is not valid; valid: softmax, mla, dsa");
   for (const auto& flag : a.softmax_flags_given) {
     HP_CHECK(false, "hp-bench cp: ", flag,
              " does not apply to --attention mla; drop it (MLA takes --heads, --d-nope, "

@@ -249,8 +249,8 @@ int main(int argc, char** argv) {
     if (attention != "softmax") {
       for (const char* flag :
            {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer"}) {
-        HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag,
-                 " does not apply to --attention ", attention,
+        HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
+                 attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "
                  "--cp-algo all_gather; both --schedule, --load-balance)");
       }

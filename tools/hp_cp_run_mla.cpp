@@ -35,7 +35,9 @@ struct MLAFile {
   hp::attention::MLAShape shape;
 };
 
-bool is_dsa(const MLAArgs& m) { return m.attention == "dsa"; }
+bool is_dsa(const MLAArgs& m) {
+  return m.attention == "dsa";
+}
 
 MLAFile load_mla_file(const MLAArgs& m) {
   const std::string who = "hp-cp-run --attention " + m.attention;
@@ -72,8 +74,8 @@ MLAFile load_mla_file(const MLAArgs& m) {
              c10::toString(f.q.scalar_type()), " and ", c10::toString(t->scalar_type()));
   }
   f.shape = hp::attention::MLAShape::of(f.q, f.latent, f.k_rope, f.w_ukv, -1, who);
-  HP_CHECK(f.latent.size(1) == f.q.size(1), who, ": latent has ", f.latent.size(1),
-           " tokens, q ", f.q.size(1), "; they must match");
+  HP_CHECK(f.latent.size(1) == f.q.size(1), who, ": latent has ", f.latent.size(1), " tokens, q ",
+           f.q.size(1), "; they must match");
   if (f.dout.defined()) {
     const std::vector<int64_t> want{f.q.size(0), f.q.size(1), f.shape.heads, f.shape.d_v};
     HP_CHECK(f.dout.sizes() == at::IntArrayRef(want), who, ": dout has shape ", f.dout.sizes(),
@@ -89,8 +91,7 @@ MLAFile load_mla_file(const MLAArgs& m) {
     o.loss = m.index_loss;
     hp::cp::DSACPOptions co;
     co.load_balance = m.load_balance;
-    hp::cp::check_dsa_cp(who, o, co, f.q, f.latent, f.k_rope, {f.q_index, f.w_index, f.k_index},
-                         1);
+    hp::cp::check_dsa_cp(who, o, co, f.q, f.latent, f.k_rope, {f.q_index, f.w_index, f.k_index}, 1);
     if (m.topk > seq) {
       std::cerr << who << ": --topk " << m.topk << " exceeds the sequence length " << seq
                 << "; clamped to " << seq << " (every visible key is selected)" << std::endl;
@@ -126,8 +127,9 @@ std::vector<RankOut> run_ranks(const MLAArgs& m, const MLAFile& f) {
             hp::cp::normalize(std::nullopt, p).value_or(hp::cp::ContextParallelConfig{}));
         const int r = w.rank();
         auto shard = [&](const at::Tensor& t) {
-          return hp::cp::shard_sequence(t, 1, r, p, m.load_balance).clone().requires_grad_(
-              backward);
+          return hp::cp::shard_sequence(t, 1, r, p, m.load_balance)
+              .clone()
+              .requires_grad_(backward);
         };
         auto q = shard(f.q), latent = shard(f.latent), k_rope = shard(f.k_rope);
         auto w_ukv = f.w_ukv.clone().requires_grad_(backward);
@@ -144,8 +146,8 @@ std::vector<RankOut> run_ranks(const MLAArgs& m, const MLAFile& f) {
           hp::cp::DSACPOptions co;
           co.load_balance = m.load_balance;
           co.schedule = schedule;
-          auto res = hp::cp::dsa_attention_cp(q, latent, k_rope, w_ukv, f.shape, index, o, co,
-                                              *topo);
+          auto res =
+              hp::cp::dsa_attention_cp(q, latent, k_rope, w_ukv, f.shape, index, o, co, *topo);
           out = res.out;
           mine.indices = res.indices;
           mine.loss = res.loss.detach();
@@ -156,8 +158,8 @@ std::vector<RankOut> run_ranks(const MLAArgs& m, const MLAFile& f) {
           o.load_balance = m.load_balance;
           o.schedule = schedule;
           o.primitive = m.primitive;
-          out = hp::cp::mla_attention_cp([&] { return q; }, latent, k_rope, w_ukv, f.shape, o,
-                                         *topo);
+          out =
+              hp::cp::mla_attention_cp([&] { return q; }, latent, k_rope, w_ukv, f.shape, o, *topo);
         }
         if (backward) {
           auto dout = hp::cp::shard_sequence(f.dout, 1, r, p, m.load_balance);

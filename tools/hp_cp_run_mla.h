@@ -33,8 +33,8 @@ struct MLAArgs {
   std::string attention = "mla";  // mla | dsa
   std::string strategy = "latent_all_gather", schedule = "sync", primitive = "blockwise";
   bool load_balance = false;
-  int64_t topk = 2048;                 // dsa
-  std::string index_loss = "sparse";   // dsa
+  int64_t topk = 2048;                // dsa
+  std::string index_loss = "sparse";  // dsa
 };
 
 int run_mla(const MLAArgs& m);

@@ -19,8 +19,7 @@
 namespace {
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 template <typename Fn>
@@ -61,9 +60,8 @@ int main(int argc, char** argv) {
   hp::attention::DSAOptions o;
   o.topk = topk;
   at::Tensor indices;
-  const double t_select = median_time(reps, [&] {
-    indices = hp::attention::dsa_select(index, 0, topk, o.block_q);
-  });
+  const double t_select =
+      median_time(reps, [&] { indices = hp::attention::dsa_select(index, 0, topk, o.block_q); });
   auto q_abs = hp::attention::dsa_absorb_queries(q, w_ukv, shape).detach().requires_grad_(true);
   auto kv = at::cat({latent, k_rope}, -1).requires_grad_(true);
   at::Tensor out, p;

@@ -132,8 +132,8 @@ std::vector<MLABenchResult> run_mla_bench(const comm::World& world, const MLABen
   }
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
-  auto rss = comm::all_reduce(*timing, at::full({1}, static_cast<double>(u.ru_maxrss) * 1024.0,
-                                                at::kDouble),
+  auto rss = comm::all_reduce(*timing,
+                              at::full({1}, static_cast<double>(u.ru_maxrss) * 1024.0, at::kDouble),
                               comm::ReduceOp::kMax)
                  .item<double>();
   for (auto& res : results)

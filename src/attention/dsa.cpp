@@ -66,22 +66,28 @@ class SlotSums {
   std::vector<at::Tensor> parts_;
 };
 
-// dst[idx[i], :] += src[i, :] for the rows of src [m, C] (float or double, contiguous): a
-// plain loop, much cheaper than index_add_ for many short rows.
-void scatter_add_rows(at::Tensor& dst, const at::Tensor& idx, const at::Tensor& src) {
-  const int64_t m = src.size(0), c = src.size(1);
-  const auto* ip = idx.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "scatter_add_rows", [&] {
-    auto* d = dst.data_ptr<scalar_t>();
-    const auto* sp = src.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < m; ++i) {
-      scalar_t* __restrict__ row = d + ip[i] * c;
-      const scalar_t* __restrict__ from = sp + i * c;
+// dst[idx[i], :] += src[i, :] for the rows of src [m, C] (contiguous): a plain loop, much
+// cheaper than index_add_ for many short rows.
+template <typename T>
+void scatter_add_rows_of(T* dst, const int64_t* idx, const T* src, int64_t m, int64_t c) {
+  for (int64_t i = 0; i < m; ++i) {
+    T* __restrict__ row = dst + idx[i] * c;
+    const T* __restrict__ from = src + i * c;
 #pragma GCC ivdep
-      for (int64_t j = 0; j < c; ++j)
-        row[j] += from[j];
-    }
-  });
+    for (int64_t j = 0; j < c; ++j)
+      row[j] += from[j];
+  }
+}
+
+void scatter_add_rows(at::Tensor& dst, const at::Tensor& idx, const at::Tensor& src) {
+  const auto* ip = idx.data_ptr<int64_t>();
+  if (src.scalar_type() == at::kDouble) {
+    scatter_add_rows_of(dst.data_ptr<double>(), ip, src.data_ptr<double>(), src.size(0),
+                        src.size(1));
+  } else {
+    HP_INTERNAL_ASSERT(src.scalar_type() == at::kFloat, "scatter_add_rows: ", src.scalar_type());
+    scatter_add_rows_of(dst.data_ptr<float>(), ip, src.data_ptr<float>(), src.size(0), src.size(1));
+  }
 }
 
 // kv[b] rows at idx: [n, k, C].
@@ -226,7 +232,7 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
     // Keys past the block's last query are never visible: score the causal prefix only.
     const int64_t width = std::min(skv, q_offset + t0 + n);
     auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t());  // [n, H_I, w]
-    auto scores = at::bmm(wb.unsqueeze(1), a.relu_()).squeeze(1);            // [n, w]
+    auto scores = at::bmm(wb.unsqueeze(1), a.relu_()).squeeze(1);           // [n, w]
     // Only the last columns (the keys at the block's own positions) are hidden from some rows.
     const int64_t diag = std::min(q_offset + t0, width);
     auto rows = at::arange(q_offset + t0, q_offset + t0 + n, positions.options()).unsqueeze(1);
@@ -288,6 +294,9 @@ DSAResult dsa_attention(const at::Tensor& q, const at::Tensor& latent, const at:
                         const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
                         int64_t q_offset, const DSAOptions& options) {
   options.check("dsa_attention");
+  HP_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+           "dsa_attention: DSA's kernels take float32 or float64 tensors, got ", q.scalar_type(),
+           "; convert the inputs");
   DSAResult r;
   r.indices = dsa_select(index, q_offset, options.topk, options.block_q);
   const auto attend = options.loss == "dense"

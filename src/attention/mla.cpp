@@ -34,8 +34,8 @@ MLAShape MLAShape::of(const at::Tensor& q, const at::Tensor& latent, const at::T
            " (q = [q_nope | q_rope])");
   HP_CHECK(w_ukv.dim() == 2 && w_ukv.size(1) == s.kv_rank && w_ukv.size(0) % s.heads == 0 &&
                w_ukv.size(0) / s.heads > s.d_nope,
-           who, ": w_ukv ", w_ukv.sizes(), " must be [H * (d_nope + d_v), kv_rank] = [",
-           s.heads, " * (", s.d_nope, " + d_v), ", s.kv_rank, "]");
+           who, ": w_ukv ", w_ukv.sizes(), " must be [H * (d_nope + d_v), kv_rank] = [", s.heads,
+           " * (", s.d_nope, " + d_v), ", s.kv_rank, "]");
   if (s.d_v <= 0) s.d_v = w_ukv.size(0) / s.heads - s.d_nope;
   HP_CHECK(w_ukv.size(0) == s.heads * (s.d_nope + s.d_v), who, ": w_ukv has ", w_ukv.size(0),
            " rows; H * (d_nope + d_v) = ", s.heads * (s.d_nope + s.d_v));

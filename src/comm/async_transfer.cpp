@@ -98,8 +98,9 @@ TransferLaunch handle_launch(std::function<CommHandle(const at::Tensor&)> launch
   return [fn = std::move(launch)](const at::Tensor& x) { return pending(fn(x)); };
 }
 
-at::Tensor start_transfer(const at::Tensor& x, const std::string& name, const TransferLaunch& launch,
-                          const TransferLaunch& launch_inverse, AsyncTransferPtr& transfer) {
+at::Tensor start_transfer(const at::Tensor& x, const std::string& name,
+                          const TransferLaunch& launch, const TransferLaunch& launch_inverse,
+                          AsyncTransferPtr& transfer) {
   HP_CHECK(x.defined(), "transfer '", name, "': the input tensor is undefined");
   transfer = std::make_shared<AsyncTransfer>();
   transfer->name = name;
@@ -125,11 +126,13 @@ InFlight all_to_all_start(const at::Tensor& x, int64_t split_dim, int64_t concat
                           const GroupPtr& group) {
   checked(group, "all_to_all_start");
   AsyncTransferPtr t;
-  auto y = start_transfer(
-      x, "all_to_all",
-      handle_launch([=](const at::Tensor& a) { return all_to_all_async(*group, a, split_dim, concat_dim); }),
-      handle_launch([=](const at::Tensor& g) { return all_to_all_async(*group, g, concat_dim, split_dim); }),
-      t);
+  auto y = start_transfer(x, "all_to_all", handle_launch([=](const at::Tensor& a) {
+                            return all_to_all_async(*group, a, split_dim, concat_dim);
+                          }),
+                          handle_launch([=](const at::Tensor& g) {
+                            return all_to_all_async(*group, g, concat_dim, split_dim);
+                          }),
+                          t);
   return {y, t};
 }
 

@@ -59,9 +59,9 @@ at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
            "; the handoff must be the last transform before attention");
   const c10::TensorImpl* emitted =
       slot->produced ? slot->produced->lock().get() : nullptr;  // null once the tensor died
-  HP_CHECK(emitted == consumer.unsafeGetTensorImpl(), "async CP on module '",
-           module_, "': the ", role_name(role), " reaching attention is not the tensor handoff '",
-           slot->handoff, "' emitted (invocation ", slot->invocation,
+  HP_CHECK(emitted == consumer.unsafeGetTensorImpl(), "async CP on module '", module_, "': the ",
+           role_name(role), " reaching attention is not the tensor handoff '", slot->handoff,
+           "' emitted (invocation ", slot->invocation,
            "): something transformed it after the handoff, or the call belongs to another "
            "invocation. Move the handoff point after the last transform");
   slot->produced.reset();

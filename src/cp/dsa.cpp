@@ -29,12 +29,14 @@ void check_dsa_cp(const std::string& who, const attention::DSAOptions& dsa,
            ": DSA takes BSND tensors: q must be [B, S, H, d_nope + d_rope], got ",
            q.defined() ? q.sizes() : at::IntArrayRef{});
   const int64_t b = q.size(0), s = q.size(1);
+  HP_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, who,
+           ": DSA's kernels take float32 or float64 tensors, got ", q.scalar_type(),
+           "; convert the inputs");
   HP_CHECK(latent.dim() == 3 && latent.size(0) == b && latent.size(1) == s, who, ": latent ",
            latent.sizes(), " must be [B=", b, ", S=", s, ", kv_rank]");
   HP_CHECK(k_rope.dim() == 3 && k_rope.size(0) == b && k_rope.size(1) == s, who, ": k_rope ",
            k_rope.sizes(), " must be [B=", b, ", S=", s, ", d_rope]");
-  HP_CHECK(index.q.defined() && index.q.dim() == 4 && index.q.size(0) == b &&
-               index.q.size(1) == s,
+  HP_CHECK(index.q.defined() && index.q.dim() == 4 && index.q.size(0) == b && index.q.size(1) == s,
            who, ": q_index must be [B=", b, ", S=", s, ", H_I, d_I]");
   HP_CHECK(index.w.defined() && index.w.dim() == 3 && index.w.size(0) == b &&
                index.w.size(1) == s && index.w.size(2) == index.q.size(2),
@@ -54,8 +56,8 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                                       const at::Tensor& k_rope, const at::Tensor& w_ukv,
                                       const attention::MLAShape& shape,
                                       const attention::DSAIndexer& index,
-                                      const attention::DSAOptions& dsa,
-                                      const DSACPOptions& options, const CPTopology& topology) {
+                                      const attention::DSAOptions& dsa, const DSACPOptions& options,
+                                      const CPTopology& topology) {
   const int64_t p = topology.cp_size, r = topology.cp_rank, s = q.size(1);
   check_dsa_cp("DSA CP", dsa, options, q, latent, k_rope, index, p);
   if (p == 1) return attention::dsa_attention(q, latent, k_rope, w_ukv, shape, index, 0, dsa);
@@ -101,8 +103,8 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                       ? attention::dsa_all_visible(q.size(0), part.len, total, part.offset)
                       : selected;
     at::Tensor out_latent, p_mean;
-    attention::dsa_sparse_mqa(q_abs.narrow(1, part.begin, part.len), kv_all, attend,
-                              shape.kv_rank, scale, dsa.block_q, out_latent, p_mean);
+    attention::dsa_sparse_mqa(q_abs.narrow(1, part.begin, part.len), kv_all, attend, shape.kv_rank,
+                              scale, dsa.block_q, out_latent, p_mean);
     outs.push_back(out_latent);
     selections.push_back(selected);
     auto part_loss = attention::dsa_indexer_loss(mine, attend, p_mean, dsa.block_q);
@@ -153,9 +155,9 @@ std::string apply_dsa_cp(attention::DSAHost& host, const std::string& module_pat
   HP_CHECK(topology != nullptr, "apply_dsa_cp('", module_path,
            "'): no CP topology; build one with CPTopology::build at apply time");
   host.install(std::make_shared<DSACPInterceptor>(module_path, options, topology));
-  return common::str_cat("DSA CP: module=", module_path, " strategy=all_gather schedule=",
-                         to_string(options.schedule), options.load_balance ? " load_balance" : "",
-                         " cp_size=", topology->cp_size);
+  return common::str_cat(
+      "DSA CP: module=", module_path, " strategy=all_gather schedule=", to_string(options.schedule),
+      options.load_balance ? " load_balance" : "", " cp_size=", topology->cp_size);
 }
 
 int64_t dsa_forward_bytes_per_rank(const attention::MLAShape& shape, int64_t index_dim,

@@ -72,7 +72,7 @@ void gather_and_fold(const at::Tensor& m, const at::Tensor& s, const at::Tensor&
   auto flight = comm::all_gather_start(packed, 0, topo.cp);
   if (while_in_flight) while_in_flight();
   auto all = flight.wait();  // [P, B, HV, K, V+K]
-  at::Tensor fold;                                              // undefined: the zero state
+  at::Tensor fold;           // undefined: the zero state
   const int64_t upto = output_final_state ? p : r;
   for (int64_t i = 0; i < upto; ++i) {
     auto summary = all.select(0, i);
@@ -180,9 +180,9 @@ class LinearStatePassing final : public attention::LinearInterceptor {
     auto in = stages.mixer_inputs(conv, t.beta_logit, t.gate_in, 0, shape.heads);
     MixerKernel kernel;
     kernel.mix = [&stages](const attention::MixerInputs& i, bool f) { return stages.mix(i, f); };
-    auto o = state_passing_mix(in, kernel, false, options_.state_exchange, *topology_,
-                               while_in_flight)
-                 .out;
+    auto o =
+        state_passing_mix(in, kernel, false, options_.state_exchange, *topology_, while_in_flight)
+            .out;
     return stages.output(o, out_gate);
   }
 

@@ -21,17 +21,18 @@ void check_mla_cp(const std::string& who, const MLACPOptions& options,
   shape.check(who);
   attention::AttentionRegistry::builtin().get(options.primitive);  // lists the valid names
   if (options.strategy == "ulysses") {
-    HP_CHECK(shape.heads % cp_size == 0, who, ": MLA heads must be divisible by TP x CP: heads=",
-             shape.heads, ", cp_size=", cp_size,
+    HP_CHECK(shape.heads % cp_size == 0, who,
+             ": MLA heads must be divisible by TP x CP: heads=", shape.heads, ", cp_size=", cp_size,
              "; use strategy=latent_all_gather or a CP size that divides the heads");
     HP_CHECK(!options.load_balance, who,
              ": load_balance applies to strategy=latent_all_gather or all_gather, not ulysses "
              "(every rank sees the whole sequence); drop load_balance");
   }
   if (options.load_balance && cp_size > 1) {
-    HP_CHECK(local_seq % 2 == 0, who, ": head-tail load balance needs an even local sequence "
-             "length, got ", local_seq, "; pad the sequence to a multiple of 2 * cp = ",
-             2 * cp_size);
+    HP_CHECK(local_seq % 2 == 0, who,
+             ": head-tail load balance needs an even local sequence "
+             "length, got ",
+             local_seq, "; pad the sequence to a multiple of 2 * cp = ", 2 * cp_size);
   }
 }
 
@@ -42,12 +43,12 @@ at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at
   const std::string who = "MLA CP (" + options.strategy + ")";
   HP_CHECK(latent.defined() && k_rope.defined() && w_ukv.defined(), who,
            ": latent, k_rope and w_ukv are required");
-  HP_CHECK(latent.dim() == 3 && latent.size(2) == shape.kv_rank, who, ": latent ",
-           latent.sizes(), " must be [B, S/P, kv_rank=", shape.kv_rank, "]");
+  HP_CHECK(latent.dim() == 3 && latent.size(2) == shape.kv_rank, who, ": latent ", latent.sizes(),
+           " must be [B, S/P, kv_rank=", shape.kv_rank, "]");
   HP_CHECK(k_rope.dim() == 3 && k_rope.size(0) == latent.size(0) &&
                k_rope.size(1) == latent.size(1) && k_rope.size(2) == shape.d_rope,
-           who, ": k_rope ", k_rope.sizes(), " must be [B, S/P, d_rope=", shape.d_rope, "] like latent ",
-           latent.sizes());
+           who, ": k_rope ", k_rope.sizes(), " must be [B, S/P, d_rope=", shape.d_rope,
+           "] like latent ", latent.sizes());
   check_mla_cp(who, options, shape, latent.size(1), topology.cp_size);
   if (topology.cp_size == 1) {
     return attention::mla_attention(queries(), latent, k_rope, w_ukv, shape, options.primitive);
@@ -66,8 +67,9 @@ class MLACPInterceptor final : public attention::MLAInterceptor {
                    std::shared_ptr<const CPTopology> topology)
       : path_(std::move(path)), options_(std::move(options)), topology_(std::move(topology)) {}
   std::string id() const override {
-    return common::str_cat("mla-cp:", path_, ":", options_.strategy, ":", to_string(options_.schedule),
-                           options_.load_balance ? ":lb:" : ":", topology_->id());
+    return common::str_cat("mla-cp:", path_, ":", options_.strategy, ":",
+                           to_string(options_.schedule), options_.load_balance ? ":lb:" : ":",
+                           topology_->id());
   }
   at::Tensor attend(const attention::MLAQueries& queries, const at::Tensor& latent,
                     const at::Tensor& k_rope, const at::Tensor& w_ukv,
@@ -94,8 +96,8 @@ std::string apply_mla_cp(attention::MLAHost& host, const attention::MLAShape& sh
   host.install(std::make_shared<MLACPInterceptor>(module_path, options, topology));
   return common::str_cat("MLA CP: module=", module_path, " strategy=", options.strategy,
                          " schedule=", to_string(options.schedule),
-                         options.load_balance ? " load_balance" : "", " cp_size=",
-                         topology->cp_size);
+                         options.load_balance ? " load_balance" : "",
+                         " cp_size=", topology->cp_size);
 }
 
 int64_t mla_forward_bytes_per_rank(const std::string& strategy, const attention::MLAShape& shape,

@@ -44,7 +44,8 @@ comm::CommHandle detail::scatter_heads_grad_async(const at::Tensor& g, const com
 }
 
 // parts[j] -> [B, T/P, P, Cg] in the parts' promoted dtype.
-at::Tensor detail::pack_for_heads(const std::vector<std::vector<at::Tensor>>& parts, HeadPacking& how) {
+at::Tensor detail::pack_for_heads(const std::vector<std::vector<at::Tensor>>& parts,
+                                  HeadPacking& how) {
   HP_INTERNAL_ASSERT(!parts.empty() && !parts[0].empty(), "ulysses_to_heads: no parts");
   how.first = parts[0];
   how.dtype = how.first[0].scalar_type();
@@ -80,7 +81,7 @@ std::vector<at::Tensor> detail::unpack_heads(const at::Tensor& moved, const Head
 }
 
 std::vector<at::Tensor> detail::ulysses_to_heads(const std::vector<std::vector<at::Tensor>>& parts,
-                                         const comm::GroupPtr& group) {
+                                                 const comm::GroupPtr& group) {
   HeadPacking how;
   auto packed = pack_for_heads(parts, how);  // [B, T/P, P, Cg]
   return unpack_heads(comm::ulysses_seq_to_head(packed, 1, 2, group), how);

@@ -25,8 +25,8 @@ void validate(const MLAConfig& c) {
   HP_CHECK(c.hidden > 0 && c.heads > 0 && c.q_rank > 0 && c.kv_rank > 0 && c.d_nope > 0 &&
                c.d_rope > 0 && c.d_v > 0,
            "MLAConfig: every size must be positive (hidden=", c.hidden, " heads=", c.heads,
-           " q_rank=", c.q_rank, " kv_rank=", c.kv_rank, " d_nope=", c.d_nope,
-           " d_rope=", c.d_rope, " d_v=", c.d_v, ")");
+           " q_rank=", c.q_rank, " kv_rank=", c.kv_rank, " d_nope=", c.d_nope, " d_rope=", c.d_rope,
+           " d_v=", c.d_v, ")");
   HP_CHECK(c.d_rope % 2 == 0, "MLAConfig.d_rope=", c.d_rope, " must be even for RoPE");
   if (c.sparse) {
     HP_CHECK(c.index_heads > 0 && c.index_dim > 0, "MLAConfig: index_heads=", c.index_heads,
@@ -68,8 +68,8 @@ MLAAttentionImpl::MLAAttentionImpl(const MLAConfig& c, int64_t layer)
     w_iq = register_parameter(
         "w_iq", seeded(base + 7, {c.index_heads * c.index_dim, c.q_rank}, fan_in(c.q_rank)));
     w_ik = register_parameter("w_ik", seeded(base + 8, {c.index_dim, c.hidden}, fan_in(c.hidden)));
-    w_iw = register_parameter("w_iw",
-                              seeded(base + 9, {c.index_heads, c.hidden}, fan_in(c.hidden)));
+    w_iw =
+        register_parameter("w_iw", seeded(base + 9, {c.index_heads, c.hidden}, fan_in(c.hidden)));
   }
 }
 
@@ -88,9 +88,9 @@ at::Tensor MLAAttentionImpl::queries(const at::Tensor& x, const at::Tensor& posi
   const int64_t b = x.size(0), s = x.size(1), dq = c.d_nope + c.d_rope;
   auto q = at::matmul(rms_norm(at::matmul(x, w_dq.t()), q_norm, c.rms_eps), w_uq.t())
                .view({b, s, c.heads, dq});
-  auto rope = apply_rope(q.narrow(-1, c.d_nope, c.d_rope).transpose(1, 2), position_ids,
-                         c.rope_theta)
-                  .transpose(1, 2);
+  auto rope =
+      apply_rope(q.narrow(-1, c.d_nope, c.d_rope).transpose(1, 2), position_ids, c.rope_theta)
+          .transpose(1, 2);
   return at::cat({q.narrow(-1, 0, c.d_nope), rope}, -1);
 }
 

@@ -38,8 +38,9 @@ void validate(const Qwen3Config& c, int64_t tp) {
     HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
              ": MLA layers have no tensor parallelism here; use tp_size=1 (got ", tp,
              ") and split the sequence with cp instead");
-    HP_CHECK(c.head_dim % 4 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be a multiple of 4 with mixer=",
-             c.mixer, " (d_rope = head_dim / 2 must be even)");
+    HP_CHECK(c.head_dim % 4 == 0, "Qwen3Config.head_dim=", c.head_dim,
+             " must be a multiple of 4 with mixer=", c.mixer,
+             " (d_rope = head_dim / 2 must be even)");
     validate(mla_config(c));
   } else if (c.mixer != "attention") {
     HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
@@ -101,8 +102,8 @@ plan::ModelFootprint footprint(const Qwen3Config& c) {
     // latent and its norm, the rotated key, the output and its projection input; the MLP; ten
     // hidden-size tensors. The K/V each rank expands from the gathered latent count as gathered
     // K/V (kv_per_token over the whole sequence).
-    m.layer_act = 6 * q + 3 * a.q_rank + 4 * a.kv_rank + 3 * a.d_rope + 3 * a.heads * a.d_v +
-                  10 * h + 4 * f;
+    m.layer_act =
+        6 * q + 3 * a.q_rank + 4 * a.kv_rank + 3 * a.d_rope + 3 * a.heads * a.d_v + 10 * h + 4 * f;
     if (a.sparse) {
       // The indexer's inputs and outputs, and the selection: int64 indices and the selected
       // keys' probabilities per query (kept for backward).
@@ -399,8 +400,8 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
       return &it->second;
     };
     const char* mixer = layers[i]->self_attn  ? ".self_attn"
-                         : layers[i]->mla_attn ? ".mla_attn"
-                                               : ".linear_attn";
+                        : layers[i]->mla_attn ? ".mla_attn"
+                                              : ".linear_attn";
     v = {checker, find(base), find(base + mixer), find(base + ".mlp")};
     if (i == 0) first_layer_ = v.layer;
   }

@@ -4,8 +4,8 @@
 #include <cstdio>
 
 #include "hp/common/check.h"
-#include "hp/cp/linear.h"
 #include "hp/cp/dsa.h"
+#include "hp/cp/linear.h"
 #include "hp/cp/mla.h"
 #include "hp/cp/topology.h"
 
@@ -96,8 +96,7 @@ namespace {
 void check_mla_plan(const std::vector<ModuleInfo>& mlas, const PlanOptions& o,
                     const std::optional<cp::ContextParallelConfig>& config) {
   if (mlas.empty() || !config) return;
-  HP_CHECK(!config->load_balance ||
-               config->load_balance_form == cp::LoadBalanceForm::kDataOrder,
+  HP_CHECK(!config->load_balance || config->load_balance_form == cp::LoadBalanceForm::kDataOrder,
            "plan: MLA CP balances head-tail shards in data order; set load_balance_form="
            "data_order (the default) or drop load_balance");
   for (const auto& info : mlas) {

@@ -41,9 +41,14 @@ Inputs inputs() {
   const auto s = shape();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
   auto r = [&](std::vector<int64_t> sh) { return at::randn(sh, gen, at::kDouble); };
-  Inputs in{r({kB, kS, s.heads, s.qk_dim()}), r({kB, kS, s.kv_rank}), r({kB, kS, s.d_rope}),
-            r({s.heads * (s.d_nope + s.d_v), s.kv_rank}) * 0.4, r({kB, kS, kHI, kDI}),
-            r({kB, kS, kHI}).abs(), r({kB, kS, kDI}), r({kB, kS, s.heads, s.d_v})};
+  Inputs in{r({kB, kS, s.heads, s.qk_dim()}),
+            r({kB, kS, s.kv_rank}),
+            r({kB, kS, s.d_rope}),
+            r({s.heads * (s.d_nope + s.d_v), s.kv_rank}) * 0.4,
+            r({kB, kS, kHI, kDI}),
+            r({kB, kS, kHI}).abs(),
+            r({kB, kS, kDI}),
+            r({kB, kS, s.heads, s.d_v})};
   // Ties: keys 3, 9 and 15 are the same index key, so every query scores them equally (the
   // lower position must win a place at the top-k boundary).
   in.ki.select(1, 9).copy_(in.ki.select(1, 3));
@@ -64,8 +69,8 @@ Got run_and_grad(const Inputs& in, const std::function<at::Tensor(const at::Tens
   auto qi = leaf(in.qi), wi = leaf(in.wi), ki = leaf(in.ki);
   attention::DSAResult r = fn(q, latent, k_rope, w, qi, wi, ki);
   ((r.out * shard(in.dout)).sum() + r.loss).backward();
-  return {r.out.detach(), r.loss.detach(), r.indices, q.grad(), latent.grad(), k_rope.grad(),
-          w.grad(), qi.grad(), wi.grad(), ki.grad()};
+  return {r.out.detach(), r.loss.detach(), r.indices, q.grad(),  latent.grad(),
+          k_rope.grad(),  w.grad(),        qi.grad(), wi.grad(), ki.grad()};
 }
 
 // The selection as a [B, S, S] mask from indices (-1 = none).
@@ -106,9 +111,10 @@ TEST(DSA, SingleProcessEqualsTheExplicitReference) {
     o.topk = kTopk;
     o.loss = loss;
     o.block_q = 7;  // blocks that do not divide S
-    auto got = run_and_grad(in, id, [&](auto q, auto l, auto kr, auto w, auto qi, auto wi, auto ki) {
-      return attention::dsa_attention(q, l, kr, w, shape(), {qi, wi, ki}, 0, o);
-    });
+    auto got =
+        run_and_grad(in, id, [&](auto q, auto l, auto kr, auto w, auto qi, auto wi, auto ki) {
+          return attention::dsa_attention(q, l, kr, w, shape(), {qi, wi, ki}, 0, o);
+        });
     EXPECT_TRUE(at::equal(as_mask(got.indices, kS), selected)) << loss << ": the selection";
     EXPECT_EQ(got.indices.size(2), kTopk);
     EXPECT_EQ(got.indices[0][0][1].item<int64_t>(), -1) << "query 0 sees one key";
@@ -130,16 +136,17 @@ void run_cp(int p, const std::string& loss, const DSACPOptions& co) {
     o.topk = kTopk;
     o.loss = loss;
     o.block_q = 4;
-    auto got = run_and_grad(in, shard, [&](auto q, auto l, auto kr, auto wu, auto qi, auto wi, auto ki) {
-      return dsa_attention_cp(q, l, kr, wu, shape(), {qi, wi, ki}, o, co, *topo);
-    });
+    auto got =
+        run_and_grad(in, shard, [&](auto q, auto l, auto kr, auto wu, auto qi, auto wi, auto ki) {
+          return dsa_attention_cp(q, l, kr, wu, shape(), {qi, wi, ki}, o, co, *topo);
+        });
     const std::string what = loss + (co.load_balance ? " lb " : " ") + to_string(co.schedule) +
                              " P=" + std::to_string(p) + " rank " + std::to_string(r);
     EXPECT_TRUE(at::equal(as_mask(got.indices, kS), shard(selected))) << what << ": selection";
     auto total = comm::all_reduce(mesh.group("cp"), got.loss.reshape({1}));
     expect_close(total.squeeze(), ref.loss, what + " loss (sum over ranks)", 1e-10, 1e-10);
-    Got ref_shard{shard(ref.out), ref.loss, at::Tensor(), shard(ref.dq), shard(ref.dlatent),
-                  shard(ref.dk_rope), ref.dw, shard(ref.dqi), shard(ref.dwi), shard(ref.dki)};
+    Got ref_shard{shard(ref.out),     ref.loss, at::Tensor(),   shard(ref.dq),  shard(ref.dlatent),
+                  shard(ref.dk_rope), ref.dw,   shard(ref.dqi), shard(ref.dwi), shard(ref.dki)};
     expect_grads(got, ref_shard, what, true);
     auto dw = comm::all_reduce(mesh.group("cp"), got.dw);
     expect_close(dw, ref.dw, what + " dw_ukv", 1e-9, 1e-10);
@@ -166,7 +173,9 @@ TEST(DSACP, ScheduleAndBytes) {
     comm::DeviceMesh mesh(w, {{"cp", 2}});
     auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
     auto shard = [&](const at::Tensor& t) {
-      return shard_sequence(t.to(at::kFloat), 1, w.rank(), 2, false).contiguous().requires_grad_(true);
+      return shard_sequence(t.to(at::kFloat), 1, w.rank(), 2, false)
+          .contiguous()
+          .requires_grad_(true);
     };
     auto q = shard(in.q), l = shard(in.latent), kr = shard(in.k_rope);
     auto qi = shard(in.qi), wi = shard(in.wi), ki = shard(in.ki);
@@ -175,7 +184,8 @@ TEST(DSACP, ScheduleAndBytes) {
     auto& rec = *w.context().recorder;
     rec.clear();
     w.context().counters.reset();
-    auto r = dsa_attention_cp(q, l, kr, in.w_ukv.to(at::kFloat), shape(), {qi, wi, ki}, o, {}, *topo);
+    auto r =
+        dsa_attention_cp(q, l, kr, in.w_ukv.to(at::kFloat), shape(), {qi, wi, ki}, o, {}, *topo);
     EXPECT_EQ(rec.schedule(),
               (std::vector<std::string>{"all_gather(cp)[2,12,5]", "all_gather(cp)[2,12,11]"}));
     EXPECT_EQ(w.context().counters.total_bytes(),
@@ -196,19 +206,19 @@ TEST(DSACP, FailFast) {
   HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope, {in.qi, in.wi, in.ki}, 2),
                   "DSA index loss 'entropy' is not valid; valid: sparse, dense");
   o = attention::DSAOptions{};
-  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q.flatten(2), in.latent, in.k_rope,
-                               {in.qi, in.wi, in.ki}, 2),
-                  "DSA takes BSND tensors");
+  HP_EXPECT_ERROR(
+      check_dsa_cp("dsa", o, {}, in.q.flatten(2), in.latent, in.k_rope, {in.qi, in.wi, in.ki}, 2),
+      "DSA takes BSND tensors");
   HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope,
                                {in.qi, in.wi, in.ki.narrow(2, 0, 2)}, 2),
                   "k_index [2, 24, 2] must be [B=2, S=24, d_I=5]");
   DSACPOptions lb;
   lb.load_balance = true;
-  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, lb, in.q.narrow(1, 0, 5), in.latent.narrow(1, 0, 5),
-                               in.k_rope.narrow(1, 0, 5),
-                               {in.qi.narrow(1, 0, 5), in.wi.narrow(1, 0, 5), in.ki.narrow(1, 0, 5)},
-                               2),
-                  "head-tail load balance needs an even local sequence length, got 5");
+  HP_EXPECT_ERROR(
+      check_dsa_cp("dsa", o, lb, in.q.narrow(1, 0, 5), in.latent.narrow(1, 0, 5),
+                   in.k_rope.narrow(1, 0, 5),
+                   {in.qi.narrow(1, 0, 5), in.wi.narrow(1, 0, 5), in.ki.narrow(1, 0, 5)}, 2),
+      "head-tail load balance needs an even local sequence length, got 5");
 }
 
 }  // namespace

@@ -99,9 +99,8 @@ void run_cp(int p, const MLACPOptions& o) {
           l, kr, wu, s, o, *topo);
     });
     EXPECT_EQ(calls, 1);
-    const std::string what = o.strategy + (o.load_balance ? " lb " : " ") +
-                             to_string(o.schedule) + " P=" + std::to_string(p) + " rank " +
-                             std::to_string(r);
+    const std::string what = o.strategy + (o.load_balance ? " lb " : " ") + to_string(o.schedule) +
+                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
     expect_close(got.out, shard(ref.out), what + " out", 1e-10, 1e-10);
     expect_close(got.dq, shard(ref.dq), what + " dq", 1e-10, 1e-10);
     expect_close(got.dlatent, shard(ref.dlatent), what + " dlatent", 1e-10, 1e-10);
@@ -153,7 +152,8 @@ TEST(MLACP, SchedulesAndBytes) {
     comm::DeviceMesh mesh(w, {{"cp", 2}});
     auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
     auto in = inputs(s, at::kFloat);
-    Inputs local{shard_sequence(in.q, 1, w.rank(), 2, false), shard_sequence(in.latent, 1, w.rank(), 2, false),
+    Inputs local{shard_sequence(in.q, 1, w.rank(), 2, false),
+                 shard_sequence(in.latent, 1, w.rank(), 2, false),
                  shard_sequence(in.k_rope, 1, w.rank(), 2, false), in.w_ukv,
                  shard_sequence(in.dout, 1, w.rank(), 2, false)};
     auto& rec = *w.context().recorder;
@@ -214,8 +214,9 @@ TEST(MLACP, FailFast) {
   HP_EXPECT_ERROR(check_mla_cp("m", o, s, 8, 4),
                   "MLA heads must be divisible by TP x CP: heads=6, cp_size=4");
   o.load_balance = true;
-  HP_EXPECT_ERROR(check_mla_cp("m", o, s, 8, 2), "load_balance applies to "
-                                                 "strategy=latent_all_gather");
+  HP_EXPECT_ERROR(check_mla_cp("m", o, s, 8, 2),
+                  "load_balance applies to "
+                  "strategy=latent_all_gather");
   o.strategy = "latent_all_gather";
   HP_EXPECT_ERROR(check_mla_cp("m", o, s, 7, 2),
                   "head-tail load balance needs an even local sequence length, got 7");

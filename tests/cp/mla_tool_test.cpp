@@ -134,7 +134,8 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   file = mla_file();
   file.insert_or_assign("w_ukv", at::zeros({kH * (kNope + kDv) + 1, kRank}, at::kDouble));
   save(dir + "/w.pt", file);
-  expect_refused(dir + "/w.pt --attention mla", "w_ukv [57, 10] must be [H * (d_nope + d_v), kv_rank]");
+  expect_refused(dir + "/w.pt --attention mla",
+                 "w_ukv [57, 10] must be [H * (d_nope + d_v), kv_rank]");
   file = mla_file();
   file.insert_or_assign("kv", at::zeros({1}));
   save(dir + "/typo.pt", file);
@@ -175,8 +176,8 @@ TEST(HpCpRun, DSAMatchesTheExplicitReference) {
     expect_close(res.at("out").toTensor(), ref.out.detach(), c.args + " out", 1e-9, 1e-9);
     expect_close(res.at("index_loss").toTensor(), ref.loss.detach(), c.args + " loss", 1e-9, 1e-9);
     const std::map<std::string, at::Tensor> grads{
-        {"dq", q.grad()},        {"dlatent", latent.grad()}, {"dk_rope", k_rope.grad()},
-        {"dw_ukv", w.grad()},    {"dq_index", qi.grad()},    {"dw_index", wi.grad()},
+        {"dq", q.grad()},       {"dlatent", latent.grad()}, {"dk_rope", k_rope.grad()},
+        {"dw_ukv", w.grad()},   {"dq_index", qi.grad()},    {"dw_index", wi.grad()},
         {"dk_index", ki.grad()}};
     for (const auto& [name, want] : grads)
       expect_close(res.at(name).toTensor(), want, c.args + " " + name, 1e-8, 1e-9);

@@ -1,6 +1,6 @@
 // Float64 explicit-score references for MLA and DSA, sharing no code with
-// src/attention/mla.cpp, dsa.cpp or the attention primitives: per head, the keys and values are built
-// from the latent with their own matmuls, the scores are written out, masked and softmaxed.
+// src/attention/mla.cpp, dsa.cpp or the attention primitives: per head, the keys and values are
+// built from the latent with their own matmuls, the scores are written out, masked and softmaxed.
 //
 //   reference_mla(q, latent, k_rope, w_ukv, d_v) -> out [B, S, H, d_v] float64
 //     k_h[j] = [W_ukv rows (h*(dn+dv) .. +dn) . latent[j] | k_rope[j]]

@@ -49,8 +49,8 @@ Reference reference(const std::string& mixer, const at::Tensor& x, const at::Ten
   return r;
 }
 
-void run_mode(const std::string& mixer, const std::string& mode, const std::string& exchange,
-              int p, cp::CPSchedule schedule) {
+void run_mode(const std::string& mixer, const std::string& mode, const std::string& exchange, int p,
+              cp::CPSchedule schedule) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
   auto x = at::randn({2, kS, kHidden}, gen, at::kDouble);
   auto dy = at::randn({2, kS, kHidden}, gen, at::kDouble);

@@ -35,7 +35,9 @@ MLAConfig config() {
   return c;
 }
 
-at::Tensor positions() { return at::arange(kS, at::kLong).unsqueeze(0).expand({kB, kS}); }
+at::Tensor positions() {
+  return at::arange(kS, at::kLong).unsqueeze(0).expand({kB, kS});
+}
 
 TEST(MLALayer, CoreEqualsTheExplicitScoreReference) {
   MLAAttention m(config());

@@ -482,7 +482,8 @@ TEST(HpTrain, LinearMixersUnderContextParallelism) {
         Case{"gdn", "--cp-mode ulysses --schedule async", "mode=ulysses schedule=async cp_size=2"},
         Case{"kda", "--cp-mode state_passing --schedule async",
              "mode=state_passing state_exchange=all_gather schedule=async cp_size=2"}}) {
-    const std::string m = dir + "/train_linear_" + c.mixer + std::to_string(c.args.size()) + ".json";
+    const std::string m =
+        dir + "/train_linear_" + c.mixer + std::to_string(c.args.size()) + ".json";
     auto r = run("--nproc 2 --cp 2 --mixer " + c.mixer + " " + c.args + " " + model +
                  "--seq-len 64 --steps 3 --validate --metrics-json " + m);
     ASSERT_EQ(r.rc, 0) << r.out;
@@ -522,8 +523,7 @@ TEST(HpTrain, MLAUnderContextParallelism) {
     losses(j, 3);
     expect_validated(r.out, j, 3, 1e-4);
     EXPECT_EQ(j["config"]["mixer"], "mla");
-    EXPECT_NE(r.out.find("MLA CP: module=layers.1.mla_attn " + c.log), std::string::npos)
-        << r.out;
+    EXPECT_NE(r.out.find("MLA CP: module=layers.1.mla_attn " + c.log), std::string::npos) << r.out;
   }
   expect_refused("--nproc 2 --cp 2 --attention mla --cp-algo ulysses",
                  {"with --attention mla choose --mla-cp latent_all_gather|ulysses|all_gather"});
@@ -545,9 +545,10 @@ TEST(HpTrain, DSAUnderContextParallelism) {
   const std::string dir = hp::testing::scratch_dir();
   const std::string model = "--layers 2 --hidden 32 --heads 4 --head-dim 8 --ffn 48 ";
   const std::string m = dir + "/train_dsa.json";
-  auto r = run("--nproc 2 --cp 2 --attention dsa --topk 8 --index-loss dense --schedule async "
-               "--load-balance " +
-               model + "--seq-len 64 --steps 3 --validate --metrics-json " + m);
+  auto r =
+      run("--nproc 2 --cp 2 --attention dsa --topk 8 --index-loss dense --schedule async "
+          "--load-balance " +
+          model + "--seq-len 64 --steps 3 --validate --metrics-json " + m);
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = metrics(m);
   losses(j, 3);

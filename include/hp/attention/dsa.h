@@ -77,8 +77,8 @@ void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Ten
                     int64_t value_dim, double scale, int64_t block_q, at::Tensor& out,
                     at::Tensor& p_mean);
 // The indexer loss over `indices` with targets p [B, Sq, k] (rows sum to 1 over the valid keys).
-at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices,
-                            const at::Tensor& p, int64_t block_q);
+at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices, const at::Tensor& p,
+                            int64_t block_q);
 
 // The model-facing surface CP hooks into for DSA layers (as MLAHost for MLA): with nothing
 // installed, dsa_attention on the local tokens (q_offset 0); cp/dsa.h installs its strategy.
@@ -87,8 +87,8 @@ class DSAInterceptor {
   virtual ~DSAInterceptor() = default;
   virtual std::string id() const = 0;
   virtual DSAResult attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
-                           const at::Tensor& w_ukv, const MLAShape& shape,
-                           const DSAIndexer& index, const DSAOptions& options) = 0;
+                           const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
+                           const DSAOptions& options) = 0;
 };
 
 class DSAHost {

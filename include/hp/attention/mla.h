@@ -50,8 +50,7 @@ MLAKeys mla_expand(const at::Tensor& latent, const at::Tensor& k_rope, const at:
 // position of q's first row relative to the keys' first row), or unmasked when !causal.
 // Returns {out [B, n, Sq, d_v] (BNSD), lse [B, n, Sq]} for merges by log-sum-exp.
 AttentionResult mla_attend(const at::Tensor& q, const MLAKeys& keys, const MLAShape& shape,
-                           bool causal, int64_t q_offset,
-                           const AttentionPrimitive& primitive);
+                           bool causal, int64_t q_offset, const AttentionPrimitive& primitive);
 
 // The whole single-process core: causal MLA of q over the latent, out [B, S, H, d_v].
 at::Tensor mla_attention(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,

@@ -39,8 +39,9 @@ using AsyncTransferPtr = std::shared_ptr<AsyncTransfer>;
 
 // Node A: launches launch(x.detach()) and returns x wired to `transfer` (created here).
 // `name` appears in messages.
-at::Tensor start_transfer(const at::Tensor& x, const std::string& name, const TransferLaunch& launch,
-                          const TransferLaunch& launch_inverse, AsyncTransferPtr& transfer);
+at::Tensor start_transfer(const at::Tensor& x, const std::string& name,
+                          const TransferLaunch& launch, const TransferLaunch& launch_inverse,
+                          AsyncTransferPtr& transfer);
 // Node B: waits for the transfer; `emitted` is what start_transfer returned.
 at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& transfer);
 
@@ -57,9 +58,10 @@ class InFlight {
 };
 
 // The differentiable collectives of autograd_collectives.h, started now:
-//   all_to_all_start(x, split, concat)  fwd all_to_all(split, concat)  bwd all_to_all(concat, split)
-//   all_gather_start(x, dim)            fwd all_gather                 bwd reduce_scatter(sum)
-//   shift_start(x, offset)              fwd shift(offset)              bwd shift(-offset)
+//   all_to_all_start(x, split, concat)  fwd all_to_all(split, concat)  bwd all_to_all(concat,
+//   split) all_gather_start(x, dim)            fwd all_gather                 bwd
+//   reduce_scatter(sum) shift_start(x, offset)              fwd shift(offset)              bwd
+//   shift(-offset)
 InFlight all_to_all_start(const at::Tensor& x, int64_t split_dim, int64_t concat_dim,
                           const GroupPtr& group);
 InFlight all_gather_start(const at::Tensor& x, int64_t dim, const GroupPtr& group);

@@ -31,7 +31,7 @@ namespace hp::cp {
 struct AsyncSlot {
   QKVRole role = QKVRole::kQ;
   int64_t invocation = 0;
-  std::string handoff;       // handoff point name (messages)
+  std::string handoff;              // handoff point name (messages)
   comm::AsyncTransferPtr transfer;  // the role's collective, launched at the handoff (comm/)
   // What the handoff emitted (the consumer must pass exactly this): a weak reference, since the
   // emitted tensor's autograd node owns the slot (a strong one would be a cycle that leaks an

@@ -46,8 +46,8 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                                       const at::Tensor& k_rope, const at::Tensor& w_ukv,
                                       const attention::MLAShape& shape,
                                       const attention::DSAIndexer& index,
-                                      const attention::DSAOptions& dsa,
-                                      const DSACPOptions& options, const CPTopology& topology);
+                                      const attention::DSAOptions& dsa, const DSACPOptions& options,
+                                      const CPTopology& topology);
 
 // Installs DSA CP into a DSA layer's host (the interceptor runs dsa_attention_cp over the
 // topology's CP group). Returns the apply log line.

@@ -35,7 +35,7 @@ struct LinearCPOptions {
   std::string module_path;                    // messages and the interceptor id
   std::string mode = "state_passing";         // state_passing | ulysses
   std::string state_exchange = "all_gather";  // all_gather | p2p (state_passing)
-  CPSchedule schedule = CPSchedule::kSync;      // async: see the sketch above
+  CPSchedule schedule = CPSchedule::kSync;    // async: see the sketch above
 };
 
 // Checks (before any collective; messages name field, value and fix): the mode and exchange

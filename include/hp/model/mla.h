@@ -68,10 +68,10 @@ class MLAAttentionImpl : public torch::nn::Module {
   const at::Tensor& index_loss() const { return index_loss_; }
   const MLAConfig& config() const { return config_; }
 
-  at::Tensor w_dq, q_norm, w_uq;       // [q_rank, hidden], [q_rank], [H * dq, q_rank]
-  at::Tensor w_dkv, kv_norm, w_kr;     // [kv_rank, hidden], [kv_rank], [d_rope, hidden]
-  at::Tensor w_ukv, w_o;               // [H * (d_nope + d_v), kv_rank], [hidden, H * d_v]
-  at::Tensor w_iq, w_ik, w_iw;  // sparse: [H_I * d_I, q_rank], [d_I, hidden], [H_I, hidden]
+  at::Tensor w_dq, q_norm, w_uq;    // [q_rank, hidden], [q_rank], [H * dq, q_rank]
+  at::Tensor w_dkv, kv_norm, w_kr;  // [kv_rank, hidden], [kv_rank], [d_rope, hidden]
+  at::Tensor w_ukv, w_o;            // [H * (d_nope + d_v), kv_rank], [hidden, H * d_v]
+  at::Tensor w_iq, w_ik, w_iw;      // sparse: [H_I * d_I, q_rank], [d_I, hidden], [H_I, hidden]
 
  private:
   at::Tensor forward_sparse(const at::Tensor& x, const at::Tensor& position_ids,

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "hp/attention/dsa.h"
 #include "hp/attention/host.h"
 #include "hp/attention/linear_host.h"
-#include "hp/attention/dsa.h"
 #include "hp/attention/mla.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/apply.h"

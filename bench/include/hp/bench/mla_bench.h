@@ -19,10 +19,10 @@ namespace hp::bench {
 struct MLABenchOptions {
   int64_t seq = 8192;  // global S
   int64_t batch = 1;
-  attention::MLAShape shape;  // heads and the MLA dims
+  attention::MLAShape shape;                                               // heads and the MLA dims
   std::vector<std::string> strategies{"latent_all_gather", "all_gather"};  // or "dsa"
-  int64_t index_heads = 4, index_dim = 32, topk = 2048;  // dsa
-  std::string index_loss = "sparse";                     // dsa
+  int64_t index_heads = 4, index_dim = 32, topk = 2048;                    // dsa
+  std::string index_loss = "sparse";                                       // dsa
   cp::CPSchedule schedule = cp::CPSchedule::kSync;
   bool load_balance = false;
   int iters = 3;
