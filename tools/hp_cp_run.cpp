@@ -5,6 +5,7 @@
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --cp-algo all_gather|ulysses|hybrid
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--causal]
 //     [--layout bnsd|bshd] [--primitive math|blockwise] [--adapter sdpa_qkv|...]
+//     [--kv-head-policy error|repeat]
 // IN.pt: dict with q, k, v, dout. OUT.pt: dict with out, dq, dk, dv (natural order).
 //
 // A linear-attention mixer under CP instead (hp_cp_run_mixer.h; --cp-algo and the attention
@@ -45,6 +46,7 @@ struct Args {
   int64_t degree = 0;
   bool load_balance = false, causal = false;
   std::string lb_form = "runtime_swap";
+  std::string kv_head_policy = "error";
 };
 
 void add_options(CLI::App& app, Args& a) {
@@ -60,6 +62,9 @@ void add_options(CLI::App& app, Args& a) {
                  "made by shard_sequence)");
   app.add_flag("--causal", a.causal, "causal attention");
   app.add_option("--layout", a.layout, "bnsd | bshd");
+  app.add_option("--kv-head-policy", a.kv_head_policy,
+                 "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
+                 "after the exchange");
   app.add_option("--primitive", a.primitive, "math | blockwise");
   app.add_option("--adapter", a.adapter, hp::cp::AdapterRegistry::builtin().names_list(" | "));
 }
@@ -73,6 +78,7 @@ hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   c.schedule = hp::cp::parse_schedule(a.schedule);
   if (a.degree > 0) c.ulysses_degree = a.degree;
   c.load_balance = a.load_balance;
+  c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
   HP_CHECK(a.lb_form == "runtime_swap" || a.lb_form == "data_order",
            "hp-cp-run: --load-balance-form '", a.lb_form,
            "' is not valid; valid: runtime_swap, data_order");
@@ -248,7 +254,8 @@ int main(int argc, char** argv) {
     }
     if (attention != "softmax") {
       for (const char* flag :
-           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer"}) {
+           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer",
+            "--kv-head-policy"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "

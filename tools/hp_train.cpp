@@ -68,6 +68,7 @@ struct Args {
   std::string fusion = "off";
   std::string mode = "production";
   std::string attention = "softmax";
+  std::string kv_head_policy = "error";
 };
 
 // --nproc, the parallel layout and the CP schedule.
@@ -81,6 +82,9 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
+  app.add_option("--kv-head-policy", a.kv_head_policy,
+                 "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
+                 "after the exchange");
   app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
   app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
@@ -226,6 +230,12 @@ void resolve(Args& a) {
                                         o.index_loss_coef == train_defaults.index_loss_coef),
              "hp-train: --topk, --index-loss and --index-loss-coef apply to --attention dsa");
   }
+  if (o.model.mixer == "dsa" && o.model.topk > o.seq_len) {
+    std::fprintf(stderr,
+                 "hp-train: --topk %lld exceeds --seq-len %lld; clamped (every visible key is "
+                 "selected)\n",
+                 (long long)o.model.topk, (long long)o.seq_len);
+  }
   const hp::plan::MLAPlanOptions mla_defaults;
   HP_CHECK(o.model.mixer == "mla" || o.mla.strategy == mla_defaults.strategy,
            "hp-train: --mla-cp applies to --attention mla (DSA's CP is the all-gather family)");
@@ -259,12 +269,14 @@ void resolve(Args& a) {
     a.algo = "all_gather";  // placeholder: the planner replaces it (load_balance is kept)
     a.auto_algo = true;
   }
-  if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance) {
+  if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance ||
+      a.kv_head_policy != "error") {
     hp::cp::ContextParallelConfig c;
     c.algorithm = hp::cp::parse_algorithm(a.algo);
     c.schedule = hp::cp::parse_schedule(a.schedule);
     if (a.degree > 0) c.ulysses_degree = a.degree;
     c.load_balance = a.load_balance;
+    c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
     o.cp_config = c;
   }
 }

@@ -140,7 +140,8 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
     auto runtime =
         std::make_shared<CPRuntime>(adapter, strategy, topology,
                                     CPRuntimeOptions{spec.module_path, layout, config.load_balance,
-                                                     config.load_balance_form, async});
+                                                     config.load_balance_form, async,
+                                                     config.kv_head_policy});
     host.install(adapter->slot(), runtime);
     auto* installed = static_cast<CPRuntime*>(host.installed(adapter->slot()));
     auto shared = std::static_pointer_cast<CPRuntime>(installed->shared_from_this());
@@ -162,6 +163,7 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
       " ulysses_degree=", t.ulysses_degree, " colossal_degree=", t.colossal_degree,
       config.load_balance ? common::str_cat(" load_balance=", to_string(config.load_balance_form))
                           : std::string(),
+      config.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "",
       " handoff=", handoff_str(spec.cp_handoff_targets),
       " fallback=", fallback.empty() ? "none" : fallback);
   if (!fallback.empty()) {

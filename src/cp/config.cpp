@@ -22,6 +22,18 @@ const char* to_string(LoadBalanceForm f) {
   return f == LoadBalanceForm::kDataOrder ? "data_order" : "runtime_swap";
 }
 
+const char* to_string(KVHeadPolicy p) { return p == KVHeadPolicy::kError ? "error" : "repeat"; }
+
+KVHeadPolicy parse_kv_head_policy(const std::string& s) {
+  if (s == "error") return KVHeadPolicy::kError;
+  if (s == "repeat") return KVHeadPolicy::kRepeat;
+  HP_CHECK(false, "kv_head_policy '", s, "' is not valid; valid: error, repeat");
+}
+
+bool repeats_kv(KVHeadPolicy policy, int64_t u, int64_t kv_heads) {
+  return policy == KVHeadPolicy::kRepeat && u > 1 && kv_heads % u != 0;
+}
+
 namespace {
 
 const StrategyRegistry& registry_or_builtin(const StrategyRegistry* r) {
@@ -103,20 +115,29 @@ int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
 void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_q_heads,
                  int64_t local_kv_heads, int64_t tp_size) {
   check_heads_for_degree(c.algorithm.name(), ulysses_degree_of(c, cp_size), local_q_heads,
-                         local_kv_heads, tp_size);
+                         local_kv_heads, tp_size, c.kv_head_policy);
 }
 
 void check_heads_for_degree(const std::string& algorithm, int64_t u, int64_t local_q_heads,
-                            int64_t local_kv_heads, int64_t tp_size) {
+                            int64_t local_kv_heads, int64_t tp_size, KVHeadPolicy policy) {
   if (u == 1) return;
   const char* after_tp = tp_size > 1 ? " (after TP)" : "";
   HP_CHECK(local_q_heads % u == 0, "algorithm=", algorithm, ": query heads", after_tp, " = ",
            local_q_heads, " are not divisible by the Ulysses degree ", u,
            "; use algorithm=all_gather or a smaller ulysses_degree that divides ", local_q_heads);
-  HP_CHECK(local_kv_heads % u == 0, "algorithm=", algorithm, ": key/value heads", after_tp, " = ",
-           local_kv_heads, " are not divisible by the Ulysses degree ", u,
-           "; K/V heads are never repeated silently: use algorithm=all_gather or a smaller "
-           "ulysses_degree that divides ",
+  if (local_kv_heads % u == 0) return;
+  if (policy == KVHeadPolicy::kRepeat) {
+    HP_CHECK(u % local_kv_heads == 0, "algorithm=", algorithm, ": kv_head_policy=repeat needs the ",
+             "Ulysses degree ", u, " to be a multiple of the key/value heads", after_tp, " = ",
+             local_kv_heads, "; use a Ulysses degree that divides or is a multiple of ",
+             local_kv_heads);
+    return;
+  }
+  HP_CHECK(false, "algorithm=", algorithm, ": key/value heads", after_tp, " = ", local_kv_heads,
+           " are not divisible by the Ulysses degree ", u,
+           "; K/V heads are never repeated silently: set kv_head_policy=repeat "
+           "(--kv-head-policy repeat) to send each K/V head once and repeat it after the "
+           "exchange, or use algorithm=all_gather or a ulysses_degree that divides ",
            local_kv_heads);
 }
 
@@ -131,7 +152,8 @@ std::string describe(const ContextParallelConfig& c, int64_t cp_size) {
   return common::str_cat("algorithm=", to_string(c.algorithm), " schedule=", to_string(c.schedule),
                          " cp_size=", cp_size, " ulysses_degree=", ulysses_degree_of(c, cp_size),
                          " colossal_degree=", colossal_degree_of(c, cp_size),
-                         " load_balance=", c.load_balance ? "true" : "false");
+                         " load_balance=", c.load_balance ? "true" : "false",
+                         c.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "");
 }
 
 }  // namespace hp::cp

@@ -17,7 +17,8 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
                      std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options)
     : adapter_(std::move(adapter)),
       strategy_(std::move(strategy)),
-      ctx_{std::move(topology), options.layout, options.load_balance, options.load_balance_form},
+      ctx_{std::move(topology), options.layout, options.load_balance, options.load_balance_form,
+           options.kv_head_policy},
       module_path_(std::move(options.module_path)),
       async_(options.async),
       state_(std::make_shared<CPRuntimeState>(module_path_)) {
@@ -33,7 +34,7 @@ std::string CPRuntime::id() const {
 }
 
 void CPRuntime::validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const attention::AttentionOptions& options) const {
+                         const attention::AttentionOptions& options) {
   const auto& l = ctx_.layout;
   const std::string who =
       common::str_cat("CP attention on module '", module_path_, "' (", strategy_->name(), ")");
@@ -61,7 +62,9 @@ void CPRuntime::validate(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t qh = q.size(l.heads_dim), kh = k.size(l.heads_dim);
   HP_CHECK(kh >= 1 && qh % kh == 0, who, ": query heads ", qh,
            " are not a multiple of key/value heads ", kh);
-  check_heads_for_degree(strategy_->name(), ctx_.topology->ulysses_degree, qh, kh);
+  check_heads_for_degree(strategy_->name(), ctx_.topology->ulysses_degree, qh, kh, 1,
+                         ctx_.kv_head_policy);
+  ctx_.kv_heads = kh;
   strategy_->check_options(options, who);
 }
 
@@ -96,6 +99,7 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
   strategy_->check_inputs(x, ctx_,
                           common::str_cat("async CP on module '", module_path_,
                                           "': ", role_name(role), " from handoff '", handoff, "'"));
+  if (role != QKVRole::kQ) ctx_.kv_heads = x.size(l.heads_dim);  // before its collective starts
   // The slot outlives this call inside the autograd graph and the runtime's own queue: it holds
   // the runtime weakly (a strong reference would be a cycle runtime -> queue -> slot -> runtime).
   std::weak_ptr<CPRuntime> weak = shared_from_this();

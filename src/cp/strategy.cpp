@@ -83,11 +83,19 @@ attention::AttentionResult AttentionCall::run(const at::Tensor& q, const at::Ten
 int64_t CPStrategy::forward_bytes_per_rank(const ContextParallelConfig& config, int64_t p,
                                            const AttentionShape& s, int64_t /*cp_rank*/) const {
   const int64_t e = s.element_size * s.batch;
-  const int64_t h = s.q_heads * s.qk_dim;
+  const int64_t h = s.q_heads * s.qk_dim, ho = s.q_heads * s.v_dim_or_qk();  // Q, the output
   const int64_t hk = s.kv_heads * s.qk_dim, hv = s.kv_heads * s.v_dim_or_qk();
   const int64_t u = ulysses_degree_of(config, p), c = p / u;
+  if (repeats_kv(config.kv_head_policy, u, s.kv_heads)) {
+    // Q and the output by all-to-all; K/V all-gathered in the Ulysses group (every head once),
+    // then one head (D + Dv per position) gathered across the C groups.
+    const int64_t a2a = (h + ho) * (s.seq / p) * e / u * (u - 1);
+    const int64_t in_group = (hk + hv) * (s.seq / p) * e * (u - 1);
+    const int64_t across = c > 1 ? (s.qk_dim + s.v_dim_or_qk()) * (s.seq / c) * e * (c - 1) : 0;
+    return a2a + in_group + across;
+  }
   // Per-rank chunk sizes first, then the fraction that leaves the rank: exact in integers.
-  const int64_t a2a = u > 1 ? (2 * h + hk + hv) * (s.seq / p) * e / u * (u - 1) : 0;
+  const int64_t a2a = u > 1 ? (h + ho + hk + hv) * (s.seq / p) * e / u * (u - 1) : 0;
   // After the A2A each rank holds S/C positions of h_kv/U: (S/P) * h_kv elements per tensor.
   const int64_t gather = c > 1 ? (hk + hv) * (s.seq / p) * e * (c - 1) : 0;
   return a2a + gather;

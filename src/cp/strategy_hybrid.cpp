@@ -44,6 +44,7 @@ class HybridStrategy final : public detail::UlyssesMoves {
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
     PreparedQKV p{k, v, {}};
+    select_repeated_kv(p.k, p.v, ctx);
     detail::gather_kv(p.k, p.v, t.co, l);
     QueryPart part{q, {}};
     const int64_t s_block = q.size(l.seq_dim);  // S / C

@@ -69,9 +69,16 @@ class UlyssesMoves : public CPStrategy {
   // A tensor mask cannot follow the head re-layout.
   void check_options(const attention::AttentionOptions& options,
                      const std::string& who) const override;
-  // Heads divisible by the Ulysses degree, before the all-to-all.
+  // Heads divisible by the Ulysses degree, before the all-to-all (K/V fewer than U: only with
+  // kv_head_policy=repeat).
   void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
                     const std::string& who) const override;
+
+ protected:
+  // kv_head_policy=repeat with K/V heads fewer than U: K/V were all-gathered along the sequence
+  // in the Ulysses group (every head, once); keep the one head this rank's query heads read.
+  void select_repeated_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) const;
+  bool repeated_kv(const CPRuntimeContext& ctx) const;
 };
 
 // ---- head-tail load balance (load_balance.cpp) ----

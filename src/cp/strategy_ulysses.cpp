@@ -97,19 +97,43 @@ std::vector<QKVRole> detail::UlyssesMoves::moved_roles() const {
   return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
 }
 
-at::Tensor detail::UlyssesMoves::move(QKVRole, const at::Tensor& x,
+bool detail::UlyssesMoves::repeated_kv(const CPRuntimeContext& ctx) const {
+  return repeats_kv(ctx.kv_head_policy, ctx.topology->ulysses_degree, ctx.kv_heads);
+}
+
+// K and V take the repeat path (kv_head_policy=repeat, fewer heads than U): an all-gather of
+// the sequence in the Ulysses group instead of the all-to-all; finish() keeps one head.
+at::Tensor detail::UlyssesMoves::move(QKVRole role, const at::Tensor& x,
                                       const CPRuntimeContext& ctx) const {
+  if (role != QKVRole::kQ && repeated_kv(ctx)) return gather_seq(x, ctx.topology->ulysses, ctx.layout);
   return scatter_heads(x, ctx.topology->ulysses, ctx.layout);
 }
 
-comm::CommHandle detail::UlyssesMoves::move_async(QKVRole, const at::Tensor& x,
+comm::CommHandle detail::UlyssesMoves::move_async(QKVRole role, const at::Tensor& x,
                                                   const CPRuntimeContext& ctx) const {
+  if (role != QKVRole::kQ && repeated_kv(ctx)) {
+    return gather_seq_async(x, ctx.topology->ulysses, ctx.layout);
+  }
   return scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
 }
 
-comm::CommHandle detail::UlyssesMoves::move_grad_async(QKVRole, const at::Tensor& g,
+comm::CommHandle detail::UlyssesMoves::move_grad_async(QKVRole role, const at::Tensor& g,
                                                        const CPRuntimeContext& ctx) const {
+  if (role != QKVRole::kQ && repeated_kv(ctx)) {
+    return gather_seq_grad_async(g, ctx.topology->ulysses, ctx.layout);
+  }
   return scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
+}
+
+void detail::UlyssesMoves::select_repeated_kv(at::Tensor& k, at::Tensor& v,
+                                              const CPRuntimeContext& ctx) const {
+  if (!repeated_kv(ctx)) return;
+  const auto& t = *ctx.topology;
+  const int64_t heads = k.size(ctx.layout.heads_dim);
+  // U % heads == 0 (checked): ranks j*U/heads .. (j+1)*U/heads - 1 read K/V head j.
+  const int64_t mine = t.ulysses_rank / (t.ulysses_degree / heads);
+  k = k.narrow(ctx.layout.heads_dim, mine, 1);
+  v = v.narrow(ctx.layout.heads_dim, mine, 1);
 }
 
 at::Tensor detail::UlyssesMoves::restore_output(const std::vector<at::Tensor>& outs,
@@ -129,8 +153,10 @@ void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeCont
                                         const std::string& who) const {
   const int64_t u = ctx.topology->ulysses_degree;
   const int64_t heads = x.size(ctx.layout.heads_dim);
+  if (ctx.kv_head_policy == KVHeadPolicy::kRepeat && heads < u && u % heads == 0) return;
   HP_CHECK(heads % u == 0, who, " has ", heads, " heads, not divisible by the Ulysses degree ", u,
-           "; use algorithm=all_gather or a smaller ulysses_degree");
+           "; use algorithm=all_gather or a smaller ulysses_degree (K/V heads: or "
+           "kv_head_policy=repeat)");
 }
 
 namespace {
@@ -153,9 +179,11 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   }
   std::vector<comm::OpKind> required_ops() const override { return {comm::OpKind::kAllToAll}; }
 
-  PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v, const CPRuntimeContext& ctx) const override {
+  PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k_moved,
+                     const at::Tensor& v_moved, const CPRuntimeContext& ctx) const override {
     const auto& l = ctx.layout;
+    auto k = k_moved, v = v_moved;
+    select_repeated_kv(k, v, ctx);
     QueryPart part{q, {}};
     part.state.local_seq = q_local.size(l.seq_dim);
     part.state.causal = {0, q.size(l.seq_dim), k.size(l.seq_dim)};
@@ -166,7 +194,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    if (!can_split_call(call) || ctx.topology->cp_size == 1) {
+    if (!can_split_call(call) || ctx.topology->cp_size == 1 || repeated_kv(ctx)) {
       return CPStrategy::run_async(q, k, v, call, ctx, arrived);
     }
     return overlapped(q, k, v, call, ctx, arrived);

@@ -12,7 +12,9 @@
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/cp/config.h"
+#include "hp/common/check.h"
 #include "hp/cp/sequence.h"
+#include "hp/cp/volume.h"
 #include "rank_harness.h"
 #include "reference_attention.h"
 
@@ -56,9 +58,12 @@ struct Case {
   std::optional<int64_t> degree;
   bool load_balance = false;
   LoadBalanceForm form = LoadBalanceForm::kDataOrder;
+  int64_t kv_heads = kNkv;
+  KVHeadPolicy kv_policy = KVHeadPolicy::kError;
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
     if (load_balance) n += std::string("+lb:") + to_string(form);
+    if (kv_policy == KVHeadPolicy::kRepeat) n += " kv_heads=" + std::to_string(kv_heads) + " repeat";
     return n;
   }
 };
@@ -70,12 +75,13 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   cfg.schedule = schedule;
   cfg.load_balance = c.load_balance;
   cfg.load_balance_form = c.form;
+  cfg.kv_head_policy = c.kv_policy;
   return *normalize(cfg, p);
 }
 
 void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
-  auto q = f64(1, {kB, kNq, kS, kDqk}), k = f64(2, {kB, kNkv, kS, kDqk}),
-       v = f64(3, {kB, kNkv, kS, kDv}), dout = f64(4, {kB, kNq, kS, kDv});
+  auto q = f64(1, {kB, kNq, kS, kDqk}), k = f64(2, {kB, c.kv_heads, kS, kDqk}),
+       v = f64(3, {kB, c.kv_heads, kS, kDv}), dout = f64(4, {kB, kNq, kS, kDv});
   auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
        rv = v.clone().requires_grad_(true);
   auto ref = hp::testing::reference_attention(rq, rk, rv, Direct::options(causal).attention).out;
@@ -140,6 +146,22 @@ TEST(CPFloat64, HybridU2) {
 TEST(CPFloat64, HybridU3) {
   run_grid({"hybrid", 3}, {6});
 }
+// kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is sent once (gathered
+// in the Ulysses group) and every rank keeps the one its query heads read.
+TEST(CPFloat64, UlyssesRepeatsKVHeads) {
+  Case c{"ulysses", std::nullopt};
+  c.kv_policy = KVHeadPolicy::kRepeat;
+  c.kv_heads = 2;
+  run_grid(c, {4});
+  c.kv_heads = 1;
+  run_grid(c, {2, 3});
+}
+TEST(CPFloat64, HybridRepeatsKVHeads) {
+  Case c{"hybrid", 2};
+  c.kv_policy = KVHeadPolicy::kRepeat;
+  c.kv_heads = 1;
+  run_grid(c, {4});
+}
 
 // NaN in, NaN out through every strategy and schedule: one NaN query (token 13 of head 5) gives
 // exactly that (token, head) row of the output NaN, never a silent zero.
@@ -173,6 +195,52 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
       EXPECT_EQ(out.isnan().any(-1).sum().item<int64_t>(), 1) << what;
     }
   }
+}
+
+// What kv_head_policy=repeat sends: Q and the output by all-to-all, K and V once each by an
+// all-gather in the Ulysses group; counted bytes equal the formula. Without the option the
+// error names it.
+TEST(KVHeadPolicy, RepeatSendsEachHeadOnceAndTheDefaultRefuses) {
+  const int p = 4;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "ulysses";
+  HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, 2),
+                  "key/value heads = 2 are not divisible by the Ulysses degree 4; K/V heads are "
+                  "never repeated silently: set kv_head_policy=repeat");
+  cfg.kv_head_policy = KVHeadPolicy::kRepeat;
+  HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, 3),
+                  "kv_head_policy=repeat needs the Ulysses degree 4 to be a multiple of the "
+                  "key/value heads = 3");
+  EXPECT_EQ(parse_kv_head_policy("repeat"), KVHeadPolicy::kRepeat);
+  HP_EXPECT_ERROR(parse_kv_head_policy("copy"), "kv_head_policy 'copy' is not valid");
+  const auto norm = *normalize(cfg, p);
+  run_ranks(p, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", p}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
+    Direct m(true);
+    CPModuleSpec spec;
+    spec.module_path = "attn";
+    spec.inner_wrapper = "sdpa_qkv";
+    std::vector<std::string> lines;
+    CPApplyOptions o;
+    o.log = [&](const std::string& l) { lines.push_back(l); };
+    apply_context_parallel(m.core.host(), spec, norm, topo, o);
+    ASSERT_FALSE(lines.empty());
+    EXPECT_NE(lines[0].find("kv_head_policy=repeat"), std::string::npos) << lines[0];
+    auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, w.rank(), p, false); };
+    auto q = mine(f64(1, {1, kNq, kS, kDqk})), k = mine(f64(2, {1, 2, kS, kDqk})),
+         v = mine(f64(3, {1, 2, kS, kDv}));
+    auto& rec = *w.context().recorder;
+    rec.clear();
+    w.context().counters.reset();
+    m.forward(q, k, v);
+    // q [1, 12, S/P, D] by all-to-all; k and v [1, 2, S/P, .] gathered; the output back.
+    EXPECT_EQ(rec.schedule(), (std::vector<std::string>{
+                                  "all_to_all(cp)[1,12,12,8]", "all_gather(cp)[1,2,12,8]",
+                                  "all_gather(cp)[1,2,12,6]", "all_to_all(cp)[1,3,48,6]"}));
+    const AttentionShape shape{kS, kNq, 2, kDqk, 1, 8, kDv};
+    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
+  });
 }
 
 }  // namespace

@@ -97,6 +97,45 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
   }
 }
 
+// --kv-head-policy repeat: Ulysses over 4 ranks with 2 K/V heads equals the reference, with
+// counted bytes equal to the formula; without the option the error names it.
+TEST(HpCpRun, KVHeadRepeat) {
+  const std::string dir = ::testing::TempDir();
+  auto q = seeded(1, {1, 8, 48, 16}), k = seeded(2, {1, 2, 48, 16}), v = seeded(3, {1, 2, 48, 16}),
+       dout = seeded(4, {1, 8, 48, 16});
+  hp::attention::AttentionOptions o;
+  o.causal = true;
+  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
+       v1 = v.clone().requires_grad_(true);
+  auto ref = hp::attention::AttentionRegistry::builtin().get("math").forward(q1, k1, v1, o).out;
+  ref.backward(dout);
+  c10::Dict<std::string, at::Tensor> in;
+  in.insert("q", q);
+  in.insert("k", k);
+  in.insert("v", v);
+  in.insert("dout", dout);
+  const std::string ip = dir + "/kv_in.pt", op = dir + "/kv_out.pt";
+  save(ip, in);
+  const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
+                           " --cp 4 --cp-algo ulysses --causal";
+  auto refused = run(base);
+  EXPECT_EQ(refused.rc, 1) << refused.out;
+  EXPECT_NE(refused.out.find("set kv_head_policy=repeat (--kv-head-policy repeat)"),
+            std::string::npos)
+      << refused.out;
+  for (const std::string schedule : {"sync", "async"}) {
+    auto r = run(base + " --kv-head-policy repeat --schedule " + schedule);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    auto res = load(op);
+    hp::testing::expect_close(res.at("out").toTensor(), ref.detach(), schedule + " out");
+    hp::testing::expect_close(res.at("dq").toTensor(), q1.grad(), schedule + " dq");
+    hp::testing::expect_close(res.at("dk").toTensor(), k1.grad(), schedule + " dk");
+    hp::testing::expect_close(res.at("dv").toTensor(), v1.grad(), schedule + " dv");
+    auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
+    EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << r.out;
+  }
+}
+
 TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   const std::string dir = ::testing::TempDir();
   c10::Dict<std::string, at::Tensor> in;

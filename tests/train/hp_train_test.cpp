@@ -565,11 +565,31 @@ TEST(HpTrain, DSAUnderContextParallelism) {
   ASSERT_EQ(sparse.rc, 0) << sparse.out;
   auto l = losses(metrics(m2), 4);
   EXPECT_LT(l.back(), l.front()) << sparse.out;
+  auto clamped = run("--nproc 1 --attention dsa " + model + "--seq-len 32 --steps 1");
+  ASSERT_EQ(clamped.rc, 0) << clamped.out;
+  EXPECT_NE(clamped.out.find("--topk 2048 exceeds --seq-len 32; clamped"), std::string::npos)
+      << clamped.out;
   expect_refused("--nproc 2 --cp 2 --attention dsa --mla-cp ulysses",
                  {"--mla-cp applies to --attention mla"});
   expect_refused("--nproc 2 --cp 2 --topk 8", {"--topk, --index-loss and --index-loss-coef apply"});
   expect_refused("--nproc 1 --attention dsa --index-loss entropy",
                  {"DSA index loss 'entropy' is not valid; valid: sparse, dense"});
+}
+
+// Ulysses over 4 ranks with 2 K/V heads: refused by default (the message names the option),
+// trained and validated with --kv-head-policy repeat.
+TEST(HpTrain, KVHeadRepeat) {
+  const std::string dir = hp::testing::scratch_dir();
+  const std::string args = "--nproc 4 --cp 4 --cp-algo ulysses --layers 2 --hidden 32 --heads 4 "
+                           "--kv-heads 2 --head-dim 8 --ffn 48 --seq-len 64 --steps 3 ";
+  expect_refused(args, {"set kv_head_policy=repeat (--kv-head-policy repeat)"});
+  const std::string m = dir + "/train_kv_repeat.json";
+  auto r = run(args + "--kv-head-policy repeat --validate --metrics-json " + m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = metrics(m);
+  losses(j, 3);
+  expect_validated(r.out, j, 3, 1e-4);
+  EXPECT_NE(r.out.find("kv_head_policy=repeat"), std::string::npos) << r.out;
 }
 
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {

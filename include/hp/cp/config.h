@@ -38,6 +38,12 @@ enum class AsyncFallback { kError, kSync };
 //                 runs two sub-attentions and swaps the outputs back.
 enum class LoadBalanceForm { kDataOrder, kRuntimeSwap };
 
+// K/V heads fewer than the Ulysses degree U: kError refuses (the default); kRepeat sends each K/V
+// head once (an all-gather of the K/V sequence inside the Ulysses group instead of their
+// all-to-all) and each rank takes, after the exchange, the one K/V head its query heads read.
+// Needs U % kv_heads == 0. Q and the output still travel by all-to-all.
+enum class KVHeadPolicy { kError, kRepeat };
+
 struct ContextParallelConfig {
   CPAlgorithm algorithm = CPAlgorithm::kAllGather;
   CPSchedule schedule = CPSchedule::kSync;
@@ -45,18 +51,21 @@ struct ContextParallelConfig {
   bool load_balance = false;  // head-tail balance (strategies that support it: all_gather)
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   AsyncFallback async_fallback = AsyncFallback::kError;
+  KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
 };
 
 const std::string& to_string(const CPAlgorithm& a);  // the strategy name
 const char* to_string(CPSchedule s);                 // "sync", "async"
 const char* to_string(AsyncFallback f);              // "error", "sync"
 const char* to_string(LoadBalanceForm f);            // "data_order", "runtime_swap"
+const char* to_string(KVHeadPolicy p);               // "error", "repeat"
 
 // Parse the string forms; errors list the valid values. Algorithms are the names of
 // `strategies` (null: StrategyRegistry::builtin()).
 CPAlgorithm parse_algorithm(const std::string& s, const StrategyRegistry* strategies = nullptr);
 CPSchedule parse_schedule(const std::string& s);
 AsyncFallback parse_async_fallback(const std::string& s);
+KVHeadPolicy parse_kv_head_policy(const std::string& s);
 
 // The one legacy conversion from a bare Ulysses degree: 1 -> all_gather, == cp -> ulysses,
 // in between -> hybrid with that degree.
@@ -77,12 +86,16 @@ int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 
 // Head divisibility with the local head counts after TP (a Ulysses degree U > 1 needs q and kv
-// heads divisible by U; no silent K/V repeat).
+// heads divisible by U; K/V heads fewer than U only with kv_head_policy=repeat and U % kv == 0;
+// never a silent repeat).
 void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_q_heads,
                  int64_t local_kv_heads, int64_t tp_size = 1);
 // The same rule by degree; `algorithm` names the strategy in the message.
 void check_heads_for_degree(const std::string& algorithm, int64_t ulysses_degree,
-                            int64_t local_q_heads, int64_t local_kv_heads, int64_t tp_size = 1);
+                            int64_t local_q_heads, int64_t local_kv_heads, int64_t tp_size = 1,
+                            KVHeadPolicy policy = KVHeadPolicy::kError);
+// Whether K/V with `kv_heads` heads travel by the repeat path (policy repeat, kv % U != 0).
+bool repeats_kv(KVHeadPolicy policy, int64_t ulysses_degree, int64_t kv_heads);
 
 // The global sequence length must split into cp equal shards (2*cp with load balance).
 void check_sequence(const ContextParallelConfig& c, int64_t cp_size, int64_t global_seq_len);

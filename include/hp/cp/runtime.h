@@ -19,6 +19,7 @@ struct CPRuntimeOptions {
   bool load_balance = false;  // head-tail (all_gather only)
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   bool async = false;  // moved roles arrive through handoff slots
+  KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
 };
 
 class CPRuntime final : public attention::AttentionInterceptor,
@@ -45,8 +46,9 @@ class CPRuntime final : public attention::AttentionInterceptor,
   const CPTopology& topology() const { return *ctx_.topology; }
 
  private:
+  // Checks q/k/v before any collective and records the K/V head count (ctx_.kv_heads).
   void validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const attention::AttentionOptions& options) const;
+                const attention::AttentionOptions& options);
 
   std::shared_ptr<const CPAdapter> adapter_;
   std::shared_ptr<const CPStrategy> strategy_;

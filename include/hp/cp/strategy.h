@@ -64,6 +64,10 @@ struct CPRuntimeContext {
   // Head-tail load balance (strategies that support it): whether, and in which of the two forms.
   bool load_balance = false;
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
+  KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
+  // The module's K/V heads (this rank's, after TP) as they reach CP; set by the runtime before
+  // any K/V is moved. With kv_head_policy=repeat and kv_heads % U != 0, K/V take the repeat path.
+  int64_t kv_heads = 0;
 };
 
 // Per-call state a strategy hands from finish() to the attention calls and restore_output.
@@ -140,7 +144,8 @@ class CPStrategy {
   virtual bool supports_load_balance() const { return false; }
   // Forward bytes one CP rank sends in one attention layer (the formula the benches and
   // hp-cp-run report beside the counted bytes). The default is the Ulysses x all-gather
-  // composition by the config's degrees: (2h + 2h_kv)(S/P)e(U-1)/U + 2 S h_kv e (C-1)/(C U).
+  // composition by the config's degrees: (2h + 2h_kv)(S/P)e(U-1)/U + 2 S h_kv e (C-1)/(C U)
+  // (and the kv_head_policy=repeat form, cp/volume.h).
   virtual int64_t forward_bytes_per_rank(const ContextParallelConfig& c, int64_t cp_size,
                                          const AttentionShape& shape, int64_t cp_rank) const;
   // Collectives the strategy issues (checked against the backend at apply time).
