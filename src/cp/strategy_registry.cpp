@@ -9,6 +9,7 @@ const StrategyRegistry& StrategyRegistry::builtin() {
     r.add(make_all_gather_strategy());
     r.add(make_ulysses_strategy());
     r.add(make_hybrid_strategy());
+    r.add(make_ring_strategy());
     return r;
   }();
   return registry;

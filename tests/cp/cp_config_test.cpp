@@ -19,8 +19,9 @@ TEST(CPConfig, ParsesStringFormsAndListsValidValues) {
   EXPECT_EQ(parse_algorithm("hybrid"), CPAlgorithm::kHybrid);
   EXPECT_EQ(parse_schedule("async"), CPSchedule::kAsync);
   EXPECT_EQ(parse_async_fallback("sync"), AsyncFallback::kSync);
-  HP_EXPECT_ERROR(parse_algorithm("ring"),
-                  "cp algorithm 'ring' is not valid; valid: all_gather, ulysses, hybrid");
+  EXPECT_EQ(parse_algorithm("ring"), CPAlgorithm("ring"));
+  HP_EXPECT_ERROR(parse_algorithm("tree"),
+                  "cp algorithm 'tree' is not valid; valid: all_gather, ulysses, hybrid, ring");
   HP_EXPECT_ERROR(parse_schedule("later"), "cp schedule 'later' is not valid; valid: sync, async");
   HP_EXPECT_ERROR(parse_async_fallback("warn"), "valid: error, sync");
 }
@@ -63,7 +64,7 @@ TEST(CPConfig, FailFast) {
   auto lb = cfg(CPAlgorithm::kUlysses);
   lb.load_balance = true;
   HP_EXPECT_ERROR(normalize(lb, 4),
-                  "cp_config.load_balance=true requires algorithm=all_gather "
+                  "cp_config.load_balance=true requires algorithm=all_gather or ring "
                   "(got ulysses)");
   lb.algorithm = CPAlgorithm::kHybrid;
   lb.ulysses_degree = 2;
@@ -75,8 +76,9 @@ TEST(CPConfig, HeadsAfterTP) {
   EXPECT_NO_THROW(check_heads(u4, 4, 8, 4));
   HP_EXPECT_ERROR(check_heads(u4, 4, 8, 2),
                   "algorithm=ulysses: key/value heads = 2 are not divisible by the Ulysses degree "
-                  "4; K/V heads are never repeated silently: use algorithm=all_gather or a smaller "
-                  "ulysses_degree that divides 2");
+                  "4; K/V heads are never repeated silently: set kv_head_policy=repeat "
+                  "(--kv-head-policy repeat) to send each K/V head once and repeat it after the "
+                  "exchange, or use algorithm=all_gather or a ulysses_degree that divides 2");
   // 16 query heads over TP=4 leave 4 local: fine for U=4; 8 over TP=4 leave 2: refused.
   EXPECT_NO_THROW(check_heads(u4, 4, 16 / 4, 16 / 4, 4));
   HP_EXPECT_ERROR(check_heads(u4, 4, 8 / 4, 8 / 4, 4),

@@ -146,6 +146,12 @@ TEST(CPFloat64, HybridU2) {
 TEST(CPFloat64, HybridU3) {
   run_grid({"hybrid", 3}, {6});
 }
+TEST(CPFloat64, Ring) {
+  run_grid({"ring", std::nullopt}, {2, 3, 4});
+}
+TEST(CPFloat64, RingHeadTailDataOrder) {
+  run_grid({"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
+}
 // kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is sent once (gathered
 // in the Ulysses group) and every rank keeps the one its query heads read.
 TEST(CPFloat64, UlyssesRepeatsKVHeads) {
@@ -195,6 +201,51 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
       EXPECT_EQ(out.isnan().any(-1).sum().item<int64_t>(), 1) << what;
     }
   }
+}
+
+// The ring's schedule: P-1 shifts of this rank's [k | v] block forward (receive from the previous
+// rank, send to the next), the same P-1 steps the other way in backward (the blocks' dK/dV);
+// counted bytes equal the formula.
+TEST(RingSchedule, PMinusOneShiftsEachWay) {
+  const int p = 3;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "ring";
+  const auto norm = *normalize(cfg, p);
+  run_ranks(p, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", p}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
+    Direct m(true);
+    CPModuleSpec spec;
+    spec.module_path = "attn";
+    spec.inner_wrapper = "sdpa_qkv";
+    apply_context_parallel(m.core.host(), spec, norm, topo, quiet());
+    const int64_t r = w.rank(), prev = (r + p - 1) % p, next = (r + 1) % p;
+    auto mine = [&](const at::Tensor& full) {
+      return shard_sequence(full, 2, r, p, false).requires_grad_(true);
+    };
+    auto q = mine(f64(1, {1, kNq, kS, kDqk})), k = mine(f64(2, {1, kNkv, kS, kDqk})),
+         v = mine(f64(3, {1, kNkv, kS, kDv}));
+    auto& rec = *w.context().recorder;
+    rec.clear();
+    w.context().counters.reset();
+    auto out = m.forward(q, k, v);
+    const std::string block = "[1,6,16,14]";  // [k | v]: Dqk 8 + Dv 6
+    auto step = [&](int64_t from, int64_t to) {
+      return std::vector<std::string>{"recv(cp,peer=" + std::to_string(from) + ")" + block,
+                                      "send(cp,peer=" + std::to_string(to) + ")" + block};
+    };
+    std::vector<std::string> fwd, bwd;
+    for (int i = 0; i < p - 1; ++i) {
+      for (const auto& s : step(prev, next)) fwd.push_back(s);
+      for (const auto& s : step(next, prev)) bwd.push_back(s);
+    }
+    EXPECT_EQ(rec.schedule(), fwd);
+    const AttentionShape shape{kS, kNq, kNkv, kDqk, 1, 8, kDv};
+    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
+    rec.clear();
+    out.sum().backward();
+    EXPECT_EQ(rec.schedule(), bwd);
+  });
 }
 
 // What kv_head_policy=repeat sends: Q and the output by all-to-all, K and V once each by an
