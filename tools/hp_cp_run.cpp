@@ -253,9 +253,8 @@ int main(int argc, char** argv) {
                " applies to --attention dsa");
     }
     if (attention != "softmax") {
-      for (const char* flag :
-           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer",
-            "--kv-head-policy"}) {
+      for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
+                               "--mixer", "--kv-head-policy"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "

@@ -22,7 +22,9 @@ const char* to_string(LoadBalanceForm f) {
   return f == LoadBalanceForm::kDataOrder ? "data_order" : "runtime_swap";
 }
 
-const char* to_string(KVHeadPolicy p) { return p == KVHeadPolicy::kError ? "error" : "repeat"; }
+const char* to_string(KVHeadPolicy p) {
+  return p == KVHeadPolicy::kError ? "error" : "repeat";
+}
 
 KVHeadPolicy parse_kv_head_policy(const std::string& s) {
   if (s == "error") return KVHeadPolicy::kError;

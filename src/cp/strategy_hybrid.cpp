@@ -25,15 +25,7 @@ class HybridStrategy final : public detail::UlyssesMoves {
            "divisible by the degree)";
   }
   void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
-    HP_CHECK(c.ulysses_degree.has_value(), "algorithm=hybrid needs cp_config.ulysses_degree, ",
-             "an integer in (1, cp_size=", cp_size, ") that divides ", cp_size);
-    HP_CHECK(*c.ulysses_degree > 1 && *c.ulysses_degree < cp_size,
-             "cp_config.ulysses_degree=", *c.ulysses_degree,
-             " with algorithm=hybrid must lie strictly between 1 and cp_size=", cp_size,
-             "; degree 1 is all_gather and degree ", cp_size, " is ulysses");
-    HP_CHECK(cp_size % *c.ulysses_degree == 0, "cp_size=", cp_size,
-             " is not divisible by cp_config.ulysses_degree=", *c.ulysses_degree,
-             "; choose a divisor of ", cp_size);
+    detail::check_sub_group_degree(c, cp_size, "hybrid", "all_gather");
   }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};

@@ -53,6 +53,11 @@ std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tenso
 // [B, T/P, P*n, X] (this rank's tokens, every head, in rank order).
 at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group);
 
+// Strategies of Ulysses sub-groups x something across them (hybrid, usp): ulysses_degree set,
+// strictly between 1 and cp_size (degree 1 is `degree_one`, cp_size is ulysses), dividing it.
+void check_sub_group_degree(const ContextParallelConfig& c, int64_t cp_size,
+                            const std::string& algorithm, const std::string& degree_one);
+
 // The Ulysses way of moving q, k and v (seq -> head all-to-all in the Ulysses group): what the
 // ulysses and hybrid strategies share.
 class UlyssesMoves : public CPStrategy {
@@ -80,6 +85,22 @@ class UlyssesMoves : public CPStrategy {
   void select_repeated_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) const;
   bool repeated_kv(const CPRuntimeContext& ctx) const;
 };
+
+// ---- ring piece (strategy_ring.cpp) ----
+// The group K/V blocks travel around, this rank's place in it, and the global index of the
+// first query head the calls see (masks per head).
+struct RingGroup {
+  comm::GroupPtr group;
+  int64_t rank = 0, size = 1;
+  int64_t head_offset = 0;
+};
+// Attention of q against the K/V blocks of every rank of `ring` (block i holds the positions
+// of rank i: shards of equal length, in rank order; `balanced`: data-order head-tail chunks),
+// each block shifted on while the one here is attended; merged by log-sum-exp. The ring
+// strategy runs it over the CP group, usp over the co-groups after its Ulysses all-to-all.
+at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring,
+                       bool balanced);
 
 // ---- head-tail load balance (load_balance.cpp) ----
 // The two query parts of this rank with their global offsets (swapping the tail with the mirror

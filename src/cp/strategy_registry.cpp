@@ -10,6 +10,7 @@ const StrategyRegistry& StrategyRegistry::builtin() {
     r.add(make_ulysses_strategy());
     r.add(make_hybrid_strategy());
     r.add(make_ring_strategy());
+    r.add(make_usp_strategy());
     return r;
   }();
   return registry;

@@ -31,8 +31,8 @@ class RingStrategy final : public CPStrategy {
            "the next travels (any head count; head-tail load balance, data order)";
   }
   void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
-    HP_CHECK(!c.ulysses_degree || *c.ulysses_degree == 1, "cp_config.ulysses_degree=",
-             c.ulysses_degree.value_or(0),
+    HP_CHECK(!c.ulysses_degree || *c.ulysses_degree == 1,
+             "cp_config.ulysses_degree=", c.ulysses_degree.value_or(0),
              " with algorithm=ring: ring uses no Ulysses groups; drop ulysses_degree (cp_size=",
              cp_size, ")");
     c.ulysses_degree = 1;
@@ -56,57 +56,10 @@ class RingStrategy final : public CPStrategy {
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionCall& call, const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
-    const auto& l = ctx.layout;
-    const int64_t seq = l.seq_dim, s = q.size(seq), dk = k.size(-1), p = t.cp_size;
-    const bool causal = call.options().causal;
-    const bool balanced = ctx.load_balance && p > 1;
+    const bool balanced = ctx.load_balance && t.cp_size > 1;
     if (balanced) detail::check_head_tail(q, ctx);
-    HP_CHECK(p == 1 || can_split_call(call),
-             "algorithm=ring merges partial results by log-sum-exp: it needs BNSD or BSHD q/k/v "
-             "and no tensor mask or mask function; use algorithm=all_gather for this call");
-    // Query chunks of this rank with their global chunk ids (chunk = s/2 rows when balanced).
-    struct Chunk {
-      at::Tensor rows;
-      int64_t id;
-    };
-    const int64_t len = balanced ? s / 2 : s;
-    auto chunks_of = [&](const at::Tensor& x, int64_t rank) {
-      std::vector<Chunk> out;
-      if (balanced) {
-        auto ids = load_balance_chunks(rank, p);
-        out.push_back({x.narrow(seq, 0, len), ids[0]});
-        out.push_back({x.narrow(seq, len, len), ids[1]});
-      } else {
-        out.push_back({x, rank});
-      }
-      return out;
-    };
-    auto queries = chunks_of(q, t.cp_rank);
-    std::vector<std::vector<attention::AttentionResult>> parts(queries.size());
-    auto kv = at::cat({k, v}, -1).contiguous();
-    std::vector<at::Tensor> travelled;
-    for (int64_t step = 0; step < p; ++step) {
-      const int64_t src = (t.cp_rank - step + p) % p;  // whose block is here
-      std::optional<comm::InFlight> next;
-      if (step + 1 < p) next.emplace(comm::shift_start(kv, 1, t.cp));
-      for (const auto& key : chunks_of(kv, src)) {
-        for (size_t i = 0; i < queries.size(); ++i) {
-          const auto& query = queries[i];
-          if (causal && key.id > query.id) continue;  // above the diagonal: never computed
-          CallState st;
-          st.local_seq = s;
-          st.causal = {(query.id - key.id) * len, len, len};
-          parts[i].push_back(call(query.rows, key.rows.narrow(-1, 0, dk),
-                                  key.rows.narrow(-1, dk, key.rows.size(-1) - dk), st));
-        }
-      }
-      if (next) travelled.push_back(kv = next->wait());
-    }
-    std::vector<at::Tensor> outs;
-    for (auto& part : parts)
-      outs.push_back(merge_by_lse(part, l));
-    auto out = outs.size() == 1 ? outs[0] : at::cat(outs, seq);
-    return travelled.empty() ? out : anchored(out, travelled);
+    detail::RingGroup ring{t.cp, t.cp_rank, t.cp_size, 0};
+    return detail::ring_attend(q, k, v, call, ctx.layout, ring, balanced);
   }
 
   // Nothing moves before attention: the async schedule is the ring itself (each block's
@@ -119,6 +72,60 @@ class RingStrategy final : public CPStrategy {
 };
 
 }  // namespace
+
+at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionCall& call, const QKVLayout& l, const RingGroup& ring,
+                               bool balanced) {
+  const int64_t seq = l.seq_dim, s = q.size(seq), dk = k.size(-1), p = ring.size;
+  const bool causal = call.options().causal;
+  HP_CHECK(p == 1 || can_split_call(call),
+           "the ring merges partial results by log-sum-exp: it needs BNSD or BSHD q/k/v and no "
+           "tensor mask or mask function; use algorithm=all_gather for this call");
+  // Query chunks of this rank with their global chunk ids (chunk = s/2 rows when balanced).
+  struct Chunk {
+    at::Tensor rows;
+    int64_t id;
+  };
+  const int64_t len = balanced ? s / 2 : s;
+  auto chunks_of = [&](const at::Tensor& x, int64_t rank) {
+    std::vector<Chunk> out;
+    if (balanced) {
+      auto ids = load_balance_chunks(rank, p);
+      out.push_back({x.narrow(seq, 0, len), ids[0]});
+      out.push_back({x.narrow(seq, len, len), ids[1]});
+    } else {
+      out.push_back({x, rank});
+    }
+    return out;
+  };
+  auto queries = chunks_of(q, ring.rank);
+  std::vector<std::vector<attention::AttentionResult>> parts(queries.size());
+  auto kv = at::cat({k, v}, -1).contiguous();
+  std::vector<at::Tensor> travelled;
+  for (int64_t step = 0; step < p; ++step) {
+    const int64_t src = (ring.rank - step + p) % p;  // whose block is here
+    std::optional<comm::InFlight> next;
+    if (step + 1 < p) next.emplace(comm::shift_start(kv, 1, ring.group));
+    for (const auto& key : chunks_of(kv, src)) {
+      for (size_t i = 0; i < queries.size(); ++i) {
+        const auto& query = queries[i];
+        if (causal && key.id > query.id) continue;  // above the diagonal: never computed
+        CallState st;
+        st.local_seq = s;
+        st.head_offset = ring.head_offset;
+        st.causal = {(query.id - key.id) * len, len, len};
+        parts[i].push_back(call(query.rows, key.rows.narrow(-1, 0, dk),
+                                key.rows.narrow(-1, dk, key.rows.size(-1) - dk), st));
+      }
+    }
+    if (next) travelled.push_back(kv = next->wait());
+  }
+  std::vector<at::Tensor> outs;
+  for (auto& part : parts)
+    outs.push_back(merge_by_lse(part, l));
+  auto out = outs.size() == 1 ? outs[0] : at::cat(outs, seq);
+  return travelled.empty() ? out : anchored(out, travelled);
+}
 
 std::shared_ptr<const CPStrategy> make_ring_strategy() {
   return std::make_shared<RingStrategy>();

@@ -97,6 +97,20 @@ std::vector<QKVRole> detail::UlyssesMoves::moved_roles() const {
   return {QKVRole::kQ, QKVRole::kK, QKVRole::kV};
 }
 
+void detail::check_sub_group_degree(const ContextParallelConfig& c, int64_t cp_size,
+                                    const std::string& algorithm, const std::string& degree_one) {
+  HP_CHECK(c.ulysses_degree.has_value(), "algorithm=", algorithm,
+           " needs cp_config.ulysses_degree, an integer in (1, cp_size=", cp_size,
+           ") that divides ", cp_size);
+  HP_CHECK(*c.ulysses_degree > 1 && *c.ulysses_degree < cp_size,
+           "cp_config.ulysses_degree=", *c.ulysses_degree, " with algorithm=", algorithm,
+           " must lie strictly between 1 and cp_size=", cp_size, "; degree 1 is ", degree_one,
+           " and degree ", cp_size, " is ulysses");
+  HP_CHECK(cp_size % *c.ulysses_degree == 0, "cp_size=", cp_size,
+           " is not divisible by cp_config.ulysses_degree=", *c.ulysses_degree,
+           "; choose a divisor of ", cp_size);
+}
+
 bool detail::UlyssesMoves::repeated_kv(const CPRuntimeContext& ctx) const {
   return repeats_kv(ctx.kv_head_policy, ctx.topology->ulysses_degree, ctx.kv_heads);
 }
@@ -105,7 +119,8 @@ bool detail::UlyssesMoves::repeated_kv(const CPRuntimeContext& ctx) const {
 // the sequence in the Ulysses group instead of the all-to-all; finish() keeps one head.
 at::Tensor detail::UlyssesMoves::move(QKVRole role, const at::Tensor& x,
                                       const CPRuntimeContext& ctx) const {
-  if (role != QKVRole::kQ && repeated_kv(ctx)) return gather_seq(x, ctx.topology->ulysses, ctx.layout);
+  if (role != QKVRole::kQ && repeated_kv(ctx))
+    return gather_seq(x, ctx.topology->ulysses, ctx.layout);
   return scatter_heads(x, ctx.topology->ulysses, ctx.layout);
 }
 

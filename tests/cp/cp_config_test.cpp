@@ -20,8 +20,9 @@ TEST(CPConfig, ParsesStringFormsAndListsValidValues) {
   EXPECT_EQ(parse_schedule("async"), CPSchedule::kAsync);
   EXPECT_EQ(parse_async_fallback("sync"), AsyncFallback::kSync);
   EXPECT_EQ(parse_algorithm("ring"), CPAlgorithm("ring"));
-  HP_EXPECT_ERROR(parse_algorithm("tree"),
-                  "cp algorithm 'tree' is not valid; valid: all_gather, ulysses, hybrid, ring");
+  HP_EXPECT_ERROR(
+      parse_algorithm("tree"),
+      "cp algorithm 'tree' is not valid; valid: all_gather, ulysses, hybrid, ring, usp");
   HP_EXPECT_ERROR(parse_schedule("later"), "cp schedule 'later' is not valid; valid: sync, async");
   HP_EXPECT_ERROR(parse_async_fallback("warn"), "valid: error, sync");
 }

@@ -89,13 +89,14 @@ struct Registries {
 
 TEST(CPExtension, RegistriesDeriveNamesAndErrors) {
   Registries r;
-  EXPECT_EQ(r.strategies.names(),
-            (std::vector<std::string>{"all_gather", "ulysses", "hybrid", "ring", "toy_ring"}));
+  EXPECT_EQ(r.strategies.names(), (std::vector<std::string>{"all_gather", "ulysses", "hybrid",
+                                                            "ring", "usp", "toy_ring"}));
   EXPECT_EQ(parse_algorithm("toy_ring", &r.strategies), CPAlgorithm("toy_ring"));
   HP_EXPECT_ERROR(parse_algorithm("toy_ring"),
-                  "cp algorithm 'toy_ring' is not valid; valid: all_gather, ulysses, hybrid, ring");
+                  "cp algorithm 'toy_ring' is not valid; valid: all_gather, ulysses, hybrid, ring, "
+                  "usp");
   HP_EXPECT_ERROR(parse_algorithm("rong", &r.strategies),
-                  "valid: all_gather, ulysses, hybrid, ring, toy_ring");
+                  "valid: all_gather, ulysses, hybrid, ring, usp, toy_ring");
   HP_EXPECT_ERROR(r.strategies.add(std::make_shared<ToyRing>()),
                   "a CP strategy named 'toy_ring' is already registered");
   HP_EXPECT_ERROR(
@@ -106,8 +107,9 @@ TEST(CPExtension, RegistriesDeriveNamesAndErrors) {
   auto n = normalize(c, 4, &r.strategies);
   EXPECT_EQ(*n->ulysses_degree, 1);
   c.load_balance = true;
-  HP_EXPECT_ERROR(normalize(c, 4, &r.strategies),
-                  "cp_config.load_balance=true requires algorithm=all_gather or ring (got toy_ring)");
+  HP_EXPECT_ERROR(
+      normalize(c, 4, &r.strategies),
+      "cp_config.load_balance=true requires algorithm=all_gather or ring (got toy_ring)");
   const AttentionShape shape{64, 4, 2, 16, 1, 4, 8};
   EXPECT_EQ(forward_bytes_per_rank(*n, 4, shape, 0, &r.strategies), 3 * 16 * 2 * (16 + 8) * 4);
   // The built-in registry is untouched.

@@ -11,8 +11,8 @@
 #include "hp/attention/core_attention.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
-#include "hp/cp/config.h"
 #include "hp/common/check.h"
+#include "hp/cp/config.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/volume.h"
 #include "rank_harness.h"
@@ -63,7 +63,8 @@ struct Case {
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
     if (load_balance) n += std::string("+lb:") + to_string(form);
-    if (kv_policy == KVHeadPolicy::kRepeat) n += " kv_heads=" + std::to_string(kv_heads) + " repeat";
+    if (kv_policy == KVHeadPolicy::kRepeat)
+      n += " kv_heads=" + std::to_string(kv_heads) + " repeat";
     return n;
   }
 };
@@ -148,6 +149,18 @@ TEST(CPFloat64, HybridU3) {
 }
 TEST(CPFloat64, Ring) {
   run_grid({"ring", std::nullopt}, {2, 3, 4});
+}
+TEST(CPFloat64, UspU2) {
+  run_grid({"usp", 2}, {4, 6});
+}
+TEST(CPFloat64, UspU3) {
+  run_grid({"usp", 3}, {6});
+}
+TEST(CPFloat64, UspRepeatsKVHeads) {
+  Case c{"usp", 2};
+  c.kv_policy = KVHeadPolicy::kRepeat;
+  c.kv_heads = 1;
+  run_grid(c, {4});
 }
 TEST(CPFloat64, RingHeadTailDataOrder) {
   run_grid({"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
@@ -236,8 +249,10 @@ TEST(RingSchedule, PMinusOneShiftsEachWay) {
     };
     std::vector<std::string> fwd, bwd;
     for (int i = 0; i < p - 1; ++i) {
-      for (const auto& s : step(prev, next)) fwd.push_back(s);
-      for (const auto& s : step(next, prev)) bwd.push_back(s);
+      for (const auto& s : step(prev, next))
+        fwd.push_back(s);
+      for (const auto& s : step(next, prev))
+        bwd.push_back(s);
     }
     EXPECT_EQ(rec.schedule(), fwd);
     const AttentionShape shape{kS, kNq, kNkv, kDqk, 1, 8, kDv};
@@ -286,9 +301,9 @@ TEST(KVHeadPolicy, RepeatSendsEachHeadOnceAndTheDefaultRefuses) {
     w.context().counters.reset();
     m.forward(q, k, v);
     // q [1, 12, S/P, D] by all-to-all; k and v [1, 2, S/P, .] gathered; the output back.
-    EXPECT_EQ(rec.schedule(), (std::vector<std::string>{
-                                  "all_to_all(cp)[1,12,12,8]", "all_gather(cp)[1,2,12,8]",
-                                  "all_gather(cp)[1,2,12,6]", "all_to_all(cp)[1,3,48,6]"}));
+    EXPECT_EQ(rec.schedule(),
+              (std::vector<std::string>{"all_to_all(cp)[1,12,12,8]", "all_gather(cp)[1,2,12,8]",
+                                        "all_gather(cp)[1,2,12,6]", "all_to_all(cp)[1,3,48,6]"}));
     const AttentionShape shape{kS, kNq, 2, kDqk, 1, 8, kDv};
     EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
   });

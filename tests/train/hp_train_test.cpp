@@ -580,8 +580,9 @@ TEST(HpTrain, DSAUnderContextParallelism) {
 // trained and validated with --kv-head-policy repeat.
 TEST(HpTrain, KVHeadRepeat) {
   const std::string dir = hp::testing::scratch_dir();
-  const std::string args = "--nproc 4 --cp 4 --cp-algo ulysses --layers 2 --hidden 32 --heads 4 "
-                           "--kv-heads 2 --head-dim 8 --ffn 48 --seq-len 64 --steps 3 ";
+  const std::string args =
+      "--nproc 4 --cp 4 --cp-algo ulysses --layers 2 --hidden 32 --heads 4 "
+      "--kv-heads 2 --head-dim 8 --ffn 48 --seq-len 64 --steps 3 ";
   expect_refused(args, {"set kv_head_policy=repeat (--kv-head-policy repeat)"});
   const std::string m = dir + "/train_kv_repeat.json";
   auto r = run(args + "--kv-head-policy repeat --validate --metrics-json " + m);

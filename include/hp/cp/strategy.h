@@ -213,9 +213,9 @@ at::Tensor merge_by_lse(const std::vector<attention::AttentionResult>& parts,
 // in backward, from one node and hence in the same order on every rank.
 at::Tensor anchored(const at::Tensor& out, const std::vector<at::Tensor>& moved);
 
-// Name -> strategy. builtin() holds all_gather, ulysses, hybrid and ring and is immutable; to add a
-// strategy, copy it (or start empty), add(), and hand the registry to normalize / apply through
-// their options. Adding a strategy is one file pair plus one add().
+// Name -> strategy. builtin() holds all_gather, ulysses, hybrid, ring and usp and is immutable; to
+// add a strategy, copy it (or start empty), add(), and hand the registry to normalize / apply
+// through their options. Adding a strategy is one file pair plus one add().
 class StrategyRegistry : public common::NamedRegistry<CPStrategy> {
  public:
   StrategyRegistry() : NamedRegistry("CP strategy") {}
@@ -226,5 +226,6 @@ std::shared_ptr<const CPStrategy> make_all_gather_strategy();
 std::shared_ptr<const CPStrategy> make_ulysses_strategy();
 std::shared_ptr<const CPStrategy> make_hybrid_strategy();
 std::shared_ptr<const CPStrategy> make_ring_strategy();
+std::shared_ptr<const CPStrategy> make_usp_strategy();
 
 }  // namespace hp::cp

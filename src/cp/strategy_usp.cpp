@@ -1,0 +1,66 @@
+// usp (P = C * U): the Ulysses piece inside each Ulysses group, then the ring piece across the
+// co group; composed from both, no communication code of its own.
+//
+//   q [B, N, S/P, D]   -- A2A in cp_ulysses --> [B, N/U, S/C, D]
+//   k, v               -- A2A in cp_ulysses --> [B, Nkv/U, S/C, .]   (kv_head_policy=repeat:
+//                                              gathered in the group, one head kept)
+//   ring_attend over cp_co: the [k | v] blocks of the C co-ranks travel by shifts while each
+//   is attended (causal blocks above the diagonal skipped; offsets in units of S/C)
+//   out [B, N/U, S/C, Dv] -- A2A in cp_ulysses --> [B, N, S/P, Dv]
+//   backward: the ring's inverse shifts carry dK/dV back, then the inverse all-to-alls.
+//   Async: the all-to-alls start at the handoff points; the ring overlaps itself.
+#include <ATen/ATen.h>
+
+#include "hp/common/check.h"
+#include "strategy_pieces.h"
+
+namespace hp::cp {
+namespace {
+
+class UspStrategy final : public detail::UlyssesMoves {
+ public:
+  std::string name() const override { return "usp"; }
+  std::string summary() const override {
+    return "Ulysses inside groups of ulysses_degree ranks x ring across them (heads divisible by "
+           "the degree)";
+  }
+  void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
+    detail::check_sub_group_degree(c, cp_size, "usp", "ring");
+  }
+  std::vector<comm::OpKind> required_ops() const override {
+    return {comm::OpKind::kAllToAll, comm::OpKind::kSend, comm::OpKind::kRecv};
+  }
+
+  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
+    check_inputs(q, ctx, "usp");
+    return attend_moved(move(QKVRole::kQ, q, ctx), move(QKVRole::kK, k, ctx),
+                        move(QKVRole::kV, v, ctx), call, ctx);
+  }
+
+  at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const AttentionCall& call, const CPRuntimeContext& ctx,
+                       const ArrivedFn& arrived) const override {
+    return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k),
+                        arrived(QKVRole::kV, v), call, ctx);
+  }
+
+ private:
+  at::Tensor attend_moved(const at::Tensor& q, at::Tensor k, at::Tensor v,
+                          const AttentionCall& call, const CPRuntimeContext& ctx) const {
+    const auto& t = *ctx.topology;
+    select_repeated_kv(k, v, ctx);
+    detail::RingGroup ring{t.co, t.co_rank, t.colossal_degree,
+                           t.ulysses_rank * q.size(ctx.layout.heads_dim)};
+    auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring, false);
+    return restore_output({out}, PreparedQKV{}, ctx);
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<const CPStrategy> make_usp_strategy() {
+  return std::make_shared<UspStrategy>();
+}
+
+}  // namespace hp::cp
