@@ -41,8 +41,8 @@ class UspStrategy final : public detail::UlyssesMoves {
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k),
-                        arrived(QKVRole::kV, v), call, ctx);
+    return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k), arrived(QKVRole::kV, v),
+                        call, ctx);
   }
 
  private:
