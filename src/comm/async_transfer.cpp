@@ -13,7 +13,6 @@ namespace hp::comm {
 struct AsyncTransfer {
   std::string name;
   Pending forward;
-  bool forward_done = false;
   TransferLaunch launch_inverse;
   Pending backward;
   bool backward_launched = false;
