@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,7 +14,9 @@
 #include "hp/bench/linear_bench.h"
 #include "hp/bench/mla_bench.h"
 #include "hp/bench/report.h"
+#include "hp/comm/launch_env.h"
 #include "hp/comm/types.h"
+#include "hp/comm/world.h"
 
 namespace CLI {
 class App;
@@ -22,6 +25,8 @@ class App;
 namespace hp_bench {
 
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what);
+// This process's rank of the job (launcher variables, or a world of one), its threads set.
+hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s);
 
 // The attention shape options both `attention` and `cp` take.
 void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,

@@ -21,6 +21,15 @@
 
 namespace hp_bench {
 
+hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s) {
+  hp::comm::WorldOptions wo;
+  wo.timeout = hp::comm::timeout_from_seconds(timeout_s);
+  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
+                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
+  hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
+  return world;
+}
+
 CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   auto* cmd = app.add_subcommand("cp", "one CP attention layer, forward + backward");
   add_shape_options(cmd, a.bench.seq, a.bench.heads, a.bench.kv_heads, a.bench.head_dim,
@@ -91,16 +100,6 @@ void resolve_cp_config(CPArgs& a) {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
   }
-}
-
-// This process's rank of the job (launcher variables, or a world of one), its threads set.
-hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s) {
-  hp::comm::WorldOptions wo;
-  wo.timeout = hp::comm::timeout_from_seconds(timeout_s);
-  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
-                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
-  hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
-  return world;
 }
 
 nlohmann::json cp_results_json(const CPArgs& a,

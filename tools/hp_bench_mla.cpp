@@ -103,12 +103,8 @@ int run_mla_cp(const CPArgs& a, const std::vector<std::string>& argv) {
   hp::bench::check_mla_bench(o, a.nproc);  // before any process starts
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp --attention mla");
-  hp::comm::WorldOptions wo;
-  wo.timeout = hp::comm::timeout_from_seconds(a.timeout_s);
-  auto world = env ? hp::comm::World::from_launch_env(*env, wo)
-                   : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
+  auto world = join_world(env, a.timeout_s);
   const int threads = hp::common::threads_per_rank(world.local_size());
-  hp::common::configure_threads(threads);
   const auto results = hp::bench::run_mla_bench(world, o);
   if (world.rank() != 0) return 0;
   if (a.json) {

@@ -8,6 +8,8 @@
 
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include "hp/comm/device_mesh.h"
+#include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
 #include "hp/common/paths.h"
 
@@ -23,6 +25,22 @@ std::vector<char> read_bytes(const std::string& path) {
 }
 
 }  // namespace
+
+void run_cp_thread_ranks(
+    int cp_size, const std::function<void(hp::comm::World&, const hp::cp::CPTopology&)>& fn) {
+  hp::comm::WorldOptions wo;
+  wo.timeout = std::chrono::seconds(120);
+  hp::comm::run_thread_ranks(
+      cp_size,
+      [&](hp::comm::World& w) {
+        hp::comm::DeviceMesh mesh(w, {{"cp", cp_size}});
+        auto topo = hp::cp::CPTopology::build(
+            w, mesh.group_ptr({"cp"}),
+            hp::cp::normalize(std::nullopt, cp_size).value_or(hp::cp::ContextParallelConfig{}));
+        fn(w, *topo);
+      },
+      wo);
+}
 
 c10::IValue load_file(const std::string& path, const InputHint& hint) {
   const auto bytes = read_bytes(path);

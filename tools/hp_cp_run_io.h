@@ -2,10 +2,14 @@
 // run (hp_cp_run.cpp) and the mixer run (hp_cp_run_mixer.cpp). Every error names the file.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+
+#include "hp/comm/world.h"
+#include "hp/cp/topology.h"
 
 namespace hp_cp_run {
 
@@ -25,6 +29,10 @@ at::Tensor entry(const c10::IValue& file, const std::string& key, const std::str
                  const InputHint& hint);
 // --output is checked before any compute: a writable file path.
 void check_output(const std::string& path);
+// Runs fn(world, topology) on `cp_size` thread ranks with one CP group of all of them (the
+// mixer and MLA/DSA runs; a 120 s collective timeout).
+void run_cp_thread_ranks(
+    int cp_size, const std::function<void(hp::comm::World&, const hp::cp::CPTopology&)>& fn);
 // Writes `d` to `path` for torch.load (temp file + rename; never a partial file).
 void write_dict(const std::string& path, const c10::Dict<std::string, at::Tensor>& d);
 

@@ -11,8 +11,6 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/attention/delta_rule.h"
-#include "hp/comm/device_mesh.h"
-#include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 #include "hp/cp/linear_mixer.h"
@@ -103,52 +101,43 @@ std::vector<RankOut> run_ranks(const MixerArgs& m, const MixerFile& f) {
   const int64_t len = f.shape.tokens / p;
   const bool backward = f.dout.defined();
   std::vector<RankOut> outs(p);
-  hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::seconds(120);
-  hp::comm::run_thread_ranks(
-      p,
-      [&](hp::comm::World& w) {
-        hp::comm::DeviceMesh mesh(w, {{"cp", p}});
-        auto topo = hp::cp::CPTopology::build(
-            w, mesh.group_ptr({"cp"}),
-            hp::cp::normalize(std::nullopt, p).value_or(hp::cp::ContextParallelConfig{}));
-        const int r = w.rank();
-        auto shard = f.in;
-        for (auto* t : {&shard.q, &shard.k, &shard.v, &shard.g, &shard.beta}) {
-          *t = t->narrow(1, r * len, len).clone().requires_grad_(backward);
-        }
-        if (shard.initial_state.defined()) {
-          shard.initial_state = shard.initial_state.clone().requires_grad_(backward);
-        }
-        hp::attention::MixerOptions o;
-        o.scale = m.scale;
-        o.chunk_size = m.chunk_size;
-        o.output_final_state = true;
-        hp::cp::LinearMixerCPOptions cp;
-        cp.mode = m.mode;
-        cp.state_exchange = m.exchange;
-        w.context().counters.reset();
-        auto res = hp::cp::linear_mixer_cp(shard, o, f.gate, cp, *topo);
-        auto& mine = outs[r];
-        if (backward) {
-          // The loss is the sum of the ranks' losses: the final state's gradient enters on
-          // rank 0 only (zeros elsewhere, so every rank runs the same backward).
-          auto dfinal = f.dfinal.defined() && r == 0 ? f.dfinal.to(res.final_state.scalar_type())
-                                                     : at::zeros_like(res.final_state);
-          torch::autograd::backward({res.out, res.final_state},
-                                    {f.dout.narrow(1, r * len, len), dfinal});
-          for (auto* t : {&shard.q, &shard.k, &shard.v, &shard.g, &shard.beta})
-            mine.grads.push_back(t->grad());
-          if (shard.initial_state.defined()) {
-            mine.dh0 = shard.initial_state.grad();
-            if (!mine.dh0.defined()) mine.dh0 = at::zeros_like(shard.initial_state);
-          }
-        }
-        mine.bytes = w.context().counters.total_bytes();
-        mine.out = res.out.detach();
-        mine.final_state = res.final_state.detach();
-      },
-      wo);
+  run_cp_thread_ranks(p, [&](hp::comm::World& w, const hp::cp::CPTopology& topo) {
+    const int r = w.rank();
+    auto shard = f.in;
+    for (auto* t : {&shard.q, &shard.k, &shard.v, &shard.g, &shard.beta}) {
+      *t = t->narrow(1, r * len, len).clone().requires_grad_(backward);
+    }
+    if (shard.initial_state.defined()) {
+      shard.initial_state = shard.initial_state.clone().requires_grad_(backward);
+    }
+    hp::attention::MixerOptions o;
+    o.scale = m.scale;
+    o.chunk_size = m.chunk_size;
+    o.output_final_state = true;
+    hp::cp::LinearMixerCPOptions cp;
+    cp.mode = m.mode;
+    cp.state_exchange = m.exchange;
+    w.context().counters.reset();
+    auto res = hp::cp::linear_mixer_cp(shard, o, f.gate, cp, topo);
+    auto& mine = outs[r];
+    if (backward) {
+      // The loss is the sum of the ranks' losses: the final state's gradient enters on
+      // rank 0 only (zeros elsewhere, so every rank runs the same backward).
+      auto dfinal = f.dfinal.defined() && r == 0 ? f.dfinal.to(res.final_state.scalar_type())
+                                                 : at::zeros_like(res.final_state);
+      torch::autograd::backward({res.out, res.final_state},
+                                {f.dout.narrow(1, r * len, len), dfinal});
+      for (auto* t : {&shard.q, &shard.k, &shard.v, &shard.g, &shard.beta})
+        mine.grads.push_back(t->grad());
+      if (shard.initial_state.defined()) {
+        mine.dh0 = shard.initial_state.grad();
+        if (!mine.dh0.defined()) mine.dh0 = at::zeros_like(shard.initial_state);
+      }
+    }
+    mine.bytes = w.context().counters.total_bytes();
+    mine.out = res.out.detach();
+    mine.final_state = res.final_state.detach();
+  });
   return outs;
 }
 

@@ -9,8 +9,6 @@
 
 #include "hp/attention/dsa.h"
 #include "hp/attention/mla.h"
-#include "hp/comm/device_mesh.h"
-#include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
 #include "hp/cp/dsa.h"
 #include "hp/cp/mla.h"
@@ -116,70 +114,57 @@ std::vector<RankOut> run_ranks(const MLAArgs& m, const MLAFile& f) {
   const int p = m.cp_size;
   const bool backward = f.dout.defined();
   std::vector<RankOut> outs(p);
-  hp::comm::WorldOptions wo;
-  wo.timeout = std::chrono::seconds(120);
-  hp::comm::run_thread_ranks(
-      p,
-      [&](hp::comm::World& w) {
-        hp::comm::DeviceMesh mesh(w, {{"cp", p}});
-        auto topo = hp::cp::CPTopology::build(
-            w, mesh.group_ptr({"cp"}),
-            hp::cp::normalize(std::nullopt, p).value_or(hp::cp::ContextParallelConfig{}));
-        const int r = w.rank();
-        auto shard = [&](const at::Tensor& t) {
-          return hp::cp::shard_sequence(t, 1, r, p, m.load_balance)
-              .clone()
-              .requires_grad_(backward);
-        };
-        auto q = shard(f.q), latent = shard(f.latent), k_rope = shard(f.k_rope);
-        auto w_ukv = f.w_ukv.clone().requires_grad_(backward);
-        const auto schedule = hp::cp::parse_schedule(m.schedule);
-        auto& mine = outs[r];
-        w.context().counters.reset();
-        at::Tensor out, objective;
-        hp::attention::DSAIndexer index;
-        if (is_dsa(m)) {
-          index = {shard(f.q_index), shard(f.w_index), shard(f.k_index)};
-          hp::attention::DSAOptions o;
-          o.topk = m.topk;
-          o.loss = m.index_loss;
-          hp::cp::DSACPOptions co;
-          co.load_balance = m.load_balance;
-          co.schedule = schedule;
-          auto res =
-              hp::cp::dsa_attention_cp(q, latent, k_rope, w_ukv, f.shape, index, o, co, *topo);
-          out = res.out;
-          mine.indices = res.indices;
-          mine.loss = res.loss.detach();
-          objective = res.loss;
-        } else {
-          hp::cp::MLACPOptions o;
-          o.strategy = m.strategy;
-          o.load_balance = m.load_balance;
-          o.schedule = schedule;
-          o.primitive = m.primitive;
-          out =
-              hp::cp::mla_attention_cp([&] { return q; }, latent, k_rope, w_ukv, f.shape, o, *topo);
-        }
-        if (backward) {
-          auto dout = hp::cp::shard_sequence(f.dout, 1, r, p, m.load_balance);
-          auto total = (out * dout).sum();
-          if (objective.defined()) total = total + objective;
-          total.backward();
-          mine.dq = q.grad();
-          mine.dlatent = latent.grad();
-          mine.dk_rope = k_rope.grad();
-          mine.dw = w_ukv.grad();
-          if (is_dsa(m)) {
-            mine.dq_index = index.q.grad();
-            mine.dw_index = index.w.grad();
-            mine.dk_index = index.k.grad();
-          }
-        }
-        mine.bytes = w.context().counters.total_bytes();
-        mine.out = out.detach();
-      },
-      wo);
+  run_cp_thread_ranks(p, [&](hp::comm::World& w, const hp::cp::CPTopology& topo) {
+    const int r = w.rank();
+    auto shard = [&](const at::Tensor& t) {
+      return hp::cp::shard_sequence(t, 1, r, p, m.load_balance).clone().requires_grad_(backward);
+    };
+    auto q = shard(f.q), latent = shard(f.latent), k_rope = shard(f.k_rope);
+    auto w_ukv = f.w_ukv.clone().requires_grad_(backward);
+    const auto schedule = hp::cp::parse_schedule(m.schedule);
+    auto& mine = outs[r];
+    w.context().counters.reset();
+    at::Tensor out, objective;
+    hp::attention::DSAIndexer index;
+    if (is_dsa(m)) {
+      index = {shard(f.q_index), shard(f.w_index), shard(f.k_index)};
+      hp::attention::DSAOptions o;
+      o.topk = m.topk;
+      o.loss = m.index_loss;
+      hp::cp::DSACPOptions co;
+      co.load_balance = m.load_balance;
+      co.schedule = schedule;
+      auto res = hp::cp::dsa_attention_cp(q, latent, k_rope, w_ukv, f.shape, index, o, co, topo);
+      out = res.out;
+      mine.indices = res.indices;
+      mine.loss = res.loss.detach();
+      objective = res.loss;
+    } else {
+      hp::cp::MLACPOptions o;
+      o.strategy = m.strategy;
+      o.load_balance = m.load_balance;
+      o.schedule = schedule;
+      o.primitive = m.primitive;
+      out = hp::cp::mla_attention_cp([&] { return q; }, latent, k_rope, w_ukv, f.shape, o, topo);
+    }
+    if (backward) {
+      auto dout = hp::cp::shard_sequence(f.dout, 1, r, p, m.load_balance);
+      auto total = (out * dout).sum();
+      if (objective.defined()) total = total + objective;
+      total.backward();
+      mine.dq = q.grad();
+      mine.dlatent = latent.grad();
+      mine.dk_rope = k_rope.grad();
+      mine.dw = w_ukv.grad();
+      if (is_dsa(m)) {
+        mine.dq_index = index.q.grad();
+        mine.dw_index = index.w.grad();
+        mine.dk_index = index.k.grad();
+      }
+    }
+    mine.bytes = w.context().counters.total_bytes();
+    mine.out = out.detach();
+  });
   return outs;
 }
 

@@ -9,10 +9,10 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <nlohmann/json.hpp>
 
 #include "hp/attention/attention.h"
+#include "pickle_io.h"
 #include "rank_harness.h"
 
 namespace {
@@ -21,17 +21,8 @@ hp::testing::CommandResult run(const std::string& cmd) {
   return hp::testing::run_command(cmd);
 }
 
-void save(const std::string& path, const c10::Dict<std::string, at::Tensor>& d) {
-  auto data = torch::jit::pickle_save(c10::IValue(d));
-  std::ofstream f(path, std::ios::binary);
-  f.write(data.data(), static_cast<std::streamsize>(data.size()));
-}
-
-c10::Dict<c10::IValue, c10::IValue> load(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
-  return torch::jit::pickle_load(bytes).toGenericDict();
-}
+using hp::testing::load_dict;
+using hp::testing::save_dict;
 
 at::Tensor seeded(uint64_t seed, at::IntArrayRef shape) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -74,7 +65,7 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
     in.insert("v", lay(v));
     in.insert("dout", lay(dout));
     const std::string ip = dir + "/cp_in.pt", op = dir + "/cp_out.pt";
-    save(ip, in);
+    save_dict(ip, in);
     std::string cmd = std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
                       " --cp " + std::to_string(c.cp) + " --cp-algo " + c.algo + " --causal" +
                       " --adapter " + c.adapter + " --layout " + (c.bshd ? "bshd" : "bnsd");
@@ -82,7 +73,7 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
     cmd += c.extra;
     auto r = run(cmd);
     ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
-    auto res = load(op);
+    auto res = load_dict(op);
     const std::string what = c.algo + "/" + c.adapter;
     hp::testing::expect_close(res.at("out").toTensor(), lay(ref.detach()), what + " out");
     hp::testing::expect_close(res.at("dq").toTensor(), lay(q1.grad()), what + " dq");
@@ -116,7 +107,7 @@ TEST(HpCpRun, KVHeadRepeat) {
   in.insert("v", v);
   in.insert("dout", dout);
   const std::string ip = dir + "/kv_in.pt", op = dir + "/kv_out.pt";
-  save(ip, in);
+  save_dict(ip, in);
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
                            " --cp 4 --cp-algo ulysses --causal";
   auto refused = run(base);
@@ -127,7 +118,7 @@ TEST(HpCpRun, KVHeadRepeat) {
   for (const std::string schedule : {"sync", "async"}) {
     auto r = run(base + " --kv-head-policy repeat --schedule " + schedule);
     ASSERT_EQ(r.rc, 0) << r.out;
-    auto res = load(op);
+    auto res = load_dict(op);
     hp::testing::expect_close(res.at("out").toTensor(), ref.detach(), schedule + " out");
     hp::testing::expect_close(res.at("dq").toTensor(), q1.grad(), schedule + " dq");
     hp::testing::expect_close(res.at("dk").toTensor(), k1.grad(), schedule + " dk");
@@ -144,7 +135,7 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   in.insert("k", at::randn({1, 4, 6, 8}));
   in.insert("v", at::randn({1, 4, 6, 8}));
   in.insert("dout", at::randn({1, 4, 6, 8}));
-  save(dir + "/bad_in.pt", in);
+  save_dict(dir + "/bad_in.pt", in);
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + dir +
                            "/bad_in.pt --output " + dir + "/bad_out.pt";
   auto a = run(base + " --cp 2 --schedule later");
@@ -175,7 +166,7 @@ TEST(HpCpRun, FileErrorsNameTheFileBeforeTheCompute) {
   c10::Dict<std::string, at::Tensor> in;
   for (const char* n : {"q", "k", "v", "dout"})
     in.insert(n, at::randn({1, 2, 8, 4}));
-  save(dir + "/in.pt", in);
+  save_dict(dir + "/in.pt", in);
   const std::string bin = std::string(HP_CP_RUN_BINARY) + " --cp 2 --input ";
 
   auto d = run(bin + dir + "/in.pt --output " + dir + "/out_dir");

@@ -3,18 +3,16 @@
 // formula; bad names and shapes refused before anything runs) and hp-bench linear (its JSON
 // fields; counted bytes equal the formula).
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <nlohmann/json.hpp>
 
 #include "hp/attention/delta_rule.h"
 #include "hp/common/check.h"
+#include "pickle_io.h"
 #include "rank_harness.h"
 
 namespace {
@@ -22,17 +20,8 @@ namespace {
 using hp::attention::GateKind;
 using hp::testing::expect_close;
 
-void save(const std::string& path, const c10::Dict<std::string, at::Tensor>& d) {
-  auto data = torch::jit::pickle_save(c10::IValue(d));
-  std::ofstream f(path, std::ios::binary);
-  f.write(data.data(), static_cast<std::streamsize>(data.size()));
-}
-
-c10::Dict<c10::IValue, c10::IValue> load(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
-  return torch::jit::pickle_load(bytes).toGenericDict();
-}
+using hp::testing::load_dict;
+using hp::testing::save_dict;
 
 at::Tensor rnd(uint64_t seed, at::IntArrayRef shape) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -104,14 +93,14 @@ TEST(HpCpRun, MixerMatchesTheSingleProcessKernel) {
     const auto file = mixer_file(c.mixer);
     const auto ref = reference(file, c.mixer);
     const std::string in = dir + "/mixer_in.pt", out = dir + "/mixer_out.pt";
-    save(in, file);
+    save_dict(in, file);
     std::string cmd =
         hp::common::str_cat(HP_CP_RUN_BINARY, " --input ", in, " --output ", out, " ", c.ranks,
                             " --mixer ", c.mixer, " --cp-mode ", c.mode, " --chunk-size 4");
     if (!c.exchange.empty()) cmd += " --state-exchange " + c.exchange;
     auto r = hp::testing::run_command(cmd);
     ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
-    auto res = load(out);
+    auto res = load_dict(out);
     const std::string what = c.mixer + " " + c.mode + "/" + c.exchange + " " + c.ranks;
     for (const auto& [name, want] : ref) {
       ASSERT_TRUE(res.contains(name)) << what << ": no " << name;
@@ -134,7 +123,7 @@ TEST(HpCpRun, MixerRefusesBadNamesAndShapesBeforeAnyRun) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   auto file = mixer_file("gdn");
-  save(dir + "/gdn.pt", file);
+  save_dict(dir + "/gdn.pt", file);
   const std::string out = dir + "/out.pt";
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --output " + out + " --input ";
   auto expect_refused = [&](const std::string& args, const std::string& text) {
@@ -158,12 +147,12 @@ TEST(HpCpRun, MixerRefusesBadNamesAndShapesBeforeAnyRun) {
   expect_refused(gdn + " --mixer gdn --causal", "--causal applies to attention, not to --mixer");
   expect_refused(gdn + " --cp-mode ulysses", "--cp-mode applies to a linear-attention mixer only");
   file.insert_or_assign("dfinal", at::zeros({1}));
-  save(dir + "/typo.pt", file);
+  save_dict(dir + "/typo.pt", file);
   expect_refused(dir + "/typo.pt --cp 2 --mixer gdn",
                  "has an entry 'dfinal' this run does not know; valid: q, k, v, g, beta");
   file = mixer_file("gdn");
   file.insert_or_assign("dout", at::zeros({1, 24, 8, 4}, at::kDouble));
-  save(dir + "/dout.pt", file);
+  save_dict(dir + "/dout.pt", file);
   expect_refused(dir + "/dout.pt --cp 2 --mixer gdn",
                  "dout has shape [1,24,8,4]; it must be shaped like v [1,24,8,3]");
 }

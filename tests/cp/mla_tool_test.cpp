@@ -2,16 +2,14 @@
 // compared with the float64 explicit-score reference (harness/reference_mla.h); counted bytes
 // equal the cp/mla.h formula; bad names and shapes refused before anything runs.
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <nlohmann/json.hpp>
 
 #include "hp/common/check.h"
+#include "pickle_io.h"
 #include "rank_harness.h"
 #include "reference_mla.h"
 
@@ -19,17 +17,8 @@ namespace {
 
 using hp::testing::expect_close;
 
-void save(const std::string& path, const c10::Dict<std::string, at::Tensor>& d) {
-  auto data = torch::jit::pickle_save(c10::IValue(d));
-  std::ofstream f(path, std::ios::binary);
-  f.write(data.data(), static_cast<std::streamsize>(data.size()));
-}
-
-c10::Dict<c10::IValue, c10::IValue> load(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::vector<char> bytes(std::istreambuf_iterator<char>(f), {});
-  return torch::jit::pickle_load(bytes).toGenericDict();
-}
+using hp::testing::load_dict;
+using hp::testing::save_dict;
 
 constexpr int64_t kB = 1, kS = 24, kH = 4, kNope = 8, kRope = 4, kDv = 6, kRank = 10;
 
@@ -67,7 +56,7 @@ TEST(HpCpRun, MLAMatchesTheExplicitScoreReference) {
                                               {"dk_rope", k_rope.grad()},
                                               {"dw_ukv", w.grad()}};
   const std::string in = dir + "/mla_in.pt", out = dir + "/mla_out.pt";
-  save(in, file);
+  save_dict(in, file);
   for (const std::string args :
        {"--cp 2", "--cp 3 --cp-algo latent_all_gather --schedule async --load-balance",
         "--cp 4 --cp-algo ulysses --schedule async", "--cp 2 --cp-algo all_gather --load-balance",
@@ -76,7 +65,7 @@ TEST(HpCpRun, MLAMatchesTheExplicitScoreReference) {
                                                 out, " --attention mla ", args);
     auto r = hp::testing::run_command(cmd);
     ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
-    auto res = load(out);
+    auto res = load_dict(out);
     for (const auto& [name, want] : ref) {
       ASSERT_TRUE(res.contains(name)) << args << ": no " << name;
       expect_close(res.at(name).toTensor(), want, args + " " + name, 1e-9, 1e-9);
@@ -103,7 +92,7 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   auto file = mla_file();
-  save(dir + "/mla.pt", file);
+  save_dict(dir + "/mla.pt", file);
   const std::string out = dir + "/out.pt";
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --output " + out + " --input ";
   auto expect_refused = [&](const std::string& args, const std::string& text) {
@@ -129,16 +118,16 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   expect_refused(dir + "/mla.pt --attention dsa --cp-algo ulysses",
                  "--cp-algo 'ulysses' is not a DSA strategy");
   file.insert_or_assign("k_rope", at::zeros({kB, kS + 1, kRope}, at::kDouble));
-  save(dir + "/rope.pt", file);
+  save_dict(dir + "/rope.pt", file);
   expect_refused(dir + "/rope.pt --attention mla", "k_rope [1, 25, 4] must be [B=1, S=24, d_rope]");
   file = mla_file();
   file.insert_or_assign("w_ukv", at::zeros({kH * (kNope + kDv) + 1, kRank}, at::kDouble));
-  save(dir + "/w.pt", file);
+  save_dict(dir + "/w.pt", file);
   expect_refused(dir + "/w.pt --attention mla",
                  "w_ukv [57, 10] must be [H * (d_nope + d_v), kv_rank]");
   file = mla_file();
   file.insert_or_assign("kv", at::zeros({1}));
-  save(dir + "/typo.pt", file);
+  save_dict(dir + "/typo.pt", file);
   expect_refused(dir + "/typo.pt --attention mla",
                  "has an entry 'kv' this run does not know; valid: q, latent, k_rope and w_ukv "
                  "(optional: dout)");
@@ -154,7 +143,7 @@ TEST(HpCpRun, DSAMatchesTheExplicitReference) {
   file.insert("w_index", at::randn({kB, kS, 3}, gen, at::kDouble).abs());
   file.insert("k_index", at::randn({kB, kS, 5}, gen, at::kDouble));
   const std::string in = dir + "/dsa_in.pt", out = dir + "/dsa_out.pt";
-  save(in, file);
+  save_dict(in, file);
   struct Case {
     std::string args, loss;
     int64_t topk;
@@ -172,7 +161,7 @@ TEST(HpCpRun, DSAMatchesTheExplicitReference) {
                                                 out, " --attention dsa ", c.args);
     auto r = hp::testing::run_command(cmd);
     ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
-    auto res = load(out);
+    auto res = load_dict(out);
     expect_close(res.at("out").toTensor(), ref.out.detach(), c.args + " out", 1e-9, 1e-9);
     expect_close(res.at("index_loss").toTensor(), ref.loss.detach(), c.args + " loss", 1e-9, 1e-9);
     const std::map<std::string, at::Tensor> grads{
