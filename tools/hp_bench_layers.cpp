@@ -46,6 +46,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
                 "Q/K/V/O projections around attention (what async overlaps)");
   cmd->add_flag("--load-balance", a.bench.config.load_balance,
                 "head-tail load balance (all_gather; data-order shards)");
+  cmd->add_option("--documents", a.bench.documents,
+                  "packed: N equal documents per sequence (attention stays inside each)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   cmd->add_flag("--json", a.json, "one JSON object on stdout");
@@ -117,6 +120,9 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"causal", a.bench.causal},
                     {"projections", a.bench.projections},
                     {"load_balance", a.bench.config.load_balance},
+                    {"documents", a.bench.documents},
+                    {"visible_tile_fraction",
+                     hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},
                     {"step_time_s", r.step_time_s},
                     {"comm_bytes_per_rank", r.comm_bytes_per_rank},
@@ -161,6 +167,15 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
       std::printf(" %.3f", c);
     }
     std::printf("  (max/min %.2f)\n", lo > 0 ? hi / lo : 0.0);
+    if (a.bench.documents > 0) {
+      const double with =
+          hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents);
+      const double without = hp::bench::visible_tile_fraction(r.seq, a.bench.causal, 0);
+      std::printf(
+          "  %lld packed documents: %.4f of the 256x256 score tiles visible, %.4f "
+          "without documents (ratio %.2f)\n",
+          (long long)a.bench.documents, with, without, without / with);
+    }
   }
 }
 

@@ -5,7 +5,9 @@
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --cp-algo all_gather|ulysses|hybrid
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--causal]
 //     [--layout bnsd|bshd] [--primitive math|blockwise] [--adapter sdpa_qkv|...]
-//     [--kv-head-policy error|repeat]
+//     [--kv-head-policy error|repeat] [--cu-seqlens 0,L1,L1+L2,...]
+// --cu-seqlens: packed documents, global boundaries shared by every batch row (attention stays
+// inside each document; positions past the last boundary form one more document).
 // IN.pt: dict with q, k, v, dout. OUT.pt: dict with out, dq, dk, dv (natural order).
 //
 // A linear-attention mixer under CP instead (hp_cp_run_mixer.h; --cp-algo and the attention
@@ -45,8 +47,9 @@ struct Args {
   int cp_size = 2;
   int64_t degree = 0;
   bool load_balance = false, causal = false;
-  std::string lb_form = "runtime_swap";
+  std::string lb_form;  // empty: the strategy's form (ring: data_order, else runtime_swap)
   std::string kv_head_policy = "error";
+  std::vector<int64_t> cu_seqlens;  // empty: no documents
 };
 
 void add_options(CLI::App& app, Args& a) {
@@ -59,13 +62,16 @@ void add_options(CLI::App& app, Args& a) {
   app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
   app.add_option("--load-balance-form", a.lb_form,
                  "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
-                 "made by shard_sequence)");
+                 "made by shard_sequence); default: data_order for ring, else runtime_swap");
   app.add_flag("--causal", a.causal, "causal attention");
   app.add_option("--layout", a.layout, "bnsd | bshd");
   app.add_option("--kv-head-policy", a.kv_head_policy,
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
   app.add_option("--primitive", a.primitive, "math | blockwise");
+  app.add_option("--cu-seqlens", a.cu_seqlens,
+                 "packed documents: global boundaries 0,L1,L1+L2,... (the same for every row)")
+      ->delimiter(',');
   app.add_option("--adapter", a.adapter, hp::cp::AdapterRegistry::builtin().names_list(" | "));
 }
 
@@ -79,11 +85,13 @@ hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   if (a.degree > 0) c.ulysses_degree = a.degree;
   c.load_balance = a.load_balance;
   c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
-  HP_CHECK(a.lb_form == "runtime_swap" || a.lb_form == "data_order",
-           "hp-cp-run: --load-balance-form '", a.lb_form,
+  const std::string form = !a.lb_form.empty() ? a.lb_form
+                           : a.algo == "ring" ? "data_order"
+                                              : "runtime_swap";
+  HP_CHECK(form == "runtime_swap" || form == "data_order", "hp-cp-run: --load-balance-form '", form,
            "' is not valid; valid: runtime_swap, data_order");
-  c.load_balance_form = a.lb_form == "data_order" ? hp::cp::LoadBalanceForm::kDataOrder
-                                                  : hp::cp::LoadBalanceForm::kRuntimeSwap;
+  c.load_balance_form = form == "data_order" ? hp::cp::LoadBalanceForm::kDataOrder
+                                             : hp::cp::LoadBalanceForm::kRuntimeSwap;
   return hp::cp::normalize(c, a.cp_size).value_or(hp::cp::ContextParallelConfig{});
 }
 
@@ -101,6 +109,7 @@ at::Tensor entry(const c10::IValue& file, const std::string& key, const std::str
 // The full-sequence tensors of --input and where their sequence and head dims are.
 struct Inputs {
   at::Tensor q, k, v, dout;
+  at::Tensor doc_ids;         // [1, S] from --cu-seqlens, or undefined
   int64_t seq = 2, head = 1;  // BNSD; BSHD: 1, 2
 };
 
@@ -117,6 +126,9 @@ Inputs load_inputs(const Args& a, const hp::cp::ContextParallelConfig& config) {
   HP_CHECK(x.q.dim() == 4, "hp-cp-run: q must be 4-d (", a.layout, "), got ", x.q.dim(), " dims");
   hp::cp::check_sequence(config, a.cp_size, x.q.size(x.seq));
   hp::cp::check_heads(config, a.cp_size, x.q.size(x.head), x.k.size(x.head));
+  if (!a.cu_seqlens.empty()) {
+    x.doc_ids = hp::attention::document_ids_from_cu_seqlens(a.cu_seqlens, x.q.size(x.seq));
+  }
   return x;
 }
 
@@ -124,6 +136,7 @@ Inputs load_inputs(const Args& a, const hp::cp::ContextParallelConfig& config) {
 hp::bench::CPLayerResult run_plain(const Args& a, const Inputs& x) {
   hp::attention::CoreAttentionOptions co;
   co.attention.causal = a.causal;
+  if (x.doc_ids.defined()) co.attention.documents = hp::attention::Documents{x.doc_ids};
   co.primitive = a.primitive;
   co.seq_dim = x.seq;
   co.heads_dim = x.head;
@@ -149,6 +162,7 @@ RankResults run_ranks(const Args& a, const hp::cp::ContextParallelConfig& config
   lo.causal = a.causal;
   lo.bshd = a.layout == "bshd";
   lo.primitive = a.primitive;
+  lo.doc_ids = x.doc_ids;
   RankResults rr{
       std::vector<hp::bench::CPLayerResult>(a.cp_size), std::vector<int64_t>(a.cp_size), {}};
   hp::comm::WorldOptions wo;
@@ -201,7 +215,7 @@ nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& confi
                                q.size(0),        static_cast<int64_t>(q.element_size())};
   std::vector<int64_t> theory_per_rank(a.cp_size, 0);
   for (int r = 0; a.cp_size > 1 && r < a.cp_size; ++r) {
-    theory_per_rank[r] = 2 * hp::cp::forward_bytes_per_rank(config, a.cp_size, shape, r);
+    theory_per_rank[r] = hp::cp::step_bytes_per_rank(config, a.cp_size, shape, r);
   }
   const int64_t theory = theory_per_rank[0];
   return {{"algorithm", hp::cp::to_string(config.algorithm)},
@@ -210,6 +224,7 @@ nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& confi
           {"adapter", a.adapter},
           {"load_balance", config.load_balance},
           {"schedule", hp::cp::to_string(config.schedule)},
+          {"documents", x.doc_ids.defined() ? static_cast<int64_t>(a.cu_seqlens.size()) - 1 : 0},
           {"comm_bytes_per_rank", bytes},
           {"comm_bytes_theory", theory},
           {"comm_bytes_theory_per_rank", theory_per_rank}};
@@ -254,7 +269,7 @@ int main(int argc, char** argv) {
     }
     if (attention != "softmax") {
       for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
-                               "--mixer", "--kv-head-policy"}) {
+                               "--mixer", "--kv-head-policy", "--cu-seqlens"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "
@@ -278,6 +293,9 @@ int main(int argc, char** argv) {
       return hp_cp_run::run_mla(mla);
     }
     if (hp_cp_run::mixer_requested(app, m)) {
+      HP_CHECK(app.count("--cu-seqlens") == 0,
+               "hp-cp-run: --cu-seqlens does not apply to the linear-attention mixers (packed "
+               "documents reach softmax attention only); drop it");
       m.input = a.input;
       m.output = a.output;
       m.cp_size = a.cp_size;

@@ -139,6 +139,10 @@ void add_task_options(CLI::App& app, Args& a) {
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--data", o.data, "text file (bytes) or .bin of uint16 ids; default: copy task");
   app.add_option("--data-dtype", o.data_dtype, ".bin token width: uint16 | uint32");
+  app.add_flag("--pack-documents", o.pack_documents,
+               "packed documents: attention stays inside each document, positions restart "
+               "(--data: documents end after --eod-id; copy task: several copy documents)");
+  app.add_option("--eod-id", o.eod_id, "end-of-document token id (--data with --pack-documents)");
   app.add_option("--seed", o.seed, "data seed");
 }
 
@@ -327,6 +331,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"topk", o.model.topk},
                         {"index_loss", o.model.index_loss},
                         {"data", o.data},
+                        {"pack_documents", o.pack_documents},
                         {"seed", o.seed},
                         {"plan", r.plan}}},
                       {"steps", steps},

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include "hp/attention/masks.h"
 #include "hp/bench/cp_layer.h"
 #include "hp/bench/link.h"
 #include "hp/comm/collectives.h"
@@ -31,7 +32,32 @@ double thread_cpu_s() {
   return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
 }
 
+// `n` documents of (nearly) equal length over `seq` positions: ids [1, seq].
+at::Tensor equal_documents(int64_t seq, int64_t n) {
+  std::vector<int64_t> cu;
+  for (int64_t d = 0; d <= n; ++d)
+    cu.push_back(d * seq / n);
+  return attention::document_ids_from_cu_seqlens(cu, seq);
+}
+
 }  // namespace
+
+double visible_tile_fraction(int64_t seq, bool causal, int64_t documents, int64_t tile) {
+  attention::Documents docs;
+  if (documents > 0) docs.ids = equal_documents(seq, documents);
+  int64_t visible = 0, total = 0;
+  for (int64_t qs = 0; qs < seq; qs += tile) {
+    const int64_t qe = std::min(seq, qs + tile);
+    for (int64_t ks = 0; ks < seq; ks += tile) {
+      const int64_t ke = std::min(seq, ks + tile);
+      ++total;
+      if (causal && ks > qe - 1) continue;
+      if (documents > 0 && attention::documents_hide_block(docs, qs, qe, ks, ke)) continue;
+      ++visible;
+    }
+  }
+  return static_cast<double>(visible) / static_cast<double>(total);
+}
 
 namespace {
 
@@ -47,6 +73,7 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
   lo.heads = o.heads;
   lo.kv_heads = o.kv_heads;
   lo.head_dim = o.head_dim;
+  if (o.documents > 0) lo.doc_ids = equal_documents(o.seq, o.documents);
   const int64_t s_local = o.seq / p;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + world.rank());
   at::Tensor q, k, v, dout, x, dy;
@@ -111,7 +138,7 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
   r.wire_bytes_per_rank = wire;
   r.comm_bytes_per_rank = bytes;
   cp::AttentionShape shape{o.seq, o.heads, o.kv_heads, o.head_dim, o.batch, 4};
-  r.comm_bytes_theory = p > 1 ? 2 * cp::forward_bytes_per_rank(config, p, shape) : 0;
+  r.comm_bytes_theory = p > 1 ? cp::step_bytes_per_rank(config, p, shape) : 0;
   for (int64_t i = 0; i < p; ++i) {
     r.peak_rss_per_rank.push_back(static_cast<int64_t>(all[i][0].item<double>()));
     r.attention_cpu_s_per_rank.push_back(all[i][1].item<double>());

@@ -73,6 +73,7 @@ class CPAttentionLayer::Module {
   static attention::CoreAttentionOptions core_options(const CPLayerOptions& o) {
     attention::CoreAttentionOptions c;
     c.attention.causal = o.causal;
+    if (o.doc_ids.defined()) c.attention.documents = attention::Documents{o.doc_ids};
     c.primitive = o.primitive;
     if (o.bshd) {
       c.seq_dim = 1;

@@ -76,6 +76,11 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     HP_CHECK(static_cast<bool>(o.mask_fn->fn), who, ": mask_fn is set but has no function");
     p.mask_fn = o.mask_fn;
   }
+  if (o.documents) {
+    check_documents(*o.documents, p.batch, p.q_len, p.kv_len, who);
+    p.docs = *o.documents;
+    p.docs->ids = o.documents->ids.to(at::kCPU, at::kLong).contiguous();
+  }
   HP_CHECK(o.block_q >= 1 && o.block_kv >= 1, who, ": block sizes block_q=", o.block_q,
            " block_kv=", o.block_kv, " must be >= 1");
   return p;
@@ -89,6 +94,7 @@ TileMask::TileMask(const Problem& p, int64_t block_q, int64_t block_kv)
   nk_ = (p.kv_len + block_kv_ - 1) / block_kv_;
   kinds_.assign(static_cast<size_t>(nq_ * nk_), BlockKind::kFull);
   const bool other_masks = p.mask.defined() || p.mask_fn.has_value();
+  const auto* docs = p.docs ? &*p.docs : nullptr;
   for (int64_t qb = 0; qb < nq_; ++qb) {
     const int64_t qs = qb * block_q_, qe = std::min(p.q_len, qs + block_q_);
     for (int64_t kb = 0; kb < nk_; ++kb) {
@@ -98,6 +104,14 @@ TileMask::TileMask(const Problem& p, int64_t block_q, int64_t block_kv)
         if (ks > p.q_offset + qe - 1) {
           kind = BlockKind::kEmpty;  // wholly above the diagonal: skipped, never computed
         } else if (ke - 1 > p.q_offset + qs) {
+          kind = BlockKind::kPartial;
+        }
+      }
+      if (kind != BlockKind::kEmpty && docs != nullptr) {
+        const int64_t q0 = docs->q_start, k0 = docs->kv_start;
+        if (documents_hide_block(*docs, q0 + qs, q0 + qe, k0 + ks, k0 + ke)) {
+          kind = BlockKind::kEmpty;  // no document spans the tile: skipped
+        } else if (!documents_fill_block(*docs, q0 + qs, q0 + qe, k0 + ks, k0 + ke)) {
           kind = BlockKind::kPartial;
         }
       }
@@ -141,6 +155,13 @@ at::Tensor TileMask::visible(int64_t qs, int64_t qe, int64_t ks, int64_t ke) con
     fv = fv.expand({b.size(0), h.size(1), qe - qs, ke - ks});
     vis = vis.defined() ? at::logical_and(vis, fv) : fv;
   }
+  if (p_.docs) {
+    const auto& d = *p_.docs;  // [Bd, S_total] -> [Bd, 1, bq, bk]
+    auto qd = d.ids.slice(1, d.q_start + qs, d.q_start + qe).view({-1, 1, qe - qs, 1});
+    auto kd = d.ids.slice(1, d.kv_start + ks, d.kv_start + ke).view({-1, 1, 1, ke - ks});
+    auto same = qd.eq(kd);
+    vis = vis.defined() ? at::logical_and(vis, same) : same;
+  }
   return vis;
 }
 
@@ -165,7 +186,7 @@ void TileMask::apply(at::Tensor& s, int64_t qb, int64_t kb, bool with_causal) co
     auto kj = at::arange(ks, ke, at::kLong).view({1, -1});
     hidden = kj.gt(qi).view({1, 1, qe - qs, ke - ks});
   }
-  if (p_.mask.defined() || p_.mask_fn) {
+  if (has_user_masks()) {
     auto inv = visible(qs, qe, ks, ke).logical_not();
     hidden = hidden.defined() ? at::logical_or(hidden, inv) : inv;
   }

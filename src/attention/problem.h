@@ -25,6 +25,7 @@ struct Problem {
   at::Tensor mask;                            // [Bm, Hm, Sq, Skv] (Bm in {1,B}, Hm in {1,Nq})
   bool mask_is_bool = false;
   std::optional<MaskFunction> mask_fn;
+  std::optional<Documents> docs;  // ids as CPU int64 [Bd, S_total]
 };
 
 // Checks q/k/v/options (rank, head multiple, matching dims, mask shape, causal metadata) and
@@ -56,7 +57,9 @@ class TileMask {
   // kernel, without the causal rule (applied inline there).
   void apply_head(at::Tensor& s, int64_t qb, int64_t kb, int64_t b, int64_t kvh) const;
   // Whether apply() would do anything besides causal masking.
-  bool has_user_masks() const { return p_.mask.defined() || p_.mask_fn.has_value(); }
+  bool has_user_masks() const {
+    return p_.mask.defined() || p_.mask_fn.has_value() || p_.docs.has_value();
+  }
 
  private:
   // Bool visibility [Bx, Hx, bq, bk] (Hx in {1, Nq}) of the non-causal masks, or undefined.

@@ -26,6 +26,9 @@ class SdpaAttention final : public AttentionPrimitive {
     HP_CHECK(p.group == 1, "attention 'sdpa': Nq=", p.q_heads, " != Nkv=", p.kv_heads,
              "; use the 'blockwise' primitive for GQA/MQA");
     HP_CHECK(!p.mask_fn, "attention 'sdpa' takes no mask_fn; use 'blockwise' for flex masks");
+    HP_CHECK(!p.docs,
+             "attention 'sdpa' takes no documents (packed sequences); use 'blockwise', "
+             "which skips the tiles no document spans");
     HP_CHECK(!p.causal || p.q_offset == 0, "attention 'sdpa': causal q_offset=", p.q_offset,
              " is not supported; use 'blockwise' under context parallelism");
     // One bool/additive mask carrying every rule, so sdpa and the lse agree exactly.

@@ -65,7 +65,9 @@ struct FinishFn : torch::autograd::Function<FinishFn> {
   }
 };
 
-Pending shift_pending(Group& g, const at::Tensor& t, int offset) {
+}  // namespace
+
+Pending shift_async(Group& g, const at::Tensor& t, int offset) {
   const int p = g.size();
   const int to = ((g.rank() + offset) % p + p) % p, from = ((g.rank() - offset) % p + p) % p;
   if (to == g.rank()) {
@@ -80,6 +82,8 @@ Pending shift_pending(Group& g, const at::Tensor& t, int offset) {
     return r->wait();
   };
 }
+
+namespace {
 
 Group& checked(const GroupPtr& g, const char* fn) {
   HP_CHECK(g != nullptr, fn, ": group is null (this rank is not a member of it)");
@@ -149,8 +153,8 @@ InFlight shift_start(const at::Tensor& x, int offset, const GroupPtr& group) {
   checked(group, "shift_start");
   AsyncTransferPtr t;
   auto y = start_transfer(
-      x, "shift", [=](const at::Tensor& a) { return shift_pending(*group, a, offset); },
-      [=](const at::Tensor& g) { return shift_pending(*group, g, -offset); }, t);
+      x, "shift", [=](const at::Tensor& a) { return shift_async(*group, a, offset); },
+      [=](const at::Tensor& g) { return shift_async(*group, g, -offset); }, t);
   return {y, t};
 }
 

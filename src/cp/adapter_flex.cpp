@@ -15,7 +15,7 @@ class FlexAdapter final : public CPAdapter {
   attention::AttentionHost::Slot slot() const override { return slot_; }
   attention::AttentionOptions rewrite(const attention::AttentionOptions& o, const CallState& s,
                                       const CPStrategy& strategy) const override {
-    return detail::rewrite_mask_fn(detail::rewrite_causal(o, s, strategy), s);
+    return detail::rewrite_mask_fn(detail::rewrite_positions(o, s, strategy), s);
   }
 
  private:

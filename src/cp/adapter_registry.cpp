@@ -18,10 +18,14 @@ const AdapterRegistry& AdapterRegistry::builtin() {
 
 namespace detail {
 
-attention::AttentionOptions rewrite_causal(const attention::AttentionOptions& o, const CallState& s,
-                                           const CPStrategy& strategy) {
+attention::AttentionOptions rewrite_positions(const attention::AttentionOptions& o,
+                                              const CallState& s, const CPStrategy& strategy) {
   auto out = o;
   if (o.causal) out.causal_meta = strategy.causal_metadata(s);
+  if (out.documents) {
+    out.documents->kv_start += s.kv_start;
+    out.documents->q_start += s.kv_start + s.causal.q_offset;
+  }
   return out;
 }
 
@@ -29,7 +33,8 @@ attention::AttentionOptions rewrite_mask_fn(const attention::AttentionOptions& o
                                             const CallState& s) {
   auto out = o;
   if (out.mask_fn) {
-    out.mask_fn->q_index_offset += s.causal.q_offset;
+    out.mask_fn->q_index_offset += s.kv_start + s.causal.q_offset;
+    out.mask_fn->kv_index_offset += s.kv_start;
     out.mask_fn->head_index_offset += s.head_offset;
   }
   return out;

@@ -19,7 +19,7 @@ class SdpaAdapter final : public CPAdapter {
     HP_CHECK(!o.mask_fn, "CP adapter '", name_,
              "' got a mask function; mask functions need a flex adapter (flex_qkv or flex_hf) "
              "so they are re-based to global positions");
-    return detail::rewrite_causal(o, s, strategy);
+    return detail::rewrite_positions(o, s, strategy);
   }
 
  private:

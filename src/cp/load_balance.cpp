@@ -9,6 +9,7 @@
 //                 whose c(2m+1) = c(2P-2r-1) comes back; outputs travel back the same way.
 #include <ATen/ATen.h>
 
+#include "hp/attention/masks.h"
 #include "hp/comm/autograd_collectives.h"
 #include "hp/common/check.h"
 #include "hp/cp/sequence.h"
@@ -73,7 +74,7 @@ at::Tensor pad_sequence(const at::Tensor& t, int64_t seq_dim, int64_t multiple, 
 }
 
 ShardedBatch shard_batch(const at::Tensor& input_ids, const at::Tensor& labels, int64_t r,
-                         int64_t p, bool load_balance) {
+                         int64_t p, bool load_balance, const at::Tensor& doc_ids) {
   HP_CHECK(input_ids.dim() == 2 && labels.sizes() == input_ids.sizes(),
            "shard_batch: input_ids and labels must both be [B, S]");
   const int64_t multiple = load_balance ? 2 * p : p;
@@ -81,9 +82,24 @@ ShardedBatch shard_batch(const at::Tensor& input_ids, const at::Tensor& labels, 
   auto ids = pad_sequence(input_ids, 1, multiple, 0);
   auto lab = pad_sequence(labels, 1, multiple, -100);
   b.padded_len = ids.size(1);
-  auto pos = at::arange(b.padded_len, input_ids.options().dtype(at::kLong))
-                 .unsqueeze(0)
-                 .expand({ids.size(0), b.padded_len});
+  at::Tensor pos;
+  if (doc_ids.defined()) {
+    HP_CHECK(doc_ids.sizes() == input_ids.sizes(), "shard_batch: doc_ids ", doc_ids.sizes(),
+             " must match input_ids ", input_ids.sizes(), " ([B, S])");
+    auto docs = doc_ids.to(at::kLong);
+    // The padding: one more document after each row's last.
+    auto pad_id = std::get<0>(docs.max(1, /*keepdim=*/true)) + 1;
+    const int64_t pad = b.padded_len - docs.size(1);
+    b.doc_ids = pad > 0 ? at::cat({docs, pad_id.expand({docs.size(0), pad})}, 1) : docs;
+    attention::check_documents(attention::Documents{b.doc_ids}, b.doc_ids.size(0), 0, 0,
+                               "shard_batch");
+    pos = attention::document_positions(b.doc_ids);
+    b.local_doc_ids = shard_sequence(b.doc_ids, 1, r, p, load_balance);
+  } else {
+    pos = at::arange(b.padded_len, input_ids.options().dtype(at::kLong))
+              .unsqueeze(0)
+              .expand({ids.size(0), b.padded_len});
+  }
   b.input_ids = shard_sequence(ids, 1, r, p, load_balance);
   b.labels = shard_sequence(lab, 1, r, p, load_balance);
   b.position_ids = shard_sequence(pos, 1, r, p, load_balance);

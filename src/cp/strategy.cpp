@@ -57,6 +57,13 @@ attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const 
   return result;
 }
 
+bool AttentionCall::hidden(const CallState& s) const {
+  if (!options_.documents) return false;
+  const auto& d = *options_.documents;
+  const int64_t q0 = d.q_start + s.kv_start + s.causal.q_offset, k0 = d.kv_start + s.kv_start;
+  return attention::documents_hide_block(d, q0, q0 + s.causal.q_len, k0, k0 + s.causal.kv_len);
+}
+
 attention::AttentionResult AttentionCall::run(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, const CallState& state) const {
   auto opts = adapter_.rewrite(options_, state, strategy_);

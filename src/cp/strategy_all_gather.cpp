@@ -167,6 +167,7 @@ class AllGatherStrategy final : public CPStrategy {
                      int64_t key_begin) {
       CallState st = part.state;
       st.causal = {part.state.causal.q_offset - key_begin, part.q.size(seq), kk.size(seq)};
+      st.kv_start = key_begin;
       return call(part.q, kk, vv, st);
     };
     auto visible_end = [&](const QueryPart& p) {

@@ -6,6 +6,7 @@
 
 #include "hp/common/check.h"
 #include "hp/cp/strategy.h"
+#include "strategy_pieces.h"
 
 namespace hp::cp {
 namespace {
@@ -27,19 +28,23 @@ struct MovedAnchor : torch::autograd::Function<MovedAnchor> {
   }
 };
 
-// lse [B, N, S] (primitive frame) -> broadcastable against out in the module's layout.
-at::Tensor lse_like_out(const at::Tensor& lse, const QKVLayout& l) {
+}  // namespace
+
+at::Tensor detail::lse_like_out(const at::Tensor& lse, const QKVLayout& l) {
   auto x = l.seq_dim == 2 ? lse : lse.transpose(1, 2);  // BNSD or BSHD
   return x.unsqueeze(-1);
 }
 
-}  // namespace
+at::Tensor detail::lse_to_primitive(const at::Tensor& lse, const QKVLayout& l) {
+  auto x = lse.squeeze(-1);
+  return l.seq_dim == 2 ? x : x.transpose(1, 2);
+}
 
 bool can_split_call(const AttentionCall& call) {
   const auto& l = call.layout();
   const bool layout_ok =
       (l.seq_dim == 2 && l.heads_dim == 1) || (l.seq_dim == 1 && l.heads_dim == 2);
-  return layout_ok && !call.options().mask.defined() && !call.options().mask_fn;
+  return layout_ok && !call.options().mask.defined();
 }
 
 at::Tensor merge_by_lse(const std::vector<attention::AttentionResult>& parts, const QKVLayout& l) {
@@ -50,7 +55,7 @@ at::Tensor merge_by_lse(const std::vector<attention::AttentionResult>& parts, co
     HP_CHECK(p.lse.defined(),
              "CP attention: the module's attention returned no lse, which a strategy that "
              "merges partial results needs; use a primitive that returns it (math, blockwise)");
-    auto x = lse_like_out(p.lse, l);
+    auto x = detail::lse_like_out(p.lse, l);
     lses.push_back(x.scalar_type() == at::kDouble ? x : x.to(at::kFloat));
   }
   auto total = at::logsumexp(at::stack(lses), 0);

@@ -86,6 +86,12 @@ class UlyssesMoves : public CPStrategy {
   bool repeated_kv(const CPRuntimeContext& ctx) const;
 };
 
+// ---- lse frames (strategy_pieces.cpp) ----
+// lse [B, N, S] (primitive frame) -> broadcastable against out in the module's layout (BNSD or
+// BSHD), and back.
+at::Tensor lse_like_out(const at::Tensor& lse, const QKVLayout& l);
+at::Tensor lse_to_primitive(const at::Tensor& lse_out_frame, const QKVLayout& l);
+
 // ---- ring piece (strategy_ring.cpp) ----
 // The group K/V blocks travel around, this rank's place in it, and the global index of the
 // first query head the calls see (masks per head).
@@ -96,8 +102,10 @@ struct RingGroup {
 };
 // Attention of q against the K/V blocks of every rank of `ring` (block i holds the positions
 // of rank i: shards of equal length, in rank order; `balanced`: data-order head-tail chunks),
-// each block shifted on while the one here is attended; merged by log-sum-exp. The ring
-// strategy runs it over the CP group, usp over the co-groups after its Ulysses all-to-all.
+// each block shifted on while the one here is attended; merged by log-sum-exp. Its backward
+// passes the blocks around again with their dK/dV accumulators and recomputes each block's
+// attention, so no rank ever holds more than two K/V blocks. The ring strategy runs it over the
+// CP group, usp over the co-groups after its Ulysses all-to-all.
 at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring,
                        bool balanced);

@@ -6,22 +6,38 @@
 //     start the shift of the buffer to rank r+1 (async), then attend the block it holds:
 //       causal, key block after the query block: skipped (never computed)
 //       causal, the diagonal: causal mask;  key block before: unmasked;  not causal: unmasked
+//       packed documents: a block no document spans with the query chunk is skipped too
 //     wait for the next block (the transfer overlaps the attention of the current one)
-//   out = merge_by_lse(parts), anchored to every received block
+//   out, lse merged by log-sum-exp as the blocks arrive (one custom autograd node)
 //   head-tail balance (data-order shards: chunks 2r and 2P-2r-1): each of the two query chunks
 //   against each of the two key chunks of the block, by their chunk ids.
-//   backward (autograd over comm::shift_start): each step's inverse shift carries the block's
-//   dK/dV back around the ring while the attention backward of the next block runs.
-// Memory: autograd keeps every received block for the attention backward (P blocks per rank).
+//   backward: the blocks travel the same way again, each followed by a dK/dV accumulator:
+//     step i = 1 .. P-1 recomputes the visible calls of the block here (attention's own autograd,
+//     seeded with dO and the lse gradient of the merge), adds its dK/dV to the accumulator that
+//     arrives from rank r-1 (none at step 1) and shifts it on; after step P-1 it reaches home.
+//     The own block's calls run half before the ring (hiding the first shift) and half after
+//     it (hiding the accumulator's last hop); their dK/dV never travel.
+// Memory: the saved q, k, v, out, lse of this rank, and at most two K/V blocks (the one here and
+// the one arriving) in forward and in backward (never the whole sequence).
+// Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size.
 #include <ATen/ATen.h>
 
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "hp/comm/async_transfer.h"
+#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 #include "hp/cp/sequence.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
 namespace {
+
+// One rank's [k | v] block.
+int64_t block_bytes(int64_t p, const AttentionShape& s) {
+  return (s.seq / p) * s.kv_heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch * s.element_size;
+}
 
 class RingStrategy final : public CPStrategy {
  public:
@@ -44,9 +60,11 @@ class RingStrategy final : public CPStrategy {
   bool supports_load_balance() const override { return true; }
   int64_t forward_bytes_per_rank(const ContextParallelConfig&, int64_t p, const AttentionShape& s,
                                  int64_t) const override {
-    // P-1 shifts of this rank's [k | v] block.
-    return (p - 1) * (s.seq / p) * s.kv_heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch *
-           s.element_size;
+    return (p - 1) * block_bytes(p, s);  // P-1 shifts of the [k | v] block
+  }
+  int64_t backward_bytes_per_rank(const ContextParallelConfig&, int64_t p, const AttentionShape& s,
+                                  int64_t) const override {
+    return 2 * (p - 1) * block_bytes(p, s);  // the blocks again, and P-1 accumulator shifts
   }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kSend, comm::OpKind::kRecv};
@@ -73,58 +91,205 @@ class RingStrategy final : public CPStrategy {
 
 }  // namespace
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What forward and backward share: the call (a copy), where the ring runs and the chunking.
+struct RingPlan {
+  std::shared_ptr<const AttentionCall> call;
+  QKVLayout layout;
+  detail::RingGroup ring;
+  bool balanced = false;
+  int64_t s = 0;    // local sequence length
+  int64_t len = 0;  // rows per chunk (s / 2 when balanced)
+  int64_t dk = 0;   // last dim of k (the [k | v] buffer splits there)
+
+  // Chunk ids (of the global sequence cut into `len`-row chunks) of the rows `rank` holds.
+  std::vector<int64_t> chunk_ids(int64_t rank) const {
+    return balanced ? load_balance_chunks(rank, ring.size) : std::vector<int64_t>{rank};
+  }
+  at::Tensor chunk(const at::Tensor& x, size_t i) const {
+    return x.narrow(layout.seq_dim, static_cast<int64_t>(i) * len, len);
+  }
+};
+
+// One attention call of a step: query chunk `qi` of this rank against key chunk `kc` of the
+// block here.
+struct Pair {
+  size_t qi = 0, kc = 0;
+  int64_t row0 = 0, rows = 0;  // the query rows of chunk qi the call takes
+  CallState st;
+};
+
+// Rows [row0, row0 + rows) of query chunk qi of x.
+at::Tensor query_rows(const RingPlan& plan, const at::Tensor& x, const Pair& pair) {
+  return plan.chunk(x, pair.qi).narrow(plan.layout.seq_dim, pair.row0, pair.rows);
+}
+
+// The calls of the step that holds the block of rank `src`: causal blocks above the diagonal and
+// blocks no packed document spans are left out (never computed). `half` 0 / 1 keeps the first /
+// second half of every query chunk's rows (-1: all rows).
+std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
+  const bool causal = plan.call->options().causal;
+  const auto queries = plan.chunk_ids(plan.ring.rank), keys = plan.chunk_ids(src);
+  std::vector<Pair> out;
+  for (size_t kc = 0; kc < keys.size(); ++kc) {
+    for (size_t qi = 0; qi < queries.size(); ++qi) {
+      if (causal && keys[kc] > queries[qi]) continue;
+      const int64_t first = plan.len / 2;
+      Pair pair{qi,
+                kc,
+                half == 1 ? first : 0,
+                half < 0    ? plan.len
+                : half == 0 ? first
+                            : plan.len - first,
+                {}};
+      if (pair.rows == 0) continue;
+      pair.st.local_seq = plan.s;
+      pair.st.head_offset = plan.ring.head_offset;
+      pair.st.causal = {(queries[qi] - keys[kc]) * plan.len + pair.row0, pair.rows, plan.len};
+      pair.st.kv_start = keys[kc] * plan.len;
+      if (plan.call->hidden(pair.st)) continue;
+      out.push_back(pair);
+    }
+  }
+  return out;
+}
+
+at::Tensor key_part(const RingPlan& plan, const at::Tensor& kv, size_t kc) {
+  return plan.chunk(kv, kc).narrow(-1, 0, plan.dk);
+}
+at::Tensor value_part(const RingPlan& plan, const at::Tensor& kv, size_t kc) {
+  auto c = plan.chunk(kv, kc);
+  return c.narrow(-1, plan.dk, c.size(-1) - plan.dk);
+}
+
+struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, std::shared_ptr<const RingPlan> plan) {
+    at::NoGradGuard no_grad;
+    const auto& l = plan->layout;
+    const size_t nq = plan->chunk_ids(plan->ring.rank).size();
+    // Running (out, lse) per query chunk; lse in the output's frame, -inf = nothing seen yet.
+    std::vector<at::Tensor> out(nq), lse(nq);
+    auto kv = at::cat({k, v}, -1).contiguous();
+    for (int64_t step = 0; step < plan->ring.size; ++step) {
+      const int64_t src = (plan->ring.rank - step + plan->ring.size) % plan->ring.size;
+      comm::Pending next;
+      if (step + 1 < plan->ring.size) next = comm::shift_async(*plan->ring.group, kv, 1);
+      for (const auto& pair : pairs_for(*plan, src)) {
+        auto r = (*plan->call)(query_rows(*plan, q, pair), key_part(*plan, kv, pair.kc),
+                               value_part(*plan, kv, pair.kc), pair.st);
+        auto part_lse = detail::lse_like_out(r.lse, l);
+        if (!out[pair.qi].defined()) {
+          out[pair.qi] = r.out;
+          lse[pair.qi] = part_lse;
+          continue;
+        }
+        merge_into(out[pair.qi], lse[pair.qi], r.out, part_lse);
+      }
+      if (next) kv = next();  // at most two blocks alive: the one here and the one arriving
+    }
+    auto o = at::cat(out, l.seq_dim), m = at::cat(lse, l.seq_dim);
+    ctx->save_for_backward({q, k, v, o, m});
+    ctx->saved_data["plan"] = common::to_capsule(std::move(plan));
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto plan = common::from_capsule<std::shared_ptr<const RingPlan>>(ctx->saved_data["plan"]);
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &o = saved[3], &m = saved[4];
+    auto dout = grads[0].defined() ? grads[0] : at::zeros_like(o);
+    auto dq = at::zeros_like(q);
+    const auto own = at::cat({saved[1], saved[2]}, -1).contiguous();
+    const int64_t p = plan->ring.size, r = plan->ring.rank;
+    auto dkv = at::zeros_like(own);  // this rank's block: its own queries' share stays here
+    auto compute = [&](const at::Tensor& kv, int64_t src, int half, at::Tensor& dkv_out) {
+      for (const auto& pair : pairs_for(*plan, src, half))
+        block_backward(*plan, q, kv, o, m, dout, pair, dq, dkv_out);
+    };
+    comm::Pending next;
+    if (p > 1) next = comm::shift_async(*plan->ring.group, own, 1);
+    compute(own, r, 0, dkv);  // the first half of the own block hides the first shift
+    comm::Pending arriving;   // the accumulator of the block here, from the previous rank
+    for (int64_t step = 1; step < p; ++step) {
+      auto kv = next();  // the block of rank r - step
+      next = step + 1 < p ? comm::shift_async(*plan->ring.group, kv, 1) : comm::Pending();
+      auto local = at::zeros_like(kv);
+      compute(kv, (r - step + p) % p, -1, local);
+      // The accumulator follows its block to rank r+1; after the last step it reaches home.
+      auto acc = arriving ? arriving() + local : local;
+      arriving = comm::shift_async(*plan->ring.group, acc, 1);
+    }
+    compute(own, r, 1, dkv);  // the second half hides the accumulator's last hop
+    if (arriving) dkv += arriving();
+
+    return {dq, dkv.narrow(-1, 0, plan->dk), dkv.narrow(-1, plan->dk, dkv.size(-1) - plan->dk),
+            at::Tensor()};
+  }
+
+ private:
+  // (out, lse) += (o, l) by log-sum-exp, rows that saw nothing yet (-inf) taking the new part.
+  static void merge_into(at::Tensor& out, at::Tensor& lse, const at::Tensor& o,
+                         const at::Tensor& l) {
+    auto total = at::logaddexp(lse, l);
+    auto weight = [&](const at::Tensor& x) {
+      auto w = at::exp(x - total);
+      return at::where(total.isneginf(), at::zeros_like(w), w).to(o.scalar_type());
+    };
+    out = out * weight(lse) + o * weight(l);
+    lse = total;
+  }
+
+  // The gradients of one call, recomputed: with O = sum_b w_b o_b, w_b = exp(lse_b - L),
+  //   dO/do_b = w_b,   d<dO, O>/dlse_b = w_b <dO, o_b - O>   (per row)
+  // handed to the call's own autograd; dq into `dq`, dK/dV into `dkv` (both chunk slices).
+  static void block_backward(const RingPlan& plan, const at::Tensor& q, const at::Tensor& kv,
+                             const at::Tensor& o, const at::Tensor& m, const at::Tensor& dout,
+                             const Pair& pair, at::Tensor& dq, at::Tensor& dkv) {
+    const auto& l = plan.layout;
+    at::AutoGradMode grad_on(true);
+    auto qi = query_rows(plan, q, pair).detach().requires_grad_(true);
+    auto kc = key_part(plan, kv, pair.kc).detach().requires_grad_(true);
+    auto vc = value_part(plan, kv, pair.kc).detach().requires_grad_(true);
+    auto r = (*plan.call)(qi, kc, vc, pair.st);
+    auto big_l = query_rows(plan, m, pair), big_o = query_rows(plan, o, pair);
+    auto d_o = query_rows(plan, dout, pair);
+    auto w = at::exp(detail::lse_like_out(r.lse.detach(), l) - big_l);
+    w = at::where(big_l.isneginf(), at::zeros_like(w), w);
+    auto g_out = (d_o * w.to(d_o.scalar_type()));
+    auto g_lse = (w * (d_o * (r.out.detach() - big_o)).sum(-1, true).to(w.scalar_type()));
+    auto g = torch::autograd::grad({r.out, r.lse}, {qi, kc, vc},
+                                   {g_out, detail::lse_to_primitive(g_lse, l)},
+                                   /*retain_graph=*/false, /*create_graph=*/false,
+                                   /*allow_unused=*/true);
+    if (g[0].defined()) query_rows(plan, dq, pair).add_(g[0]);
+    auto slot = plan.chunk(dkv, pair.kc);
+    if (g[1].defined()) slot.narrow(-1, 0, plan.dk).add_(g[1]);
+    if (g[2].defined()) slot.narrow(-1, plan.dk, slot.size(-1) - plan.dk).add_(g[2]);
+  }
+};
+
+}  // namespace
+
 at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const AttentionCall& call, const QKVLayout& l, const RingGroup& ring,
                                bool balanced) {
-  const int64_t seq = l.seq_dim, s = q.size(seq), dk = k.size(-1), p = ring.size;
-  const bool causal = call.options().causal;
-  HP_CHECK(p == 1 || can_split_call(call),
+  HP_CHECK(ring.size == 1 || can_split_call(call),
            "the ring merges partial results by log-sum-exp: it needs BNSD or BSHD q/k/v and no "
-           "tensor mask or mask function; use algorithm=all_gather for this call");
-  // Query chunks of this rank with their global chunk ids (chunk = s/2 rows when balanced).
-  struct Chunk {
-    at::Tensor rows;
-    int64_t id;
-  };
-  const int64_t len = balanced ? s / 2 : s;
-  auto chunks_of = [&](const at::Tensor& x, int64_t rank) {
-    std::vector<Chunk> out;
-    if (balanced) {
-      auto ids = load_balance_chunks(rank, p);
-      out.push_back({x.narrow(seq, 0, len), ids[0]});
-      out.push_back({x.narrow(seq, len, len), ids[1]});
-    } else {
-      out.push_back({x, rank});
-    }
-    return out;
-  };
-  auto queries = chunks_of(q, ring.rank);
-  std::vector<std::vector<attention::AttentionResult>> parts(queries.size());
-  auto kv = at::cat({k, v}, -1).contiguous();
-  std::vector<at::Tensor> travelled;
-  for (int64_t step = 0; step < p; ++step) {
-    const int64_t src = (ring.rank - step + p) % p;  // whose block is here
-    std::optional<comm::InFlight> next;
-    if (step + 1 < p) next.emplace(comm::shift_start(kv, 1, ring.group));
-    for (const auto& key : chunks_of(kv, src)) {
-      for (size_t i = 0; i < queries.size(); ++i) {
-        const auto& query = queries[i];
-        if (causal && key.id > query.id) continue;  // above the diagonal: never computed
-        CallState st;
-        st.local_seq = s;
-        st.head_offset = ring.head_offset;
-        st.causal = {(query.id - key.id) * len, len, len};
-        parts[i].push_back(call(query.rows, key.rows.narrow(-1, 0, dk),
-                                key.rows.narrow(-1, dk, key.rows.size(-1) - dk), st));
-      }
-    }
-    if (next) travelled.push_back(kv = next->wait());
-  }
-  std::vector<at::Tensor> outs;
-  for (auto& part : parts)
-    outs.push_back(merge_by_lse(part, l));
-  auto out = outs.size() == 1 ? outs[0] : at::cat(outs, seq);
-  return travelled.empty() ? out : anchored(out, travelled);
+           "tensor mask; use algorithm=all_gather for this call");
+  auto plan = std::make_shared<RingPlan>();
+  plan->call = std::make_shared<const AttentionCall>(call);
+  plan->layout = l;
+  plan->ring = ring;
+  plan->balanced = balanced;
+  plan->s = q.size(l.seq_dim);
+  plan->len = balanced ? plan->s / 2 : plan->s;
+  plan->dk = k.size(-1);
+  return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)));
 }
 
 std::shared_ptr<const CPStrategy> make_ring_strategy() {

@@ -233,6 +233,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
                      const at::Tensor& vv, int64_t key_begin) {
       CallState b = st;
       b.causal = {q_begin - key_begin, qq.size(seq), kk.size(seq)};
+      b.kv_start = key_begin;
       return call(qq, kk, vv, b);
     };
     const int64_t own = r * s, own_end = own + s;

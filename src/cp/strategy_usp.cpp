@@ -7,7 +7,8 @@
 //   ring_attend over cp_co: the [k | v] blocks of the C co-ranks travel by shifts while each
 //   is attended (causal blocks above the diagonal skipped; offsets in units of S/C)
 //   out [B, N/U, S/C, Dv] -- A2A in cp_ulysses --> [B, N, S/P, Dv]
-//   backward: the ring's inverse shifts carry dK/dV back, then the inverse all-to-alls.
+//   backward: the ring's backward (blocks again, each with its dK/dV accumulator), then the
+//   inverse all-to-alls.
 //   Async: the all-to-alls start at the handoff points; the ring overlaps itself.
 #include <ATen/ATen.h>
 
@@ -29,6 +30,16 @@ class UspStrategy final : public detail::UlyssesMoves {
   }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kSend, comm::OpKind::kRecv};
+  }
+  // Forward: the default composition (the ring's C-1 shifts move what an all-gather across the
+  // groups would). Backward: the same, plus the ring's C-1 accumulator shifts of one block each.
+  int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t p,
+                                  const AttentionShape& s, int64_t cp_rank) const override {
+    const int64_t u = ulysses_degree_of(c, p), groups = p / u;
+    const int64_t heads = repeats_kv(c.kv_head_policy, u, s.kv_heads) ? 1 : s.kv_heads / u;
+    const int64_t block =
+        (s.seq / groups) * heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch * s.element_size;
+    return forward_bytes_per_rank(c, p, s, cp_rank) + (groups - 1) * block;
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -192,7 +192,8 @@ Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm
     host_.add_handoff(h);
 }
 
-at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
+at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids,
+                                       const at::Tensor& doc_ids) {
   auto scope = host_.forward_scope();
   const int64_t b = x.size(0), s = x.size(1);
   auto heads = [&](const at::Tensor& t, int64_t n) {
@@ -204,6 +205,7 @@ at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& po
   auto v = v_handoff(heads(v_proj->forward(x), kv_heads_));
   attention::AttentionOptions o;
   o.causal = true;
+  if (doc_ids.defined()) o.documents = attention::Documents{doc_ids};
   auto out = host_.call_primitive(q, k, v, o).out;
   auto y = o_proj->forward(out.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
   scope.end();
@@ -239,16 +241,21 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer
   mlp = register_module("mlp", Qwen3MLP(c, layer, tp));
 }
 
-at::Tensor Qwen3DecoderLayerImpl::mix(const at::Tensor& x, const at::Tensor& position_ids) {
-  if (self_attn) return self_attn->forward(x, position_ids);
+at::Tensor Qwen3DecoderLayerImpl::mix(const at::Tensor& x, const at::Tensor& position_ids,
+                                      const at::Tensor& doc_ids) {
+  if (self_attn) return self_attn->forward(x, position_ids, doc_ids);
+  HP_CHECK(!doc_ids.defined(), "packed documents reach softmax attention layers only; the ",
+           mla_attn ? "MLA/DSA" : "linear-attention",
+           " mixer does not take document boundaries yet: train it without --pack-documents");
   if (mla_attn) return mla_attn->forward(x, position_ids);
   return linear_attn->forward(x);
 }
 
-at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
+at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids,
+                                          const at::Tensor& doc_ids) {
   auto* v = validation.checker;
   if (v == nullptr) {  // production: the same kernels, no bookkeeping
-    auto h = x + mix(input_layernorm->forward(x), position_ids);
+    auto h = x + mix(input_layernorm->forward(x), position_ids, doc_ids);
     return h + mlp->forward(post_attention_layernorm->forward(h));
   }
   const auto& L = *validation.layer;
@@ -258,7 +265,7 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
   auto a_in = input_layernorm->forward(x);  // elementwise: keeps the layout
   v->set_output(L.path + ".input_layernorm", a_in, L.in_layout);
   v->check_input(A.path, a_in, A.in_layout);
-  auto a = mix(a_in, position_ids);
+  auto a = mix(a_in, position_ids, doc_ids);
   v->set_output(A.path, a, A.out_layout);
   auto h = x + a;
   v->set_output(L.path + ".residual", h, L.in_layout);
@@ -292,7 +299,8 @@ Qwen3Impl::Qwen3Impl(const Qwen3Config& c, comm::GroupPtr tp)
   }
 }
 
-at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids) {
+at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
+                              const at::Tensor& doc_ids) {
   HP_CHECK(input_ids.dim() == 2 && position_ids.sizes() == input_ids.sizes(),
            "Qwen3: input_ids and position_ids must both be [B, S_local]");
   auto body = [&] {
@@ -302,14 +310,18 @@ at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& pos
       checker_->check_input("embed_tokens", input_ids, first_layer_->in_layout);
       checker_->set_output("embed_tokens", x, first_layer_->in_layout);
     }
-    return head(run_layers(x, position_ids));
+    return head(run_layers(x, position_ids, doc_ids));
   };
   return fully_shard_ != nullptr ? fully_shard_->forward_root(body) : body();
 }
 
-at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids) {
+at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids,
+                                 const at::Tensor& doc_ids) {
   for (size_t i = 0; i < layers.size(); ++i) {
-    auto fn = [&, i](const at::Tensor& in) { return layers[i]->forward(in, position_ids); };
+    // By value: a recomputing backward runs fn after this call (and a default argument) ended.
+    auto fn = [this, i, position_ids, doc_ids](const at::Tensor& in) {
+      return layers[i]->forward(in, position_ids, doc_ids);
+    };
     if (fully_shard_ != nullptr) {
       x = fully_shard_->forward_unit(i + 1, x, fn, config_.recompute);
     } else if (config_.recompute && at::GradMode::is_enabled()) {

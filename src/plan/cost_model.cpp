@@ -114,7 +114,10 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
       c.algorithm = a;
       c.ulysses_degree = u;
       c.schedule = s;
-      c.load_balance = w.load_balance && a != cp::CPAlgorithm::kUlysses;
+      c.load_balance =
+          w.load_balance && (a == cp::CPAlgorithm::kAllGather || a == cp::CPAlgorithm::kHybrid ||
+                             a == cp::CPAlgorithm::kRing);
+      if (a == cp::CPAlgorithm::kRing) c.load_balance_form = cp::LoadBalanceForm::kDataOrder;
       try {  // the same checks the planner runs
         auto n = cp::normalize(c, p);
         if (!n) continue;
@@ -128,13 +131,21 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
   if (p < 2) return out;
   add(cp::CPAlgorithm::kAllGather, std::nullopt);
   add(cp::CPAlgorithm::kUlysses, std::nullopt);
+  add(cp::CPAlgorithm::kRing, std::nullopt);
   for (int64_t u = 2; u < p; ++u) {
-    if (p % u == 0) add(cp::CPAlgorithm::kHybrid, u);
+    if (p % u == 0) {
+      add(cp::CPAlgorithm::kHybrid, u);
+      add(cp::CPAlgorithm::kUsp, u);
+    }
   }
   return out;
 }
 
 namespace {
+
+// Ring attention's compute relative to attention's fwd + bwd (3.5 forward units): its backward
+// recomputes every block's forward.
+constexpr double kRingRecompute = 4.5 / 3.5;
 
 // Share of the full problem's attention work on the slowest rank.
 double attention_share(int64_t p, int64_t u, bool causal, bool balanced) {
@@ -152,8 +163,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   out.config = config;
   const int64_t u = cp::ulysses_degree_of(config, p), c = p / u;
   const bool async = config.schedule == cp::CPSchedule::kAsync;
-  out.name = cp::to_string(config.algorithm) +
-             (config.algorithm == cp::CPAlgorithm::kHybrid ? "(U=" + std::to_string(u) + ")" : "") +
+  const bool ring =
+      config.algorithm == cp::CPAlgorithm::kRing || config.algorithm == cp::CPAlgorithm::kUsp;
+  const bool grouped =
+      config.algorithm == cp::CPAlgorithm::kHybrid || config.algorithm == cp::CPAlgorithm::kUsp;
+  out.name = cp::to_string(config.algorithm) + (grouped ? "(U=" + std::to_string(u) + ")" : "") +
              "/" + cp::to_string(config.schedule);
   const int ranks = w.ranks_on_node > 0 ? w.ranks_on_node : static_cast<int>(p);
   const double share = std::min(1.0, static_cast<double>(cal.cores) / ranks);
@@ -175,20 +189,37 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // its core for the others).
   const double full_attn = attn_flops / attention_share(p, u, w.causal, config.load_balance);
   const double busy_cores = std::min<double>(cal.cores, ranks);
-  const double attn_s = std::max(full_attn / (cal.attention_gflops * 1e9 * busy_cores),
-                                 attn_flops / (cal.attention_gflops * 1e9));
+  double attn_s = std::max(full_attn / (cal.attention_gflops * 1e9 * busy_cores),
+                           attn_flops / (cal.attention_gflops * 1e9));
+  // The ring's backward recomputes each block's forward (1 of the 3.5 forward units again).
+  if (ring) attn_s *= kRingRecompute;
   out.compute_s = attn_s + proj_s;
   // Communication, forward + backward, e = 4 bytes.
   const double e = 4.0 * b, local = s / static_cast<double>(p);
   double early = 0, late = 0;  // early: launched at a handoff (async can hide it)
+  double late_a2a = 0;
   if (u > 1) {
     const double frac = static_cast<double>(u - 1) / static_cast<double>(u);
     const auto& a2a = cal.fit("all_to_all", p);
     for (double width : {h, hkv, hkv})
       early += 2 * a2a.time(local * width * e * frac);
-    late += 2 * a2a.time(local * h * e * frac);  // the output all-to-all and its inverse
+    late_a2a = 2 * a2a.time(local * h * e * frac);  // the output all-to-all and its inverse
+    late += late_a2a;
   }
-  if (c > 1) {
+  double ring_exposed = 0;
+  if (c > 1 && ring) {
+    // C-1 shifts of the [k | v] block forward; backward the blocks again and C-1 accumulators.
+    // Each shift flies while a block is attended: exposed is what a step's transfers take
+    // beyond the step's attention (forward 1, backward 3.5 of the 4.5 units).
+    const double block = local * 2 * hkv * e;
+    const double shift = cal.fit("all_to_all", p).time(block);
+    const double unit = attn_s / 4.5 / static_cast<double>(c);  // one forward of one step
+    const double fwd_step = unit, bwd_step = 3.5 * unit;
+    const double steps = static_cast<double>(c - 1);
+    late += 3 * steps * shift;
+    ring_exposed =
+        steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, 2 * shift - bwd_step);
+  } else if (c > 1) {
     const double n = local * hkv * e;  // per rank, per tensor
     const auto& ag = cal.fit("all_gather", p);
     const auto& rs = cal.fit("reduce_scatter", p);
@@ -207,9 +238,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (config.algorithm == cp::CPAlgorithm::kUlysses) {
     local_share = 1.0 / static_cast<double>(u * u);
   }
+  if (ring) local_share = 0;  // usp's all-to-alls hide behind the projections only
   const double hidden_s =
       async ? std::min(early, cal.overlap_budget * proj_s + local_share * attn_s) : 0.0;
-  out.exposed_comm_s = out.comm_s - hidden_s;
+  // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).
+  out.exposed_comm_s = out.comm_s - hidden_s - (ring ? late - ring_exposed - late_a2a : 0.0);
   out.compute_s += cal.seconds_per_token * b * local / share;
   out.step_s = out.compute_s + out.exposed_comm_s;
   return out;

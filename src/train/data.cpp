@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include "hp/attention/masks.h"
 #include "hp/common/check.h"
 
 namespace hp::train {
@@ -52,23 +53,51 @@ at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
   return t.to(at::kLong);  // byte-level tokens
 }
 
-// Predict token t+1 from position t; only the second copy is learnable.
-void copy_task_batch(const TrainOptions& o, at::Generator& gen, at::Tensor& ids,
-                     at::Tensor& labels) {
-  const int64_t s = o.seq_len;
-  HP_CHECK(s % 2 == 0, "hp-train: --seq-len ", s, " must be even for the copy task");
-  const int64_t half = s / 2;
+// One copy document of `len` (even) tokens at [begin, begin + len) of every row: a random block,
+// then the same block again; predict token t+1 from position t only inside the second copy.
+void copy_document(const TrainOptions& o, at::Generator& gen, at::Tensor& ids, at::Tensor& labels,
+                   int64_t begin, int64_t len) {
+  const int64_t half = len / 2;
   auto block = at::randint(1, o.model.vocab, {o.batch, half}, gen, at::kLong);
   auto tokens = at::cat({block, block}, 1);
-  ids = tokens;
-  labels = at::full({o.batch, s}, -100, at::kLong);
-  labels.narrow(1, half, half - 1).copy_(tokens.narrow(1, half + 1, half - 1));
-  labels.narrow(1, half - 1, 1).copy_(tokens.narrow(1, half, 1));
+  ids.narrow(1, begin, len).copy_(tokens);
+  auto lab = labels.narrow(1, begin, len);
+  lab.narrow(1, half, half - 1).copy_(tokens.narrow(1, half + 1, half - 1));
+  lab.narrow(1, half - 1, 1).copy_(tokens.narrow(1, half, 1));
 }
 
-// Random windows of the corpus; the labels are the windows shifted by one token.
-void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator& gen,
-                  at::Tensor& ids, at::Tensor& labels) {
+// The copy task: one document per row, or packed documents of random even lengths >= 8 (the
+// same cuts for every row of the batch).
+void copy_task_batch(const TrainOptions& o, at::Generator& gen, Batch& b) {
+  const int64_t s = o.seq_len;
+  HP_CHECK(s % 2 == 0, "hp-train: --seq-len ", s, " must be even for the copy task");
+  b.ids = at::empty({o.batch, s}, at::kLong);
+  b.labels = at::full({o.batch, s}, -100, at::kLong);
+  if (!o.pack_documents) {
+    copy_document(o, gen, b.ids, b.labels, 0, s);
+    return;
+  }
+  HP_CHECK(s >= 16,
+           "hp-train: --pack-documents with the copy task needs --seq-len >= 16 (two "
+           "documents of at least 8 tokens), got ",
+           s);
+  std::vector<int64_t> cu{0};
+  while (cu.back() < s) {
+    const int64_t left = s - cu.back();
+    int64_t len =
+        2 * at::randint(4, std::max<int64_t>(5, s / 8 + 1), {1}, gen, at::kLong).item<int64_t>();
+    if (len > left || left - len < 8) len = left;
+    cu.push_back(cu.back() + len);
+  }
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    copy_document(o, gen, b.ids, b.labels, cu[d], cu[d + 1] - cu[d]);
+  b.doc_ids = attention::document_ids_from_cu_seqlens(cu, s).expand({o.batch, s}).contiguous();
+}
+
+// Random windows of the corpus; the labels are the windows shifted by one token. Packed: a
+// document ends after every eod_id token, whose label (the next document's first token) is
+// -100.
+void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator& gen, Batch& b) {
   const int64_t s = o.seq_len;
   auto starts = at::randint(0, corpus.size(0) - s - 1, {o.batch}, gen, at::kLong);
   std::vector<at::Tensor> rows_in, rows_out;
@@ -77,8 +106,13 @@ void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator
     rows_in.push_back(corpus.narrow(0, st, s));
     rows_out.push_back(corpus.narrow(0, st + 1, s));
   }
-  ids = at::stack(rows_in);
-  labels = at::stack(rows_out);
+  b.ids = at::stack(rows_in);
+  b.labels = at::stack(rows_out);
+  if (o.pack_documents) {
+    auto eod = b.ids.eq(o.eod_id).to(at::kLong);
+    b.doc_ids = eod.cumsum(1) - eod;  // the eod token closes its own document
+    b.labels.masked_fill_(eod.to(at::kBool), -100);
+  }
 }
 
 }  // namespace
@@ -95,18 +129,19 @@ Corpus Corpus::load(const TrainOptions& o) {
   return Corpus(std::move(corpus));
 }
 
-void make_batch(const TrainOptions& o, const Corpus& corpus, int64_t step, at::Tensor& ids,
-                at::Tensor& labels, int64_t micro) {
+Batch make_batch(const TrainOptions& o, const Corpus& corpus, int64_t step, int64_t micro) {
   uint64_t seed = o.seed * 7919ULL + static_cast<uint64_t>(step);
   if (micro > 0) seed = seed * 1000003ULL + static_cast<uint64_t>(micro);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Batch b;
   if (o.data.empty()) {
-    copy_task_batch(o, gen, ids, labels);
-    return;
+    copy_task_batch(o, gen, b);
+    return b;
   }
   HP_INTERNAL_ASSERT(!corpus.empty(), "make_batch: --data '", o.data,
                      "' needs the Corpus::load of these options");
-  corpus_batch(o, corpus.tokens(), gen, ids, labels);
+  corpus_batch(o, corpus.tokens(), gen, b);
+  return b;
 }
 
 }  // namespace hp::train

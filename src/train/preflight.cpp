@@ -57,6 +57,22 @@ void check_options(const TrainOptions& o) {
   HP_CHECK(!(o.resume || o.resume_if_exists) || !o.checkpoint_dir.empty(),
            "hp-train: ", o.resume ? "--resume" : "--resume-if-exists", " needs --checkpoint-dir");
   HP_CHECK(o.memory_limit >= 0, "hp-train: --memory-limit must be >= 0");
+  if (o.pack_documents) {
+    HP_CHECK(o.model.mixer == "attention",
+             "hp-train: --pack-documents needs softmax attention "
+             "layers (--mixer attention); the ",
+             o.model.mixer, " mixer does not take document boundaries yet");
+    HP_CHECK(o.model.primitive != "sdpa",
+             "hp-train: --pack-documents needs --primitive "
+             "blockwise or math (sdpa takes no document masks)");
+    HP_CHECK(o.data.empty() || (o.eod_id >= 0 && o.eod_id < o.model.vocab),
+             "hp-train: --pack-documents with --data needs --eod-id, the end-of-document token id "
+             "(in [0, --vocab ",
+             o.model.vocab, ")), got ", o.eod_id);
+  }
+  HP_CHECK(o.eod_id < 0 || (o.pack_documents && !o.data.empty()), "hp-train: --eod-id ", o.eod_id,
+           " is used only with --pack-documents and --data; "
+           "add them or drop --eod-id");
 }
 
 void check_output_paths(const TrainOptions& o, int rank) {

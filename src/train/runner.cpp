@@ -70,14 +70,15 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
   const double tp = static_cast<double>(mesh.size("tp"));
   TrainOptions global = o;
   global.batch = o.batch * dp;  // the union of every data-parallel rank's rows
-  at::Tensor ids, labels;
-  make_batch(global, corpus, step, ids, labels, micro);
-  ids = ids.narrow(0, dp_rank * o.batch, o.batch);
-  labels = labels.narrow(0, dp_rank * o.batch, o.batch);
-  auto b = cp::shard_batch(ids, labels, cp_rank, cp, lb);
+  auto batch = make_batch(global, corpus, step, micro);
+  auto rows = [&](const at::Tensor& t) {
+    return t.defined() ? t.narrow(0, dp_rank * o.batch, o.batch) : t;
+  };
+  auto b =
+      cp::shard_batch(rows(batch.ids), rows(batch.labels), cp_rank, cp, lb, rows(batch.doc_ids));
   if (checker != nullptr) checker->set(b.input_ids, input_layout);
   if (fully_shard != nullptr) fully_shard->set_requires_all_reduce(micro == o.grad_accum - 1);
-  auto logits = model->forward(b.input_ids, b.position_ids);
+  auto logits = model->forward(b.input_ids, b.position_ids, b.doc_ids);
   auto local_sum = loss_sum(logits, b.labels);
   // DSA layers' indexer losses (sums over this rank's queries): trained with the same
   // normalisation, reported apart from the language-model loss.

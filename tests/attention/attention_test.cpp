@@ -10,6 +10,7 @@
 #include "hp/attention/attention.h"
 #include "hp/common/check.h"
 #include "rank_harness.h"
+#include "reference_attention.h"
 
 namespace hp::attention {
 namespace {
@@ -228,6 +229,84 @@ TEST(Blockwise, TilesHiddenByAMaskFunctionAreSkipped) {
   o.block_kv = 16;
   auto r = AttentionRegistry::builtin().get("blockwise").forward(q, k, v, o);
   EXPECT_FALSE(r.out.slice(2, 48).isnan().any().item<bool>());
+}
+
+// Packed documents: one call over the packed batch equals every document run alone
+// (float64 reference), outputs and gradients, for both primitives, GQA, causal and not, a
+// different packing per batch row, and documents shorter than a tile.
+TEST(Documents, PackedCallEqualsEachDocumentAlone) {
+  auto f64 = [](uint64_t seed, at::IntArrayRef shape) { return rnd(seed, shape).to(at::kDouble); };
+  const int64_t s = 40;
+  auto ids = at::cat({document_ids_from_cu_seqlens({0, 3, 17, 18, 33}, s),
+                      document_ids_from_cu_seqlens({0, 21, s}, s)});
+  auto q0 = f64(51, {2, 4, s, 8}), k0 = f64(52, {2, 2, s, 8}), v0 = f64(53, {2, 2, s, 6});
+  auto dout = f64(54, {2, 4, s, 6});
+  for (const char* prim : {"math", "blockwise"}) {
+    for (bool causal : {true, false}) {
+      const std::string what = std::string(prim) + (causal ? " causal" : " dense");
+      auto rq = q0.clone().requires_grad_(true), rk = k0.clone().requires_grad_(true),
+           rv = v0.clone().requires_grad_(true);
+      hp::testing::reference_packed_attention(rq, rk, rv, ids, causal).backward(dout);
+      auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+           v = v0.clone().requires_grad_(true);
+      AttentionOptions o;
+      o.causal = causal;
+      o.documents = Documents{ids};
+      o.block_q = 6;
+      o.block_kv = 7;
+      auto r = AttentionRegistry::builtin().get(prim).forward(q, k, v, o);
+      r.out.backward(dout);
+      expect_close(r.out, hp::testing::reference_packed_attention(q0, k0, v0, ids, causal),
+                   what + " out", 1e-12, 1e-12);
+      expect_close(q.grad(), rq.grad(), what + " dq", 1e-12, 1e-12);
+      expect_close(k.grad(), rk.grad(), what + " dk", 1e-12, 1e-12);
+      expect_close(v.grad(), rv.grad(), what + " dv", 1e-12, 1e-12);
+    }
+  }
+  // A block of the packed sequence (queries 18..39 against keys 4..39) placed by q_start and
+  // kv_start gives the same rows.
+  AttentionOptions o;
+  o.documents = Documents{ids, 18, 4};
+  auto part = AttentionRegistry::builtin()
+                  .get("blockwise")
+                  .forward(q0.slice(2, 18), k0.slice(2, 4), v0.slice(2, 4), o);
+  AttentionOptions whole;
+  whole.documents = Documents{ids};
+  auto full = AttentionRegistry::builtin().get("math").forward(q0, k0, v0, whole);
+  // Batch row 0: every document of queries 18.. starts at or after key 4 (row 1's first
+  // document starts at 0, so its rows differ).
+  expect_close(part.out.narrow(0, 0, 1), full.out.narrow(0, 0, 1).slice(2, 18), "q_start/kv_start",
+               1e-12, 1e-12);
+}
+
+TEST(Documents, TilesNoDocumentSpansAreSkippedAndBadIdsAreRefused) {
+  // Two documents of 32 with 16-row tiles: the tiles across them are never computed (NaN keys
+  // of the first document cannot reach the second's queries).
+  auto q = rnd(61, {1, 2, 64, 16}), k = rnd(62, {1, 2, 64, 16}), v = rnd(63, {1, 2, 64, 16});
+  k.slice(2, 0, 32).fill_(std::nan(""));
+  v.slice(2, 0, 32).fill_(std::nan(""));
+  AttentionOptions o;
+  o.documents = Documents{document_ids_from_cu_seqlens({0, 32, 64}, 64)};
+  o.block_q = 16;
+  o.block_kv = 16;
+  auto r = AttentionRegistry::builtin().get("blockwise").forward(q, k, v, o);
+  EXPECT_FALSE(r.out.slice(2, 32).isnan().any().item<bool>());
+  auto decreasing = at::tensor({0, 0, 1, 0}, at::kLong).view({1, 4});
+  auto small = rnd(64, {1, 1, 4, 8});
+  o.documents = Documents{decreasing};
+  HP_EXPECT_ERROR(AttentionRegistry::builtin().get("blockwise").forward(small, small, small, o),
+                  "documents.ids decrease along the sequence");
+  o.documents = Documents{at::zeros({1, 3}, at::kLong)};
+  HP_EXPECT_ERROR(AttentionRegistry::builtin().get("math").forward(small, small, small, o),
+                  "reaches past the 3 positions of documents.ids");
+  o.documents = Documents{at::zeros({1, 4}, at::kLong)};
+  if (AttentionRegistry::builtin().contains("sdpa")) {
+    HP_EXPECT_ERROR(AttentionRegistry::builtin().get("sdpa").forward(small, small, small, o),
+                    "attention 'sdpa' takes no documents");
+  }
+  HP_EXPECT_ERROR(document_ids_from_cu_seqlens({0, 5, 5, 8}, 8), "cu_seqlens must increase");
+  EXPECT_TRUE(at::equal(document_positions(document_ids_from_cu_seqlens({0, 2, 5}, 6)),
+                        at::tensor({0, 1, 0, 1, 2, 0}, at::kLong).view({1, 6})));
 }
 
 TEST(BlockMask, DerivedFromTheMaskFunction) {

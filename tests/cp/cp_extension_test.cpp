@@ -74,7 +74,7 @@ class ToyAdapter final : public CPAdapter {
   }
   attention::AttentionOptions rewrite(const attention::AttentionOptions& o, const CallState& s,
                                       const CPStrategy& strategy) const override {
-    return detail::rewrite_causal(o, s, strategy);
+    return detail::rewrite_positions(o, s, strategy);
   }
 };
 

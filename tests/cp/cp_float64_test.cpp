@@ -35,16 +35,18 @@ at::Tensor f64(uint64_t seed, at::IntArrayRef shape) {
 // q/k/v through handoff points into a CoreAttention, so the async schedule has its launch
 // sites (the module boundary slot: sdpa_qkv).
 struct Direct {
-  explicit Direct(bool causal) : core(options(causal)) {
+  explicit Direct(bool causal, const at::Tensor& doc_ids = {}) : core(options(causal, doc_ids)) {
     for (auto* h : {&hq, &hk, &hv})
       core.host().add_handoff(h);
   }
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     return core.forward(hq(q), hk(k), hv(v));
   }
-  static attention::CoreAttentionOptions options(bool causal) {
+  // doc_ids: packed documents of the whole (global) sequence, when given.
+  static attention::CoreAttentionOptions options(bool causal, const at::Tensor& doc_ids = {}) {
     attention::CoreAttentionOptions o;
     o.attention.causal = causal;
+    if (doc_ids.defined()) o.attention.documents = attention::Documents{doc_ids};
     o.attention.block_q = 5;  // tiles that do not divide the shards
     o.attention.block_kv = 7;
     return o;
@@ -80,12 +82,17 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   return *normalize(cfg, p);
 }
 
-void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
+// doc_ids [B, S]: the packed case, checked against every document run alone.
+void run_case(const Case& c, int p, CPSchedule schedule, bool causal,
+              const at::Tensor& doc_ids = {}) {
   auto q = f64(1, {kB, kNq, kS, kDqk}), k = f64(2, {kB, c.kv_heads, kS, kDqk}),
        v = f64(3, {kB, c.kv_heads, kS, kDv}), dout = f64(4, {kB, kNq, kS, kDv});
   auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
        rv = v.clone().requires_grad_(true);
-  auto ref = hp::testing::reference_attention(rq, rk, rv, Direct::options(causal).attention).out;
+  auto ref =
+      doc_ids.defined()
+          ? hp::testing::reference_packed_attention(rq, rk, rv, doc_ids, causal)
+          : hp::testing::reference_attention(rq, rk, rv, Direct::options(causal).attention).out;
   ref.backward(dout);
   const auto cfg = config_for(c, p, schedule);
   // Data-order head-tail shards hold chunks {2r, 2P-2r-1}; every other case contiguous shards.
@@ -93,7 +100,7 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
   run_ranks(p, [&](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"cp", p}});
     auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
-    Direct m(causal);
+    Direct m(causal, doc_ids);
     CPModuleSpec spec;
     spec.module_path = "attn";
     spec.inner_wrapper = "sdpa_qkv";
@@ -107,7 +114,8 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal) {
     auto out = m.forward(lq, lk, lv);
     out.backward(mine(dout));
     const std::string what = c.name() + " " + to_string(schedule) +
-                             (causal ? " causal" : " dense") + " P=" + std::to_string(p) +
+                             (causal ? " causal" : " dense") +
+                             (doc_ids.defined() ? " packed" : "") + " P=" + std::to_string(p) +
                              " rank " + std::to_string(r);
     ASSERT_EQ(out.scalar_type(), at::kDouble) << what;
     ASSERT_EQ(out.size(-1), kDv) << what;
@@ -182,6 +190,34 @@ TEST(CPFloat64, HybridRepeatsKVHeads) {
   run_grid(c, {4});
 }
 
+// Packed documents through every strategy, sync and async, causal and not, balanced where the
+// strategy balances: the packed batch equals every document run alone (outputs and gradients).
+// Row 0: documents of 3, 14, 1, 15 and 15 positions (shorter than a shard, one token, and
+// spanning shard boundaries for every P); row 1: two documents of 21 and 27.
+TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
+  auto ids = at::cat({attention::document_ids_from_cu_seqlens({0, 3, 17, 18, 33}, kS),
+                      attention::document_ids_from_cu_seqlens({0, 21, kS}, kS)});
+  const std::vector<std::pair<Case, std::vector<int>>> grid = {
+      {{"all_gather", std::nullopt}, {2, 3}},
+      {{"all_gather", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 4}},
+      {{"all_gather", std::nullopt, true, LoadBalanceForm::kRuntimeSwap}, {3}},
+      {{"ulysses", std::nullopt}, {2, 3}},
+      {{"hybrid", 2}, {4}},
+      {{"ring", std::nullopt}, {2, 3, 4}},
+      {{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3}},
+      {{"usp", 2}, {4}}};
+  for (const auto& [c, ps] : grid) {
+    for (int p : ps) {
+      for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+        for (bool causal : {true, false}) {
+          SCOPED_TRACE(c.name() + " packed P=" + std::to_string(p));
+          run_case(c, p, schedule, causal, ids);
+        }
+      }
+    }
+  }
+}
+
 // NaN in, NaN out through every strategy and schedule: one NaN query (token 13 of head 5) gives
 // exactly that (token, head) row of the output NaN, never a silent zero.
 TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
@@ -217,9 +253,11 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
 }
 
 // The ring's schedule: P-1 shifts of this rank's [k | v] block forward (receive from the previous
-// rank, send to the next), the same P-1 steps the other way in backward (the blocks' dK/dV);
-// counted bytes equal the formula.
-TEST(RingSchedule, PMinusOneShiftsEachWay) {
+// rank, send to the next). Backward passes the blocks the same way again: the first shift,
+// then per step the next block's shift and the dK/dV accumulator's (the same shape), the last
+// step only the accumulator's, which brings it home: 2(P-1) shifts. Counted bytes equal the
+// forward and backward formulas, and the gradients the float64 reference (CPFloat64.Ring).
+TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
   const int p = 3;
   ContextParallelConfig cfg;
   cfg.algorithm = "ring";
@@ -243,23 +281,21 @@ TEST(RingSchedule, PMinusOneShiftsEachWay) {
     w.context().counters.reset();
     auto out = m.forward(q, k, v);
     const std::string block = "[1,6,16,14]";  // [k | v]: Dqk 8 + Dv 6
-    auto step = [&](int64_t from, int64_t to) {
-      return std::vector<std::string>{"recv(cp,peer=" + std::to_string(from) + ")" + block,
-                                      "send(cp,peer=" + std::to_string(to) + ")" + block};
-    };
+    std::vector<std::string> step{"recv(cp,peer=" + std::to_string(prev) + ")" + block,
+                                  "send(cp,peer=" + std::to_string(next) + ")" + block};
     std::vector<std::string> fwd, bwd;
-    for (int i = 0; i < p - 1; ++i) {
-      for (const auto& s : step(prev, next))
-        fwd.push_back(s);
-      for (const auto& s : step(next, prev))
-        bwd.push_back(s);
-    }
+    for (int i = 0; i < p - 1; ++i)
+      fwd.insert(fwd.end(), step.begin(), step.end());
+    for (int i = 0; i < 2 * (p - 1); ++i)
+      bwd.insert(bwd.end(), step.begin(), step.end());
     EXPECT_EQ(rec.schedule(), fwd);
     const AttentionShape shape{kS, kNq, kNkv, kDqk, 1, 8, kDv};
     EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
     rec.clear();
+    w.context().counters.reset();
     out.sum().backward();
     EXPECT_EQ(rec.schedule(), bwd);
+    EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(norm, p, shape));
   });
 }
 

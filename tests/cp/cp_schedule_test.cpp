@@ -60,7 +60,7 @@ Observed observe(comm::World& w, const ContextParallelConfig& cfg, int64_t p) {
   // The volume formula the benches report against.
   const AttentionShape shape{kS, kNq, kNkv, kD, kB, 4};
   EXPECT_EQ(o.total_forward, forward_bytes_per_rank(cfg, p, shape));
-  EXPECT_EQ(o.total_backward, forward_bytes_per_rank(cfg, p, shape));
+  EXPECT_EQ(o.total_backward, backward_bytes_per_rank(cfg, p, shape));
   return o;
 }
 

@@ -14,6 +14,7 @@
 #include "hp/attention/attention.h"
 #include "pickle_io.h"
 #include "rank_harness.h"
+#include "reference_attention.h"
 
 namespace {
 
@@ -126,6 +127,49 @@ TEST(HpCpRun, KVHeadRepeat) {
     auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
     EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << r.out;
   }
+}
+
+// --cu-seqlens: packed documents (one of them shorter than a shard, others across shard
+// boundaries) through ring with head-tail balance, async ulysses and usp equal every document
+// run alone; the bytes are those of the unpacked layer (documents change no communication).
+TEST(HpCpRun, PackedDocuments) {
+  const std::string dir = ::testing::TempDir();
+  auto q = seeded(11, {1, 4, 48, 8}), k = seeded(12, {1, 4, 48, 8}), v = seeded(13, {1, 4, 48, 8}),
+       dout = seeded(14, {1, 4, 48, 8});
+  auto ids = hp::attention::document_ids_from_cu_seqlens({0, 5, 29, 30, 48}, 48);
+  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
+       v1 = v.clone().requires_grad_(true);
+  auto ref = hp::testing::reference_packed_attention(q1, k1, v1, ids, true);
+  ref.backward(dout.to(at::kDouble));
+  c10::Dict<std::string, at::Tensor> in;
+  in.insert("q", q);
+  in.insert("k", k);
+  in.insert("v", v);
+  in.insert("dout", dout);
+  const std::string ip = dir + "/packed_in.pt", op = dir + "/packed_out.pt";
+  save_dict(ip, in);
+  const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
+                           " --causal --cu-seqlens 0,5,29,30,48 ";
+  for (const std::string args :
+       {"--cp 2 --cp-algo ring --load-balance", "--cp 2 --cp-algo ulysses --schedule async",
+        "--cp 4 --cp-algo usp --ulysses-degree 2"}) {
+    auto r = run(base + args);
+    ASSERT_EQ(r.rc, 0) << args << "\n" << r.out;
+    auto res = load_dict(op);
+    auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    hp::testing::expect_close(res.at("out").toTensor(), f(ref.detach()), args + " out");
+    hp::testing::expect_close(res.at("dq").toTensor(), f(q1.grad()), args + " dq");
+    hp::testing::expect_close(res.at("dk").toTensor(), f(k1.grad()), args + " dk");
+    hp::testing::expect_close(res.at("dv").toTensor(), f(v1.grad()), args + " dv");
+    auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
+    EXPECT_EQ(json["documents"], 4) << r.out;
+    EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << r.out;
+  }
+  auto refused = run(std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
+                     " --cp 2 --cu-seqlens 0,20,10");
+  EXPECT_EQ(refused.rc, 1);
+  EXPECT_NE(refused.out.find("cu_seqlens must increase strictly"), std::string::npos)
+      << refused.out;
 }
 
 TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {

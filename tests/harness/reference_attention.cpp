@@ -54,6 +54,8 @@ ReferenceAttention reference_attention(const at::Tensor& q, const at::Tensor& k,
            " is not a multiple of Nkv=", kv_heads);
   HP_CHECK(q_len >= 1 && kv_len >= 1, "reference_attention: Sq=", q_len, " and Skv=", kv_len,
            " must be >= 1");
+  HP_CHECK(!options.documents,
+           "reference_attention: documents are checked by reference_packed_attention");
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(qk_dim)));
   const int64_t sizes[] = {batch, q_heads, q_len, kv_len};
 
@@ -104,6 +106,30 @@ ReferenceAttention reference_attention(const at::Tensor& q, const at::Tensor& k,
   r.lse = at::where(dead, at::full({}, -kInf, s.options()), row_max + at::log(row_sum)).squeeze(-1);
   r.visible = visible;
   return r;
+}
+
+at::Tensor reference_packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& doc_ids, bool causal) {
+  auto ids = doc_ids.to(at::kLong);
+  attention::AttentionOptions o;
+  o.causal = causal;
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    auto row = ids[ids.size(0) == 1 ? 0 : b];
+    std::vector<at::Tensor> docs;
+    for (int64_t begin = 0; begin < row.size(0);) {
+      int64_t end = begin + 1;
+      while (end < row.size(0) && row[end].item<int64_t>() == row[begin].item<int64_t>())
+        ++end;
+      auto cut = [&](const at::Tensor& x) {
+        return x.narrow(0, b, 1).narrow(2, begin, end - begin);
+      };
+      docs.push_back(reference_attention(cut(q), cut(k), cut(v), o).out);
+      begin = end;
+    }
+    rows.push_back(at::cat(docs, 2));
+  }
+  return at::cat(rows, 0);
 }
 
 }  // namespace hp::testing

@@ -35,8 +35,16 @@ struct ReferenceAttention {
   at::Tensor visible;  // [B, Nq, Sq, Skv] bool: the visibility the formula used
 };
 
+// options.documents is refused here: packed sequences go through reference_packed_attention.
 ReferenceAttention reference_attention(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v,
                                        const attention::AttentionOptions& options);
+
+// Packed sequences the way their definition reads: every document of every batch row run
+// alone through reference_attention (causal or not, offset 0), the outputs concatenated.
+// doc_ids [B|1, S] (one row per batch row, or one for all); a document is a maximal run of
+// equal ids. Returns out [B, Nq, S, Dv] float64, differentiable in q, k, v.
+at::Tensor reference_packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& doc_ids, bool causal);
 
 }  // namespace hp::testing

@@ -593,6 +593,42 @@ TEST(HpTrain, KVHeadRepeat) {
   EXPECT_NE(r.out.find("kv_head_policy=repeat"), std::string::npos) << r.out;
 }
 
+// Packed documents: the packed copy task under ring with head-tail balance and a text corpus cut
+// at its newlines (--eod-id 10) under async all_gather, each validated against the single
+// process; the flags are refused where they cannot apply.
+TEST(HpTrain, PackedDocuments) {
+  const std::string dir = hp::testing::scratch_dir();
+  const std::string model = "--layers 2 --hidden 32 --heads 4 --kv-heads 2 --head-dim 8 --ffn 48 ";
+  const std::string m = dir + "/train_packed.json";
+  auto r = run("--nproc 2 --cp 2 --cp-algo ring --load-balance --pack-documents " + model +
+               "--seq-len 128 --steps 3 --validate --metrics-json " + m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = metrics(m);
+  EXPECT_EQ(j["config"]["pack_documents"], true);
+  losses(j, 3);
+  expect_validated(r.out, j, 3, 1e-4);
+  {
+    std::ofstream t(dir + "/lines.txt");
+    for (int i = 0; i < 300; ++i)
+      t << "line " << i << (i % 3 == 0 ? " short" : " a somewhat longer line of text") << "\n";
+  }
+  const std::string mt = dir + "/train_packed_text.json";
+  auto text =
+      run("--nproc 2 --cp 2 --cp-algo all_gather --schedule async --pack-documents "
+          "--eod-id 10 --data " +
+          dir + "/lines.txt --vocab 256 " + model +
+          "--seq-len 64 --steps 3 --validate --metrics-json " + mt);
+  ASSERT_EQ(text.rc, 0) << text.out;
+  auto jt = metrics(mt);
+  losses(jt, 3);
+  expect_validated(text.out, jt, 3, 1e-4);
+  expect_refused("--nproc 1 --pack-documents --data " + dir + "/lines.txt --vocab 256",
+                 {"--pack-documents with --data needs --eod-id"});
+  expect_refused("--nproc 1 --eod-id 10", {"--eod-id 10 is used only with --pack-documents"});
+  expect_refused("--nproc 1 --pack-documents --mixer gdn",
+                 {"the gdn mixer does not take document boundaries yet"});
+}
+
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
   // Refused by the launcher, before any rank starts.
   expect_refused("--nproc 4 --tp 3 --cp 1",

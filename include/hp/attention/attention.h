@@ -14,6 +14,8 @@
 //   * a bool user mask (true = attend), or an additive float user mask (added to the scores;
 //     -inf hides), broadcastable to [B, Nq, Sq, Skv]; never modified
 //   * a mask function (flex style) evaluated per block; blocks it hides entirely are skipped
+//   * documents (packed sequences, masks.h): same document only; tiles no document spans are
+//     skipped, tiles inside one document run unmasked
 // A query row with no visible key yields out = 0 and lse = -inf (never NaN), and zero gradient.
 // NaN in, NaN out: a NaN among a row's visible scores makes that row's out, lse and gradients
 // NaN in every primitive (never zeros).
@@ -47,6 +49,7 @@ struct AttentionOptions {
   std::optional<double> scale;  // default 1/sqrt(Dqk)
   at::Tensor mask;              // optional bool (true = attend) or additive float mask
   std::optional<MaskFunction> mask_fn;
+  std::optional<Documents> documents;
   // Blockwise kernel tiling (rows of Q per block, rows of K/V per block).
   int64_t block_q = 256;
   int64_t block_kv = 256;

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -34,6 +35,39 @@ struct MaskFunction {
   int64_t kv_index_offset = 0;
   int64_t head_index_offset = 0;  // likewise for h (Ulysses keeps a slice of the heads)
 };
+
+// Packed sequences: documents laid end to end in one sequence; key j is visible to query i only
+// when both lie in the same document (on top of causal and any other mask).
+//   ids      [Bd, S_total] int64 (Bd = 1 or the batch), the document id of every *global*
+//            position, non-decreasing along the sequence (padding is a document of its own).
+//   q_start  global position of the call's first query row; kv_start likewise for its keys.
+// A single-process call leaves both starts 0 (S_total = the sequence). Under CP the caller
+// passes the ids of the whole global sequence and the strategy's adapter sets the starts for
+// each block it computes, so every strategy sees the same documents. Because the ids never
+// decrease, a tile's documents are known from its corner ids: tiles that no document spans are
+// skipped (never computed), tiles inside one document run unmasked.
+struct Documents {
+  at::Tensor ids;
+  int64_t q_start = 0;
+  int64_t kv_start = 0;
+};
+
+// ids [1, total] from cumulative document boundaries {0, L1, L1+L2, ..., total} (FlashAttention's
+// cu_seqlens); positions past the last boundary (< total) form one more document (padding).
+at::Tensor document_ids_from_cu_seqlens(const std::vector<int64_t>& cu_seqlens, int64_t total);
+// Checks `d` for a call with `batch` rows, q_len queries and kv_len keys; `who` starts messages.
+void check_documents(const Documents& d, int64_t batch, int64_t q_len, int64_t kv_len,
+                     const char* who);
+// Whether the documents hide every (query, key) pair of queries [q_begin, q_end) x keys
+// [kv_begin, kv_end) (global positions) in every batch row: no document spans both ranges.
+bool documents_hide_block(const Documents& d, int64_t q_begin, int64_t q_end, int64_t kv_begin,
+                          int64_t kv_end);
+// Whether both ranges lie inside one and the same document in every batch row.
+bool documents_fill_block(const Documents& d, int64_t q_begin, int64_t q_end, int64_t kv_begin,
+                          int64_t kv_end);
+// Position within its document of every position: [Bd, S_total] int64 (what RoPE takes when
+// positions restart per document).
+at::Tensor document_positions(const at::Tensor& ids);
 
 // Key within `window` positions behind the query (and not ahead of it): q - window < kv <= q.
 MaskFunction sliding_window_mask(int64_t window);

@@ -28,6 +28,10 @@ namespace hp::comm {
 using Pending = std::function<at::Tensor()>;
 using TransferLaunch = std::function<Pending(const at::Tensor&)>;
 
+// One ring step started now, not differentiable (comm::shift, in flight): the Pending returns
+// what rank (rank - offset) mod P sent.
+Pending shift_async(Group& group, const at::Tensor& t, int offset);
+
 // A CommHandle as a Pending (shared so the function stays copyable; a handle dropped unwaited
 // still waits in its destructor).
 Pending pending(CommHandle handle);

@@ -4,6 +4,7 @@
 //
 //   sdpa_qkv  module boundary (a core-attention module taking q, k, v)   causal -> offsets
 //   sdpa_hf   primitive call inside the module forward (misfire detection) causal -> offsets
+//   (every adapter places packed-document ids at the block's global positions)
 //   flex_qkv  module boundary; mask functions re-based to global positions/heads
 //   flex_hf   primitive call; the same for mask functions (block masks are then derived by the
 //             primitive for the post-strategy global shapes)
@@ -45,10 +46,12 @@ class AdapterRegistry : public common::NamedRegistry<CPAdapter> {
 
 namespace detail {
 // Causal: the strategy's metadata replaces is-causal (never inferred from q_len != kv_len).
-attention::AttentionOptions rewrite_causal(const attention::AttentionOptions& o, const CallState& s,
-                                           const CPStrategy& strategy);
-// Mask function: local query i is global q_offset + i, keys are global, heads start at
-// head_offset.
+// Documents: q_start / kv_start set to the block's global positions (s.kv_start + q_offset and
+// s.kv_start), so packed sequences work under every adapter and strategy.
+attention::AttentionOptions rewrite_positions(const attention::AttentionOptions& o,
+                                              const CallState& s, const CPStrategy& strategy);
+// Mask function: local query i is global kv_start + q_offset + i, key j is global kv_start + j,
+// heads start at head_offset.
 attention::AttentionOptions rewrite_mask_fn(const attention::AttentionOptions& o,
                                             const CallState& s);
 }  // namespace detail

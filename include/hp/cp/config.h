@@ -17,6 +17,8 @@ class CPAlgorithm {
   static constexpr const char* kAllGather = "all_gather";
   static constexpr const char* kUlysses = "ulysses";
   static constexpr const char* kHybrid = "hybrid";
+  static constexpr const char* kRing = "ring";
+  static constexpr const char* kUsp = "usp";
 
   CPAlgorithm(const char* name = kAllGather) : name_(name) {}  // NOLINT: implicit by design
   CPAlgorithm(std::string name) : name_(std::move(name)) {}    // NOLINT: implicit by design

@@ -31,13 +31,21 @@ at::Tensor pad_sequence(const at::Tensor& t, int64_t seq_dim, int64_t multiple, 
 struct ShardedBatch {
   at::Tensor input_ids;     // [B, S_local]
   at::Tensor labels;        // [B, S_local], -100 on padding
-  at::Tensor position_ids;  // [B, S_local], global positions (continuing into the padding)
-  int64_t padded_len = 0;   // global length after padding
+  at::Tensor position_ids;  // [B, S_local], global positions (continuing into the padding), or
+                            // with documents the position within each document
+  // Packed documents only: [B, S_padded] ids of the *whole* padded sequence (not sharded:
+  // attention needs the documents of the keys other ranks hold too; the padding is one more
+  // document), and this rank's shard of them.
+  at::Tensor doc_ids;
+  at::Tensor local_doc_ids;
+  int64_t padded_len = 0;  // global length after padding
 };
 
 // Pads [B, S] ids/labels to a multiple of cp_size (2*cp_size with load balance) - ids with 0,
-// labels with -100, positions continuing - and returns this rank's shard of each.
+// labels with -100, positions continuing - and returns this rank's shard of each. With
+// `doc_ids` ([B, S], non-decreasing per row: packed documents) the padding becomes a document of
+// its own, positions restart at 0 in every document, and the ids are returned as well.
 ShardedBatch shard_batch(const at::Tensor& input_ids, const at::Tensor& labels, int64_t cp_rank,
-                         int64_t cp_size, bool load_balance);
+                         int64_t cp_size, bool load_balance, const at::Tensor& doc_ids = {});
 
 }  // namespace hp::cp

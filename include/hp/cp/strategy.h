@@ -73,6 +73,8 @@ struct CPRuntimeContext {
 // Per-call state a strategy hands from finish() to the attention calls and restore_output.
 struct CallState {
   attention::CausalMetadata causal;  // q_offset, q_len, kv_len of the tensors attention sees
+  int64_t kv_start = 0;              // global position of the first key attention sees
+                                     // (q's first row is at kv_start + causal.q_offset)
   int64_t head_offset = 0;           // global index of the first query head attention sees
   int64_t local_seq = 0;             // the caller's local sequence length
 };
@@ -93,7 +95,9 @@ enum class QKVRole { kQ = 0, kK = 1, kV = 2 };
 const char* role_name(QKVRole role);  // "q", "k", "v"
 
 // The module's own attention, reached through the adapter. Built by the runtime for one
-// intercepted call; strategies call it once per (query block, key block). Each call is a
+// intercepted call; strategies call it once per (query block, key block). Copyable and self-
+// contained (options and the inner function are held by value), so a strategy may keep a copy
+// for its backward. Each call is a
 // "compute" event on the CP group's tracer when there is one (the per-rank timeline shows what
 // ran while collectives flew).
 class AttentionCall {
@@ -109,6 +113,11 @@ class AttentionCall {
   attention::AttentionResult operator()(const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const CallState& state) const;
 
+  // Whether the caller's packed documents hide every (query, key) pair of the block `state`
+  // describes (its q_len queries at kv_start + q_offset, kv_len keys at kv_start): a strategy
+  // skips such a block instead of computing it. False without documents.
+  bool hidden(const CallState& state) const;
+
   // The caller's options, before any rewrite (causal flag, masks).
   const attention::AttentionOptions& options() const { return options_; }
   const QKVLayout& layout() const { return layout_; }
@@ -116,8 +125,10 @@ class AttentionCall {
  private:
   attention::AttentionResult run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const CallState& state) const;
-  const attention::AttentionOptions& options_;
-  const attention::AttentionFn& inner_;
+  // Copies: a strategy may keep the call for its backward (the ring recomputes its blocks
+  // there). The adapter and the strategy are registry objects that outlive every call.
+  attention::AttentionOptions options_;
+  attention::AttentionFn inner_;
   const CPAdapter& adapter_;
   const CPStrategy& strategy_;
   QKVLayout layout_;
@@ -148,6 +159,12 @@ class CPStrategy {
   // (and the kv_head_policy=repeat form, cp/volume.h).
   virtual int64_t forward_bytes_per_rank(const ContextParallelConfig& c, int64_t cp_size,
                                          const AttentionShape& shape, int64_t cp_rank) const;
+  // Backward bytes: the inverse collectives move what forward moved (the default); a strategy
+  // whose backward sends more (ring: the blocks again and their dK/dV accumulators) says so.
+  virtual int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t cp_size,
+                                          const AttentionShape& shape, int64_t cp_rank) const {
+    return forward_bytes_per_rank(c, cp_size, shape, cp_rank);
+  }
   // Collectives the strategy issues (checked against the backend at apply time).
   virtual std::vector<comm::OpKind> required_ops() const = 0;
 
@@ -201,8 +218,8 @@ class CPStrategy {
 
 // ---- pieces for strategies whose attention step runs several calls per query block ----
 // Whether a call may be split into blocks merged by lse: BNSD or BSHD (the merge broadcasts the
-// lse against the output), no tensor mask and no mask function (their frames start at key 0 of
-// the whole call).
+// lse against the output) and no tensor mask (its frame starts at key 0 of the whole call; mask
+// functions and documents are re-based per block through CallState.kv_start).
 bool can_split_call(const AttentionCall& call);
 // Partial results of one query block over disjoint key ranges -> the block's output:
 // out = sum_i out_i * exp(lse_i - logsumexp_i lse_i), differentiable (through out and lse).

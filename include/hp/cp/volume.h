@@ -30,10 +30,21 @@ struct AttentionShape {
 //     the C groups, 2 * D * (S/C) * e * (C-1)
 //   + head-tail load balance in the runtime-swap form: the query tail and the output tail
 //     travel to the mirror rank, 2 * (S/2P) * h * e (nothing on the middle rank of an odd P)
-// The backward moves the same bytes again (reduce-scatter / inverse all-to-alls / the swaps),
-// so forward + backward is twice this.
+//   ring        (P-1) blocks [k | v] of S/P positions: 2 * S * h_kv * e * (P-1)/P
+//   usp         the Ulysses all-to-alls in groups of U, and the ring across the C groups
 int64_t forward_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
                                const AttentionShape& shape, int64_t cp_rank = 0,
                                const StrategyRegistry* strategies = nullptr);
+// Backward bytes (CPStrategy::backward_bytes_per_rank): the inverse collectives move the same
+// bytes again (reduce-scatter / inverse all-to-alls / the swaps), except the ring's backward,
+// which passes the blocks around again with one dK/dV accumulator each: 2(P-1) blocks (usp: its
+// ring piece likewise over the C groups).
+int64_t backward_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
+                                const AttentionShape& shape, int64_t cp_rank = 0,
+                                const StrategyRegistry* strategies = nullptr);
+// Forward + backward: what one training step of the layer sends per rank.
+int64_t step_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
+                            const AttentionShape& shape, int64_t cp_rank = 0,
+                            const StrategyRegistry* strategies = nullptr);
 
 }  // namespace hp::cp

@@ -84,7 +84,10 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, doubl
 class Qwen3AttentionImpl : public torch::nn::Module {
  public:
   Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
+  // doc_ids: packed documents of the whole global sequence [B|1, S_global] (attention stays
+  // inside each document), or undefined.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids,
+                     const at::Tensor& doc_ids = {});
   attention::AttentionHost& host() { return host_; }
   int64_t local_heads() const { return heads_; }
   int64_t local_kv_heads() const { return kv_heads_; }
@@ -121,8 +124,12 @@ struct LayerValidation {
 class Qwen3DecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
-  at::Tensor mix(const at::Tensor& x, const at::Tensor& position_ids);  // the token mixer
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids,
+                     const at::Tensor& doc_ids = {});
+  // The token mixer. Packed documents (doc_ids) reach softmax attention only; the MLA/DSA and
+  // linear mixers refuse them with a clear error.
+  at::Tensor mix(const at::Tensor& x, const at::Tensor& position_ids,
+                 const at::Tensor& doc_ids = {});
   LayerValidation validation;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3Attention self_attn{nullptr};     // mixer "attention"
@@ -145,8 +152,11 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
   // HSDP units: root = embed_tokens, norm, lm_head; then one per decoder layer.
   std::vector<hsdp::UnitSpec> fully_shard_units() override;
   void set_fully_shard(hsdp::FullyShard* fs) override { fully_shard_ = fs; }
-  // input_ids, position_ids [B, S_local] (global positions) -> logits [B, S_local, vocab].
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids);
+  // input_ids, position_ids [B, S_local] (global positions, or positions within each document
+  // for packed documents) -> logits [B, S_local, vocab]. doc_ids: packed documents, the ids of
+  // the whole global sequence [B, S_global] (cp::ShardedBatch::doc_ids), or undefined.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
+                     const at::Tensor& doc_ids = {});
   const Qwen3Config& config() const { return config_; }
   // Parameters replicated over TP whose gradient is a partial sum per TP rank (QK-norm weights
   // act on the rank's own heads): their gradients must be all-reduced over TP.
@@ -163,7 +173,7 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
 
  private:
   Qwen3Config config_;
-  at::Tensor run_layers(at::Tensor x, const at::Tensor& position_ids);
+  at::Tensor run_layers(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& doc_ids);
   at::Tensor head(const at::Tensor& x);
 
   plan::BoundaryChecker* checker_ = nullptr;

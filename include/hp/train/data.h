@@ -33,13 +33,20 @@ class Corpus {
 // --data names a file that exists (not a directory); errors name it.
 void check_data_path(const std::string& path);
 
-// One global batch of `options.batch` rows: `ids` and `labels`, both [batch, seq_len] int64.
-// Without --data, the embedded long-range task: a random block of tokens, then the same block
-// again; the loss counts only the second half, so it can fall only if attention reaches S/2
-// tokens back (across CP shards). With --data, random windows of `corpus` (which must be the
-// Corpus::load of these options) and their next tokens. Deterministic in (seed, step, micro);
-// `micro` > 0 selects another micro-batch of the same step.
-void make_batch(const TrainOptions& options, const Corpus& corpus, int64_t step, at::Tensor& ids,
-                at::Tensor& labels, int64_t micro = 0);
+struct Batch {
+  at::Tensor ids, labels;  // [batch, seq_len] int64; labels -100 where nothing is predicted
+  at::Tensor doc_ids;      // packed documents: [batch, seq_len] non-decreasing ids; else undefined
+};
+
+// One global batch of `options.batch` rows. Without --data, the embedded long-range task: a
+// random block of tokens, then the same block again; the loss counts only the second half, so
+// it can fall only if attention reaches S/2 tokens back (across CP shards). With --data, random
+// windows of `corpus` (which must be the Corpus::load of these options) and their next tokens.
+// With pack_documents: the copy task packs documents of random even lengths (>= 8), each a copy
+// task of its own; --data windows are cut into documents after every eod_id token, and the
+// label of an eod_id token (the next document's first token) is -100. Deterministic in
+// (seed, step, micro); `micro` > 0 selects another micro-batch of the same step.
+Batch make_batch(const TrainOptions& options, const Corpus& corpus, int64_t step,
+                 int64_t micro = 0);
 
 }  // namespace hp::train

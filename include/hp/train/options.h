@@ -45,7 +45,12 @@ struct TrainOptions {
   uint64_t seed = 0;
   std::string data;  // empty: the embedded copy task; else a text file or a .bin of uint16 ids
   std::string data_dtype = "uint16";  // .bin files: uint16 or uint32
-  bool validate = false;              // also run single-process and compare
+  // Packed documents: attention never crosses a document, positions restart in every document
+  // and no token is predicted across a boundary. With --data a document ends after each eod_id
+  // token; the copy task packs several copy documents into every sequence.
+  bool pack_documents = false;
+  int64_t eod_id = -1;         // the end-of-document token id (--data with pack_documents)
+  bool validate = false;       // also run single-process and compare
   bool validate_mode = false;  // apply in plan::Mode::kValidate (layouts checked at boundaries)
   std::string metrics_json;
   std::string trace;

@@ -21,14 +21,19 @@ struct CPBenchOptions {
   std::string adapter = "sdpa_qkv";
   int iters = 3;
   bool projections = false;  // Q/K/V/O projections around attention (what async overlaps)
+  int64_t documents = 0;     // packed: this many equal documents per sequence (0: none)
 };
+
+// The fraction of the [seq x seq] score tiles (tile x tile) attention computes: causal and/or
+// `documents` equal documents (0: none). What block skipping should save with documents.
+double visible_tile_fraction(int64_t seq, bool causal, int64_t documents, int64_t tile = 256);
 
 struct CPBenchResult {
   std::string algorithm, schedule;
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
   double step_time_s = 0;            // median over iterations of the slowest rank
   int64_t comm_bytes_per_rank = 0;   // measured, one step (forward + backward), rank 0
-  int64_t comm_bytes_theory = 0;     // 2 x the forward formula
+  int64_t comm_bytes_theory = 0;     // cp::step_bytes_per_rank (forward + backward)
   int64_t wire_bytes_per_rank = -1;  // emulated link: loopback bytes per step / P (rank 0)
   int64_t peak_rss_bytes = 0;        // max over ranks
   std::vector<int64_t> peak_rss_per_rank;

@@ -20,6 +20,9 @@ struct CPLayerOptions {
   bool causal = false;
   bool bshd = false;  // layout of q/k/v: BSHD [B, S, N, D], else BNSD
   std::string primitive = "blockwise";
+  // Packed documents: the ids of the whole global sequence [B|1, S] (attention::Documents), or
+  // undefined.
+  at::Tensor doc_ids;
   // run_block: a layer with Q/K/V/O projections around attention (what the async schedule
   // overlaps its collectives with). Sizes of the projections:
   bool projections = false;
