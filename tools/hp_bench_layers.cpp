@@ -45,7 +45,7 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_flag("--projections", a.bench.projections,
                 "Q/K/V/O projections around attention (what async overlaps)");
   cmd->add_flag("--load-balance", a.bench.config.load_balance,
-                "head-tail load balance (all_gather; data-order shards)");
+                "head-tail load balance (all_gather, ring, usp; data-order shards)");
   cmd->add_option("--documents", a.bench.documents,
                   "packed: N equal documents per sequence (attention stays inside each)")
       ->check(CLI::NonNegativeNumber);
@@ -85,7 +85,9 @@ void choose_cp_config(CPArgs& a, bool log) {
   const auto& best = ranked.front().config;
   a.algo = hp::cp::to_string(best.algorithm);
   a.schedule = hp::cp::to_string(best.schedule);
-  a.degree = best.algorithm == hp::cp::CPAlgorithm::kHybrid ? *best.ulysses_degree : 0;
+  const bool grouped =
+      best.algorithm == hp::cp::CPAlgorithm::kHybrid || best.algorithm == hp::cp::CPAlgorithm::kUsp;
+  a.degree = grouped ? *best.ulysses_degree : 0;
   a.bench.config.load_balance = best.load_balance;
 }
 

@@ -47,7 +47,7 @@ struct Args {
   int cp_size = 2;
   int64_t degree = 0;
   bool load_balance = false, causal = false;
-  std::string lb_form;  // empty: the strategy's form (ring: data_order, else runtime_swap)
+  std::string lb_form;  // empty: the strategy's form (ring, usp: data_order; all_gather: swap)
   std::string kv_head_policy = "error";
   std::vector<int64_t> cu_seqlens;  // empty: no documents
 };
@@ -59,10 +59,11 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--cp-algo", a.algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
-  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather)");
-  app.add_option("--load-balance-form", a.lb_form,
-                 "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
-                 "made by shard_sequence); default: data_order for ring, else runtime_swap");
+  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather, ring, usp)");
+  app.add_option(
+      "--load-balance-form", a.lb_form,
+      "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
+      "made by shard_sequence); default: data_order for ring and usp, else runtime_swap");
   app.add_flag("--causal", a.causal, "causal attention");
   app.add_option("--layout", a.layout, "bnsd | bshd");
   app.add_option("--kv-head-policy", a.kv_head_policy,

@@ -57,7 +57,7 @@ std::string fixed(double v, int digits = 3) {
 std::string choice_name(const std::string& algo, int64_t u, const std::string& schedule,
                         bool contiguous_ag) {
   std::string n = algo;
-  if (algo == "hybrid") n += "(U=" + std::to_string(u) + ")";
+  if (algo == "hybrid" || algo == "usp") n += "(U=" + std::to_string(u) + ")";
   if (contiguous_ag) n += "(contiguous)";
   return n + "/" + schedule;
 }
@@ -135,8 +135,12 @@ std::string run_report(const ReportOptions& o) {
     results["calibrations"][link] = json::parse(plan::to_json(cal));
     for (int64_t p : o.ranks) {
       for (int64_t s : o.seqs) {
-        std::vector<Choice> choices{{"all_gather", 0, true}, {"ulysses", 0, false}};
-        if (p >= 4) choices.push_back({"hybrid", 2, false});
+        std::vector<Choice> choices{
+            {"all_gather", 0, true}, {"ulysses", 0, false}, {"ring", 0, true}};
+        if (p >= 4) {
+          choices.push_back({"hybrid", 2, false});
+          choices.push_back({"usp", 2, false});
+        }
         BarGroup g;
         g.title = common::str_cat("P=", p, " S=", s, " ", link);
         std::map<std::string, double> measured;

@@ -161,7 +161,7 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
       const int64_t ks = kv_start(t, kb), ke = kv_end(p, t, kb);
       auto s = scratch[slot].narrow(0, 0, rows * (ke - ks)).view({rows, ke - ks});
       at::mm_out(s, qblk, k3[hh].slice(0, ks, ke).t());
-      if (kind == BlockKind::kPartial && t.has_user_masks()) {
+      if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
         t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
       detail::online_softmax_update<T>(tile_rows(p, t, qb, kb), s.data_ptr<T>(), m.data_ptr<T>(),
@@ -226,7 +226,7 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       auto doh = doblk[qb][hh];
       auto s = s_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
       at::mm_out(s, qh, kblk.t());
-      if (kind == BlockKind::kPartial && t.has_user_masks()) {
+      if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
         t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
       detail::recompute_probs<T>(tr, s.data_ptr<T>(), maxblk[qb][hh].data_ptr<T>(),

@@ -50,34 +50,44 @@ void check_documents(const Documents& d, int64_t batch, int64_t q_len, int64_t k
   }
 }
 
+bool documents_hide_block(const DocumentIdsView& v, int64_t qb, int64_t qe, int64_t kb,
+                          int64_t ke) {
+  if (qe <= qb || ke <= kb) return true;
+  for (int64_t b = 0; b < v.rows; ++b) {
+    const int64_t* a = v.data + b * v.stride;
+    // Non-decreasing ids: the ranges share a document iff their id intervals overlap.
+    if (!(a[qe - 1] < a[kb] || a[ke - 1] < a[qb])) return false;
+  }
+  return true;
+}
+
+bool documents_fill_block(const DocumentIdsView& v, int64_t qb, int64_t qe, int64_t kb,
+                          int64_t ke) {
+  for (int64_t b = 0; b < v.rows; ++b) {
+    const int64_t* a = v.data + b * v.stride;
+    const int64_t doc = a[qb];
+    if (a[qe - 1] != doc || a[kb] != doc || a[ke - 1] != doc) return false;
+  }
+  return true;
+}
+
 namespace {
 
-// The ids as a CPU int64 [Bd, S] tensor (no copy when they already are).
-at::Tensor cpu_ids(const Documents& d) {
-  return d.ids.to(at::kCPU, at::kLong).contiguous();
-}
+// The ids as a CPU int64 [Bd, S] tensor (no copy when they already are) and its view.
+struct CpuIds {
+  explicit CpuIds(const Documents& d) : ids(d.ids.to(at::kCPU, at::kLong).contiguous()) {}
+  DocumentIdsView view() const { return {ids.data_ptr<int64_t>(), ids.size(0), ids.size(1)}; }
+  at::Tensor ids;
+};
 
 }  // namespace
 
 bool documents_hide_block(const Documents& d, int64_t qb, int64_t qe, int64_t kb, int64_t ke) {
-  if (qe <= qb || ke <= kb) return true;
-  auto ids = cpu_ids(d);
-  auto a = ids.accessor<int64_t, 2>();
-  for (int64_t b = 0; b < ids.size(0); ++b) {
-    // Non-decreasing ids: the ranges share a document iff their id intervals overlap.
-    if (!(a[b][qe - 1] < a[b][kb] || a[b][ke - 1] < a[b][qb])) return false;
-  }
-  return true;
+  return documents_hide_block(CpuIds(d).view(), qb, qe, kb, ke);
 }
 
 bool documents_fill_block(const Documents& d, int64_t qb, int64_t qe, int64_t kb, int64_t ke) {
-  auto ids = cpu_ids(d);
-  auto a = ids.accessor<int64_t, 2>();
-  for (int64_t b = 0; b < ids.size(0); ++b) {
-    const int64_t doc = a[b][qb];
-    if (a[b][qe - 1] != doc || a[b][kb] != doc || a[b][ke - 1] != doc) return false;
-  }
-  return true;
+  return documents_fill_block(CpuIds(d).view(), qb, qe, kb, ke);
 }
 
 at::Tensor document_positions(const at::Tensor& ids) {

@@ -93,13 +93,17 @@ TileMask::TileMask(const Problem& p, int64_t block_q, int64_t block_kv)
   nq_ = (p.q_len + block_q_ - 1) / block_q_;
   nk_ = (p.kv_len + block_kv_ - 1) / block_kv_;
   kinds_.assign(static_cast<size_t>(nq_ * nk_), BlockKind::kFull);
+  user_masked_.assign(kinds_.size(), 0);
   const bool other_masks = p.mask.defined() || p.mask_fn.has_value();
   const auto* docs = p.docs ? &*p.docs : nullptr;
+  DocumentIdsView ids;  // validate() made them CPU int64, contiguous
+  if (docs != nullptr) ids = {docs->ids.data_ptr<int64_t>(), docs->ids.size(0), docs->ids.size(1)};
   for (int64_t qb = 0; qb < nq_; ++qb) {
     const int64_t qs = qb * block_q_, qe = std::min(p.q_len, qs + block_q_);
     for (int64_t kb = 0; kb < nk_; ++kb) {
       const int64_t ks = kb * block_kv_, ke = std::min(p.kv_len, ks + block_kv_);
       BlockKind kind = BlockKind::kFull;
+      bool masked = false;  // whether the user masks hide part of the tile
       if (p.causal) {
         if (ks > p.q_offset + qe - 1) {
           kind = BlockKind::kEmpty;  // wholly above the diagonal: skipped, never computed
@@ -109,10 +113,11 @@ TileMask::TileMask(const Problem& p, int64_t block_q, int64_t block_kv)
       }
       if (kind != BlockKind::kEmpty && docs != nullptr) {
         const int64_t q0 = docs->q_start, k0 = docs->kv_start;
-        if (documents_hide_block(*docs, q0 + qs, q0 + qe, k0 + ks, k0 + ke)) {
+        if (documents_hide_block(ids, q0 + qs, q0 + qe, k0 + ks, k0 + ke)) {
           kind = BlockKind::kEmpty;  // no document spans the tile: skipped
-        } else if (!documents_fill_block(*docs, q0 + qs, q0 + qe, k0 + ks, k0 + ke)) {
+        } else if (!documents_fill_block(ids, q0 + qs, q0 + qe, k0 + ks, k0 + ke)) {
           kind = BlockKind::kPartial;
+          masked = true;
         }
       }
       if (kind != BlockKind::kEmpty && other_masks) {
@@ -122,14 +127,17 @@ TileMask::TileMask(const Problem& p, int64_t block_q, int64_t block_kv)
             kind = BlockKind::kEmpty;
           } else if (!vis.all().item<bool>()) {
             kind = BlockKind::kPartial;
+            masked = true;
           }
         }
         // An additive mask must be added to every tile it touches.
-        if (p.mask.defined() && !p.mask_is_bool && kind == BlockKind::kFull) {
+        if (p.mask.defined() && !p.mask_is_bool && kind != BlockKind::kEmpty) {
           kind = BlockKind::kPartial;
+          masked = true;
         }
       }
       kinds_[qb * nk_ + kb] = kind;
+      user_masked_[qb * nk_ + kb] = masked ? 1 : 0;
     }
   }
 }

@@ -56,6 +56,9 @@ class TileMask {
   // The same for one (batch b, kv head kvh) tile `s` [G*(qe-qs), ke-ks] of the blockwise
   // kernel, without the causal rule (applied inline there).
   void apply_head(at::Tensor& s, int64_t qb, int64_t kb, int64_t b, int64_t kvh) const;
+  // Whether the user masks (tensor mask, mask function, documents) hide part of tile (qb, kb) or
+  // add to it: a partial tile without them needs the causal rule only.
+  bool user_masked(int64_t qb, int64_t kb) const { return user_masked_[qb * nk_ + kb] != 0; }
   // Whether apply() would do anything besides causal masking.
   bool has_user_masks() const {
     return p_.mask.defined() || p_.mask_fn.has_value() || p_.docs.has_value();
@@ -69,6 +72,7 @@ class TileMask {
   Problem p_;
   int64_t block_q_, block_kv_, nq_, nk_;
   std::vector<BlockKind> kinds_;
+  std::vector<uint8_t> user_masked_;
 };
 
 }  // namespace hp::attention::detail

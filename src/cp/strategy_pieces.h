@@ -93,22 +93,24 @@ at::Tensor lse_like_out(const at::Tensor& lse, const QKVLayout& l);
 at::Tensor lse_to_primitive(const at::Tensor& lse_out_frame, const QKVLayout& l);
 
 // ---- ring piece (strategy_ring.cpp) ----
-// The group K/V blocks travel around, this rank's place in it, and the global index of the
-// first query head the calls see (masks per head).
+// The group K/V blocks travel around, this rank's place in it, the global index of the first
+// query head the calls see (masks per head), and what each member's block holds: the global
+// ids of its chunks of `chunk_len` positions, in the order they sit in the block (this rank's
+// queries are its own block's chunks).
 struct RingGroup {
   comm::GroupPtr group;
   int64_t rank = 0, size = 1;
   int64_t head_offset = 0;
+  std::vector<std::vector<int64_t>> chunks;  // [member] -> chunk ids
+  int64_t chunk_len = 0;
 };
-// Attention of q against the K/V blocks of every rank of `ring` (block i holds the positions
-// of rank i: shards of equal length, in rank order; `balanced`: data-order head-tail chunks),
-// each block shifted on while the one here is attended; merged by log-sum-exp. Its backward
-// passes the blocks around again with their dK/dV accumulators and recomputes each block's
-// attention, so no rank ever holds more than two K/V blocks. The ring strategy runs it over the
-// CP group, usp over the co-groups after its Ulysses all-to-all.
+// Attention of q against the K/V blocks of every member of `ring`, each block shifted on while
+// the one here is attended; merged by log-sum-exp. Its backward passes the blocks around again
+// with their dK/dV accumulators and recomputes each block's attention, so no rank ever holds
+// more than two K/V blocks. The ring strategy runs it over the CP group, usp over the co-groups
+// after its Ulysses all-to-all.
 at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring,
-                       bool balanced);
+                       const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring);
 
 // ---- head-tail load balance (load_balance.cpp) ----
 // The two query parts of this rank with their global offsets (swapping the tail with the mirror

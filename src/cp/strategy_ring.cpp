@@ -76,8 +76,13 @@ class RingStrategy final : public CPStrategy {
     const auto& t = *ctx.topology;
     const bool balanced = ctx.load_balance && t.cp_size > 1;
     if (balanced) detail::check_head_tail(q, ctx);
-    detail::RingGroup ring{t.cp, t.cp_rank, t.cp_size, 0};
-    return detail::ring_attend(q, k, v, call, ctx.layout, ring, balanced);
+    detail::RingGroup ring{t.cp, t.cp_rank, t.cp_size, 0, {}, 0};
+    const int64_t s = q.size(ctx.layout.seq_dim);
+    for (int64_t r = 0; r < t.cp_size; ++r) {
+      ring.chunks.push_back(balanced ? load_balance_chunks(r, t.cp_size) : std::vector{r});
+    }
+    ring.chunk_len = balanced ? s / 2 : s;
+    return detail::ring_attend(q, k, v, call, ctx.layout, ring);
   }
 
   // Nothing moves before attention: the async schedule is the ring itself (each block's
@@ -101,15 +106,12 @@ struct RingPlan {
   std::shared_ptr<const AttentionCall> call;
   QKVLayout layout;
   detail::RingGroup ring;
-  bool balanced = false;
   int64_t s = 0;    // local sequence length
-  int64_t len = 0;  // rows per chunk (s / 2 when balanced)
+  int64_t len = 0;  // rows per chunk (ring.chunk_len)
   int64_t dk = 0;   // last dim of k (the [k | v] buffer splits there)
 
   // Chunk ids (of the global sequence cut into `len`-row chunks) of the rows `rank` holds.
-  std::vector<int64_t> chunk_ids(int64_t rank) const {
-    return balanced ? load_balance_chunks(rank, ring.size) : std::vector<int64_t>{rank};
-  }
+  const std::vector<int64_t>& chunk_ids(int64_t rank) const { return ring.chunks[rank]; }
   at::Tensor chunk(const at::Tensor& x, size_t i) const {
     return x.narrow(layout.seq_dim, static_cast<int64_t>(i) * len, len);
   }
@@ -133,7 +135,7 @@ at::Tensor query_rows(const RingPlan& plan, const at::Tensor& x, const Pair& pai
 // second half of every query chunk's rows (-1: all rows).
 std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
   const bool causal = plan.call->options().causal;
-  const auto queries = plan.chunk_ids(plan.ring.rank), keys = plan.chunk_ids(src);
+  const auto &queries = plan.chunk_ids(plan.ring.rank), &keys = plan.chunk_ids(src);
   std::vector<Pair> out;
   for (size_t kc = 0; kc < keys.size(); ++kc) {
     for (size_t qi = 0; qi < queries.size(); ++qi) {
@@ -191,6 +193,9 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         merge_into(out[pair.qi], lse[pair.qi], r.out, part_lse);
       }
       if (next) kv = next();  // at most two blocks alive: the one here and the one arriving
+    }
+    for (size_t i = 0; i < nq; ++i) {  // every query chunk meets its own keys (never hidden)
+      HP_INTERNAL_ASSERT(out[i].defined(), "ring: query chunk ", i, " attended no block");
     }
     auto o = at::cat(out, l.seq_dim), m = at::cat(lse, l.seq_dim);
     ctx->save_for_backward({q, k, v, o, m});
@@ -276,8 +281,8 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
 }  // namespace
 
 at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const AttentionCall& call, const QKVLayout& l, const RingGroup& ring,
-                               bool balanced) {
+                               const AttentionCall& call, const QKVLayout& l,
+                               const RingGroup& ring) {
   HP_CHECK(ring.size == 1 || can_split_call(call),
            "the ring merges partial results by log-sum-exp: it needs BNSD or BSHD q/k/v and no "
            "tensor mask; use algorithm=all_gather for this call");
@@ -285,9 +290,11 @@ at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const a
   plan->call = std::make_shared<const AttentionCall>(call);
   plan->layout = l;
   plan->ring = ring;
-  plan->balanced = balanced;
   plan->s = q.size(l.seq_dim);
-  plan->len = balanced ? plan->s / 2 : plan->s;
+  plan->len = ring.chunk_len;
+  HP_INTERNAL_ASSERT(static_cast<int64_t>(ring.chunks.size()) == ring.size &&
+                         plan->len * static_cast<int64_t>(ring.chunks[ring.rank].size()) == plan->s,
+                     "ring: the chunk table does not cover the local sequence");
   plan->dk = k.size(-1);
   return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)));
 }

@@ -6,6 +6,9 @@
 //                                              gathered in the group, one head kept)
 //   ring_attend over cp_co: the [k | v] blocks of the C co-ranks travel by shifts while each
 //   is attended (causal blocks above the diagonal skipped; offsets in units of S/C)
+//   head-tail balance (data-order shards, rank r: chunks 2r and 2P-2r-1 of S/2P): after the
+//   all-to-all co-rank c holds the chunks of ranks cU .. cU+U-1 in that order, and the ring
+//   pairs chunks by their ids: every rank does the same causal work
 //   out [B, N/U, S/C, Dv] -- A2A in cp_ulysses --> [B, N, S/P, Dv]
 //   backward: the ring's backward (blocks again, each with its dK/dV accumulator), then the
 //   inverse all-to-alls.
@@ -13,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
+#include "hp/cp/sequence.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -27,7 +31,12 @@ class UspStrategy final : public detail::UlyssesMoves {
   }
   void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
     detail::check_sub_group_degree(c, cp_size, "usp", "ring");
+    HP_CHECK(!c.load_balance || c.load_balance_form == LoadBalanceForm::kDataOrder,
+             "cp_config.load_balance_form=runtime_swap with algorithm=usp: usp balances "
+             "data-order shards (shard_sequence with load_balance); set "
+             "load_balance_form=data_order");
   }
+  bool supports_load_balance() const override { return true; }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kSend, comm::OpKind::kRecv};
   }
@@ -40,6 +49,12 @@ class UspStrategy final : public detail::UlyssesMoves {
     const int64_t block =
         (s.seq / groups) * heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch * s.element_size;
     return forward_bytes_per_rank(c, p, s, cp_rank) + (groups - 1) * block;
+  }
+
+  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
+                    const std::string& who) const override {
+    UlyssesMoves::check_inputs(x, ctx, who);
+    if (ctx.load_balance) detail::check_head_tail(x, ctx);
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -61,9 +76,21 @@ class UspStrategy final : public detail::UlyssesMoves {
                           const AttentionCall& call, const CPRuntimeContext& ctx) const {
     const auto& t = *ctx.topology;
     select_repeated_kv(k, v, ctx);
-    detail::RingGroup ring{t.co, t.co_rank, t.colossal_degree,
-                           t.ulysses_rank * q.size(ctx.layout.heads_dim)};
-    auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring, false);
+    detail::RingGroup ring{
+        t.co, t.co_rank, t.colossal_degree, t.ulysses_rank * q.size(ctx.layout.heads_dim), {}, 0};
+    // After the all-to-all a co-rank holds its Ulysses group's shards in rank order: the
+    // contiguous range c of C, or (head-tail balance) the two chunks of each member.
+    const int64_t s = q.size(ctx.layout.seq_dim), u = t.ulysses_degree, p = t.cp_size;
+    for (int64_t c = 0; c < t.colossal_degree; ++c) {
+      std::vector<int64_t> ids;
+      for (int64_t j = 0; ctx.load_balance && j < u; ++j) {
+        for (int64_t id : load_balance_chunks(c * u + j, p))
+          ids.push_back(id);
+      }
+      ring.chunks.push_back(ctx.load_balance ? ids : std::vector{c});
+    }
+    ring.chunk_len = ctx.load_balance ? s / (2 * u) : s;
+    auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);
     return restore_output({out}, PreparedQKV{}, ctx);
   }
 };

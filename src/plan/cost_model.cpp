@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/common/check.h"
+#include "hp/cp/strategy.h"
 
 namespace hp::plan {
 namespace fs = std::filesystem;

@@ -65,7 +65,7 @@ TEST(CPConfig, FailFast) {
   auto lb = cfg(CPAlgorithm::kUlysses);
   lb.load_balance = true;
   HP_EXPECT_ERROR(normalize(lb, 4),
-                  "cp_config.load_balance=true requires algorithm=all_gather or ring "
+                  "cp_config.load_balance=true requires algorithm=all_gather or ring or usp "
                   "(got ulysses)");
   lb.algorithm = CPAlgorithm::kHybrid;
   lb.ulysses_degree = 2;

@@ -161,6 +161,10 @@ TEST(CPFloat64, Ring) {
 TEST(CPFloat64, UspU2) {
   run_grid({"usp", 2}, {4, 6});
 }
+TEST(CPFloat64, UspHeadTailDataOrder) {
+  run_grid({"usp", 2, true, LoadBalanceForm::kDataOrder}, {4, 6});
+  run_grid({"usp", 3, true, LoadBalanceForm::kDataOrder}, {6});
+}
 TEST(CPFloat64, UspU3) {
   run_grid({"usp", 3}, {6});
 }
@@ -205,7 +209,8 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
       {{"hybrid", 2}, {4}},
       {{"ring", std::nullopt}, {2, 3, 4}},
       {{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3}},
-      {{"usp", 2}, {4}}};
+      {{"usp", 2}, {4}},
+      {{"usp", 2, true, LoadBalanceForm::kDataOrder}, {4}}};
   for (const auto& [c, ps] : grid) {
     for (int p : ps) {
       for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
@@ -297,6 +302,47 @@ TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
     EXPECT_EQ(rec.schedule(), bwd);
     EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(norm, p, shape));
   });
+}
+
+// Skipped, not masked: blocks above the causal diagonal and blocks no document spans are never
+// computed. Keys and values there are NaN; a ring that computed and then masked them would turn
+// the output (or dq) of the queries that cannot see them into NaN.
+TEST(RingSchedule, BlocksAboveTheDiagonalAndAcrossDocumentsAreNeverComputed) {
+  const int p = 3;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "ring";
+  const auto norm = *normalize(cfg, p);
+  // causal: rank 0 (positions 0..15) must not touch ranks 1, 2; documents {0..31}, {32..47}
+  // (not causal): rank 2 must not touch ranks 0, 1.
+  for (bool causal : {true, false}) {
+    auto ids = attention::document_ids_from_cu_seqlens({0, 32, kS}, kS);
+    const int64_t clean_rank = causal ? 0 : 2;
+    auto k = f64(2, {1, kNkv, kS, kDqk}), v = f64(3, {1, kNkv, kS, kDv});
+    auto poison = [&](at::Tensor& t) {
+      auto nan = std::numeric_limits<double>::quiet_NaN();
+      (causal ? t.slice(2, 16) : t.slice(2, 0, 32)).fill_(nan);
+    };
+    poison(k);
+    poison(v);
+    run_ranks(p, [&](comm::World& w) {
+      comm::DeviceMesh mesh(w, {{"cp", p}});
+      auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
+      Direct m(causal, causal ? at::Tensor() : ids);
+      CPModuleSpec spec;
+      spec.inner_wrapper = "sdpa_qkv";
+      apply_context_parallel(m.core.host(), spec, norm, topo, quiet());
+      auto mine = [&](const at::Tensor& full) {
+        return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(true);
+      };
+      auto q = mine(f64(1, {1, kNq, kS, kDqk}));
+      auto out = m.forward(q, mine(k), mine(v));
+      out.sum().backward();
+      if (w.rank() == clean_rank) {
+        EXPECT_FALSE(out.isnan().any().item<bool>()) << (causal ? "causal" : "documents");
+        EXPECT_FALSE(q.grad().isnan().any().item<bool>()) << (causal ? "causal" : "documents");
+      }
+    });
+  }
 }
 
 // What kv_head_policy=repeat sends: Q and the output by all-to-all, K and V once each by an

@@ -52,11 +52,12 @@ TEST(CostModel, LegalCandidatesFollowTheHeadChecks) {
     }
     return out;
   };
-  // kv_heads = 2 over 4 ranks: Ulysses is illegal, hybrid U=2 is legal.
+  // kv_heads = 2 over 4 ranks: Ulysses is illegal, hybrid and usp with U=2 are legal.
   EXPECT_EQ(names(4, workload(8, 2)),
-            (std::vector<std::string>{"all_gather/sync/U1", "all_gather/async/U1", "hybrid/sync/U2",
-                                      "hybrid/async/U2"}));
-  EXPECT_EQ(names(2, workload()).size(), 4u);
+            (std::vector<std::string>{"all_gather/sync/U1", "all_gather/async/U1", "ring/sync/U1",
+                                      "ring/async/U1", "hybrid/sync/U2", "hybrid/async/U2",
+                                      "usp/sync/U2", "usp/async/U2"}));
+  EXPECT_EQ(names(2, workload()).size(), 6u);  // all_gather, ulysses, ring
   EXPECT_TRUE(legal_cp_configs(1, workload()).empty());
 }
 
@@ -89,6 +90,26 @@ TEST(CostModel, SlowLinksFavourUlyssesAndAsyncHidesBehindProjections) {
   auto ranked = rank_cp_configs(slow, 4, w);
   for (size_t i = 1; i < ranked.size(); ++i)
     EXPECT_LE(ranked[i - 1].step_s, ranked[i].step_s);
+}
+
+// The ring hides its shifts behind the block it attends, in either schedule: on a slow link its
+// exposed time is below synchronous all_gather's, it pays a recompute in compute, and it sends
+// 3(P-1) blocks per step.
+TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
+  auto slow = synthetic(1.0 / 125e6);
+  auto w = workload();
+  w.projections = false;
+  auto ring = predict_cp_step(slow, config("ring", true), 4, w);
+  auto ring_async = config("ring", true);
+  ring_async.schedule = cp::CPSchedule::kAsync;
+  EXPECT_DOUBLE_EQ(predict_cp_step(slow, ring_async, 4, w).step_s, ring.step_s);
+  auto ag = predict_cp_step(slow, config("all_gather", true), 4, w);
+  EXPECT_LT(ring.exposed_comm_s, ag.exposed_comm_s);
+  EXPECT_GT(ring.compute_s, ag.compute_s);  // the backward's recompute
+  EXPECT_GE(ring.exposed_comm_s, 0);
+  const double block = 4.0 * (w.seq / 4) * 2 * w.kv_heads * w.head_dim;
+  const auto& fit = slow.fit("all_to_all", 4);
+  EXPECT_NEAR(ring.comm_s, 9 * fit.time(block), 1e-9 * ring.comm_s);
 }
 
 TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {

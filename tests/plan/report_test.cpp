@@ -50,6 +50,8 @@ int64_t cp_layer_bytes(const json& m) {
   const int64_t e = 4;
   if (m["algorithm"] == "all_gather") return 2 * (2 * s * hkv * e * (p - 1) / p);
   if (m["algorithm"] == "ulysses") return 2 * ((2 * h + 2 * hkv) * (s / p) * e * (p - 1) / p);
+  // ring: P-1 block shifts forward; backward the blocks again and P-1 dK/dV accumulators.
+  if (m["algorithm"] == "ring") return 3 * (p - 1) * (s / p) * 2 * hkv * e;
   ADD_FAILURE() << "no formula here for " << m["algorithm"];
   return -1;
 }
@@ -101,7 +103,7 @@ TEST(Report, CalibrateAutoAndReport) {
     EXPECT_GT(step, 0) << name;
   }
   EXPECT_EQ(names, (std::set<std::string>{"all_gather/sync", "all_gather/async", "ulysses/sync",
-                                          "ulysses/async"}))
+                                          "ulysses/async", "ring/sync", "ring/async"}))
       << a.out;
   ASSERT_FALSE(predicted.empty()) << a.out;
   const auto cheapest =
@@ -122,11 +124,11 @@ TEST(Report, CalibrateAutoAndReport) {
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = json::parse(std::ifstream(dir + "/out/results.json"));
 
-  // The grid at P = 2, S = 512: all_gather (head-tail balance) and ulysses, each sync and async,
-  // plus contiguous all_gather (sync) at the largest S.
+  // The grid at P = 2, S = 512: all_gather and ring (head-tail balance) and ulysses, each sync
+  // and async, plus contiguous all_gather (sync) at the largest S.
   const std::set<std::string> candidates{"all_gather/sync", "all_gather/async", "ulysses/sync",
-                                         "ulysses/async"};
-  ASSERT_EQ(j["measurements"].size(), 5u);
+                                         "ulysses/async",   "ring/sync",        "ring/async"};
+  ASSERT_EQ(j["measurements"].size(), 7u);
   std::map<std::string, json> by_name;
   double max_rel = 0;
   for (const auto& m : j["measurements"]) {
@@ -161,7 +163,9 @@ TEST(Report, CalibrateAutoAndReport) {
     // The name says what ran.
     EXPECT_EQ(name, m["algorithm"].get<std::string>() + (contiguous ? "(contiguous)" : "") + "/" +
                         m["schedule"].get<std::string>());
-    EXPECT_EQ(m["load_balance"], m["algorithm"] == "all_gather" && !contiguous) << name;
+    EXPECT_EQ(m["load_balance"],
+              (m["algorithm"] == "all_gather" || m["algorithm"] == "ring") && !contiguous)
+        << name;
     EXPECT_EQ(m["ulysses_degree"], m["algorithm"] == "ulysses" ? 2 : 1) << name;
     EXPECT_EQ(m["cp"], 2);
     EXPECT_EQ(m["seq"], 512);
@@ -229,7 +233,7 @@ TEST(Report, CalibrateAutoAndReport) {
   int cp_commands = 0;
   for (const auto& cmd : j["commands"])
     cp_commands += cmd.get<std::string>().find(" cp --seq 512 ") != std::string::npos;
-  EXPECT_EQ(cp_commands, 3);  // balanced all_gather, ulysses (each runs sync + async), contiguous
+  EXPECT_EQ(cp_commands, 4);  // balanced all_gather, ulysses, ring (each sync + async), contiguous
 
   // results.md: a row per measurement with its numbers, the cost model line, the auto row.
   const std::string md = read_file(dir + "/out/results.md");

@@ -65,6 +65,15 @@ bool documents_hide_block(const Documents& d, int64_t q_begin, int64_t q_end, in
 // Whether both ranges lie inside one and the same document in every batch row.
 bool documents_fill_block(const Documents& d, int64_t q_begin, int64_t q_end, int64_t kv_begin,
                           int64_t kv_end);
+// The two on ids already in CPU int64 row-major memory ([rows, stride]), for per-tile loops.
+struct DocumentIdsView {
+  const int64_t* data = nullptr;
+  int64_t rows = 0, stride = 0;
+};
+bool documents_hide_block(const DocumentIdsView& ids, int64_t q_begin, int64_t q_end,
+                          int64_t kv_begin, int64_t kv_end);
+bool documents_fill_block(const DocumentIdsView& ids, int64_t q_begin, int64_t q_end,
+                          int64_t kv_begin, int64_t kv_end);
 // Position within its document of every position: [Bd, S_total] int64 (what RoPE takes when
 // positions restart per document).
 at::Tensor document_positions(const at::Tensor& ids);
