@@ -303,7 +303,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     auto cp = c.cp;
     cp.algo_given = c.cp_cmd->count("--cp-algo") > 0;
     for (const char* flag : {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter",
-                             "--causal", "--projections", "--documents"}) {
+                             "--causal", "--projections", "--documents", "--ulysses-head-groups"}) {
       if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
     }
     return run_cp(cp, args);

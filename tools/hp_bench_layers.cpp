@@ -46,6 +46,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
                 "Q/K/V/O projections around attention (what async overlaps)");
   cmd->add_flag("--load-balance", a.bench.config.load_balance,
                 "head-tail load balance (all_gather, ring, usp; data-order shards)");
+  cmd->add_option("--ulysses-head-groups", a.bench.config.ulysses_head_groups,
+                  "async ulysses: head groups pipelined with their output all-to-alls (0: auto)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--documents", a.bench.documents,
                   "packed: N equal documents per sequence (attention stays inside each)")
       ->check(CLI::NonNegativeNumber);
@@ -123,6 +126,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"projections", a.bench.projections},
                     {"load_balance", a.bench.config.load_balance},
                     {"documents", a.bench.documents},
+                    {"ulysses_head_groups", a.bench.config.ulysses_head_groups},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},

@@ -50,6 +50,7 @@ struct Args {
   std::string lb_form;  // empty: the strategy's form (ring, usp: data_order; all_gather: swap)
   std::string kv_head_policy = "error";
   std::vector<int64_t> cu_seqlens;  // empty: no documents
+  int64_t head_groups = 0;
 };
 
 void add_options(CLI::App& app, Args& a) {
@@ -70,6 +71,9 @@ void add_options(CLI::App& app, Args& a) {
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
   app.add_option("--primitive", a.primitive, "math | blockwise");
+  app.add_option("--ulysses-head-groups", a.head_groups,
+                 "async ulysses: head groups pipelined with their output all-to-alls (0: auto)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--cu-seqlens", a.cu_seqlens,
                  "packed documents: global boundaries 0,L1,L1+L2,... (the same for every row)")
       ->delimiter(',');
@@ -269,8 +273,9 @@ int main(int argc, char** argv) {
                " applies to --attention dsa");
     }
     if (attention != "softmax") {
-      for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
-                               "--mixer", "--kv-head-policy", "--cu-seqlens"}) {
+      for (const char* flag :
+           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer",
+            "--kv-head-policy", "--cu-seqlens", "--ulysses-head-groups"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "

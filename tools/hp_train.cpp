@@ -69,6 +69,7 @@ struct Args {
   std::string mode = "production";
   std::string attention = "softmax";
   std::string kv_head_policy = "error";
+  int64_t head_groups = 0;
 };
 
 // --nproc, the parallel layout and the CP schedule.
@@ -85,6 +86,10 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--kv-head-policy", a.kv_head_policy,
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
+  app.add_option("--ulysses-head-groups", a.head_groups,
+                 "async ulysses: head groups whose output all-to-alls fly while the next group "
+                 "is attended (0: automatic, 1: none)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
   app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
@@ -274,13 +279,14 @@ void resolve(Args& a) {
     a.auto_algo = true;
   }
   if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance ||
-      a.kv_head_policy != "error") {
+      a.kv_head_policy != "error" || a.head_groups != 0) {
     hp::cp::ContextParallelConfig c;
     c.algorithm = hp::cp::parse_algorithm(a.algo);
     c.schedule = hp::cp::parse_schedule(a.schedule);
     if (a.degree > 0) c.ulysses_degree = a.degree;
     c.load_balance = a.load_balance;
     c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
+    c.ulysses_head_groups = a.head_groups;
     o.cp_config = c;
   }
 }

@@ -88,6 +88,15 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
   HP_CHECK(registry.contains(c.algorithm.name()), "cp_config.algorithm='", c.algorithm.name(),
            "' is not a CP strategy; valid: ", registry.names_list());
   const auto strategy = registry.get(c.algorithm.name());
+  HP_CHECK(c.ulysses_head_groups >= 0, "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
+           " must be >= 0 (0: automatic, 1: no head groups)");
+  HP_CHECK(c.ulysses_head_groups == 0 ||
+               (c.algorithm.name() == CPAlgorithm::kUlysses && c.schedule == CPSchedule::kAsync),
+           "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
+           " applies to algorithm=ulysses "
+           "with schedule=async (got ",
+           c.algorithm.name(), ", ", to_string(c.schedule),
+           "); drop it or use the async ulysses schedule");
   strategy->normalize(c, cp_size);
   HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
                      strategy->name(), "' left an invalid ulysses_degree");
@@ -105,6 +114,14 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
   return c;
 }
 
+int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv) {
+  if (c.ulysses_head_groups > 0) return c.ulysses_head_groups;
+  for (int64_t g : {4, 3, 2}) {
+    if (nq % g == 0 && nkv % g == 0) return g;
+  }
+  return 1;
+}
+
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
   if (c.ulysses_degree) return *c.ulysses_degree;
   return *normalize(c, std::max<int64_t>(cp_size, 2))->ulysses_degree;
@@ -116,8 +133,15 @@ int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
 
 void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_q_heads,
                  int64_t local_kv_heads, int64_t tp_size) {
-  check_heads_for_degree(c.algorithm.name(), ulysses_degree_of(c, cp_size), local_q_heads,
-                         local_kv_heads, tp_size, c.kv_head_policy);
+  const int64_t u = ulysses_degree_of(c, cp_size);
+  check_heads_for_degree(c.algorithm.name(), u, local_q_heads, local_kv_heads, tp_size,
+                         c.kv_head_policy);
+  const int64_t g = c.ulysses_head_groups;
+  HP_CHECK(g == 0 || ((local_q_heads / u) % g == 0 && (local_kv_heads / u) % g == 0),
+           "cp_config.ulysses_head_groups=", g, " does not divide the ", local_q_heads / u,
+           " query and ", local_kv_heads / u,
+           " key/value heads each rank attends after the "
+           "all-to-all; choose a common divisor, or 0 (automatic)");
 }
 
 void check_heads_for_degree(const std::string& algorithm, int64_t u, int64_t local_q_heads,

@@ -17,8 +17,9 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
                      std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options)
     : adapter_(std::move(adapter)),
       strategy_(std::move(strategy)),
-      ctx_{std::move(topology), options.layout, options.load_balance, options.load_balance_form,
-           options.kv_head_policy},
+      ctx_{std::move(topology),        options.layout,         options.load_balance,
+           options.load_balance_form,  options.kv_head_policy, 0,
+           options.ulysses_head_groups},
       module_path_(std::move(options.module_path)),
       async_(options.async),
       state_(std::make_shared<CPRuntimeState>(module_path_)) {

@@ -7,16 +7,21 @@
 //   out [B, N/P, S, Dv] -- A2A(split seq, concat head) --> [B, N, S/P, Dv]
 //   backward: the inverse all-to-alls. Needs Q and KV heads divisible by P.
 //
-// Async (run_async): the rank's own head group at its own positions is local before any
-// all-to-all; its diagonal block is computed while Q, K, V travel, then the rest:
+// Async (run_async): the rank's own heads at its own positions are local before any
+// all-to-all; their diagonal block is computed while Q, K, V travel, then the rest. The own
+// heads run in G groups (cp_config.ulysses_head_groups): each group's output all-to-all starts
+// as soon as the group is done and flies while the next group is attended; in backward the
+// inverse all-to-alls of the later groups fly while the earlier groups' attention backward runs.
 //   queries [0, r*s)          x keys [0, r*s)   (causal)
 //   queries [r*s, (r+1)*s)    x diagonal (local, first) + keys [0, r*s) (+ [(r+1)*s, S) dense)
 //   queries [(r+1)*s, S)      x keys [0, S)     (causal, offset (r+1)*s)
 #include <ATen/ATen.h>
 
+#include "hp/comm/async_transfer.h"
 #include "hp/comm/autograd_collectives.h"
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
+#include "hp/common/shape.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -193,6 +198,17 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
              "; use algorithm=hybrid for a smaller degree");
   }
   std::vector<comm::OpKind> required_ops() const override { return {comm::OpKind::kAllToAll}; }
+  // The base checks, and a configured head-group count against this tensor's heads per rank.
+  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
+                    const std::string& who) const override {
+    UlyssesMoves::check_inputs(x, ctx, who);
+    const int64_t g = ctx.ulysses_head_groups, u = ctx.topology->ulysses_degree;
+    const int64_t per_rank = x.size(ctx.layout.heads_dim) / u;
+    HP_CHECK(g == 0 || per_rank % g == 0, who, ": cp_config.ulysses_head_groups=", g,
+             " does not divide the ", per_rank, " heads of ", common::shape_str(x.sizes()),
+             " each rank attends after the all-to-all; choose a "
+             "common divisor of the query and key/value heads per rank, or 0 (automatic)");
+  }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k_moved,
                      const at::Tensor& v_moved, const CPRuntimeContext& ctx) const override {
@@ -216,60 +232,100 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   }
 
  private:
+  // Head groups of this rank's nq query / nkv K/V heads (ulysses_head_groups_of; a configured
+  // count was checked against each tensor by check_inputs).
+  static int64_t head_groups(const CPRuntimeContext& ctx, int64_t nq, int64_t nkv) {
+    ContextParallelConfig c;
+    c.ulysses_head_groups = ctx.ulysses_head_groups;
+    const int64_t g = ulysses_head_groups_of(c, nq, nkv);
+    HP_INTERNAL_ASSERT(nq % g == 0 && nkv % g == 0, "ulysses: ", g, " head groups for ", nq,
+                       " and ", nkv, " heads");
+    return g;
+  }
+
   at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const AttentionCall& call, const CPRuntimeContext& ctx,
                         const ArrivedFn& arrived) const {
     const auto& l = ctx.layout;
-    const int64_t seq = l.seq_dim, p = ctx.topology->ulysses_degree;
+    const int64_t seq = l.seq_dim, hd = l.heads_dim, p = ctx.topology->ulysses_degree;
     const int64_t r = ctx.topology->ulysses_rank;
     const int64_t s = q.size(seq), total = s * p;
-    const int64_t nq = q.size(l.heads_dim) / p, nkv = k.size(l.heads_dim) / p;
+    const int64_t nq = q.size(hd) / p, nkv = k.size(hd) / p;
+    const int64_t groups = head_groups(ctx, nq, nkv), gq = nq / groups, gkv = nkv / groups;
     const bool causal = call.options().causal;
-    CallState st;
-    st.local_seq = s;
-    st.head_offset = r * nq;
-    // Queries at global [q_begin, ..) against keys at [key_begin, ..).
-    auto block = [&](const at::Tensor& qq, int64_t q_begin, const at::Tensor& kk,
+    const int64_t own = r * s, own_end = own + s;
+    // Queries at global [q_begin, ..) against keys at [key_begin, ..), heads of group g.
+    auto block = [&](int64_t g, const at::Tensor& qq, int64_t q_begin, const at::Tensor& kk,
                      const at::Tensor& vv, int64_t key_begin) {
-      CallState b = st;
+      CallState b;
+      b.local_seq = s;
+      b.head_offset = r * nq + g * gq;
       b.causal = {q_begin - key_begin, qq.size(seq), kk.size(seq)};
       b.kv_start = key_begin;
       return call(qq, kk, vv, b);
     };
-    const int64_t own = r * s, own_end = own + s;
-    // 1. The diagonal block of the own head group, from the local tensors.
-    auto diag = block(q.narrow(l.heads_dim, r * nq, nq), own, k.narrow(l.heads_dim, r * nkv, nkv),
-                      v.narrow(l.heads_dim, r * nkv, nkv), own);
-    // 2. Q, K, V with the own head group over the whole sequence.
-    auto qg = arrived(QKVRole::kQ, q), kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
-    auto keys = [&](int64_t b, int64_t e) {
-      return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
-    };
-    // 3. The rest, as query segments in sequence order.
-    std::vector<at::Tensor> segments;
-    if (own > 0) {
-      auto kv = keys(0, causal ? own : total);
-      segments.push_back(block(qg.narrow(seq, 0, own), 0, kv.first, kv.second, 0).out);
+    // 1. The diagonal blocks of the own heads, from the local tensors, group by group.
+    std::vector<attention::AttentionResult> diag;
+    for (int64_t g = 0; g < groups; ++g) {
+      diag.push_back(block(g, q.narrow(hd, r * nq + g * gq, gq), own,
+                           k.narrow(hd, r * nkv + g * gkv, gkv),
+                           v.narrow(hd, r * nkv + g * gkv, gkv), own));
     }
-    std::vector<attention::AttentionResult> own_parts{diag};
-    auto q_own = qg.narrow(seq, own, s);
-    if (own > 0) {
-      auto kv = keys(0, own);
-      own_parts.push_back(block(q_own, own, kv.first, kv.second, 0));
+    // 2. Q, K, V with the own heads over the whole sequence.
+    auto qa = arrived(QKVRole::kQ, q), ka = arrived(QKVRole::kK, k), va = arrived(QKVRole::kV, v);
+    // 3. Per group the rest, as query segments in sequence order; its output's head->seq
+    //    all-to-all starts at once and flies while the next group is attended.
+    std::vector<comm::InFlight> moving;
+    at::Tensor single;
+    for (int64_t g = 0; g < groups; ++g) {
+      auto qg = qa.narrow(hd, g * gq, gq), kg = ka.narrow(hd, g * gkv, gkv),
+           vg = va.narrow(hd, g * gkv, gkv);
+      auto keys = [&](int64_t b, int64_t e) {
+        return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
+      };
+      std::vector<at::Tensor> segments;
+      if (own > 0) {
+        auto kv = keys(0, causal ? own : total);
+        segments.push_back(block(g, qg.narrow(seq, 0, own), 0, kv.first, kv.second, 0).out);
+      }
+      std::vector<attention::AttentionResult> own_parts{diag[g]};
+      auto q_own = qg.narrow(seq, own, s);
+      if (own > 0) {
+        auto kv = keys(0, own);
+        own_parts.push_back(block(g, q_own, own, kv.first, kv.second, 0));
+      }
+      if (!causal && own_end < total) {
+        auto kv = keys(own_end, total);
+        own_parts.push_back(block(g, q_own, own, kv.first, kv.second, own_end));
+      }
+      segments.push_back(merge_by_lse(own_parts, l));
+      if (own_end < total) {
+        auto kv = keys(0, total);
+        segments.push_back(
+            block(g, qg.narrow(seq, own_end, total - own_end), own_end, kv.first, kv.second, 0)
+                .out);
+      }
+      auto out = segments.size() == 1 ? segments[0] : at::cat(segments, seq);
+      if (groups == 1) {
+        single = out;
+        break;
+      }
+      moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, ctx.topology->ulysses));
     }
-    if (!causal && own_end < total) {
-      auto kv = keys(own_end, total);
-      own_parts.push_back(block(q_own, own, kv.first, kv.second, own_end));
+    if (groups == 1) {
+      return restore_output({anchored(single, {qa, ka, va})}, PreparedQKV{}, ctx);
     }
-    segments.push_back(merge_by_lse(own_parts, l));
-    if (own_end < total) {
-      auto kv = keys(0, total);
-      segments.push_back(
-          block(qg.narrow(seq, own_end, total - own_end), own_end, kv.first, kv.second, 0).out);
+    // 4. Group g came back as heads (rank j, head i) -> global head j*nq + g*gq + i.
+    std::vector<at::Tensor> back;
+    for (auto& m : moving) {
+      auto y = m.wait();
+      auto shape = y.sizes().vec();
+      shape[hd] = gq;
+      shape.insert(shape.begin() + hd, p);
+      back.push_back(y.view(shape));  // [.., P, gq, ..]
     }
-    auto out = segments.size() == 1 ? segments[0] : at::cat(segments, seq);
-    out = anchored(out, {qg, kg, vg});
-    return restore_output({out}, PreparedQKV{}, ctx);
+    auto out = at::stack(back, hd + 1).flatten(hd, hd + 2);  // [.., P, G, gq, ..] -> N heads
+    return anchored(out, {qa, ka, va});
   }
 };
 

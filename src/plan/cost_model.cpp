@@ -240,8 +240,15 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     local_share = 1.0 / static_cast<double>(u * u);
   }
   if (ring) local_share = 0;  // usp's all-to-alls hide behind the projections only
-  const double hidden_s =
+  double hidden_s =
       async ? std::min(early, cal.overlap_budget * proj_s + local_share * attn_s) : 0.0;
+  // Async ulysses in G head groups: the output all-to-alls of all groups but the last (and in
+  // backward all but the first) fly while another group is attended.
+  if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {
+    const double groups =
+        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
+    hidden_s += std::min(late_a2a * (groups - 1) / groups, attn_s * (groups - 1) / groups);
+  }
   // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).
   out.exposed_comm_s = out.comm_s - hidden_s - (ring ? late - ring_exposed - late_a2a : 0.0);
   out.compute_s += cal.seconds_per_token * b * local / share;

@@ -2,6 +2,7 @@
 // shared with the kernels): every built-in strategy (all_gather plain and with both head-tail
 // forms, ulysses, hybrid), sync and async, causal and not, P in {2, 3, 4}, GQA, and a value
 // head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
+#include <algorithm>
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
+#include "hp/common/trace.h"
 #include "hp/cp/config.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/volume.h"
@@ -62,8 +64,10 @@ struct Case {
   LoadBalanceForm form = LoadBalanceForm::kDataOrder;
   int64_t kv_heads = kNkv;
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
+  int64_t head_groups = 0;  // async ulysses (0: automatic)
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
+    if (head_groups > 0) n += " head_groups=" + std::to_string(head_groups);
     if (load_balance) n += std::string("+lb:") + to_string(form);
     if (kv_policy == KVHeadPolicy::kRepeat)
       n += " kv_heads=" + std::to_string(kv_heads) + " repeat";
@@ -79,6 +83,7 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   cfg.load_balance = c.load_balance;
   cfg.load_balance_form = c.form;
   cfg.kv_head_policy = c.kv_policy;
+  if (schedule == CPSchedule::kAsync) cfg.ulysses_head_groups = c.head_groups;
   return *normalize(cfg, p);
 }
 
@@ -177,6 +182,77 @@ TEST(CPFloat64, UspRepeatsKVHeads) {
 TEST(CPFloat64, RingHeadTailDataOrder) {
   run_grid({"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
 }
+// Async ulysses in head groups (P=2: 6 query and 3 K/V heads per rank; automatic = 3 groups),
+// against the reference; the sync half of the grid ignores the field.
+TEST(CPFloat64, UlyssesHeadGroups) {
+  for (int64_t g : {1, 3}) {
+    Case c{"ulysses", std::nullopt};
+    c.head_groups = g;
+    run_grid(c, {2});
+  }
+}
+
+// Each head group's output all-to-all starts as soon as the group is attended: in rank 0's
+// timeline the first group's output all-to-all is launched before the last attention call
+// begins, and the forward records one output all-to-all per group ([1, 2, 48, 6]: 2 heads of
+// the group, the whole sequence). A count that does not divide the heads per rank, or one given
+// to another schedule or strategy, is refused before any collective.
+TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
+  const int p = 2;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "ulysses";
+  cfg.schedule = CPSchedule::kAsync;
+  cfg.ulysses_head_groups = 3;
+  const auto norm = *normalize(cfg, p);
+  auto tracer = std::make_shared<common::Tracer>();
+  hp::testing::RankOptions ro;
+  ro.tracer = tracer;
+  run_ranks(
+      p,
+      [&](comm::World& w) {
+        comm::DeviceMesh mesh(w, {{"cp", p}});
+        auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
+        Direct m(true);
+        CPModuleSpec spec;
+        spec.inner_wrapper = "sdpa_qkv";
+        spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
+        apply_context_parallel(m.core.host(), spec, norm, topo, quiet());
+        auto mine = [&](const at::Tensor& full) {
+          return shard_sequence(full, 2, w.rank(), p, false);
+        };
+        auto& rec = *w.context().recorder;
+        rec.clear();
+        m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
+                  mine(f64(3, {1, kNkv, kS, kDv})));
+        auto sched = rec.schedule();
+        ASSERT_EQ(sched.size(), 6u) << ::testing::PrintToString(sched);
+        for (size_t i = 3; i < 6; ++i)
+          EXPECT_EQ(sched[i], "all_to_all(cp)[1,2,48,6]");
+      },
+      ro);
+  std::vector<int64_t> a2a_launch, attention_begin;
+  for (const auto& e : tracer->events()) {
+    if (e.rank != 0) continue;
+    if (e.category == "comm" && e.name == "all_to_all") a2a_launch.push_back(e.begin_us);
+    if (e.name == "attention") attention_begin.push_back(e.begin_us);
+  }
+  std::sort(a2a_launch.begin(), a2a_launch.end());
+  std::sort(attention_begin.begin(), attention_begin.end());
+  ASSERT_EQ(a2a_launch.size(), 6u);
+  ASSERT_FALSE(attention_begin.empty());
+  EXPECT_LT(a2a_launch[3], attention_begin.back())
+      << "the first group's output all-to-all must fly while a later group is attended";
+
+  cfg.ulysses_head_groups = 4;
+  HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, kNkv),
+                  "cp_config.ulysses_head_groups=4 does not divide the 6 query and 3 key/value "
+                  "heads each rank attends");
+  cfg.schedule = CPSchedule::kSync;
+  HP_EXPECT_ERROR(normalize(cfg, p),
+                  "cp_config.ulysses_head_groups=4 applies to "
+                  "algorithm=ulysses with schedule=async (got ulysses, sync)");
+}
+
 // kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is sent once (gathered
 // in the Ulysses group) and every rank keeps the one its query heads read.
 TEST(CPFloat64, UlyssesRepeatsKVHeads) {

@@ -10,6 +10,7 @@
 #include "hp/cp/apply.h"
 #include "hp/cp/sequence.h"
 #include "hp/model/qwen3.h"
+#include "qwen3_test_util.h"
 #include "rank_harness.h"
 
 namespace hp::model {
@@ -21,15 +22,7 @@ using hp::testing::run_ranks;
 constexpr int64_t kS = 30;  // padded to 32 under CP 2 with load balance
 
 Qwen3Config small() {
-  Qwen3Config c;
-  c.vocab = 64;
-  c.layers = 2;
-  c.hidden = 32;
-  c.heads = 4;
-  c.kv_heads = 2;
-  c.head_dim = 8;
-  c.ffn = 64;
-  return c;
+  return testing::small_qwen3();
 }
 
 const std::vector<int64_t> kCuts{0, 7, 9, 22, kS};
@@ -75,14 +68,7 @@ TEST(Qwen3Packed, UnderContextParallelismEqualsEachDocumentAlone) {
       c.load_balance = lb;
       auto cfg = *cp::normalize(c, 2);
       auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
-      for (size_t i = 0; i < m->layers.size(); ++i) {
-        cp::CPModuleSpec spec;
-        spec.module_path = "layers." + std::to_string(i) + ".self_attn";
-        spec.inner_wrapper = "sdpa_hf";
-        cp::CPApplyOptions o;
-        o.log = [](const std::string&) {};
-        cp::apply_context_parallel(m->layers[i]->self_attn->host(), spec, cfg, topo, o);
-      }
+      testing::apply_cp_to_attention(*m, cfg, topo);
       const int64_t r = mesh.coordinate("cp");
       auto b = cp::shard_batch(ids, ids, r, 2, lb, docs.expand({1, kS}));
       ASSERT_EQ(b.doc_ids.size(1), lb ? 32 : kS);  // padding: one more document

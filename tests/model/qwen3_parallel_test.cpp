@@ -17,6 +17,7 @@
 #include "hp/model/qwen3.h"
 #include "hp/plan/plan.h"
 #include "hp/tp/parallel_linear.h"
+#include "qwen3_test_util.h"
 #include "rank_harness.h"
 
 namespace hp::model {
@@ -26,15 +27,7 @@ using hp::testing::expect_close;
 using hp::testing::run_ranks;
 
 Qwen3Config small(int64_t heads = 4, int64_t kv_heads = 2) {
-  Qwen3Config c;
-  c.vocab = 64;
-  c.layers = 2;
-  c.hidden = 32;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.head_dim = 8;
-  c.ffn = 64;
-  return c;
+  return testing::small_qwen3(heads, kv_heads);
 }
 
 constexpr int64_t kS = 32;
@@ -92,14 +85,7 @@ void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<in
     c.ulysses_degree = u;
     auto cfg = *cp::normalize(c, cp);
     auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
-    for (size_t i = 0; i < m->layers.size(); ++i) {
-      cp::CPModuleSpec spec;
-      spec.module_path = "layers." + std::to_string(i) + ".self_attn";
-      spec.inner_wrapper = "sdpa_hf";
-      cp::CPApplyOptions o;
-      o.log = [](const std::string&) {};
-      cp::apply_context_parallel(m->layers[i]->self_attn->host(), spec, cfg, topo, o);
-    }
+    testing::apply_cp_to_attention(*m, cfg, topo);
     auto b = batch();
     const int64_t r = mesh.coordinate("cp");
     auto sharded = cp::shard_batch(b.ids, b.labels, r, cp, false);

@@ -54,6 +54,11 @@ struct ContextParallelConfig {
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   AsyncFallback async_fallback = AsyncFallback::kError;
   KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
+  // Async ulysses: this rank's heads (after the all-to-all) split into this many groups, each
+  // group's output all-to-all flying while the next group is attended (forward and backward).
+  // 0: automatic (the largest of 4, 3, 2 that divides the rank's query and K/V heads, else 1);
+  // 1: one group (the output all-to-all after all of attention).
+  int64_t ulysses_head_groups = 0;
 };
 
 const std::string& to_string(const CPAlgorithm& a);  // the strategy name
@@ -85,6 +90,10 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
 
 // Effective degrees of a normalised config (the Ulysses degree it filled in; 1 when unset).
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
+// The head groups async ulysses runs with nq query and nkv K/V heads per rank (after the
+// all-to-all): c.ulysses_head_groups when set (the strategy checks that it divides both), else
+// the largest of 4, 3, 2 that divides both, else 1.
+int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv);
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 
 // Head divisibility with the local head counts after TP (a Ulysses degree U > 1 needs q and kv

@@ -68,6 +68,8 @@ struct CPRuntimeContext {
   // The module's K/V heads (this rank's, after TP) as they reach CP; set by the runtime before
   // any K/V is moved. With kv_head_policy=repeat and kv_heads % U != 0, K/V take the repeat path.
   int64_t kv_heads = 0;
+  // Async ulysses: head groups (ContextParallelConfig::ulysses_head_groups; 0: automatic).
+  int64_t ulysses_head_groups = 0;
 };
 
 // Per-call state a strategy hands from finish() to the attention calls and restore_output.
