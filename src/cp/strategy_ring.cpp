@@ -18,8 +18,12 @@
 //     The own block's calls run half before the ring (hiding the first shift) and half after
 //     it (hiding the accumulator's last hop); their dK/dV never travel.
 // Memory: the saved q, k, v, out, lse of this rank, and at most two K/V blocks (the one here and
-// the one arriving) in forward and in backward (never the whole sequence).
+// the one arriving) in forward and in backward (never the whole sequence). The own block's
+// calls keep their autograd graph from forward (their K/V are this rank's inputs): only the
+// blocks that travelled are recomputed.
 // Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size.
+#include <limits>
+
 #include <ATen/ATen.h>
 
 #include <torch/csrc/autograd/autograd.h>
@@ -168,6 +172,17 @@ at::Tensor value_part(const RingPlan& plan, const at::Tensor& kv, size_t kc) {
   return c.narrow(-1, plan.dk, c.size(-1) - plan.dk);
 }
 
+// One call of the own block whose autograd graph is kept from forward: its K/V are this rank's
+// inputs, alive anyway, so keeping it costs only its partial output, and its backward needs no
+// recompute. `half` 0 / 1: the half of the own block's calls run before / after the ring.
+struct KeptCall {
+  Pair pair;
+  int half = 0;
+  at::Tensor qi, kc, vc;  // the leaves the call ran on
+  attention::AttentionResult r;
+};
+using KeptCalls = std::shared_ptr<std::vector<KeptCall>>;
+
 struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, std::shared_ptr<const RingPlan> plan) {
@@ -176,21 +191,51 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const size_t nq = plan->chunk_ids(plan->ring.rank).size();
     // Running (out, lse) per query chunk; lse in the output's frame, -inf = nothing seen yet.
     std::vector<at::Tensor> out(nq), lse(nq);
+    // Merges one call's result into the rows of its query chunk it covers.
+    auto add = [&](const Pair& pair, const attention::AttentionResult& r) {
+      auto part_lse = detail::lse_like_out(r.lse, l);
+      if (!out[pair.qi].defined()) {
+        auto shape = r.out.sizes().vec(), lshape = part_lse.sizes().vec();
+        shape[l.seq_dim] = lshape[l.seq_dim] = plan->len;
+        out[pair.qi] = at::zeros(shape, r.out.options());
+        lse[pair.qi] =
+            at::full(lshape, -std::numeric_limits<double>::infinity(), part_lse.options());
+      }
+      auto o_rows = out[pair.qi].narrow(l.seq_dim, pair.row0, pair.rows);
+      auto l_rows = lse[pair.qi].narrow(l.seq_dim, pair.row0, pair.rows);
+      auto merged_o = o_rows, merged_l = l_rows;
+      merge_into(merged_o, merged_l, r.out, part_lse);
+      o_rows.copy_(merged_o);
+      l_rows.copy_(merged_l);
+    };
+    auto kept = std::make_shared<std::vector<KeptCall>>();
+    const bool keep = q.requires_grad() || k.requires_grad() || v.requires_grad();
     auto kv = at::cat({k, v}, -1).contiguous();
     for (int64_t step = 0; step < plan->ring.size; ++step) {
       const int64_t src = (plan->ring.rank - step + plan->ring.size) % plan->ring.size;
       comm::Pending next;
       if (step + 1 < plan->ring.size) next = comm::shift_async(*plan->ring.group, kv, 1);
-      for (const auto& pair : pairs_for(*plan, src)) {
-        auto r = (*plan->call)(query_rows(*plan, q, pair), key_part(*plan, kv, pair.kc),
-                               value_part(*plan, kv, pair.kc), pair.st);
-        auto part_lse = detail::lse_like_out(r.lse, l);
-        if (!out[pair.qi].defined()) {
-          out[pair.qi] = r.out;
-          lse[pair.qi] = part_lse;
-          continue;
+      if (step == 0 && keep) {
+        // The own block, in the two halves its backward runs in, with autograd on.
+        at::AutoGradMode grad_on(true);
+        for (int half : {0, 1}) {
+          for (const auto& pair : pairs_for(*plan, src, half)) {
+            KeptCall c{pair,
+                       half,
+                       query_rows(*plan, q, pair).detach().requires_grad_(true),
+                       plan->chunk(k, pair.kc).detach().requires_grad_(true),
+                       plan->chunk(v, pair.kc).detach().requires_grad_(true),
+                       {}};
+            c.r = (*plan->call)(c.qi, c.kc, c.vc, pair.st);
+            add(pair, {c.r.out.detach(), c.r.lse.detach()});
+            kept->push_back(std::move(c));
+          }
         }
-        merge_into(out[pair.qi], lse[pair.qi], r.out, part_lse);
+      } else {
+        for (const auto& pair : pairs_for(*plan, src)) {
+          add(pair, (*plan->call)(query_rows(*plan, q, pair), key_part(*plan, kv, pair.kc),
+                                  value_part(*plan, kv, pair.kc), pair.st));
+        }
       }
       if (next) kv = next();  // at most two blocks alive: the one here and the one arriving
     }
@@ -200,11 +245,13 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     auto o = at::cat(out, l.seq_dim), m = at::cat(lse, l.seq_dim);
     ctx->save_for_backward({q, k, v, o, m});
     ctx->saved_data["plan"] = common::to_capsule(std::move(plan));
+    ctx->saved_data["kept"] = common::to_capsule(std::move(kept));
     return o;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto plan = common::from_capsule<std::shared_ptr<const RingPlan>>(ctx->saved_data["plan"]);
+    auto kept = common::from_capsule<KeptCalls>(ctx->saved_data["kept"]);
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &o = saved[3], &m = saved[4];
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(o);
@@ -212,24 +259,31 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const auto own = at::cat({saved[1], saved[2]}, -1).contiguous();
     const int64_t p = plan->ring.size, r = plan->ring.rank;
     auto dkv = at::zeros_like(own);  // this rank's block: its own queries' share stays here
-    auto compute = [&](const at::Tensor& kv, int64_t src, int half, at::Tensor& dkv_out) {
-      for (const auto& pair : pairs_for(*plan, src, half))
+    auto compute = [&](const at::Tensor& kv, int64_t src, at::Tensor& dkv_out) {
+      for (const auto& pair : pairs_for(*plan, src))
         block_backward(*plan, q, kv, o, m, dout, pair, dq, dkv_out);
+    };
+    auto own_half = [&](int half) {  // the kept calls: no recompute
+      for (auto& c : *kept) {
+        if (c.half != half) continue;
+        seeded_grad(*plan, c.qi, c.kc, c.vc, c.r, o, m, dout, c.pair, dq, dkv);
+        c = KeptCall{};  // its graph is spent: free it now
+      }
     };
     comm::Pending next;
     if (p > 1) next = comm::shift_async(*plan->ring.group, own, 1);
-    compute(own, r, 0, dkv);  // the first half of the own block hides the first shift
-    comm::Pending arriving;   // the accumulator of the block here, from the previous rank
+    own_half(0);             // the first half of the own block hides the first shift
+    comm::Pending arriving;  // the accumulator of the block here, from the previous rank
     for (int64_t step = 1; step < p; ++step) {
       auto kv = next();  // the block of rank r - step
       next = step + 1 < p ? comm::shift_async(*plan->ring.group, kv, 1) : comm::Pending();
       auto local = at::zeros_like(kv);
-      compute(kv, (r - step + p) % p, -1, local);
+      compute(kv, (r - step + p) % p, local);
       // The accumulator follows its block to rank r+1; after the last step it reaches home.
       auto acc = arriving ? arriving() + local : local;
       arriving = comm::shift_async(*plan->ring.group, acc, 1);
     }
-    compute(own, r, 1, dkv);  // the second half hides the accumulator's last hop
+    own_half(1);  // the second half hides the accumulator's last hop
     if (arriving) dkv += arriving();
 
     return {dq, dkv.narrow(-1, 0, plan->dk), dkv.narrow(-1, plan->dk, dkv.size(-1) - plan->dk),
@@ -249,18 +303,27 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     lse = total;
   }
 
-  // The gradients of one call, recomputed: with O = sum_b w_b o_b, w_b = exp(lse_b - L),
-  //   dO/do_b = w_b,   d<dO, O>/dlse_b = w_b <dO, o_b - O>   (per row)
-  // handed to the call's own autograd; dq into `dq`, dK/dV into `dkv` (both chunk slices).
+  // The gradients of one call of a block that travelled, recomputed (seeded_grad).
   static void block_backward(const RingPlan& plan, const at::Tensor& q, const at::Tensor& kv,
                              const at::Tensor& o, const at::Tensor& m, const at::Tensor& dout,
                              const Pair& pair, at::Tensor& dq, at::Tensor& dkv) {
-    const auto& l = plan.layout;
     at::AutoGradMode grad_on(true);
     auto qi = query_rows(plan, q, pair).detach().requires_grad_(true);
     auto kc = key_part(plan, kv, pair.kc).detach().requires_grad_(true);
     auto vc = value_part(plan, kv, pair.kc).detach().requires_grad_(true);
     auto r = (*plan.call)(qi, kc, vc, pair.st);
+    seeded_grad(plan, qi, kc, vc, r, o, m, dout, pair, dq, dkv);
+  }
+
+  // One call's gradients from its graph: with O = sum_b w_b o_b, w_b = exp(lse_b - L),
+  //   dO/do_b = w_b,   d<dO, O>/dlse_b = w_b <dO, o_b - O>   (per row)
+  // handed to the call's own autograd; dq into `dq`, dK/dV into `dkv` (both chunk slices).
+  static void seeded_grad(const RingPlan& plan, const at::Tensor& qi, const at::Tensor& kc,
+                          const at::Tensor& vc, const attention::AttentionResult& r,
+                          const at::Tensor& o, const at::Tensor& m, const at::Tensor& dout,
+                          const Pair& pair, at::Tensor& dq, at::Tensor& dkv) {
+    const auto& l = plan.layout;
+    at::AutoGradMode grad_on(true);
     auto big_l = query_rows(plan, m, pair), big_o = query_rows(plan, o, pair);
     auto d_o = query_rows(plan, dout, pair);
     auto w = at::exp(detail::lse_like_out(r.lse.detach(), l) - big_l);
