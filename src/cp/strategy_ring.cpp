@@ -1,7 +1,7 @@
 // ring: K/V blocks travel around the CP group by point-to-point shifts while each rank attends
 // its queries to the block it holds; partial results merged by log-sum-exp.
 //
-//   buffer = [k | v] of this rank's shard (one tensor travels: one backward chain per rank)
+//   buffer = [k | v] of this rank's shard (one tensor travels per step)
 //   step i = 0 .. P-1 (the block of rank (r - i) mod P is here):
 //     start the shift of the buffer to rank r+1 (async), then attend the block it holds:
 //       causal, key block after the query block: skipped (never computed)
