@@ -139,7 +139,7 @@ std::string run_report(const ReportOptions& o) {
             {"all_gather", 0, true}, {"ulysses", 0, false}, {"ring", 0, true}};
         if (p >= 4) {
           choices.push_back({"hybrid", 2, false});
-          choices.push_back({"usp", 2, false});
+          choices.push_back({"usp", 2, true});
         }
         BarGroup g;
         g.title = common::str_cat("P=", p, " S=", s, " ", link);

@@ -1,9 +1,10 @@
 // `hp-bench report`: the benchmark report (docs/benchmarks/). Runs, as child processes of the
 // hp-bench binary (each emulated link in its own network namespace):
 //   the calibration of every link (cached; --recalibrate redoes it),
-//   the CP grid: algorithms (all_gather with head-tail balance, ulysses, hybrid U=2 when P >= 4)
-//     x schedules (sync, async) x P x S, causal, with the Q/K/V/O projections, one core per rank
-//     at P = 2 (two ranks per core at P = 4), plus contiguous all_gather at the largest S, P = 2,
+//   the CP grid: algorithms (all_gather and ring with head-tail balance, ulysses; hybrid U=2
+//     and usp U=2 with head-tail balance when P >= 4) x schedules (sync, async) x P x S, causal,
+//     with the Q/K/V/O projections, one core per rank at P = 2 (two ranks per core at P = 4), plus
+//     contiguous all_gather at the largest S, P = 2,
 //   the loopback contrast of the async cases at the largest S, P = 2 (when a link is emulated),
 //   the attention bench (blockwise) at each S and the HSDP bench,
 // then writes results.json (every measurement with the cost model's prediction,
