@@ -86,10 +86,6 @@ bool documents_hide_block(const Documents& d, int64_t qb, int64_t qe, int64_t kb
   return documents_hide_block(CpuIds(d).view(), qb, qe, kb, ke);
 }
 
-bool documents_fill_block(const Documents& d, int64_t qb, int64_t qe, int64_t kb, int64_t ke) {
-  return documents_fill_block(CpuIds(d).view(), qb, qe, kb, ke);
-}
-
 at::Tensor document_positions(const at::Tensor& ids) {
   HP_CHECK(ids.defined() && ids.dim() == 2, "document_positions: ids must be [B|1, S]");
   auto x = ids.to(at::kCPU, at::kLong).contiguous();

@@ -57,6 +57,20 @@ struct Direct {
   attention::HandoffPoint hq{"hq"}, hk{"hk"}, hv{"hv"};
 };
 
+// CP on `m` over every rank of `w`: module "attn" through sdpa_qkv, with the q/k/v handoffs as
+// the async schedule's launch sites unless `handoffs` is false. Returns the resolved schedule.
+std::string apply_cp(Direct& m, comm::World& w, const ContextParallelConfig& cfg,
+                     bool handoffs = true, const CPApplyOptions& o = quiet()) {
+  comm::DeviceMesh mesh(w, {{"cp", w.size()}});
+  auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+  CPModuleSpec spec;
+  spec.module_path = "attn";
+  spec.inner_wrapper = "sdpa_qkv";
+  if (handoffs) spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
+  apply_context_parallel(m.core.host(), spec, cfg, topo, o);
+  return spec.resolved_schedule;
+}
+
 struct Case {
   std::string algorithm;
   std::optional<int64_t> degree;
@@ -103,15 +117,8 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal,
   // Data-order head-tail shards hold chunks {2r, 2P-2r-1}; every other case contiguous shards.
   const bool data_order = c.load_balance && c.form == LoadBalanceForm::kDataOrder;
   run_ranks(p, [&](comm::World& w) {
-    comm::DeviceMesh mesh(w, {{"cp", p}});
-    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
     Direct m(causal, doc_ids);
-    CPModuleSpec spec;
-    spec.module_path = "attn";
-    spec.inner_wrapper = "sdpa_qkv";
-    spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
-    apply_context_parallel(m.core.host(), spec, cfg, topo, quiet());
-    ASSERT_EQ(spec.resolved_schedule, to_string(schedule));
+    ASSERT_EQ(apply_cp(m, w, cfg), to_string(schedule));
     const int64_t r = w.rank();
     auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, r, p, data_order); };
     auto lq = mine(q).requires_grad_(true), lk = mine(k).requires_grad_(true),
@@ -210,13 +217,8 @@ TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
   run_ranks(
       p,
       [&](comm::World& w) {
-        comm::DeviceMesh mesh(w, {{"cp", p}});
-        auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
         Direct m(true);
-        CPModuleSpec spec;
-        spec.inner_wrapper = "sdpa_qkv";
-        spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
-        apply_context_parallel(m.core.host(), spec, norm, topo, quiet());
+        apply_cp(m, w, norm);
         auto mine = [&](const at::Tensor& full) {
           return shard_sequence(full, 2, w.rank(), p, false);
         };
@@ -313,13 +315,8 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
       const auto cfg = config_for(c, p, schedule);
       std::vector<at::Tensor> outs(p);
       run_ranks(p, [&](comm::World& w) {
-        comm::DeviceMesh mesh(w, {{"cp", p}});
-        auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
         Direct m(true);
-        CPModuleSpec spec;
-        spec.inner_wrapper = "sdpa_qkv";
-        spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
-        apply_context_parallel(m.core.host(), spec, cfg, topo, quiet());
+        apply_cp(m, w, cfg);
         auto mine = [&](const at::Tensor& full) {
           return shard_sequence(full, 2, w.rank(), p, c.load_balance);
         };
@@ -344,13 +341,8 @@ TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
   cfg.algorithm = "ring";
   const auto norm = *normalize(cfg, p);
   run_ranks(p, [&](comm::World& w) {
-    comm::DeviceMesh mesh(w, {{"cp", p}});
-    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
     Direct m(true);
-    CPModuleSpec spec;
-    spec.module_path = "attn";
-    spec.inner_wrapper = "sdpa_qkv";
-    apply_context_parallel(m.core.host(), spec, norm, topo, quiet());
+    apply_cp(m, w, norm, /*handoffs=*/false);
     const int64_t r = w.rank(), prev = (r + p - 1) % p, next = (r + 1) % p;
     auto mine = [&](const at::Tensor& full) {
       return shard_sequence(full, 2, r, p, false).requires_grad_(true);
@@ -401,12 +393,8 @@ TEST(RingSchedule, BlocksAboveTheDiagonalAndAcrossDocumentsAreNeverComputed) {
     poison(k);
     poison(v);
     run_ranks(p, [&](comm::World& w) {
-      comm::DeviceMesh mesh(w, {{"cp", p}});
-      auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
       Direct m(causal, causal ? at::Tensor() : ids);
-      CPModuleSpec spec;
-      spec.inner_wrapper = "sdpa_qkv";
-      apply_context_parallel(m.core.host(), spec, norm, topo, quiet());
+      apply_cp(m, w, norm, /*handoffs=*/false);
       auto mine = [&](const at::Tensor& full) {
         return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(true);
       };
@@ -439,16 +427,11 @@ TEST(KVHeadPolicy, RepeatSendsEachHeadOnceAndTheDefaultRefuses) {
   HP_EXPECT_ERROR(parse_kv_head_policy("copy"), "kv_head_policy 'copy' is not valid");
   const auto norm = *normalize(cfg, p);
   run_ranks(p, [&](comm::World& w) {
-    comm::DeviceMesh mesh(w, {{"cp", p}});
-    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), norm);
     Direct m(true);
-    CPModuleSpec spec;
-    spec.module_path = "attn";
-    spec.inner_wrapper = "sdpa_qkv";
     std::vector<std::string> lines;
     CPApplyOptions o;
     o.log = [&](const std::string& l) { lines.push_back(l); };
-    apply_context_parallel(m.core.host(), spec, norm, topo, o);
+    apply_cp(m, w, norm, /*handoffs=*/false, o);
     ASSERT_FALSE(lines.empty());
     EXPECT_NE(lines[0].find("kv_head_policy=repeat"), std::string::npos) << lines[0];
     auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, w.rank(), p, false); };

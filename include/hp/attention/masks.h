@@ -62,10 +62,8 @@ void check_documents(const Documents& d, int64_t batch, int64_t q_len, int64_t k
 // [kv_begin, kv_end) (global positions) in every batch row: no document spans both ranges.
 bool documents_hide_block(const Documents& d, int64_t q_begin, int64_t q_end, int64_t kv_begin,
                           int64_t kv_end);
-// Whether both ranges lie inside one and the same document in every batch row.
-bool documents_fill_block(const Documents& d, int64_t q_begin, int64_t q_end, int64_t kv_begin,
-                          int64_t kv_end);
-// The two on ids already in CPU int64 row-major memory ([rows, stride]), for per-tile loops.
+// The same on ids already in CPU int64 row-major memory ([rows, stride]), for per-tile loops,
+// and whether both ranges lie inside one and the same document in every batch row.
 struct DocumentIdsView {
   const int64_t* data = nullptr;
   int64_t rows = 0, stride = 0;
