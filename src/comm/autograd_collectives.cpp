@@ -68,6 +68,22 @@ struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
   }
 };
 
+// Variable rows: all_to_all_v(send, recv) forward; all_to_all_v(recv, send) of the gradient.
+struct AllToAllVFn : torch::autograd::Function<AllToAllVFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> send,
+                            std::vector<int64_t> recv, GroupPtr g) {
+    save_group(ctx, g);
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    return all_to_all_v(*g, x, send, recv);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto dx = all_to_all_v(saved_group(ctx), grads[0], ctx->saved_data["recv"].toIntVector(),
+                           ctx->saved_data["send"].toIntVector());
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 // all_reduce(sum) forward, identity backward (e.g. after a row-parallel matmul).
 struct AllReduceForwardFn : torch::autograd::Function<AllReduceForwardFn> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x, GroupPtr g) {
@@ -162,6 +178,12 @@ at::Tensor all_reduce_backward(const at::Tensor& x, const GroupPtr& group) {
   checked(group, "all_reduce_backward");
   if (group->size() == 1) return x;
   return AllReduceBackwardFn::apply(x, group);
+}
+
+at::Tensor all_to_all_v_autograd(const at::Tensor& x, const std::vector<int64_t>& send_rows,
+                                 const std::vector<int64_t>& recv_rows, const GroupPtr& group) {
+  checked(group, "all_to_all_v_autograd");
+  return AllToAllVFn::apply(x, send_rows, recv_rows, group);
 }
 
 at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group) {

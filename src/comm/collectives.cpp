@@ -247,6 +247,53 @@ CommHandle all_to_all_async(Group& g, const at::Tensor& t, int64_t split_dim, in
       [out, c, dtype] { return concat_major(from_wire(out, dtype), c); });
 }
 
+CommHandle all_to_all_v_async(Group& g, const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                              const std::vector<int64_t>& recv_rows) {
+  constexpr OpKind kOp = OpKind::kAllToAll;
+  check_defined(kOp, g, t);
+  HP_CHECK(t.dim() >= 1, "all_to_all_v on group '", g.name(),
+           "': needs a tensor with at least one dim (rows), got a 0-d tensor");
+  const size_t p = static_cast<size_t>(g.size());
+  HP_CHECK(send_rows.size() == p && recv_rows.size() == p, "all_to_all_v on group '", g.name(),
+           "': send_rows has ", send_rows.size(), " and recv_rows ", recv_rows.size(),
+           " entries; both need one per rank (", p, ")");
+  int64_t sent_rows = 0, received_rows = 0, to_others = 0;
+  for (size_t j = 0; j < p; ++j) {
+    HP_CHECK(send_rows[j] >= 0 && recv_rows[j] >= 0, "all_to_all_v on group '", g.name(),
+             "': row counts must be >= 0, got send_rows[", j, "]=", send_rows[j], " recv_rows[", j,
+             "]=", recv_rows[j]);
+    sent_rows += send_rows[j];
+    received_rows += recv_rows[j];
+    if (static_cast<int>(j) != g.rank()) to_others += send_rows[j];
+  }
+  HP_CHECK(sent_rows == t.size(0), "all_to_all_v on group '", g.name(), "': send_rows sum to ",
+           sent_rows, " but the input has ", t.size(0), " rows (shape ",
+           common::shape_str(t.sizes()), "); the counts must cover every row once");
+  auto in = to_wire(g.transport(), t.contiguous());
+  auto shape = in.sizes().vec();
+  shape[0] = received_rows;
+  auto out = at::empty(shape, in.options());
+  const int64_t row_bytes = t.size(0) > 0 ? nbytes(t) / t.size(0) : 0;
+  const auto dtype = t.scalar_type();
+  return launch(
+      kOp, g, t, to_others * row_bytes, -1, {in, out},
+      [&] { return g.transport().all_to_all_v(out, in, recv_rows, send_rows); },
+      [out, dtype] { return from_wire(out, dtype); });
+}
+
+at::Tensor all_to_all_v(Group& g, const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                        const std::vector<int64_t>& recv_rows) {
+  return all_to_all_v_async(g, t, send_rows, recv_rows).wait();
+}
+
+std::vector<int64_t> all_to_all_counts(Group& g, const std::vector<int64_t>& send) {
+  HP_CHECK(send.size() == static_cast<size_t>(g.size()), "all_to_all_counts on group '", g.name(),
+           "': ", send.size(), " counts for a group of ", g.size(), "; pass one per rank");
+  auto t = at::tensor(send, at::kLong);
+  auto got = all_to_all(g, t, 0, 0).contiguous();
+  return std::vector<int64_t>(got.data_ptr<int64_t>(), got.data_ptr<int64_t>() + got.numel());
+}
+
 CommHandle all_reduce_async(Group& g, const at::Tensor& t, ReduceOp op) {
   constexpr OpKind kOp = OpKind::kAllReduce;
   check_defined(kOp, g, t);

@@ -19,6 +19,14 @@ std::unique_ptr<PendingOp> Transport::reduce_scatter(at::Tensor /*out*/, at::Ten
                      "' which has no native reduce-scatter");
 }
 
+std::unique_ptr<PendingOp> Transport::all_to_all_v(at::Tensor /*out*/, at::Tensor /*in*/,
+                                                   std::vector<int64_t> /*out_rows*/,
+                                                   std::vector<int64_t> /*in_rows*/) {
+  HP_CHECK(false, "backend '", backend_name(),
+           "' has no all-to-all with variable split sizes (expert parallelism needs it); use "
+           "gloo or nccl, or train without --ep");
+}
+
 namespace {
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -133,6 +141,15 @@ class C10dTransport final : public Transport {
     std::vector<int64_t> equal_splits;
     const int64_t sent = chunks_for_peers(in, rank_);
     return wrap(backend_->alltoall_base(out, in, equal_splits, equal_splits), sent);
+  }
+  std::unique_ptr<PendingOp> all_to_all_v(at::Tensor out, at::Tensor in,
+                                          std::vector<int64_t> out_rows,
+                                          std::vector<int64_t> in_rows) override {
+    const int64_t row = in.size(0) > 0 ? nbytes(in) / in.size(0) : 0;
+    int64_t sent = 0;
+    for (size_t j = 0; j < in_rows.size(); ++j)
+      sent += static_cast<int>(j) == rank_ ? 0 : in_rows[j] * row;
+    return wrap(backend_->alltoall_base(out, in, out_rows, in_rows), sent);
   }
   std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp op) override {
     const int64_t sent = nbytes(inout);

@@ -1,4 +1,6 @@
 // Transports that never touch the network: a group of one rank, and the recording fake group.
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include "hp/comm/transport.h"
@@ -37,6 +39,16 @@ class LocalTransport final : public Transport {
   std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) override {
     out.copy_(in);
     return done(nbytes(in) - nbytes(in[0]));
+  }
+  std::unique_ptr<PendingOp> all_to_all_v(at::Tensor out, at::Tensor in,
+                                          std::vector<int64_t> out_rows,
+                                          std::vector<int64_t> in_rows) override {
+    // A group of one rank: the rows stay. The fake keeps slot 0's rows and zeroes the rest.
+    out.zero_();
+    const int64_t keep = std::min(in_rows.at(0), out_rows.at(0));
+    if (keep > 0) out.narrow(0, 0, keep).copy_(in.narrow(0, 0, keep));
+    const int64_t row = in.size(0) > 0 ? nbytes(in) / in.size(0) : 0;
+    return done((in.size(0) - in_rows[0]) * row);
   }
   std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp) override {
     return done(size_ > 1 ? nbytes(inout) : 0);

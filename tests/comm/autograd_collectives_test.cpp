@@ -158,6 +158,55 @@ TEST_P(AutogradCollectivesTest, P2PExchangeBackwardIsExchange) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, AutogradCollectivesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "P" + std::to_string(info.param); });
 
+// Rank i sends (i + j + 1) % 3 rows to rank j; the backward returns each row's gradient to
+// the rank and place it came from.
+TEST_P(AutogradCollectivesTest, AllToAllVariableRowsBackwardReturnsEachRow) {
+  const int p = GetParam();
+  auto rows = [](int from, int to) { return static_cast<int64_t>((from + to + 1) % 3); };
+  auto total = [&](int from) {
+    int64_t n = 0;
+    for (int j = 0; j < p; ++j)
+      n += rows(from, j);
+    return n;
+  };
+  auto total_in = [&](int to) {
+    int64_t n = 0;
+    for (int i = 0; i < p; ++i)
+      n += rows(i, to);
+    return n;
+  };
+  // Reference: rank j's output is the concatenation over i of rank i's segment j.
+  std::vector<at::Tensor> xs, ys;
+  at::Tensor loss = at::zeros({});
+  for (int i = 0; i < p; ++i)
+    xs.push_back(seeded(i, {total(i), 3}).requires_grad_(true));
+  for (int j = 0; j < p; ++j) {
+    std::vector<at::Tensor> parts;
+    for (int i = 0; i < p; ++i) {
+      int64_t start = 0;
+      for (int k = 0; k < j; ++k)
+        start += rows(i, k);
+      parts.push_back(xs[i].narrow(0, start, rows(i, j)));
+    }
+    ys.push_back(at::cat(parts));
+    loss = loss + (ys.back() * seeded(100 + j, {total_in(j), 3})).sum();
+  }
+  loss.backward();
+  run_ranks(p, [&](World& w) {
+    const int me = w.rank();
+    std::vector<int64_t> send, recv;
+    for (int j = 0; j < p; ++j) {
+      send.push_back(rows(me, j));
+      recv.push_back(rows(j, me));
+    }
+    auto x = seeded(me, {total(me), 3}).requires_grad_(true);
+    auto y = all_to_all_v_autograd(x, send, recv, w.group_ptr());
+    expect_close(y, ys[me].detach(), "all_to_all_v out");
+    (y * seeded(100 + me, {total_in(me), 3})).sum().backward();
+    expect_close(x.grad(), xs[me].grad(), "all_to_all_v dx");
+  });
+}
+
 TEST(AutogradCollectivesErrors, SameSeqAndHeadDimIsRejected) {
   run_ranks(2, [](World& w) {
     try {

@@ -97,6 +97,60 @@ TEST_P(CollectivesTest, AllToAllEverySplitConcatPair) {
   });
 }
 
+// Rank i sends (i + 2j) % 3 rows to rank j (zero-row segments included); every row carries its
+// source, destination and index, so the received order is visible.
+TEST_P(CollectivesTest, AllToAllVariableRowsArriveInRankOrder) {
+  auto [p, dtype] = GetParam();
+  run_ranks(p, [p = p, dtype = dtype](World& w) {
+    auto rows = [](int from, int to) { return static_cast<int64_t>((from + 2 * to) % 3); };
+    auto row_value = [](int from, int to, int64_t k) {
+      return static_cast<double>(from * 16 + to * 4 + k);
+    };
+    const int me = w.rank();
+    std::vector<int64_t> send, expected_recv;
+    std::vector<at::Tensor> mine, expected;
+    for (int j = 0; j < p; ++j) {
+      send.push_back(rows(me, j));
+      expected_recv.push_back(rows(j, me));
+      for (int64_t k = 0; k < rows(me, j); ++k)
+        mine.push_back(at::full({1, 2}, row_value(me, j, k), dtype));
+      for (int64_t k = 0; k < rows(j, me); ++k)
+        expected.push_back(at::full({1, 2}, row_value(j, me, k), dtype));
+    }
+    auto in = mine.empty() ? at::empty({0, 2}, dtype) : at::cat(mine);
+    const auto recv = all_to_all_counts(w.group(), send);
+    EXPECT_EQ(recv, expected_recv);
+    auto& ctx = w.context();
+    const int64_t before = ctx.counters.bytes(OpKind::kAllToAll);
+    const int64_t formula_before = ctx.counters.formula_bytes(OpKind::kAllToAll);
+    auto out = all_to_all_v(w.group(), in, send, recv);
+    expect_equal(out, expected.empty() ? at::empty({0, 2}, dtype) : at::cat(expected),
+                 "all_to_all_v");
+    const int64_t to_others = in.size(0) - send[me];
+    const int64_t row_bytes = 2 * static_cast<int64_t>(in.element_size());
+    EXPECT_EQ(ctx.counters.bytes(OpKind::kAllToAll) - before, to_others * row_bytes);
+    EXPECT_EQ(ctx.counters.formula_bytes(OpKind::kAllToAll) - formula_before,
+              to_others * row_bytes);
+    if (in.size(0) > 0) {
+      EXPECT_THROW(
+          {
+            try {
+              all_to_all_v(w.group(), in, std::vector<int64_t>(p, 0), recv);
+            } catch (const hp::Error& e) {
+              EXPECT_NE(std::string(e.what()).find("the counts must cover every row"),
+                        std::string::npos)
+                  << e.what();
+              throw;
+            }
+          },
+          hp::Error);
+    }
+    if (p > 1) {
+      EXPECT_THROW(all_to_all_v(w.group(), in, {1}, {1}), hp::Error);
+    }
+  });
+}
+
 TEST_P(CollectivesTest, AllReduceOps) {
   auto [p, dtype] = GetParam();
   run_ranks(p, [p = p, dtype = dtype](World& w) {

@@ -7,6 +7,8 @@
 //                                        bwd ulysses_head_to_seq of the gradient
 //   ulysses_head_to_seq(x, seq, head)    fwd all_to_all(split seq, concat head)
 //                                        bwd ulysses_seq_to_head of the gradient
+//   all_to_all_v_autograd(x, s, r)       fwd all_to_all_v(rows s out, r in)
+//                                        bwd all_to_all_v(r out, s in) of the gradient
 //   p2p_exchange(x, peer)                fwd send x to peer, receive peer's  bwd the same exchange
 //   ring_shift(x, offset)                fwd shift by offset (to rank+offset) bwd shift by -offset
 //   all_reduce_forward(x)                fwd all_reduce(sum)          bwd identity
@@ -16,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -32,6 +35,11 @@ at::Tensor ulysses_seq_to_head(const at::Tensor& x, int64_t seq_dim, int64_t hea
 // [.., S (seq), .., N/P (head), ..] -> [.., S/P (seq), .., N (head), ..]
 at::Tensor ulysses_head_to_seq(const at::Tensor& x, int64_t seq_dim, int64_t head_dim,
                                const GroupPtr& group);
+
+// Rows along dim 0 in variable splits (collectives.h all_to_all_v): expert-parallel dispatch
+// and combine.
+at::Tensor all_to_all_v_autograd(const at::Tensor& x, const std::vector<int64_t>& send_rows,
+                                 const std::vector<int64_t>& recv_rows, const GroupPtr& group);
 
 at::Tensor p2p_exchange(const at::Tensor& x, int peer, const GroupPtr& group);
 at::Tensor ring_shift(const at::Tensor& x, int offset, const GroupPtr& group);

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorOptions.h>
@@ -42,6 +43,20 @@ CommHandle reduce_scatter_async(Group& group, const at::Tensor& t, int64_t dim,
 at::Tensor all_to_all(Group& group, const at::Tensor& t, int64_t split_dim, int64_t concat_dim);
 CommHandle all_to_all_async(Group& group, const at::Tensor& t, int64_t split_dim,
                             int64_t concat_dim);
+
+// Variable split sizes along dim 0 (expert parallelism's token dispatch): rows
+// [sum(send_rows[:j]), +send_rows[j]) of `t` go to rank j; the result holds rank i's rows at
+// [sum(recv_rows[:i]), +recv_rows[i]), in rank order, and keeps t's other dims. sum(send_rows)
+// must be t.size(0); recv_rows[i] must be what rank i sends this rank (all_to_all_counts). The
+// formula beside the counted bytes is the rows addressed to other ranks.
+at::Tensor all_to_all_v(Group& group, const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                        const std::vector<int64_t>& recv_rows);
+CommHandle all_to_all_v_async(Group& group, const at::Tensor& t,
+                              const std::vector<int64_t>& send_rows,
+                              const std::vector<int64_t>& recv_rows);
+// The counts every rank addresses to this one: recv[i] = rank i's send[this rank] (one
+// all-to-all of P int64 values; counted as traffic).
+std::vector<int64_t> all_to_all_counts(Group& group, const std::vector<int64_t>& send);
 
 // Elementwise reduction over ranks; every rank gets the result (out of place).
 at::Tensor all_reduce(Group& group, const at::Tensor& t, ReduceOp op = ReduceOp::kSum);

@@ -63,6 +63,13 @@ class Transport {
   virtual std::unique_ptr<PendingOp> all_gather(at::Tensor out, at::Tensor in) = 0;
   // `in` and `out` are [P, ...] contiguous: in[j] goes to rank j, out[i] comes from rank i.
   virtual std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) = 0;
+  // Variable split sizes along dim 0 (`in`, `out` contiguous): rows
+  // [sum(in_rows[:j]), +in_rows[j]) of `in` go to rank j; rank i's rows land at
+  // [sum(out_rows[:i]), +out_rows[i]) of `out`. Every rank's in_rows[j] equals rank j's out_rows
+  // of this rank (the caller exchanged the counts). The default throws: not supported.
+  virtual std::unique_ptr<PendingOp> all_to_all_v(at::Tensor out, at::Tensor in,
+                                                  std::vector<int64_t> out_rows,
+                                                  std::vector<int64_t> in_rows);
   // In place on contiguous `inout`. op is kSum, kMax or kMin (kAvg is handled above).
   virtual std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp op) = 0;
   // Native only (has_native_reduce_scatter): `in` is [P, *out.shape] contiguous.
@@ -93,7 +100,8 @@ std::vector<std::string> available_c10d_backends();
 std::unique_ptr<Transport> make_self_transport();
 
 // A recording fake group of `size` ranks that never communicates: all_gather fills every slot
-// with the local input, all_to_all keeps the local chunks in place, all_reduce and
+// with the local input, all_to_all keeps the local chunks in place (all_to_all_v: slot 0's rows
+// stay, every other slot is zero), all_reduce and
 // reduce_scatter see only the local contribution, recv yields zeros. Shapes are exact, values are
 // placeholders; use it to test schedules and planners without peers.
 std::unique_ptr<Transport> make_fake_transport(int size);
