@@ -33,7 +33,7 @@ file(RELATIVE_PATH HP_PC_PREFIX_FROM_PCDIR
 string(REGEX REPLACE "/$" "" HP_PC_PREFIX_FROM_PCDIR "${HP_PC_PREFIX_FROM_PCDIR}")
 # Static layer libraries, each before the layers it uses.
 set(HP_PC_LAYER_LIBS)
-foreach(layer train model plan tp hsdp cp attention comm common)
+foreach(layer train model plan tp hsdp moe cp attention comm common)
   string(APPEND HP_PC_LAYER_LIBS " -lhp_${layer}")
 endforeach()
 string(STRIP "${HP_PC_LAYER_LIBS}" HP_PC_LAYER_LIBS)
