@@ -7,6 +7,8 @@
 //     [--mixer attention|gdn|kda] [--value-heads HV] [--cp-mode state_passing|ulysses]
 //     [--state-exchange all_gather|p2p|auto]
 //     [--attention softmax|mla] [--mla-cp latent_all_gather|ulysses|all_gather] [--kv-rank R]
+//     [--arch qwen3|qwen3-moe|qwen3.5|kimi-linear] [--layer-pattern LLLG] [--experts E]
+//     [--top-k K] [--ep EP] [--aux-loss-coef C] [--capacity-factor F] [--linear-cp-mode M]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 //     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
@@ -29,6 +31,7 @@
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
+#include "hp/model/family.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/preflight.h"
 #include "hp/train/trainer.h"
@@ -70,6 +73,7 @@ struct Args {
   std::string attention = "softmax";
   std::string kv_head_policy = "error";
   int64_t head_groups = 0;
+  std::string arch = "qwen3";
 };
 
 // --nproc, the parallel layout and the CP schedule.
@@ -149,6 +153,39 @@ void add_task_options(CLI::App& app, Args& a) {
                "(--data: documents end after --eod-id; copy task: several copy documents)");
   app.add_option("--eod-id", o.eod_id, "end-of-document token id (--data with --pack-documents)");
   app.add_option("--seed", o.seed, "data seed");
+}
+
+// The model family: layer pattern, MoE MLP and expert parallelism.
+void add_family_options(CLI::App& app, Args& a) {
+  auto& o = a.train;
+  std::string names;
+  for (const auto& n : hp::model::family_names())
+    names += (names.empty() ? "" : " | ") + n;
+  app.add_option("--arch", a.arch,
+                 names +
+                     " (qwen3.5: 3 Gated DeltaNet : 1 gated attention; kimi-linear: 3 KDA : "
+                     "1 MLA with MoE)")
+      ->capture_default_str();
+  app.add_option("--layer-pattern", o.model.layer_pattern,
+                 "each layer's mixer, repeating: A attention, G gated attention, L linear "
+                 "(gdn for qwen3.5, kda for kimi-linear), M mla, D dsa; e.g. LLLA");
+  app.add_option("--experts", o.model.experts, "MoE experts per layer (0: dense MLP)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--top-k", o.model.moe_top_k, "MoE: experts per token")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--moe-ffn", o.model.moe_ffn, "MoE: each expert's width (default --ffn)");
+  app.add_option("--shared-expert-ffn", o.model.shared_expert_ffn,
+                 "MoE: the shared expert's width (0: none)");
+  app.add_option("--ep", o.ep,
+                 "expert parallelism: ranks the experts are split over (divides "
+                 "dp-shard x cp)");
+  app.add_option("--aux-loss-coef", o.model.aux_loss_coef, "MoE load-balancing loss weight")
+      ->capture_default_str();
+  app.add_option("--z-loss-coef", o.model.z_loss_coef, "MoE router z-loss weight");
+  app.add_option("--capacity-factor", o.model.capacity_factor,
+                 "MoE: drop assignments past capacity_factor x T x k / E per expert (default 0: "
+                 "none dropped)");
+  app.add_option("--linear-cp-mode", o.linear.mode, "the same as --cp-mode (linear layers)");
 }
 
 // Checks, outputs, checkpoints and the job.
@@ -231,46 +268,63 @@ void resolve(Args& a) {
              o.model.mixer, " both choose the token mixer; give one of them");
     o.model.mixer = a.attention;
   }
+  const std::string pattern_given = o.model.layer_pattern;
+  hp::model::apply_family(o.model, a.arch);
+  HP_CHECK(o.model.layer_pattern.empty() || o.model.mixer == "attention",
+           "hp-train: the layer pattern (",
+           pattern_given.empty() ? "--arch " + a.arch : "--layer-pattern",
+           ") chooses every layer's mixer; drop --mixer / --attention ", o.model.mixer);
+  const auto& m = o.model;
+  const bool softmax = hp::model::has_softmax_attention(m), linear = hp::model::has_linear(m),
+             mla = hp::model::has_mixer(m, "mla"), dsa = hp::model::has_mixer(m, "dsa");
+  // What the layers are, for messages: "--attention mla", "--mixer gdn", "the layer pattern".
+  const std::string what = !m.layer_pattern.empty() ? "layer pattern " + m.layer_pattern
+                           : (mla || dsa)           ? "--attention " + m.mixer
+                                                    : "--mixer " + m.mixer;
   {
     const hp::model::Qwen3Config model_defaults;
     const hp::train::TrainOptions train_defaults;
-    HP_CHECK(o.model.mixer == "dsa" || (o.model.topk == model_defaults.topk &&
-                                        o.model.index_loss == model_defaults.index_loss &&
-                                        o.index_loss_coef == train_defaults.index_loss_coef),
+    HP_CHECK(dsa || (m.topk == model_defaults.topk && m.index_loss == model_defaults.index_loss &&
+                     o.index_loss_coef == train_defaults.index_loss_coef),
              "hp-train: --topk, --index-loss and --index-loss-coef apply to --attention dsa");
+    HP_CHECK(m.experts > 0 ||
+                 (o.ep == 1 && m.moe_top_k == model_defaults.moe_top_k && m.moe_ffn == 0 &&
+                  m.shared_expert_ffn == 0 && m.aux_loss_coef == model_defaults.aux_loss_coef &&
+                  m.z_loss_coef == 0 && m.capacity_factor == 0),
+             "hp-train: --ep, --top-k, --moe-ffn, --shared-expert-ffn, --aux-loss-coef, "
+             "--z-loss-coef and --capacity-factor apply to MoE models (--experts N or --arch "
+             "qwen3-moe | kimi-linear)");
   }
-  if (o.model.mixer == "dsa" && o.model.topk > o.seq_len) {
+  if (dsa && m.topk > o.seq_len) {
     std::fprintf(stderr,
                  "hp-train: --topk %lld exceeds --seq-len %lld; clamped (every visible key is "
                  "selected)\n",
-                 (long long)o.model.topk, (long long)o.seq_len);
+                 (long long)m.topk, (long long)o.seq_len);
   }
   const hp::plan::MLAPlanOptions mla_defaults;
-  HP_CHECK(o.model.mixer == "mla" || o.mla.strategy == mla_defaults.strategy,
+  HP_CHECK(mla || o.mla.strategy == mla_defaults.strategy,
            "hp-train: --mla-cp applies to --attention mla (DSA's CP is the all-gather family)");
-  if (o.model.mixer == "mla" || o.model.mixer == "dsa") {
+  if (!softmax && (mla || dsa)) {
     HP_CHECK(a.algo == "all_gather" && a.degree == 0,
-             "hp-train: --cp-algo and --ulysses-degree choose softmax attention's CP; with "
-             "--attention ",
-             o.model.mixer,
-             o.model.mixer == "mla"
-                 ? " choose --mla-cp latent_all_gather|ulysses|all_gather (and --schedule, "
+             "hp-train: --cp-algo and --ulysses-degree choose softmax attention's CP; with ", what,
+             mla ? " choose --mla-cp latent_all_gather|ulysses|all_gather (and --schedule, "
                    "--load-balance)"
                  : " CP gathers the index keys and the latent (--schedule, --load-balance "
                    "apply)");
   }
-  if (o.model.mixer == "gdn" || o.model.mixer == "kda") {
+  if (!softmax && linear && !mla && !dsa) {
     HP_CHECK(a.algo == "all_gather" && !a.load_balance && a.degree == 0,
              "hp-train: --cp-algo, --ulysses-degree and --load-balance choose softmax "
-             "attention's CP; with --mixer ",
-             o.model.mixer,
+             "attention's CP; with ",
+             what,
              " choose --cp-mode state_passing|ulysses, --state-exchange all_gather|p2p|auto "
              "(and --schedule sync|async)");
-  } else {
+  }
+  if (!linear) {
     const hp::plan::LinearPlanOptions defaults;
     HP_CHECK(o.linear.mode == defaults.mode && o.linear.state_exchange == defaults.state_exchange,
-             "hp-train: --cp-mode and --state-exchange apply to --mixer gdn|kda; with --mixer ",
-             o.model.mixer, " choose --cp-algo (and --ulysses-degree, --schedule)");
+             "hp-train: --cp-mode and --state-exchange apply to --mixer gdn|kda; with ", what,
+             " choose --cp-algo (and --ulysses-degree, --schedule)");
   }
   o.cp_auto = a.algo == "auto";
   if (o.cp_auto) {
@@ -330,6 +384,11 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"vocab", o.model.vocab},
                         {"primitive", o.model.primitive},
                         {"mixer", o.model.mixer},
+                        {"arch", a.arch},
+                        {"layer_pattern", o.model.layer_pattern},
+                        {"experts", o.model.experts},
+                        {"top_k", o.model.moe_top_k},
+                        {"ep", o.ep},
                         {"value_heads", o.model.value_heads},
                         {"cp_mode", o.linear.mode},
                         {"state_exchange", o.linear.state_exchange},
@@ -450,6 +509,7 @@ int main(int argc, char** argv) {
   Args a;
   add_layout_options(app, a);
   add_task_options(app, a);
+  add_family_options(app, a);
   add_run_options(app, a);
   CLI11_PARSE(app, argc, argv);
   try {

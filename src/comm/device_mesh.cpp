@@ -37,6 +37,29 @@ DeviceMesh::DeviceMesh(World world, std::vector<MeshDim> dims, const MeshOptions
     create_group({d.name});
   for (const auto& f : options.flattened)
     create_group(f);
+  for (const auto& part : options.partitions) {
+    HP_CHECK(part.key && !part.name.empty() && partitions_.count(part.name) == 0,
+             "DeviceMesh: partition '", part.name, "' needs a unique name and a key");
+    // Every rank walks the keys in the order of their first member; members create theirs.
+    std::vector<int64_t> keys;
+    std::map<int64_t, std::vector<int>> members;
+    for (int r = 0; r < world_.size(); ++r) {
+      const int64_t k = part.key(coordinates_of(r));
+      if (members.count(k) == 0) keys.push_back(k);
+      members[k].push_back(r);
+    }
+    for (const int64_t k : keys) {
+      auto created = world_.new_group(members[k], part.name);
+      if (created) partitions_[part.name] = created;
+    }
+  }
+}
+
+GroupPtr DeviceMesh::partition_group(const std::string& name) const {
+  auto it = partitions_.find(name);
+  HP_CHECK(it != partitions_.end(), "DeviceMesh: no partition group '", name,
+           "' was created; add it to MeshOptions::partitions");
+  return it->second;
 }
 
 bool DeviceMesh::has_dim(const std::string& name) const {

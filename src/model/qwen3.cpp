@@ -20,135 +20,6 @@ tp::LinearInit init_for(const Qwen3Config& c, int64_t layer, int64_t slot, int64
 
 }  // namespace
 
-void validate(const Qwen3Config& c, int64_t tp) {
-  HP_CHECK(c.vocab > 0 && c.layers > 0 && c.hidden > 0 && c.heads > 0 && c.kv_heads > 0 &&
-               c.head_dim > 0 && c.ffn > 0,
-           "Qwen3Config: every size must be positive");
-  HP_CHECK(c.head_dim % 2 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be even for RoPE");
-  HP_CHECK(c.heads % c.kv_heads == 0, "Qwen3Config.heads=", c.heads,
-           " is not a multiple of kv_heads=", c.kv_heads);
-  HP_CHECK(c.heads % tp == 0 && c.kv_heads % tp == 0, "Qwen3Config: heads=", c.heads,
-           " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
-           "; choose a tp_size that divides ", c.kv_heads);
-  HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
-  HP_CHECK(c.mixer == "attention" || c.mixer == "gdn" || c.mixer == "kda" || c.mixer == "mla" ||
-               c.mixer == "dsa",
-           "Qwen3Config.mixer='", c.mixer, "' is not valid; valid: attention, gdn, kda, mla, dsa");
-  if (c.mixer == "mla" || c.mixer == "dsa") {
-    HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
-             ": MLA layers have no tensor parallelism here; use tp_size=1 (got ", tp,
-             ") and split the sequence with cp instead");
-    HP_CHECK(c.head_dim % 4 == 0, "Qwen3Config.head_dim=", c.head_dim,
-             " must be a multiple of 4 with mixer=", c.mixer,
-             " (d_rope = head_dim / 2 must be even)");
-    validate(mla_config(c));
-  } else if (c.mixer != "attention") {
-    HP_CHECK(tp == 1, "Qwen3Config.mixer=", c.mixer,
-             ": linear-attention layers have no tensor "
-             "parallelism; use tp_size=1 (got ",
-             tp, ") and split the sequence with cp instead");
-    validate(linear_config(c));
-  }
-}
-
-LinearAttentionConfig linear_config(const Qwen3Config& c) {
-  LinearAttentionConfig l;
-  l.mixer = c.mixer;
-  l.hidden = c.hidden;
-  l.heads = c.heads;
-  l.value_heads = c.value_heads > 0 ? c.value_heads : c.heads;
-  l.key_dim = l.value_dim = c.head_dim;
-  l.gate_rank = c.head_dim;
-  l.rms_eps = c.rms_eps;
-  l.seed = c.seed;
-  return l;
-}
-
-MLAConfig mla_config(const Qwen3Config& c) {
-  MLAConfig m;
-  m.hidden = c.hidden;
-  m.heads = c.heads;
-  m.d_nope = m.d_v = c.head_dim;
-  m.d_rope = c.head_dim / 2;
-  m.kv_rank = c.kv_rank > 0 ? c.kv_rank : 2 * c.head_dim;
-  m.q_rank = c.q_rank > 0 ? c.q_rank : 3 * c.head_dim;
-  m.rope_theta = c.rope_theta;
-  m.rms_eps = c.rms_eps;
-  m.primitive = c.primitive;
-  m.seed = c.seed;
-  m.sparse = c.mixer == "dsa";
-  m.topk = c.topk;
-  m.index_loss = c.index_loss;
-  m.index_heads = c.index_heads;
-  m.index_dim = c.index_dim;
-  return m;
-}
-
-plan::ModelFootprint footprint(const Qwen3Config& c) {
-  const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim, f = c.ffn,
-                v = c.vocab;
-  plan::ModelFootprint m;
-  m.units.push_back({0, (c.tie_embeddings ? 1 : 2) * v * h + h});  // embeddings, head, norm
-  m.layers = c.layers;
-  m.head_act = 3 * h + 4 * v;  // the final norm, the logits, their log-softmax and both gradients
-  m.recompute = c.recompute;
-  if (c.mixer == "mla" || c.mixer == "dsa") {
-    const auto a = mla_config(c);
-    const int64_t dq = a.d_nope + a.d_rope, q = a.heads * dq, kv = a.heads * (dq + a.d_v);
-    for (int64_t i = 0; i < c.layers; ++i)
-      m.units.push_back({mla_parameter_count(a) + 3 * h * f, 2 * h});
-    m.largest_param = std::max({v * h, q * a.q_rank, kv * a.kv_rank, h * f});
-    // Per token: the query path (low rank, norm, up-projection, RoPE: 6 tensors of q), the
-    // latent and its norm, the rotated key, the output and its projection input; the MLP; ten
-    // hidden-size tensors. The K/V each rank expands from the gathered latent count as gathered
-    // K/V (kv_per_token over the whole sequence).
-    m.layer_act =
-        6 * q + 3 * a.q_rank + 4 * a.kv_rank + 3 * a.d_rope + 3 * a.heads * a.d_v + 10 * h + 4 * f;
-    if (a.sparse) {
-      // The indexer's inputs and outputs, and the selection: int64 indices and the selected
-      // keys' probabilities per query (kept for backward).
-      m.layer_act += 3 * a.q_rank + 2 * a.index_heads * a.index_dim + 2 * a.index_dim +
-                     a.index_heads + 3 * a.topk;
-    }
-    m.layer_input = h;
-    m.q_per_token = q;
-    m.kv_per_token = kv;
-    return m;
-  }
-  if (c.mixer != "attention") {
-    const auto l = linear_config(c);
-    const int64_t hv = l.value_heads, conv = 2 * l.heads * l.key_dim + hv * l.value_dim;
-    const int64_t gates = c.mixer == "kda" ? hv * l.key_dim : hv;
-    const int64_t gate_proj = c.mixer == "kda" ? l.gate_rank * h + gates * l.gate_rank : hv * h;
-    const int64_t mixer = conv * h + conv * l.conv_width + hv * h + gate_proj +
-                          2 * hv * l.value_dim * h + hv + gates + l.value_dim;
-    for (int64_t i = 0; i < c.layers; ++i)
-      m.units.push_back({mixer + 3 * h * f, 2 * h});
-    m.largest_param = std::max({v * h, conv * h, h * f});
-    // Per token: projections, convolution and SiLU, normalised q/k, gates; the chunked
-    // kernel's per-chunk C x C products (three per value head) and states (one [K, V] per head
-    // per chunk); the gated norm and the output; the MLP and the hidden-size tensors as above.
-    m.layer_act = 10 * h + 4 * conv + 3 * gates + 10 * hv * l.value_dim + 3 * l.chunk_size * hv +
-                  2 * hv * l.key_dim * l.value_dim / l.chunk_size + 4 * f;
-    m.layer_input = h;
-    return m;
-  }
-  for (int64_t i = 0; i < c.layers; ++i) {
-    // Q/K/V/O and gate/up/down are split by TP; the norms (and QK-norms) are not.
-    m.units.push_back({h * q + 2 * h * kv + q * h + 3 * h * f, 2 * h + 2 * c.head_dim});
-  }
-  m.largest_param = std::max({v * h, h * q, h * f});
-  // Per token, what autograd keeps of one layer (forward() above): Q through QK-norm and RoPE
-  // (7 tensors), K likewise, V, the attention output and its [B, S, H*D] copy; gate, SiLU, up
-  // and their product; and ten hidden-size tensors (two RMSNorms of three, residuals, outputs).
-  m.layer_act_tp = 9 * q + 8 * kv + 4 * f;
-  m.layer_act = 10 * h;
-  m.layer_input = h;
-  m.q_per_token = q;
-  m.kv_per_token = 2 * kv;
-  return m;
-}
-
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", at::ones({dim}));
 }
@@ -168,7 +39,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, doubl
   return x * cos + rotated * sin;
 }
 
-Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp)
+Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp,
+                                       bool gated)
     : heads_(tp::tp_local(c.heads, tp, "heads")),
       kv_heads_(tp::tp_local(c.kv_heads, tp, "kv_heads")),
       head_dim_(c.head_dim),
@@ -186,6 +58,11 @@ Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm
   o_proj = register_module("o_proj", std::make_shared<tp::RowParallelLinearImpl>(
                                          c.heads * c.head_dim, c.hidden, tp,
                                          init_for(c, layer, 4, c.heads * c.head_dim)));
+  if (gated) {
+    g_proj = register_module(
+        "g_proj", std::make_shared<tp::ColumnParallelLinearImpl>(c.hidden, c.heads * c.head_dim, tp,
+                                                                 init_for(c, layer, 8, c.hidden)));
+  }
   q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_eps));
   k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_eps));
   for (auto* h : {&q_handoff, &k_handoff, &v_handoff})
@@ -206,8 +83,10 @@ at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& po
   attention::AttentionOptions o;
   o.causal = true;
   if (doc_ids.defined()) o.documents = attention::Documents{doc_ids};
-  auto out = host_.call_primitive(q, k, v, o).out;
-  auto y = o_proj->forward(out.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
+  auto out =
+      host_.call_primitive(q, k, v, o).out.transpose(1, 2).reshape({b, s, heads_ * head_dim_});
+  if (g_proj) out = out * at::sigmoid(g_proj->forward(x));
+  auto y = o_proj->forward(out);
   scope.end();
   return y;
 }
@@ -229,16 +108,26 @@ at::Tensor Qwen3MLPImpl::forward(const at::Tensor& x) {
 Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer,
                                              comm::GroupPtr tp) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden, c.rms_eps));
-  if (c.mixer == "attention") {
-    self_attn = register_module("self_attn", Qwen3Attention(c, layer, tp));
-  } else if (c.mixer == "mla" || c.mixer == "dsa") {
-    mla_attn = register_module("mla_attn", MLAAttention(mla_config(c), layer));
+  const std::string kind = layer_mixer(c, layer);
+  if (kind == "attention" || kind == "gated_attention") {
+    self_attn =
+        register_module("self_attn", Qwen3Attention(c, layer, tp, kind == "gated_attention"));
+  } else if (kind == "mla" || kind == "dsa") {
+    mla_attn = register_module("mla_attn", MLAAttention(mla_config(c, kind == "dsa"), layer));
   } else {
-    linear_attn = register_module("linear_attn", LinearAttention(linear_config(c), layer));
+    linear_attn = register_module("linear_attn", LinearAttention(linear_config(c, kind), layer));
   }
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden, c.rms_eps));
-  mlp = register_module("mlp", Qwen3MLP(c, layer, tp));
+  if (c.experts > 0) {
+    moe = register_module("mlp", moe::MoE(moe_config(c), layer));
+  } else {
+    mlp = register_module("mlp", Qwen3MLP(c, layer, tp));
+  }
+}
+
+at::Tensor Qwen3DecoderLayerImpl::mlp_forward(const at::Tensor& x) {
+  return moe ? moe->forward(x) : mlp->forward(x);
 }
 
 at::Tensor Qwen3DecoderLayerImpl::mix(const at::Tensor& x, const at::Tensor& position_ids,
@@ -256,7 +145,7 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
   auto* v = validation.checker;
   if (v == nullptr) {  // production: the same kernels, no bookkeeping
     auto h = x + mix(input_layernorm->forward(x), position_ids, doc_ids);
-    return h + mlp->forward(post_attention_layernorm->forward(h));
+    return h + mlp_forward(post_attention_layernorm->forward(h));
   }
   const auto& L = *validation.layer;
   const auto& A = *validation.attn;
@@ -272,7 +161,7 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
   auto m_in = post_attention_layernorm->forward(h);
   v->set_output(L.path + ".post_attention_layernorm", m_in, L.in_layout);
   v->check_input(M.path, m_in, M.in_layout);
-  auto m = mlp->forward(m_in);
+  auto m = mlp_forward(m_in);
   v->set_output(M.path, m, M.out_layout);
   auto y = h + m;
   v->set_output(L.path, y, L.out_layout);
@@ -347,7 +236,13 @@ std::vector<hsdp::UnitSpec> Qwen3Impl::fully_shard_units() {
   for (size_t i = 0; i < layers.size(); ++i) {
     const std::string base = common::str_cat("layers.", i);
     units[i + 1].name = base;
+    const auto& moe = layers[i]->moe;
     for (const auto& p : layers[i]->named_parameters()) {
+      // Experts split by EP are not sharded again by HSDP (the trainer reduces them).
+      if (moe && moe->ep_size() > 1 &&
+          (p.key() == "mlp.gate_proj" || p.key() == "mlp.up_proj" || p.key() == "mlp.down_proj")) {
+        continue;
+      }
       // QK-norm weights act on this rank's heads: partial gradients under TP.
       const bool partial = tp_ && (p.key().find("q_norm") != std::string::npos ||
                                    p.key().find("k_norm") != std::string::npos);
@@ -356,6 +251,21 @@ std::vector<hsdp::UnitSpec> Qwen3Impl::fully_shard_units() {
   }
   return units;
 }
+
+namespace {
+
+// The MLP slot of a layer: dense (TP dims from its linears) or MoE (expert parallelism).
+plan::ModuleInfo mlp_info(const std::string& base, Qwen3DecoderLayerImpl& layer) {
+  if (layer.moe) {
+    plan::ModuleInfo info{base + ".mlp", tp::tp_shard_dims(*layer.moe), std::nullopt, std::nullopt};
+    const auto& r = layer.moe->config().router;
+    info.moe = plan::MoESlotInfo{r.experts, r.top_k, layer.moe.get()};
+    return info;
+  }
+  return {base + ".mlp", tp::tp_shard_dims(*layer.mlp), std::nullopt, std::nullopt};
+}
+
+}  // namespace
 
 std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
   std::vector<plan::ModuleInfo> out;
@@ -369,16 +279,14 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
       info.mla = plan::MLASlotInfo{mla->shape(), &mla->host(),
                                    mla->config().sparse ? &mla->dsa_host() : nullptr};
       out.push_back(std::move(info));
-      out.push_back(
-          {base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
+      out.push_back(mlp_info(base, *layers[i]));
       continue;
     }
     if (!attn) {
       auto& lin = layers[i]->linear_attn;
       plan::LinearSlotInfo slot{lin->shape(), &lin->host()};
       out.push_back({base + ".linear_attn", tp::tp_shard_dims(*lin), std::nullopt, slot});
-      out.push_back(
-          {base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
+      out.push_back(mlp_info(base, *layers[i]));
       continue;
     }
     plan::AttentionSlotInfo slot;
@@ -392,7 +300,7 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
                      {"k", attn->k_handoff.name()},
                      {"v", attn->v_handoff.name()}};
     out.push_back({base + ".self_attn", tp::tp_shard_dims(*attn), slot, std::nullopt});
-    out.push_back({base + ".mlp", tp::tp_shard_dims(*layers[i]->mlp), std::nullopt, std::nullopt});
+    out.push_back(mlp_info(base, *layers[i]));
   }
   return out;
 }
@@ -427,6 +335,26 @@ at::Tensor Qwen3Impl::aux_loss() const {
     total = total.defined() ? total + l : l;
   }
   return total;
+}
+
+at::Tensor Qwen3Impl::moe_loss() const {
+  at::Tensor total;
+  for (const auto& layer : layers) {
+    if (!layer->moe) continue;
+    const auto& l = layer->moe->loss();
+    total = total.defined() ? total + l : l;
+  }
+  return total;
+}
+
+Qwen3Impl::MoEStep Qwen3Impl::moe_step() const {
+  MoEStep s;
+  for (const auto& layer : layers) {
+    if (!layer->moe) continue;
+    s.dropped += layer->moe->stats().dropped;
+    s.aux_loss += layer->moe->stats().aux_loss;
+  }
+  return s;
 }
 
 std::vector<at::Tensor> Qwen3Impl::tp_partial_grad_parameters() const {

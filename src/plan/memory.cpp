@@ -54,14 +54,16 @@ MemoryEstimate estimate_memory(const ModelFootprint& m, const PlanOptions& o) {
   const int64_t e = m.element_size;
   const bool hsdp = o.dp_shard * o.dp_replicate > 1;
   const int64_t shard = hsdp ? o.dp_shard * cp : 1;  // HSDP shard group: dp_shard x cp
-  int64_t tp_local = 0, largest_unit = 0;
+  const int64_t ep = std::max<int64_t>(1, o.ep_size);
+  int64_t tp_local = 0, largest_unit = 0, experts = 0;
   for (const auto& u : m.units) {
     const int64_t local = ceil_div(u.tp_sharded, tp) + u.replicated;
     tp_local += local;
     largest_unit = std::max(largest_unit, local);
+    experts += ceil_div(u.expert, ep);
   }
   MemoryEstimate est;
-  const int64_t held = ceil_div(tp_local, shard);
+  const int64_t held = ceil_div(tp_local, shard) + experts;
   est.parameters = held * e;
   est.gradients = held * e;
   est.optimizer = 2 * held * e;
@@ -94,8 +96,8 @@ MemoryEstimate estimate_memory(const ModelFootprint& m, const PlanOptions& o) {
   const int64_t gathered = (hsdp ? 3 * largest_unit : 0) * e;
   int64_t full = 0;
   for (const auto& u : m.units)
-    full += u.tp_sharded + u.replicated;
-  const int64_t build = std::max(full, tp_local + m.largest_param) * e;
+    full += u.tp_sharded + u.replicated + u.expert;
+  const int64_t build = std::max(full, tp_local + experts + m.largest_param) * e;
   const int64_t steps = est.parameters + est.gradients + est.optimizer + est.activations + gathered;
   est.transient = gathered + std::max<int64_t>(0, build - steps);
   est.runtime = kRuntimeBytes;

@@ -47,6 +47,7 @@ std::string ShardingPlan::describe() const {
                            " (dp_shard=", dp_shard, " x cp=", cp_size,
                            "), comm_fusion=", hsdp_options.comm_fusion ? "on" : "off");
   }
+  if (ep_size > 1) out += common::str_cat(" ep=", ep_size);
   out += common::str_cat(" modules=", modules.size());
   return out;
 }
@@ -90,7 +91,43 @@ std::vector<ModuleInfo> mla_modules(Plannable& model) {
   return out;
 }
 
+std::vector<ModuleInfo> moe_modules(Plannable& model) {
+  std::vector<ModuleInfo> out;
+  for (auto& m : model.plan_modules()) {
+    if (m.moe) out.push_back(std::move(m));
+  }
+  return out;
+}
+
+bool ShardingPlan::is_expert_param(const std::string& fqn) const {
+  return std::any_of(expert_params.begin(), expert_params.end(),
+                     [&](const auto& p) { return p.first == fqn; });
+}
+
 namespace {
+
+// Expert parallelism for these MoE modules, checked before any collective.
+void check_moe_plan(const std::vector<ModuleInfo>& moes, const PlanOptions& o) {
+  HP_CHECK(o.ep_size >= 1, "plan: ep=", o.ep_size, " must be >= 1");
+  if (o.ep_size == 1) return;
+  HP_CHECK(!moes.empty(), "plan: ep=", o.ep_size,
+           " but the model has no MoE layers; give it experts (--experts N, or --arch "
+           "qwen3-moe) or drop --ep");
+  const int64_t sc = o.dp_shard * o.cp_size;
+  HP_CHECK(sc % o.ep_size == 0, "plan: ep=", o.ep_size, " must divide dp_shard x cp = ", o.dp_shard,
+           " x ", o.cp_size, " = ", sc,
+           " (expert parallelism borrows the data and context parallel ranks); choose an ep "
+           "dividing ",
+           sc, " or raise --dp-shard / --cp");
+  for (const auto& info : moes) {
+    const auto& m = *info.moe;
+    HP_CHECK(m.top_k >= 1 && m.top_k <= m.experts, "plan: module '", info.path,
+             "': top_k=", m.top_k, " must be between 1 and experts=", m.experts);
+    HP_CHECK(m.experts % o.ep_size == 0, "plan: module '", info.path, "' has ", m.experts,
+             " experts, not divisible by ep=", o.ep_size,
+             "; choose an ep dividing the number of experts");
+  }
+}
 
 // MLA CP for these modules on cp_size ranks, checked before any collective.
 void check_mla_plan(const std::vector<ModuleInfo>& mlas, const PlanOptions& o,
@@ -172,6 +209,18 @@ LinearPlanOptions plan_linear(const std::vector<ModuleInfo>& lins, const PlanOpt
 comm::MeshOptions ShardingPlan::mesh_options() const {
   comm::MeshOptions o;
   if (hsdp()) o.flattened.push_back({"dp_shard", "cp"});
+  if (has_moe) o.flattened.push_back({"dp_replicate", "dp_shard", "cp"});
+  if (ep_size > 1) {
+    // Coordinates (dp_replicate, dp_shard, cp, tp); sc = the rank's place in (dp_shard, cp).
+    const int64_t cp = cp_size, tp = tp_size, ep = ep_size, blocks = dp_shard * cp_size / ep_size;
+    o.partitions.push_back({"ep", [=](const std::vector<int64_t>& c) {
+                              const int64_t sc = c[1] * cp + c[2];
+                              return ((c[0] * blocks + sc / ep) * tp) + c[3];
+                            }});
+    o.partitions.push_back({"ep_replicas", [=](const std::vector<int64_t>& c) {
+                              return ((c[1] * cp + c[2]) % ep) * tp + c[3];
+                            }});
+  }
   return o;
 }
 
@@ -196,6 +245,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   p.cp_size = o.cp_size;
   p.dp_shard = o.dp_shard;
   p.dp_replicate = o.dp_replicate;
+  p.ep_size = o.ep_size;
   p.hsdp_options.comm_fusion = o.comm_fusion;
   p.hsdp_options.reshard_after_forward = o.reshard_after_forward;
   p.hsdp_options.reduce_op = o.reduce_op;
@@ -231,9 +281,18 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   }
   if (p.cp_config && o.seq_len > 0) cp::check_sequence(*p.cp_config, o.cp_size, o.seq_len);
   p.seq_len = o.seq_len;
+  HP_CHECK(lins.empty() || !p.cp_config || !p.cp_config->load_balance,
+           "plan: head-tail load balance reorders the sequence over the CP ranks, but the "
+           "linear-attention layers (",
+           lins.front().path,
+           " and the others) carry their state along contiguous shards; drop --load-balance "
+           "for a model with linear layers");
   p.linear = plan_linear(lins, o, p.log);
   check_mla_plan(mla_modules(m), o, p.cp_config);
   p.mla = o.mla;
+  const auto moes = moe_modules(m);
+  check_moe_plan(moes, o);
+  p.has_moe = !moes.empty();
   const Layout act = p.activation_layout();
   for (const auto& info : infos) {
     ModuleShardingSpec spec;
@@ -269,6 +328,44 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
   }
   return p;
 }
+
+namespace {
+
+// Every MoE module counts its load over the ranks holding different tokens; with ep > 1 it
+// keeps its EP rank's experts and dispatches over its EP group (before HSDP, which then leaves
+// the experts alone).
+void apply_expert_parallel(Plannable& model, ShardingPlan& plan, const comm::DeviceMesh& mesh,
+                           std::vector<std::string>& lines) {
+  plan.expert_params.clear();
+  plan.expert_replicas.reset();
+  const auto moes = moe_modules(model);
+  if (moes.empty()) return;
+  auto tokens = mesh.group_ptr({"dp_replicate", "dp_shard", "cp"});
+  if (tokens->size() == 1) tokens = nullptr;
+  for (const auto& info : moes) {
+    auto* m = info.moe->host;
+    if (plan.ep_size == 1) {
+      m->set_stats_group(tokens);
+      continue;
+    }
+    m->set_expert_parallel(mesh.partition_group("ep"), tokens);
+    for (const auto& [name, t] : m->named_expert_parameters())
+      plan.expert_params.emplace_back(info.path + "." + name, t);
+  }
+  if (plan.ep_size > 1) {
+    plan.expert_replicas = mesh.partition_group("ep_replicas");
+    const auto& first = *moes.front().moe->host;
+    lines.push_back(common::str_cat(
+        "expert parallel: ep=", plan.ep_size, ", ", moes.size(), " MoE layers, experts ",
+        first.first_expert(), "..", first.first_expert() + first.local_experts() - 1, " of ",
+        moes.front().moe->experts,
+        " on this rank; gradients "
+        "summed over ",
+        plan.expert_replicas->size(), " ranks holding the same experts"));
+  }
+}
+
+}  // namespace
 
 std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& plan,
                                                 const comm::DeviceMesh& mesh, Mode mode) const {
@@ -321,6 +418,7 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
       lines.push_back(cp::apply_mla_cp(*info.mla->host, info.mla->shape, info.path, o, topo));
     }
   }
+  apply_expert_parallel(model, plan, mesh, lines);
   model.set_fully_shard(nullptr);
   plan.fully_shard.reset();
   if (plan.hsdp()) {

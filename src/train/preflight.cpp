@@ -58,10 +58,13 @@ void check_options(const TrainOptions& o) {
            "hp-train: ", o.resume ? "--resume" : "--resume-if-exists", " needs --checkpoint-dir");
   HP_CHECK(o.memory_limit >= 0, "hp-train: --memory-limit must be >= 0");
   if (o.pack_documents) {
-    HP_CHECK(o.model.mixer == "attention",
-             "hp-train: --pack-documents needs softmax attention "
-             "layers (--mixer attention); the ",
-             o.model.mixer, " mixer does not take document boundaries yet");
+    for (int64_t i = 0; i < o.model.layers; ++i) {
+      const auto kind = model::layer_mixer(o.model, i);
+      HP_CHECK(kind == "attention" || kind == "gated_attention",
+               "hp-train: --pack-documents needs softmax attention "
+               "layers (--mixer attention); the ",
+               kind, " mixer does not take document boundaries yet");
+    }
     HP_CHECK(o.model.primitive != "sdpa",
              "hp-train: --pack-documents needs --primitive "
              "blockwise or math (sdpa takes no document masks)");
@@ -89,6 +92,7 @@ plan::PlanOptions plan_options(const TrainOptions& o) {
   po.seq_len = o.seq_len;
   po.dp_shard = o.dp_shard;
   po.dp_replicate = o.dp_replicate;
+  po.ep_size = o.ep;
   po.comm_fusion = o.comm_fusion;
   po.reduce_op = hsdp::ReduceOp::kSum;  // losses are normalised by the global token count
   po.batch = o.batch;

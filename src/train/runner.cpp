@@ -45,6 +45,9 @@ void Runner::make_optimizer(hsdp::FullyShard* shard) {
   params.clear();
   if (fully_shard != nullptr) {
     params = fully_shard->sharded_parameters();
+    // Experts split by EP stay outside HSDP: the optimizer updates them as they are.
+    if (plan != nullptr)
+      params.insert(params.end(), plan->expert_params.begin(), plan->expert_params.end());
   } else {
     for (const auto& p : model->named_parameters())
       params.emplace_back(p.key(), p.value());
@@ -56,12 +59,17 @@ void Runner::make_optimizer(hsdp::FullyShard* shard) {
       ps, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
 }
 
+bool Runner::is_expert(const std::string& name) const {
+  return plan != nullptr && plan->is_expert_param(name);
+}
+
 double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   local_loss_nonfinite_ = local_grads_nonfinite_ = false;
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
     loss += micro_step(step, micro, corpus);
   if (fully_shard == nullptr) reduce_grads();  // HSDP's drain did both reductions
+  reduce_expert_grads();
   if (o.validate && first_grads.empty()) keep_first_grads();
   return loss;
 }
@@ -94,13 +102,19 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
   const double global_count = stats[0].item<double>() / tp;
   HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
   auto objective = aux.defined() ? local_sum + aux * o.index_loss_coef : local_sum;
-  (objective / (global_count * static_cast<double>(o.grad_accum))).backward();
+  objective = objective / (global_count * static_cast<double>(o.grad_accum));
+  // MoE layers' aux and z losses: already this rank's share of the global value. Every TP rank
+  // computes the same share; the gradients it feeds are not summed over TP.
+  if (const auto moe = model->moe_loss(); moe.defined()) {
+    objective = objective + moe / static_cast<double>(o.grad_accum);
+  }
+  objective.backward();
   return stats[1].item<double>() / tp / global_count / static_cast<double>(o.grad_accum);
 }
 
 void Runner::reduce_grads() {
   for (auto& [n, p] : params) {
-    if (p.grad().defined() && cp > 1)
+    if (p.grad().defined() && cp > 1 && !is_expert(n))
       p.mutable_grad() = comm::all_reduce(mesh.group("cp"), p.grad());
   }
   if (mesh.size("tp") > 1) {
@@ -110,9 +124,16 @@ void Runner::reduce_grads() {
   }
 }
 
+void Runner::reduce_expert_grads() {
+  if (plan == nullptr || !plan->expert_replicas || plan->expert_replicas->size() == 1) return;
+  for (auto& [n, p] : plan->expert_params) {
+    if (p.grad().defined()) p.mutable_grad() = comm::all_reduce(*plan->expert_replicas, p.grad());
+  }
+}
+
 void Runner::keep_first_grads() {
   for (auto& [n, p] : params) {
-    if (fully_shard != nullptr) {
+    if (fully_shard != nullptr && !is_expert(n)) {
       first_grads[n] = fully_shard->full_gradient(n);  // collective over the shard group
     } else if (p.grad().defined()) {
       first_grads[n] = p.grad().clone();
@@ -121,21 +142,24 @@ void Runner::keep_first_grads() {
 }
 
 double Runner::grad_norm() {
-  double local = 0;
+  double local = 0, expert = 0;
   for (auto& [n, p] : params) {
     if (!p.grad().defined()) continue;
     const bool tp_sharded = plan != nullptr && plan->tp_shard_dim(n).has_value();
-    if (tp_sharded || tp_rank == 0) local += p.grad().pow(2).sum().item<double>();
+    if (!tp_sharded && tp_rank != 0) continue;
+    (is_expert(n) ? expert : local) += p.grad().pow(2).sum().item<double>();
   }
-  if (!std::isfinite(local)) local_grads_nonfinite_ = true;
-  // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank.
+  if (!std::isfinite(local) || !std::isfinite(expert)) local_grads_nonfinite_ = true;
+  // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank; experts split by
+  // EP, the ranks holding the same experts.
   const double copies = fully_shard != nullptr ? static_cast<double>(mesh.size("dp_replicate"))
                                                : static_cast<double>(cp);
-  double total = local;
+  const double expert_copies =
+      plan != nullptr && plan->expert_replicas ? plan->expert_replicas->size() : 1.0;
+  double total = local + expert;
   if (mesh.world().size() > 1) {
-    total =
-        comm::all_reduce(mesh.world().group(), at::full({1}, local, at::kDouble)).item<double>() /
-        copies;
+    auto sums = comm::all_reduce(mesh.world().group(), at::tensor({local, expert}, at::kDouble));
+    total = sums[0].item<double>() / copies + sums[1].item<double>() / expert_copies;
   }
   return std::sqrt(total);
 }

@@ -76,6 +76,9 @@ struct Runner {
   double micro_step(int64_t step, int64_t micro, const Corpus& corpus);
   // Without HSDP: the CP all-reduce of every gradient and the TP one of partial gradients.
   void reduce_grads();
+  // Experts split by EP: their gradients summed over the ranks holding the same experts.
+  void reduce_expert_grads();
+  bool is_expert(const std::string& name) const;
   // --validate: keeps the full gradients of the first step.
   void keep_first_grads();
 };

@@ -38,7 +38,7 @@ int64_t peak_rss() {
 // Every static check before the first collective: the plan of this run over `world`.
 plan::ShardingPlan plan_run(const comm::World& world, const TrainOptions& o) {
   auto po = plan_options(o);
-  const bool exchange_auto = o.model.mixer != "attention" && o.linear.mode == "state_passing" &&
+  const bool exchange_auto = model::has_linear(o.model) && o.linear.mode == "state_passing" &&
                              o.linear.state_exchange == "auto";
   if (o.cp > 1 && (o.cp_auto || exchange_auto)) {
     po.cp_auto = o.cp_auto;

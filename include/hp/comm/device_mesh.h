@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -22,9 +23,18 @@ struct MeshDim {
   int64_t size = 1;
 };
 
+// A partition of the world into groups that no set of dims describes (e.g. expert parallelism:
+// blocks of consecutive ranks inside the flattened (dp_shard, cp) group). Ranks whose
+// coordinates give the same key form one group, members in world-rank order.
+struct MeshPartition {
+  std::string name;
+  std::function<int64_t(const std::vector<int64_t>& coordinates)> key;
+};
+
 struct MeshOptions {
   // Flattened multi-dim groups to create eagerly, e.g. {{"dp_shard", "cp"}}.
   std::vector<std::vector<std::string>> flattened;
+  std::vector<MeshPartition> partitions;  // created eagerly too, looked up by name
 };
 
 class DeviceMesh {
@@ -52,6 +62,9 @@ class DeviceMesh {
   Group& flattened_group(const std::vector<std::string>& dims) const;
   GroupPtr group_ptr(const std::vector<std::string>& dims) const;
 
+  // This rank's group of the partition `name` (MeshOptions::partitions); lookup only.
+  GroupPtr partition_group(const std::string& name) const;
+
   std::string describe() const;  // "(dp_shard=2, cp=2, tp=1)"
 
  private:
@@ -61,6 +74,7 @@ class DeviceMesh {
   World world_;
   std::vector<MeshDim> dims_;
   std::map<std::vector<std::string>, GroupPtr> groups_;
+  std::map<std::string, GroupPtr> partitions_;
 };
 
 }  // namespace hp::comm

@@ -18,6 +18,7 @@
 #include "hp/comm/group.h"
 #include "hp/model/linear_attention.h"
 #include "hp/model/mla.h"
+#include "hp/moe/moe.h"
 #include "hp/plan/memory.h"
 #include "hp/plan/plan.h"
 #include "hp/tp/parallel_linear.h"
@@ -52,19 +53,44 @@ struct Qwen3Config {
   std::string index_loss = "sparse";  // sparse | dense
   int64_t index_heads = 4;
   int64_t index_dim = 32;
+  // Mixed stacks (the model families, family.h): layer i's mixer is layer_pattern[i % size]:
+  // 'A' softmax attention, 'G' gated softmax attention (the attention output times the sigmoid
+  // of a gate projection, before o_proj), 'L' linear attention of kind linear_kind, 'M' MLA,
+  // 'D' DSA (either case). Empty: every layer is `mixer` ("gated_attention" is also a mixer).
+  std::string layer_pattern;
+  std::string linear_kind = "gdn";  // gdn | kda: what 'L' layers are
+  // The MLP of every layer: an MoE (moe/moe.h) when experts > 0, else dense SwiGLU of width ffn.
+  int64_t experts = 0;
+  int64_t moe_top_k = 2;
+  int64_t moe_ffn = 0;            // each expert's width (0: ffn)
+  int64_t shared_expert_ffn = 0;  // 0: no shared expert
+  double aux_loss_coef = 0.01;
+  double z_loss_coef = 0;
+  double capacity_factor = 0;  // 0: no token is dropped
 };
 
-// The linear-attention layer config of layer `layer` (mixer gdn | kda).
-LinearAttentionConfig linear_config(const Qwen3Config& c);
+// The mixer of layer `layer`: attention | gated_attention | gdn | kda | mla | dsa.
+std::string layer_mixer(const Qwen3Config& c, int64_t layer);
+// Whether some layer's mixer is `mixer` / is one of the linear kinds (gdn, kda) / softmax
+// attention (plain or gated) / MLA or DSA.
+bool has_mixer(const Qwen3Config& c, const std::string& mixer);
+bool has_linear(const Qwen3Config& c);
+bool has_softmax_attention(const Qwen3Config& c);
+bool has_mla(const Qwen3Config& c);
 
-// The MLA layer config (mixer mla).
-MLAConfig mla_config(const Qwen3Config& c);
+// The linear-attention layer config of a layer of kind `kind` (gdn | kda).
+LinearAttentionConfig linear_config(const Qwen3Config& c, const std::string& kind);
+
+// The MLA layer config (sparse: the DSA layer).
+MLAConfig mla_config(const Qwen3Config& c, bool sparse);
+// The MoE MLP config (experts > 0).
+moe::MoEConfig moe_config(const Qwen3Config& c);
 // Checks sizes against tp_size: heads, kv_heads and ffn must divide; names what to change.
 void validate(const Qwen3Config& c, int64_t tp_size = 1);
 
-// The model's parameters (HSDP units: the root, then one per layer) and the activations it
-// keeps for backward, from the configuration alone: the planner's memory estimate before
-// anything is built (plan::estimate_memory).
+// The model's parameters (HSDP units: the root, then one per layer; experts apart, split by
+// EP) and the activations it keeps for backward, from the configuration alone: the planner's
+// memory estimate before anything is built (plan::estimate_memory).
 plan::ModelFootprint footprint(const Qwen3Config& c);
 
 class RMSNormImpl : public torch::nn::Module {
@@ -83,7 +109,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, doubl
 
 class Qwen3AttentionImpl : public torch::nn::Module {
  public:
-  Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
+  // gated: the output is multiplied by sigmoid(g_proj(x)) per head and channel before o_proj.
+  Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp, bool gated = false);
   // doc_ids: packed documents of the whole global sequence [B|1, S_global] (attention stays
   // inside each document), or undefined.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids,
@@ -93,6 +120,7 @@ class Qwen3AttentionImpl : public torch::nn::Module {
   int64_t local_kv_heads() const { return kv_heads_; }
 
   std::shared_ptr<tp::ColumnParallelLinearImpl> q_proj, k_proj, v_proj;
+  std::shared_ptr<tp::ColumnParallelLinearImpl> g_proj;  // gated attention only, else null
   std::shared_ptr<tp::RowParallelLinearImpl> o_proj;
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   attention::HandoffPoint q_handoff{"q_handoff"}, k_handoff{"k_handoff"}, v_handoff{"v_handoff"};
@@ -135,7 +163,10 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
   Qwen3Attention self_attn{nullptr};     // mixer "attention"
   LinearAttention linear_attn{nullptr};  // mixer "gdn" | "kda"
   MLAAttention mla_attn{nullptr};        // mixer "mla" | "dsa"
-  Qwen3MLP mlp{nullptr};
+  Qwen3MLP mlp{nullptr};                 // dense MLP (experts == 0), registered as "mlp"
+  moe::MoE moe{nullptr};                 // MoE MLP (experts > 0), registered as "mlp"
+  // The MLP (dense or MoE) on x.
+  at::Tensor mlp_forward(const at::Tensor& x);
 };
 TORCH_MODULE(Qwen3DecoderLayer);
 
@@ -165,6 +196,16 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
   // rank's queries and the layers): a scalar in the graph, undefined when there are none. The
   // trainer adds it (times its coefficient) to the objective.
   at::Tensor aux_loss() const;
+  // The MoE layers' losses of the last forward (aux and z, coefficients applied, each already
+  // this rank's share of the global value): add as is. Undefined without MoE layers.
+  at::Tensor moe_loss() const;
+  // The MoE layers of the last forward together: assignments dropped by the capacity, and the
+  // aux loss shares summed over the layers (sum over ranks: the global value).
+  struct MoEStep {
+    int64_t dropped = 0;
+    double aux_loss = 0;
+  };
+  MoEStep moe_step() const;
 
   at::Tensor embed_tokens;  // [vocab, hidden], replicated
   std::vector<Qwen3DecoderLayer> layers;

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -71,8 +73,11 @@ class MoEImpl : public torch::nn::Module {
   int64_t first_expert() const { return first_expert_; }
   int64_t local_experts() const { return gate_proj.size(0); }
   int64_t ep_size() const { return ep_ ? ep_->size() : 1; }
-  // The parameters that hold experts (dim 0 = this rank's experts): sharded by EP.
-  std::vector<at::Tensor> expert_parameters() const { return {gate_proj, up_proj, down_proj}; }
+  // The parameters that hold experts (dim 0 = this rank's experts), by their names in this
+  // module: what EP splits.
+  std::vector<std::pair<std::string, at::Tensor>> named_expert_parameters() const {
+    return {{"gate_proj", gate_proj}, {"up_proj", up_proj}, {"down_proj", down_proj}};
+  }
 
   at::Tensor router;                               // [E, H]
   at::Tensor gate_proj, up_proj, down_proj;        // [E_l, F, H], [E_l, F, H], [E_l, H, F]

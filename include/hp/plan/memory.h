@@ -5,7 +5,7 @@
 //   check_memory(est, ranks_on_this_machine, machine_memory(), "hp-train");
 //
 // What is counted per rank (fp32 by default):
-//   parameters   the rank's elements after TP (and HSDP: / (dp_shard x cp))
+//   parameters   the rank's elements after TP (and HSDP: / (dp_shard x cp)); experts / ep
 //   gradients    as many
 //   optimizer    AdamW's two moments: twice as many
 //   activations  what one micro-batch keeps for backward: per token of the rank's sequence shard
@@ -34,6 +34,7 @@ namespace hp::plan {
 struct ParamGroup {
   int64_t tp_sharded = 0;
   int64_t replicated = 0;
+  int64_t expert = 0;  // MoE experts: split by EP (ep_size), not by TP or HSDP
 };
 
 // What the estimate needs of a model, from its configuration alone (nothing allocated).

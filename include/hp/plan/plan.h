@@ -23,6 +23,7 @@
 #include "hp/cp/apply.h"
 #include "hp/cp/config.h"
 #include "hp/hsdp/fully_shard.h"
+#include "hp/moe/moe.h"
 #include "hp/plan/cost_model.h"
 #include "hp/plan/layout.h"
 
@@ -61,6 +62,13 @@ struct MLASlotInfo {
   attention::DSAHost* dsa = nullptr;  // set for sparse (DSA) layers: cp/dsa.h is installed
 };
 
+// An MoE MLP module whose expert parallelism (moe/moe.h) is installed into.
+struct MoESlotInfo {
+  int64_t experts = 0;
+  int64_t top_k = 0;
+  moe::MoEImpl* host = nullptr;
+};
+
 struct ModuleInfo {
   std::string path;  // e.g. "layers.0.self_attn"
   // Every parameter the module holds directly or below it (relative names) -> the dim TP
@@ -69,6 +77,7 @@ struct ModuleInfo {
   std::optional<AttentionSlotInfo> attention;  // set for attention modules
   std::optional<LinearSlotInfo> linear;        // set for linear-attention modules
   std::optional<MLASlotInfo> mla;              // set for MLA modules
+  std::optional<MoESlotInfo> moe;              // set for MoE MLP modules
 };
 
 class Plannable {
@@ -93,6 +102,8 @@ std::vector<ModuleInfo> attention_modules(Plannable& model);
 std::vector<ModuleInfo> linear_modules(Plannable& model);
 // The MLA modules of plan_modules(), in order.
 std::vector<ModuleInfo> mla_modules(Plannable& model);
+// The MoE modules of plan_modules(), in order.
+std::vector<ModuleInfo> moe_modules(Plannable& model);
 
 // Linear-attention CP (cp/linear.h) for every linear module: mode state_passing | ulysses;
 // state_exchange all_gather | p2p | auto (the cost model picks; needs a calibration).
@@ -113,6 +124,9 @@ struct PlanOptions {
   std::optional<cp::ContextParallelConfig> cp_config;  // cp_size > 1 and none: all_gather+sync
   int64_t dp_shard = 1;
   int64_t dp_replicate = 1;
+  // Expert parallelism: the MoE experts split over ep ranks that are also dp_shard x cp ranks
+  // (ep divides dp_shard x cp; consecutive ranks of that group form one EP group).
+  int64_t ep_size = 1;
   int64_t seq_len = 0;  // global sequence length (0: not checked here)
   // HSDP (dp_shard * dp_replicate > 1); the shard group is (dp_shard, cp).
   bool comm_fusion = false;
@@ -146,6 +160,7 @@ struct ShardingPlan {
   std::map<std::string, ModuleShardingSpec> modules;
   int64_t tp_size = 1, cp_size = 1;
   int64_t dp_shard = 1, dp_replicate = 1;
+  int64_t ep_size = 1;
   hsdp::HsdpOptions hsdp_options;  // used when hsdp()
   int64_t seq_len = 0;
   Mode mode = Mode::kProduction;
@@ -154,9 +169,20 @@ struct ShardingPlan {
   std::vector<std::string> log;  // planner decisions (auto's prediction for every candidate)
   std::unique_ptr<BoundaryChecker> checker;       // validate mode, set by the applier
   std::shared_ptr<hsdp::FullyShard> fully_shard;  // HSDP, set by the applier
+  // Set by the applier when ep_size > 1: every expert parameter (full name -> this rank's
+  // experts, dim 0), which HSDP leaves alone, and the group whose ranks hold the same experts
+  // (their gradients are summed over it).
+  std::vector<std::pair<std::string, at::Tensor>> expert_params;
+  comm::GroupPtr expert_replicas;
   bool hsdp() const { return dp_shard * dp_replicate > 1; }
-  // The groups the applier needs besides one per dim: HSDP's shard group (dp_shard, cp).
+  // The groups the applier needs besides one per dim: HSDP's shard group (dp_shard, cp); with
+  // MoE layers the token group (dp_replicate, dp_shard, cp), and with EP the EP groups and the
+  // expert replica groups.
   comm::MeshOptions mesh_options() const;
+  bool has_moe = false;
+  // Whether `fqn` is an expert parameter split by EP (dim 0: rank r holds experts
+  // [r E/ep, (r+1) E/ep)).
+  bool is_expert_param(const std::string& fqn) const;
   // The layout of activations between modules: sequence sharded over cp, replicated over tp.
   Layout activation_layout() const;
   // The dim TP splits parameter `fqn` (e.g. "layers.0.mlp.down_proj.weight") along, from the

@@ -21,6 +21,8 @@ struct TrainOptions {
   int64_t cp = 1;
   int64_t dp_shard = 1;      // HSDP shard degree (the shard group is dp_shard x cp)
   int64_t dp_replicate = 1;  // HSDP replicas
+  // Expert parallelism (MoE models): experts split over ep ranks of the dp_shard x cp group.
+  int64_t ep = 1;
   bool comm_fusion = false;  // HSDP: fused per-unit reduce-scatter buckets
   int64_t grad_accum = 1;    // micro-batches per step (HSDP: replicate all-reduce on the last)
   std::optional<cp::ContextParallelConfig> cp_config;

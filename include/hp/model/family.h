@@ -1,0 +1,23 @@
+// The model families the source names, as settings of the one decoder (qwen3.h): a layer
+// pattern, the linear-attention kind and the MLP. hp-train --arch picks one.
+//
+//   qwen3        softmax attention (or --mixer) in every layer, dense MLP
+//   qwen3-moe    softmax attention, MoE MLP in every layer (8 experts, top-2 unless given)
+//   qwen3.5      3 Gated DeltaNet layers to 1 gated softmax-attention layer ("LLLG"), dense
+//                MLP or MoE (--experts)
+//   kimi-linear  3 KDA layers to 1 MLA layer ("LLLM"), MoE MLP (8 experts unless given)
+// A layer pattern set before (--layer-pattern) is kept.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "hp/model/qwen3.h"
+
+namespace hp::model {
+
+const std::vector<std::string>& family_names();
+// Sets the family's pattern, linear kind and MoE defaults; an unknown name lists the valid ones.
+void apply_family(Qwen3Config& c, const std::string& arch);
+
+}  // namespace hp::model
