@@ -358,6 +358,10 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                      {"grad_norm", s.grad_norm},
                      {"lr", s.lr},
                      {"skipped", s.skipped}});
+    if (o.model.experts > 0) {
+      steps.back()["moe_aux_loss"] = s.moe_aux_loss;
+      steps.back()["moe_dropped"] = s.moe_dropped;
+    }
   }
   nlohmann::json j = {{"config",
                        {{"nproc", world.size()},
@@ -496,6 +500,7 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
     HP_CHECK(a.nproc == used, "hp-train: --nproc ", a.nproc, " but --dp-replicate ", o.dp_replicate,
              " x --dp-shard ", o.dp_shard, " x --cp ", o.cp, " x --tp ", o.tp, " = ", used,
              "; the layout must use every rank");
+    hp::train::plan_layout(o, a.nproc);  // layout errors once, before any rank starts
     return launch_ranks(a, argv);
   }
   return train_rank(env, a);

@@ -338,6 +338,7 @@ void apply_expert_parallel(Plannable& model, ShardingPlan& plan, const comm::Dev
                            std::vector<std::string>& lines) {
   plan.expert_params.clear();
   plan.expert_replicas.reset();
+  plan.ep_group.reset();
   const auto moes = moe_modules(model);
   if (moes.empty()) return;
   auto tokens = mesh.group_ptr({"dp_replicate", "dp_shard", "cp"});
@@ -354,6 +355,7 @@ void apply_expert_parallel(Plannable& model, ShardingPlan& plan, const comm::Dev
   }
   if (plan.ep_size > 1) {
     plan.expert_replicas = mesh.partition_group("ep_replicas");
+    plan.ep_group = mesh.partition_group("ep");
     const auto& first = *moes.front().moe->host;
     lines.push_back(common::str_cat(
         "expert parallel: ep=", plan.ep_size, ", ", moes.size(), " MoE layers, experts ",

@@ -57,6 +57,11 @@ void check_options(const TrainOptions& o) {
   HP_CHECK(!(o.resume || o.resume_if_exists) || !o.checkpoint_dir.empty(),
            "hp-train: ", o.resume ? "--resume" : "--resume-if-exists", " needs --checkpoint-dir");
   HP_CHECK(o.memory_limit >= 0, "hp-train: --memory-limit must be >= 0");
+  HP_CHECK(!o.validate || o.model.capacity_factor == 0 || o.cp * o.dp_shard * o.dp_replicate == 1,
+           "hp-train: --validate compares with one process, but --capacity-factor ",
+           o.model.capacity_factor,
+           " drops tokens per rank (each rank's tokens form one capacity group), so the runs "
+           "differ by design; drop --capacity-factor or --validate");
   if (o.pack_documents) {
     for (int64_t i = 0; i < o.model.layers; ++i) {
       const auto kind = model::layer_mixer(o.model, i);
@@ -99,6 +104,18 @@ plan::PlanOptions plan_options(const TrainOptions& o) {
   po.linear = o.linear;
   po.mla = o.mla;
   return po;
+}
+
+plan::ShardingPlan plan_layout(const TrainOptions& o, int64_t world_size) {
+  auto po = plan_options(o);
+  const bool exchange_auto = model::has_linear(o.model) && o.linear.mode == "state_passing" &&
+                             o.linear.state_exchange == "auto";
+  if (o.cp > 1 && (o.cp_auto || exchange_auto)) {
+    po.cp_auto = o.cp_auto;
+    po.calibration = plan::load_calibration(plan::default_calibration_path(plan::current_link()));
+  }
+  model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
+  return plan::ShardingPlanner().plan(*probe, world_size, po);
 }
 
 plan::MemoryEstimate estimate_memory(const TrainOptions& o) {

@@ -65,6 +65,8 @@ bool Runner::is_expert(const std::string& name) const {
 
 double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   local_loss_nonfinite_ = local_grads_nonfinite_ = false;
+  moe_aux_loss = 0;
+  moe_dropped = 0;
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
     loss += micro_step(step, micro, corpus);
@@ -96,10 +98,16 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
   }
   if (!std::isfinite(local_sum.detach().item<double>())) local_loss_nonfinite_ = true;
   auto count = b.labels.ne(-100).sum().to(at::kDouble);
+  const auto moe = model->moe_step();
   // Summed over the world: every TP rank holds the same tokens.
-  auto stats = comm::all_reduce(mesh.world().group(),
-                                at::stack({count, local_sum.detach().to(at::kDouble)}));
+  auto stats = comm::all_reduce(
+      mesh.world().group(),
+      at::stack({count, local_sum.detach().to(at::kDouble),
+                 at::scalar_tensor(moe.aux_loss, at::kDouble),
+                 at::scalar_tensor(static_cast<double>(moe.dropped), at::kDouble)}));
   const double global_count = stats[0].item<double>() / tp;
+  moe_aux_loss += stats[2].item<double>() / tp / static_cast<double>(o.grad_accum);
+  moe_dropped += std::llround(stats[3].item<double>() / tp);
   HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
   auto objective = aux.defined() ? local_sum + aux * o.index_loss_coef : local_sum;
   objective = objective / (global_count * static_cast<double>(o.grad_accum));
@@ -133,7 +141,10 @@ void Runner::reduce_expert_grads() {
 
 void Runner::keep_first_grads() {
   for (auto& [n, p] : params) {
-    if (fully_shard != nullptr && !is_expert(n)) {
+    if (is_expert(n) && p.grad().defined()) {
+      // Every expert's gradient: the EP group holds them all (collective over it).
+      first_grads[n] = comm::all_gather(*plan->ep_group, p.grad(), 0);
+    } else if (fully_shard != nullptr) {
       first_grads[n] = fully_shard->full_gradient(n);  // collective over the shard group
     } else if (p.grad().defined()) {
       first_grads[n] = p.grad().clone();

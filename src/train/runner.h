@@ -54,6 +54,11 @@ struct Runner {
   // gradients) of the step was not finite; -1 when none saw it locally.
   int first_nonfinite_rank();
 
+  // MoE models, the last step: the global aux loss (mean over micro-batches) and the
+  // assignments dropped by the capacity (over every rank).
+  double moe_aux_loss = 0;
+  int64_t moe_dropped = 0;
+
   const TrainOptions& o;
   comm::DeviceMesh& mesh;
   model::Qwen3 model;

@@ -35,19 +35,6 @@ int64_t peak_rss() {
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
-// Every static check before the first collective: the plan of this run over `world`.
-plan::ShardingPlan plan_run(const comm::World& world, const TrainOptions& o) {
-  auto po = plan_options(o);
-  const bool exchange_auto = model::has_linear(o.model) && o.linear.mode == "state_passing" &&
-                             o.linear.state_exchange == "auto";
-  if (o.cp > 1 && (o.cp_auto || exchange_auto)) {
-    po.cp_auto = o.cp_auto;
-    po.calibration = plan::load_calibration(plan::default_calibration_path(plan::current_link()));
-  }
-  model::Qwen3 probe(o.model);  // sizes only (cheap at these sizes)
-  return plan::ShardingPlanner().plan(*probe, world.size(), po);
-}
-
 // Installs `plan` into the runner's model (CP, then HSDP) and builds the optimizer over what it
 // left to update; returns the apply log.
 std::vector<std::string> apply_plan(Runner& run, plan::ShardingPlan& plan,
@@ -102,6 +89,8 @@ StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus
   StepMetrics m;
   m.step = step;
   m.loss = run.forward_backward(step, corpus);
+  m.moe_aux_loss = run.moe_aux_loss;
+  m.moe_dropped = run.moe_dropped;
   m.grad_norm = run.grad_norm();
   // Loss and norm are global values, the same on every rank: all ranks take the same branch.
   if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
@@ -127,8 +116,12 @@ void print_progress(const TrainOptions& o, const StepMetrics& m, int64_t first, 
                 peak_rss() / 1048576.0);
     if (step == o.steps) std::printf("\n");
   } else if (step == first || step == o.steps || step % std::max(1, o.progress_every) == 0) {
-    std::printf("  step %lld/%lld loss %.4f %.0f tok/s ETA %.0fs peak %.0f MiB\n", (long long)step,
-                (long long)o.steps, m.loss, m.tokens_per_s, eta, peak_rss() / 1048576.0);
+    const std::string moe = o.model.experts > 0 ? common::str_cat(" moe aux ", m.moe_aux_loss,
+                                                                  " dropped ", m.moe_dropped)
+                                                : std::string();
+    std::printf("  step %lld/%lld loss %.4f %.0f tok/s ETA %.0fs peak %.0f MiB%s\n",
+                (long long)step, (long long)o.steps, m.loss, m.tokens_per_s, eta,
+                peak_rss() / 1048576.0, moe.c_str());
   }
   std::fflush(stdout);
 }
@@ -217,7 +210,7 @@ void summarize(const comm::World& world, const TrainOptions& o, TrainResult& res
 TrainResult train(const comm::World& world, const TrainOptions& o) {
   // Before anything is allocated; every rank reads the machine's memory before any allocates.
   run_agreed(world, [&] { preflight(o, world.rank(), world.local_size()); });
-  auto plan = plan_run(world, o);
+  auto plan = plan_layout(o, world.size());
   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
   Runner run(o, mesh, plan.cp_config);
   const auto apply_log = apply_plan(run, plan, mesh);

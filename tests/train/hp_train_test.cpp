@@ -20,68 +20,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "hp_train_util.h"
 #include "rank_harness.h"
 
 namespace {
 
-hp::testing::CommandResult run(const std::string& args) {
-  return hp::testing::run_command(std::string(HP_TRAIN_BINARY) + " " + args);
-}
-
-nlohmann::json metrics(const std::string& path) {
-  std::ifstream f(path);
-  return nlohmann::json::parse(f);
-}
-
-// The per-step losses of a metrics file; every one finite, steps numbered first, first + 1, ...
-std::vector<double> losses(const nlohmann::json& j, size_t count, int64_t first = 1) {
-  std::vector<double> out;
-  const auto& steps = j.at("steps");
-  EXPECT_EQ(steps.size(), count);
-  for (size_t i = 0; i < steps.size(); ++i) {
-    EXPECT_EQ(steps[i].at("step").get<int64_t>(), first + static_cast<int64_t>(i));
-    out.push_back(steps[i].at("loss").get<double>());
-    EXPECT_TRUE(std::isfinite(out.back())) << "step " << first + static_cast<int64_t>(i);
-  }
-  if (!out.empty()) {
-    EXPECT_EQ(j.at("final_loss").get<double>(), out.back());
-  }
-  return out;
-}
-
-// What rank 0 prints after --validate:
-//   hp-train: validate: max |loss - reference| over N steps = X; max relative gradient
-//   difference after step 1 = Y
-struct PrintedValidation {
-  long long steps = -1;
-  double loss_diff = -1, grad_diff = -1;
-};
-PrintedValidation printed_validation(const std::string& out) {
-  PrintedValidation v;
-  const auto at = out.find("hp-train: validate: ");
-  if (at == std::string::npos) return v;
-  if (std::sscanf(out.c_str() + at,
-                  "hp-train: validate: max |loss - reference| over %lld steps = %lf; max relative "
-                  "gradient difference after step 1 = %lf",
-                  &v.steps, &v.loss_diff, &v.grad_diff) != 3) {
-    v.steps = -1;
-  }
-  return v;
-}
-
-// --validate: both differences below `bound`, printed and in the metrics file (the same
-// numbers, to the printed precision), over every step.
-void expect_validated(const std::string& out, const nlohmann::json& j, long long steps,
-                      double bound) {
-  auto v = printed_validation(out);
-  ASSERT_EQ(v.steps, steps) << "no validate line for " << steps << " steps in:\n" << out;
-  EXPECT_LT(v.loss_diff, bound) << out;
-  EXPECT_LT(v.grad_diff, bound) << out;
-  const double loss_diff = j.at("validate").at("max_abs_loss_diff");
-  const double grad_diff = j.at("validate").at("max_rel_grad_diff");
-  EXPECT_NEAR(v.loss_diff, loss_diff, 1e-2 * loss_diff + 1e-12);
-  EXPECT_NEAR(v.grad_diff, grad_diff, 1e-2 * grad_diff + 1e-12);
-}
+using namespace hp::train_testing;
 
 // CP bytes one rank sends per training step (forward + backward of every layer), from the
 // run's configuration (heads after TP): the formulas of DESIGN 5.2, written out here.
@@ -459,15 +403,6 @@ TEST(HpTrain, InterruptStopsEveryRank) {
 
 // Each bad layout fails with its own message, from the static checks: no plan is printed (the
 // plan line follows the mesh and the CP installation) and no collective is named.
-void expect_refused(const std::string& args, const std::vector<std::string>& texts) {
-  auto r = run(args);
-  EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
-  for (const auto& text : texts)
-    EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << args << "\n" << r.out;
-  EXPECT_EQ(r.out.find("hp-train: plan"), std::string::npos) << args << "\n" << r.out;
-  EXPECT_EQ(r.out.find(" on group '"), std::string::npos) << args << "\n" << r.out;
-}
-
 // A model of linear-attention layers (--mixer gdn|kda) under CP: both modes agree with the
 // single-process run, the plan and the apply log name the mode, and the metrics record it.
 TEST(HpTrain, LinearMixersUnderContextParallelism) {
@@ -635,16 +570,20 @@ TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
                  {"--nproc 4 but --dp-replicate 1 x --dp-shard 1 x --cp 1 x --tp 3 = 3"});
   expect_refused("--nproc 4 --dp-shard 2 --comm-fusion maybe",
                  {"--comm-fusion 'maybe' is not valid; valid: on, off"});
-  // Refused by the ranks' planner; the launcher names the failed rank and stops the others.
-  expect_refused(
-      "--nproc 2 --tp 2 --heads 3 --kv-heads 3",
-      {"heads=3 and kv_heads=3 must both be divisible by tp_size=2", "exited with code 1: "});
-  expect_refused("--nproc 2 --cp 2 --seq-len 30 --cp-algo all_gather --load-balance",
-                 {"sequence length 30 is not divisible by 4 (2 * cp_size, load balance)",
-                  "exited with code 1: "});
-  expect_refused(
-      "--nproc 2 --cp 2 --cp-algo ulysses --kv-heads 1 --heads 4",
-      {"key/value heads = 1 are not divisible by the Ulysses degree 2", "exited with code 1: "});
+  // Refused by the planner, run by the launcher before any rank starts: printed once.
+  for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
+           {"--nproc 2 --tp 2 --heads 3 --kv-heads 3",
+            "heads=3 and kv_heads=3 must both be divisible by tp_size=2"},
+           {"--nproc 2 --cp 2 --seq-len 30 --cp-algo all_gather --load-balance",
+            "sequence length 30 is not divisible by 4 (2 * cp_size, load balance)"},
+           {"--nproc 2 --cp 2 --cp-algo ulysses --kv-heads 1 --heads 4",
+            "key/value heads = 1 are not divisible by the Ulysses degree 2"}}) {
+    expect_refused(args, {text});
+    const auto out = run(args).out;
+    const auto first = out.find(text);
+    EXPECT_EQ(out.find(text, first + 1), std::string::npos) << "printed more than once:\n" << out;
+    EXPECT_EQ(out.find("exited with code"), std::string::npos) << "a rank started:\n" << out;
+  }
 }
 
 }  // namespace

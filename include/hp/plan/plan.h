@@ -174,6 +174,7 @@ struct ShardingPlan {
   // (their gradients are summed over it).
   std::vector<std::pair<std::string, at::Tensor>> expert_params;
   comm::GroupPtr expert_replicas;
+  comm::GroupPtr ep_group;  // this rank's EP group (its members hold every expert together)
   bool hsdp() const { return dp_shard * dp_replicate > 1; }
   // The groups the applier needs besides one per dim: HSDP's shard group (dp_shard, cp); with
   // MoE layers the token group (dp_replicate, dp_shard, cp), and with EP the EP groups and the

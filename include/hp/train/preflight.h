@@ -7,6 +7,7 @@
 #include <string>
 
 #include "hp/plan/memory.h"
+#include "hp/plan/plan.h"
 #include "hp/train/options.h"
 
 namespace hp::train {
@@ -27,6 +28,11 @@ plan::MemoryEstimate estimate_memory(const TrainOptions& options);
 // The planner's options for this run's layout (mesh sizes, CP, HSDP, linear CP, workload); the
 // plan, the memory estimate and the checks all read them from here.
 plan::PlanOptions plan_options(const TrainOptions& options);
+
+// The plan of this run over `world_size` ranks: every static check of the layout against the
+// model (a probe built from the sizes; nothing communicated). hp-train runs it before it spawns
+// local ranks, so a layout error is printed once; train() runs it on every rank.
+plan::ShardingPlan plan_layout(const TrainOptions& options, int64_t world_size);
 
 // Refuses a run whose `ranks_on_machine` ranks (plus --validate's single-process reference)
 // would exceed the machine's available memory, or options.memory_limit when set.

@@ -24,6 +24,10 @@ struct StepMetrics {
   // The loss or the gradient norm was not finite: no update (--nan-policy skip-step).
   bool skipped = false;
   int first_nonfinite_rank = -1;  // of a skipped step: the first rank that saw it, -1 if none
+  // MoE models: the load-balancing loss over the global batch (summed over layers, averaged
+  // over micro-batches; without its coefficient) and the assignments the capacity dropped.
+  double moe_aux_loss = 0;
+  int64_t moe_dropped = 0;
 };
 
 struct TrainResult {
