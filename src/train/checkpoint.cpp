@@ -148,6 +148,7 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
           {"cp", o.cp},
           {"dp_shard", o.dp_shard},
           {"dp_replicate", o.dp_replicate},
+          {"ep", o.ep},
           {"grad_accum", o.grad_accum},
           {"plan", plan},
           {"model",
@@ -157,7 +158,9 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"heads", mc.heads},
             {"kv_heads", mc.kv_heads},
             {"head_dim", mc.head_dim},
-            {"ffn", mc.ffn}}},
+            {"ffn", mc.ffn},
+            {"layer_pattern", mc.layer_pattern},
+            {"experts", mc.experts}}},
           {"train",
            {{"seq_len", o.seq_len},
             {"batch", o.batch},
@@ -182,12 +185,14 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
     const auto& model = m.at("model");
     HP_CHECK(m.at("world_size") == world_size && m.at("tp") == o.tp && m.at("cp") == o.cp &&
                  m.value("dp_shard", 1) == o.dp_shard &&
-                 m.value("dp_replicate", 1) == o.dp_replicate &&
-                 model.at("layers") == o.model.layers && model.at("hidden") == o.model.hidden,
+                 m.value("dp_replicate", 1) == o.dp_replicate && m.value("ep", 1) == o.ep &&
+                 model.at("layers") == o.model.layers && model.at("hidden") == o.model.hidden &&
+                 model.value("experts", 0) == o.model.experts &&
+                 model.value("layer_pattern", "") == o.model.layer_pattern,
              "hp-train --resume: checkpoint '", dir, "' was written by another layout or model (",
              m.at("plan").get<std::string>(),
-             "); resume with the same --nproc/--tp/--cp/--dp-shard/--dp-replicate and model "
-             "sizes");
+             "); resume with the same --nproc/--tp/--cp/--dp-shard/--dp-replicate/--ep and model "
+             "sizes (--arch, --experts)");
     const auto& train = m.at("train");
     const int64_t seq_len = train.at("seq_len").get<int64_t>();
     HP_CHECK(seq_len == o.seq_len, "hp-train --resume: checkpoint '", dir,

@@ -3,6 +3,7 @@
 // single-process run (the loss of every step and every gradient after step 1, experts of all EP
 // ranks included), each family learns the copy task, and each illegal combination is refused by
 // text before any collective.
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,10 @@ const std::string kMoE = "--experts 4 --moe-ffn 24 ";
 struct Layout {
   std::string name, args, arch, plan_text;
 };
+
+void PrintTo(const Layout& l, std::ostream* os) {
+  *os << l.name;
+}
 
 class HpTrainFamilies : public ::testing::TestWithParam<Layout> {};
 
@@ -97,6 +102,30 @@ TEST(HpTrainFamilies, EachFamilyLearnsTheCopyTask) {
     auto l = losses(metrics(m), 60);
     EXPECT_LT(l.back(), c.below * l.front()) << c.args;
   }
+}
+
+// Sharded checkpoints of an EP layout (experts per rank, outside HSDP): a resumed run continues
+// the exact trajectory, and resuming under another --ep is refused.
+TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
+  const std::string dir = hp::testing::scratch_dir() + "/family_ep_ckpt";
+  const std::string layout = "--nproc 4 --cp 2 --dp-shard 2 --arch qwen3-moe " + kMoE + kModel +
+                             "--seq-len 64 --checkpoint-dir " + dir + " ";
+  const std::string whole = hp::testing::scratch_dir() + "/family_ep_whole.json";
+  const std::string resumed = hp::testing::scratch_dir() + "/family_ep_resumed.json";
+  auto w = run("--nproc 4 --cp 2 --dp-shard 2 --arch qwen3-moe " + kMoE + kModel +
+               "--seq-len 64 --ep 2 --steps 4 --metrics-json " + whole);
+  ASSERT_EQ(w.rc, 0) << w.out;
+  auto a = run(layout + "--ep 2 --steps 2");
+  ASSERT_EQ(a.rc, 0) << a.out;
+  auto b = run(layout + "--ep 2 --steps 4 --resume --metrics-json " + resumed);
+  ASSERT_EQ(b.rc, 0) << b.out;
+  const auto l_whole = losses(metrics(whole), 4);
+  const auto l_resumed = losses(metrics(resumed), 2, 3);
+  EXPECT_EQ(l_resumed[0], l_whole[2]);
+  EXPECT_EQ(l_resumed[1], l_whole[3]);
+  auto c = run(layout + "--ep 4 --steps 6 --resume");
+  EXPECT_NE(c.rc, 0);
+  EXPECT_NE(c.out.find("--dp-replicate/--ep and model sizes"), std::string::npos) << c.out;
 }
 
 TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {
