@@ -9,6 +9,7 @@
 //     [--attention softmax|mla] [--mla-cp latent_all_gather|ulysses|all_gather] [--kv-rank R]
 //     [--arch qwen3|qwen3-moe|qwen3.5|kimi-linear] [--layer-pattern LLLG] [--experts E]
 //     [--top-k K] [--ep EP] [--aux-loss-coef C] [--capacity-factor F] [--linear-cp-mode M]
+//     [--init-from HF_DIR] [--export-hf DIR]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 //     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
@@ -32,6 +33,7 @@
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
 #include "hp/model/family.h"
+#include "hp/model/hf.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/preflight.h"
 #include "hp/train/trainer.h"
@@ -186,6 +188,44 @@ void add_family_options(CLI::App& app, Args& a) {
                  "MoE: drop assignments past capacity_factor x T x k / E per expert (default 0: "
                  "none dropped)");
   app.add_option("--linear-cp-mode", o.linear.mode, "the same as --cp-mode (linear layers)");
+  app.add_option("--init-from", o.init_from,
+                 "a Hugging Face qwen3 / qwen3-moe directory (config.json + *.safetensors): the "
+                 "model's sizes and weights; each rank reads only its slices");
+  app.add_option("--export-hf", o.export_hf,
+                 "write the trained model here in the Hugging Face format (config.json + "
+                 "model.safetensors)");
+}
+
+// --init-from: the model's sizes (and family) come from the checkpoint's config.json; a size
+// flag given beside it is refused rather than silently overridden.
+void model_from_checkpoint(const CLI::App& app, Args& a) {
+  auto& o = a.train;
+  if (o.init_from.empty()) return;
+  for (const char* flag : {"--vocab", "--layers", "--hidden", "--heads", "--kv-heads", "--head-dim",
+                           "--ffn", "--experts", "--top-k", "--moe-ffn", "--arch", "--mixer",
+                           "--attention", "--layer-pattern"}) {
+    HP_CHECK(app.count(flag) == 0, "hp-train: ", flag, " and --init-from both set the model; ",
+             "its sizes come from ", o.init_from, "/config.json: drop ", flag);
+  }
+  const auto hf = hp::model::read_hf_config(o.init_from);
+  auto& m = o.model;
+  const auto& h = hf.config;
+  m.vocab = h.vocab;
+  m.layers = h.layers;
+  m.hidden = h.hidden;
+  m.heads = h.heads;
+  m.kv_heads = h.kv_heads;
+  m.head_dim = h.head_dim;
+  m.ffn = h.ffn;
+  m.rms_eps = h.rms_eps;
+  m.rope_theta = h.rope_theta;
+  m.tie_embeddings = h.tie_embeddings;
+  m.experts = h.experts;
+  m.moe_top_k = h.moe_top_k;
+  m.moe_ffn = h.moe_ffn;
+  m.moe_renormalize = h.moe_renormalize;
+  if (app.count("--aux-loss-coef") == 0) m.aux_loss_coef = h.aux_loss_coef;
+  a.arch = hf.arch;
 }
 
 // Checks, outputs, checkpoints and the job.
@@ -393,6 +433,8 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"experts", o.model.experts},
                         {"top_k", o.model.moe_top_k},
                         {"ep", o.ep},
+                        {"init_from", o.init_from},
+                        {"export_hf", o.export_hf},
                         {"value_heads", o.model.value_heads},
                         {"cp_mode", o.linear.mode},
                         {"state_exchange", o.linear.state_exchange},
@@ -420,6 +462,10 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
 // Rank 0: the summary line and the metrics file (nothing when --resume found the run finished).
 void report(const hp::comm::World& world, const Args& a, const hp::train::TrainResult& r) {
   if (r.already_finished) return;
+  if (r.steps.empty()) {
+    std::printf("hp-train: done: no training steps (--steps 0)\n");
+    return;
+  }
   std::printf(
       "hp-train: done: loss %.4f -> %.4f over %lld steps, median step %.3f s, %.0f "
       "tokens/s, peak RSS %.0f MiB (max rank)\n",
@@ -481,7 +527,9 @@ int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   if (!a.config_file.empty()) apply_config(app, a.config_file);
   hp::comm::timeout_from_seconds(a.timeout_s);  // checked before any rank starts
+  model_from_checkpoint(app, a);
   resolve(a);
+  if (!a.train.export_hf.empty()) hp::model::check_hf_compatible(a.train.model);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (a.max_restarts > 0) {
     HP_CHECK(!a.train.checkpoint_dir.empty() && a.train.checkpoint_every > 0,

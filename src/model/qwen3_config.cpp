@@ -219,6 +219,7 @@ moe::MoEConfig moe_config(const Qwen3Config& c) {
   m.router.experts = c.experts;
   m.router.top_k = c.moe_top_k;
   m.router.capacity_factor = c.capacity_factor;
+  m.router.renormalize = c.moe_renormalize;
   m.aux_loss_coef = c.aux_loss_coef;
   m.z_loss_coef = c.z_loss_coef;
   m.seed = c.seed;

@@ -27,8 +27,14 @@ void check_dir(const char* flag, const std::string& path) {
 
 void check_options(const TrainOptions& o) {
   const auto& m = o.model;
-  for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--steps", o.steps},
-                                    {"--batch", o.batch},
+  // --steps 0 converts a checkpoint (--init-from to --export-hf) without training.
+  const bool convert = o.steps == 0 && !o.init_from.empty() && !o.export_hf.empty();
+  HP_CHECK(o.steps >= 1 || convert, "hp-train: --steps ", o.steps,
+           " must be >= 1 (0 only with --init-from and --export-hf: convert without training)");
+  HP_CHECK(!(convert && o.validate),
+           "hp-train: --validate compares training steps; with --steps 0 "
+           "there are none: drop --validate");
+  for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--batch", o.batch},
                                     {"--grad-accum", o.grad_accum},
                                     {"--tp", o.tp},
                                     {"--cp", o.cp},

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include "agree.h"
+#include "hf_io.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -218,8 +219,12 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   result.plan = plan.describe();
   result.memory_estimate_bytes_per_rank = estimate_memory(o).total();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
+  if (!o.init_from.empty()) {
+    load_hf_checkpoint(run, &plan, o.init_from);  // a --resume checkpoint then replaces it
+    if (world.rank() == 0) std::printf("hp-train: initialised from %s\n", o.init_from.c_str());
+  }
   const int64_t first = first_step(world, run);
-  if (first > o.steps) {
+  if (first > o.steps && o.steps > 0) {
     result.already_finished = true;
     return result;
   }
@@ -233,6 +238,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     result.max_abs_loss_diff = v.max_abs_loss_diff;
     result.max_rel_grad_diff = v.max_rel_grad_diff;
   }
+  if (!o.export_hf.empty()) export_hf_checkpoint(world, run, plan, o.export_hf);
   summarize(world, o, result);
   return result;
 }

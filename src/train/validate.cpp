@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "hf_io.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 
@@ -29,6 +30,7 @@ Validation compare_with_reference(const Runner& run, const Corpus& corpus,
   ro.dp_shard = ro.dp_replicate = 1;
   Runner ref(ro, solo_mesh, std::nullopt);
   ref.make_optimizer(nullptr);
+  if (!o.init_from.empty()) load_hf_checkpoint(ref, nullptr, o.init_from);
   Validation v;
   for (int64_t step = 1; step <= o.steps; ++step) {
     const double loss = ref.forward_backward(step, corpus);

@@ -3,13 +3,18 @@
 // single-process run (the loss of every step and every gradient after step 1, experts of all EP
 // ranks included), each family learns the copy task, and each illegal combination is refused by
 // text before any collective.
+#include <cstdlib>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <ATen/ATen.h>
+
+#include "hp/model/hf.h"
 #include "hp_train_util.h"
 #include "rank_harness.h"
 
@@ -126,6 +131,50 @@ TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
   auto c = run(layout + "--ep 4 --steps 6 --resume");
   EXPECT_NE(c.rc, 0);
   EXPECT_NE(c.out.find("--dp-replicate/--ep and model sizes"), std::string::npos) << c.out;
+}
+
+// A Hugging Face checkpoint (written by Python: bf16, sharded with an index) trains under any
+// layout from its weights (each rank reads its slices; --validate's single-process run reads
+// the whole), and export -> import -> export across layouts is bitwise, every value equal to
+// the original (bf16 -> fp32 is exact).
+TEST(HpTrainFamilies, HuggingFaceCheckpointsLoadIntoAnyLayoutAndExportBitwise) {
+  if (std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed";
+  }
+  const std::string dir = hp::testing::scratch_dir();
+  for (const auto& [type, extra] :
+       std::vector<std::pair<std::string, std::string>>{{"qwen3_moe", ""}, {"qwen3", "tied"}}) {
+    const std::string src = dir + "/hf_src_" + type;
+    auto py = hp::testing::run_command("/usr/bin/python3 " + std::string(HP_HF_REFERENCE_SCRIPT) +
+                                       " " + src + " " + type + " sharded bf16 " + extra);
+    ASSERT_EQ(py.rc, 0) << py.out;
+    const std::string layout = type == "qwen3" ? "--nproc 4 --cp 2 --tp 2 --cp-algo ring"
+                                               : "--nproc 4 --cp 2 --dp-shard 2 --ep 2";
+    const std::string m = dir + "/hf_train_" + type + ".json";
+    auto r = run(layout + " --init-from " + src + " --seq-len 32 --steps 2 --validate " +
+                 "--metrics-json " + m);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    expect_validated(r.out, metrics(m), 2, 1e-4);
+    EXPECT_NE(r.out.find("initialised from " + src), std::string::npos) << r.out;
+    EXPECT_EQ(metrics(m)["config"]["arch"], type == "qwen3" ? "qwen3" : "qwen3-moe");
+    const std::string a = dir + "/hf_a_" + type, b = dir + "/hf_b_" + type;
+    auto ea = run(layout + " --init-from " + src + " --steps 0 --export-hf " + a);
+    ASSERT_EQ(ea.rc, 0) << ea.out;
+    auto eb = run("--init-from " + a + " --steps 0 --export-hf " + b);
+    ASSERT_EQ(eb.rc, 0) << eb.out;
+    auto same =
+        hp::testing::run_command("cmp " + a + "/model.safetensors " + b + "/model.safetensors");
+    EXPECT_EQ(same.rc, 0) << same.out;
+    hp::model::HFDirectory original(src), exported(a);
+    hp::model::SafetensorsFile file(a + "/model.safetensors");
+    for (const auto& name : file.names()) {
+      EXPECT_TRUE(at::equal(exported.view(name), original.view(name).to(at::kFloat))) << name;
+    }
+  }
+  expect_refused("--init-from " + dir + "/hf_a_qwen3 --hidden 64",
+                 {"--hidden and --init-from both set the model", "drop --hidden"});
+  expect_refused("--arch qwen3.5 --layers 4 --export-hf " + dir + "/x",
+                 {"supported for the qwen3 and qwen3-moe families"});
 }
 
 TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {

@@ -64,6 +64,7 @@ struct Qwen3Config {
   int64_t moe_top_k = 2;
   int64_t moe_ffn = 0;            // each expert's width (0: ffn)
   int64_t shared_expert_ffn = 0;  // 0: no shared expert
+  bool moe_renormalize = true;    // top-k weights renormalised (Hugging Face norm_topk_prob)
   double aux_loss_coef = 0.01;
   double z_loss_coef = 0;
   double capacity_factor = 0;  // 0: no token is dropped

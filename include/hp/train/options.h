@@ -56,6 +56,11 @@ struct TrainOptions {
   bool validate_mode = false;  // apply in plan::Mode::kValidate (layouts checked at boundaries)
   std::string metrics_json;
   std::string trace;
+  // Hugging Face checkpoints (qwen3, qwen3-moe): the weights to start from (each rank reads its
+  // slices; the model's sizes come from the directory's config.json), and where the trained
+  // model is written at the end.
+  std::string init_from;
+  std::string export_hf;
   std::string checkpoint_dir;
   // Steps between checkpoints (>= 0); the last step is always saved when checkpoint_dir is set.
   int64_t checkpoint_every = 0;
