@@ -6,6 +6,7 @@
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
 //   hp-bench cp --attention mla --seq S --heads H --cp P [--cp-algo latent_all_gather|ulysses|
 //               all_gather] [--d-nope --d-rope --d-v --kv-rank] [--schedule] [--load-balance]
+//   hp-bench moe [--experts E --top-k K --ep P --tokens T --hidden H --expert-ffn F]
 //   hp-bench calibrate [--link-rate RATE] [--out FILE]
 //   hp-bench report [--link-rate RATE ...] [--out docs/benchmarks] [--recalibrate]
 //   hp-bench linear --mixer gdn|kda --seq S --heads H --head-dim K [--value-dim V]
@@ -13,7 +14,7 @@
 //                   --state-exchange all_gather|p2p] [--kernel chunked|recurrent] [--json]
 //   hp-bench hsdp --nproc N --dp-shard Sd --dp-replicate R [--comm-fusion on|off]
 //                 [--layers L --hidden H --ffn F --seq S] [--iters K] [--json]
-// comm, cp and hsdp take --link-rate RATE: all ranks run in a network namespace whose loopback
+// comm, cp, hsdp and moe take --link-rate RATE: all ranks run in a network namespace whose loopback
 // is rate-limited (tc tbf); needs root and iproute2.
 // With --nproc N (N > 1) it spawns N local rank processes of itself; under torchrun / mpirun /
 // Slurm variables it is one rank of that job.
@@ -264,11 +265,13 @@ struct Commands {
   CPArgs cp;
   HsdpArgs hsdp;
   LinearArgs linear;
+  MoEArgs moe;
   std::string calibrate_out;
   hp::bench::ReportOptions report;
   std::string link_rate;  // comm, cp, hsdp, calibrate
   CLI::App *comm_cmd = nullptr, *attention_cmd = nullptr, *cp_cmd = nullptr, *hsdp_cmd = nullptr,
-           *linear_cmd = nullptr, *calibrate_cmd = nullptr, *report_cmd = nullptr;
+           *linear_cmd = nullptr, *moe_cmd = nullptr, *calibrate_cmd = nullptr,
+           *report_cmd = nullptr;
 };
 
 void add_commands(CLI::App& app, Commands& c) {
@@ -278,9 +281,10 @@ void add_commands(CLI::App& app, Commands& c) {
   c.cp_cmd = add_cp_command(app, c.cp);
   c.hsdp_cmd = add_hsdp_command(app, c.hsdp);
   c.linear_cmd = add_linear_command(app, c.linear);
+  c.moe_cmd = add_moe_command(app, c.moe);
   c.calibrate_cmd = add_calibrate_command(app, c.calibrate_out);
   c.report_cmd = add_report_command(app, c.report);
-  for (auto* cmd : {c.comm_cmd, c.cp_cmd, c.hsdp_cmd, c.calibrate_cmd}) {
+  for (auto* cmd : {c.comm_cmd, c.cp_cmd, c.hsdp_cmd, c.moe_cmd, c.calibrate_cmd}) {
     cmd->add_option("--link-rate", c.link_rate,
                     "emulate a link of this rate (e.g. 1gbit) on a namespaced loopback; root");
   }
@@ -293,6 +297,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
   if (c.cp_cmd->parsed()) hp::comm::timeout_from_seconds(c.cp.timeout_s);
   if (c.hsdp_cmd->parsed()) hp::comm::timeout_from_seconds(c.hsdp.timeout_s);
   if (c.linear_cmd->parsed()) hp::comm::timeout_from_seconds(c.linear.timeout_s);
+  if (c.moe_cmd->parsed()) hp::comm::timeout_from_seconds(c.moe.timeout_s);
   if (!c.link_rate.empty() && !hp::bench::emulated_link_rate()) {
     return hp::bench::run_in_emulated_link(c.link_rate, args);
   }
@@ -309,6 +314,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     return run_cp(cp, args);
   }
   if (c.linear_cmd->parsed()) return run_linear(c.linear, args);
+  if (c.moe_cmd->parsed()) return run_moe(c.moe, args);
   if (c.comm_cmd->parsed()) return run_comm(c.comm, args);
   if (c.attention_cmd->parsed()) return run_attention(c.attention);
   return 0;

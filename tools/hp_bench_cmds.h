@@ -1,7 +1,7 @@
 // hp-bench's subcommands. Each has an options struct, an add_*_command that registers its CLI
 // options (in help order) and a run_* that validates, runs and reports. comm and attention (and
 // main) are in hp_bench.cpp; cp, hsdp, calibrate and report in hp_bench_layers.cpp; linear in
-// hp_bench_linear.cpp; cp --attention mla in hp_bench_mla.cpp.
+// hp_bench_linear.cpp; cp --attention mla in hp_bench_mla.cpp; moe in hp_bench_moe.cpp.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "hp/bench/hsdp_bench.h"
 #include "hp/bench/linear_bench.h"
 #include "hp/bench/mla_bench.h"
+#include "hp/bench/moe_bench.h"
 #include "hp/bench/report.h"
 #include "hp/comm/launch_env.h"
 #include "hp/comm/types.h"
@@ -71,6 +72,15 @@ struct LinearArgs {
 };
 CLI::App* add_linear_command(CLI::App& app, LinearArgs& a);
 int run_linear(const LinearArgs& a, const std::vector<std::string>& argv);
+
+struct MoEArgs {
+  hp::bench::MoEBenchOptions bench;
+  int nproc = 2;
+  bool json = false;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+};
+CLI::App* add_moe_command(CLI::App& app, MoEArgs& a);
+int run_moe(const MoEArgs& a, const std::vector<std::string>& argv);
 
 CLI::App* add_calibrate_command(CLI::App& app, std::string& out);
 int run_calibrate(const std::string& out);

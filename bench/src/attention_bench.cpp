@@ -32,13 +32,13 @@ int64_t current_rss_bytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
-int64_t peak_rss_bytes() {
+}  // namespace
+
+int64_t process_peak_rss_bytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
-
-}  // namespace
 
 double measure_matmul_gflops() {
   auto a = at::randn({2048, 2048});
@@ -102,7 +102,7 @@ AttentionBenchResult run_attention_bench(const AttentionBenchOptions& o, const s
   const double flops = attention_fwd_flops(o);
   res.fwd_gflops = flops / res.fwd_s / 1e9;
   res.fwd_bwd_gflops = 3.5 * flops / res.fwd_bwd_s / 1e9;
-  res.peak_rss_bytes = peak_rss_bytes();
+  res.peak_rss_bytes = process_peak_rss_bytes();
   res.peak_bytes = res.peak_rss_bytes - rss_before;
   return res;
 }

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "hp/attention/delta_rule.h"
+#include "hp/bench/attention_bench.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -59,12 +60,6 @@ attention::MixerInputs make_shard(const LinearBenchOptions& o, int64_t len, uint
   in.g = at::log_sigmoid(at::randn(gshape, gen) + 3.0);
   in.beta = at::sigmoid(at::randn({o.batch, len, hv}, gen));
   return in;
-}
-
-int64_t peak_rss_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
 }  // namespace
@@ -158,7 +153,8 @@ LinearBenchResult run_linear_bench(const comm::World& world, const LinearBenchOp
   }
 
   auto mine = at::tensor(
-      {static_cast<double>(peak_rss_bytes()), static_cast<double>(bytes), matmul}, at::kDouble);
+      {static_cast<double>(process_peak_rss_bytes()), static_cast<double>(bytes), matmul},
+      at::kDouble);
   auto all = comm::all_gather(*timing, mine.view({1, 3}), 0);
   LinearBenchResult res;
   res.cp = p;

@@ -79,12 +79,13 @@ void MoEImpl::set_expert_parallel(comm::GroupPtr ep, comm::GroupPtr stats) {
 }
 
 at::Tensor MoEImpl::run_experts(const at::Tensor& x, const std::vector<int64_t>& rows) const {
+  // One unbind per stacked weight: its backward stacks the experts' gradients once (indexing
+  // the stack per expert would build a zero-filled full-size gradient for every expert).
+  const auto gate = gate_proj.unbind(0), up = up_proj.unbind(0), down = down_proj.unbind(0);
   std::vector<at::Tensor> outs;
   int64_t offset = 0;
   for (size_t j = 0; j < rows.size(); ++j) {
-    auto xe = x.narrow(0, offset, rows[j]);
-    const auto i = static_cast<int64_t>(j);
-    outs.push_back(swiglu(xe, gate_proj[i], up_proj[i], down_proj[i]));
+    outs.push_back(swiglu(x.narrow(0, offset, rows[j]), gate[j], up[j], down[j]));
     offset += rows[j];
   }
   return at::cat(outs);

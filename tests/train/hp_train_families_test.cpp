@@ -109,6 +109,24 @@ TEST(HpTrainFamilies, EachFamilyLearnsTheCopyTask) {
   }
 }
 
+// --mode validate (layouts checked at every module boundary) runs every family and gives the
+// production run's losses bitwise.
+TEST(HpTrainFamilies, ValidateModeEqualsProductionForEveryFamily) {
+  for (const std::string& arch :
+       {"--arch qwen3-moe " + kMoE + "--ep 2", std::string("--arch qwen3.5 --layers 4"),
+        "--arch kimi-linear --layers 4 " + kMoE + "--ep 2"}) {
+    const std::string base = "--nproc 2 --cp 2 " + arch + " " + kModel + "--seq-len 64 --steps 2 ";
+    const std::string p = hp::testing::scratch_dir() + "/family_prod.json";
+    const std::string v = hp::testing::scratch_dir() + "/family_valid.json";
+    auto rp = run(base + "--metrics-json " + p);
+    auto rv = run(base + "--mode validate --metrics-json " + v);
+    ASSERT_EQ(rp.rc, 0) << rp.out;
+    ASSERT_EQ(rv.rc, 0) << rv.out;
+    EXPECT_NE(rv.out.find("(validate mode)"), std::string::npos) << rv.out;
+    EXPECT_EQ(losses(metrics(p), 2), losses(metrics(v), 2)) << arch;
+  }
+}
+
 // Sharded checkpoints of an EP layout (experts per rank, outside HSDP): a resumed run continues
 // the exact trajectory, and resuming under another --ep is refused.
 TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {

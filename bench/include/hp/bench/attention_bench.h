@@ -33,6 +33,9 @@ struct AttentionBenchResult {
 // GFLOP/s of a 2048^3 fp32 matmul (median of 5).
 double measure_matmul_gflops();
 
+// The process's peak resident set (getrusage), bytes.
+int64_t process_peak_rss_bytes();
+
 // Forward FLOPs counted for the figures above.
 double attention_fwd_flops(const AttentionBenchOptions& o);
 
