@@ -125,6 +125,11 @@ std::map<std::pair<OpKind, std::string>, TrafficEntry> TrafficCounters::snapshot
   return entries_;
 }
 
+void TrafficCounters::restore(std::map<std::pair<OpKind, std::string>, TrafficEntry> entries) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_ = std::move(entries);
+}
+
 std::string CollectiveRecord::to_string() const {
   std::ostringstream out;
   out << op_name(op) << "(" << group;

@@ -57,10 +57,11 @@ MemoryEstimate estimate_memory(const ModelFootprint& m, const PlanOptions& o) {
   const int64_t ep = std::max<int64_t>(1, o.ep_size);
   int64_t tp_local = 0, largest_unit = 0, experts = 0;
   for (const auto& u : m.units) {
-    const int64_t local = ceil_div(u.tp_sharded, tp) + u.replicated;
+    // Experts split by EP (ep > 1) stay outside HSDP; with ep = 1 HSDP shards them with the rest.
+    const int64_t local = ceil_div(u.tp_sharded, tp) + u.replicated + (ep > 1 ? 0 : u.expert);
     tp_local += local;
     largest_unit = std::max(largest_unit, local);
-    experts += ceil_div(u.expert, ep);
+    if (ep > 1) experts += ceil_div(u.expert, ep);
   }
   MemoryEstimate est;
   const int64_t held = ceil_div(tp_local, shard) + experts;
@@ -96,7 +97,7 @@ MemoryEstimate estimate_memory(const ModelFootprint& m, const PlanOptions& o) {
   const int64_t gathered = (hsdp ? 3 * largest_unit : 0) * e;
   int64_t full = 0;
   for (const auto& u : m.units)
-    full += u.tp_sharded + u.replicated + u.expert;
+    full += u.tp_sharded + u.replicated + u.expert;  // the probe builds every expert
   const int64_t build = std::max(full, tp_local + experts + m.largest_param) * e;
   const int64_t steps = est.parameters + est.gradients + est.optimizer + est.activations + gathered;
   est.transient = gathered + std::max<int64_t>(0, build - steps);

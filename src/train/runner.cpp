@@ -140,16 +140,29 @@ void Runner::reduce_expert_grads() {
 }
 
 void Runner::keep_first_grads() {
+  // The gathers below are the check's, not the step's: the step's traffic counts stay as they
+  // were (the metrics report them).
+  auto& counters = mesh.world().context().counters;
+  const auto step_traffic = counters.snapshot();
+  const int64_t tp = mesh.size("tp");
   for (auto& [n, p] : params) {
+    at::Tensor g;
     if (is_expert(n) && p.grad().defined()) {
       // Every expert's gradient: the EP group holds them all (collective over it).
-      first_grads[n] = comm::all_gather(*plan->ep_group, p.grad(), 0);
+      g = comm::all_gather(*plan->ep_group, p.grad(), 0);
     } else if (fully_shard != nullptr) {
-      first_grads[n] = fully_shard->full_gradient(n);  // collective over the shard group
+      g = fully_shard->full_gradient(n);  // collective over the shard group
     } else if (p.grad().defined()) {
-      first_grads[n] = p.grad().clone();
+      g = p.grad().clone();
     }
+    // Every TP slice too (collective over TP), so --validate compares whole gradients.
+    if (g.defined() && tp > 1 && plan != nullptr) {
+      if (auto d = plan->tp_shard_dim(n))
+        g = comm::all_gather(mesh.group("tp"), g.contiguous(), *d);
+    }
+    if (g.defined()) first_grads[n] = g;
   }
+  counters.restore(step_traffic);
 }
 
 double Runner::grad_norm() {

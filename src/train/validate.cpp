@@ -10,6 +10,7 @@
 #include "hf_io.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
 
 namespace hp::train {
 namespace {
@@ -39,9 +40,8 @@ Validation compare_with_reference(const Runner& run, const Corpus& corpus,
   }
   for (const auto& [n, g] : run.first_grads) {
     auto r = ref.first_grads.at(n);
-    if (auto dim = plan.tp_shard_dim(n); dim && r.sizes() != g.sizes()) {
-      r = r.narrow(*dim, 0, g.size(*dim));  // this rank (TP rank 0) holds the first slice
-    }
+    HP_CHECK(r.sizes() == g.sizes(), "validate: gradient '", n, "' is ", g.sizes(), " here but ",
+             r.sizes(), " in the single-process run");
     const double rel = ((g - r).norm() / (r.norm() + 1e-12)).item<double>();
     v.max_rel_grad_diff = std::max(v.max_rel_grad_diff, rel);
   }

@@ -1,6 +1,8 @@
 // The planner's memory estimate: the model's footprint counts exactly the parameters the built
 // model has; the layout divides what it should (TP, HSDP, CP, recompute); the check refuses
 // with the numbers and the option to change.
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "hp/common/check.h"
@@ -41,6 +43,37 @@ TEST(MemoryEstimate, FootprintCountsTheBuiltModelsParameters) {
     EXPECT_EQ(counted, numel) << "tied=" << tied;
     EXPECT_EQ(f.largest_param, largest);
     EXPECT_EQ(f.units.size(), static_cast<size_t>(1 + c.layers));  // root, then one per layer
+  }
+}
+
+// Every family's footprint counts its built model's parameters (mixed layer patterns, gated
+// attention, MoE with a shared expert), and EP splits exactly the experts.
+TEST(MemoryEstimate, FamiliesCountTheirParametersAndEpSplitsTheExperts) {
+  auto c = config();
+  c.layers = 4;
+  c.experts = 4;
+  c.moe_ffn = 48;
+  c.shared_expert_ffn = 32;
+  for (const std::string pattern : {"", "LLLG", "LLLM", "AG"}) {
+    c.layer_pattern = pattern;
+    model::Qwen3 built(c);
+    int64_t numel = 0;
+    for (const auto& p : built->parameters())
+      numel += p.numel();
+    int64_t counted = 0, experts = 0;
+    for (const auto& u : model::footprint(c).units) {
+      counted += u.tp_sharded + u.replicated + u.expert;
+      experts += u.expert;
+    }
+    EXPECT_EQ(counted, numel) << "pattern " << pattern;
+    EXPECT_EQ(experts, c.layers * 3 * c.experts * c.moe_ffn * c.hidden);
+    PlanOptions o;
+    o.cp_size = 2;
+    o.seq_len = 256;
+    const auto one = estimate_memory(model::footprint(c), o);
+    o.ep_size = 2;
+    const auto two = estimate_memory(model::footprint(c), o);
+    EXPECT_EQ(one.parameters - two.parameters, experts / 2 * 4) << "pattern " << pattern;
   }
 }
 

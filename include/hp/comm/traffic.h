@@ -45,6 +45,9 @@ class TrafficCounters {
   int64_t calls(OpKind op) const;
   int64_t wait_us() const;  // summed over everything
   std::map<std::pair<OpKind, std::string>, TrafficEntry> snapshot() const;
+  // Back to a snapshot: traffic that is not the workload's (a check's own collectives) is not
+  // counted. Only while no other collective of this context is in flight.
+  void restore(std::map<std::pair<OpKind, std::string>, TrafficEntry> entries);
 
  private:
   mutable std::mutex mu_;
