@@ -261,25 +261,35 @@ at::Tensor FullyShard::forward_root(const std::function<at::Tensor()>& fn) {
 at::Tensor FullyShard::forward_unit(size_t index, const at::Tensor& x,
                                     const std::function<at::Tensor(const at::Tensor&)>& fn,
                                     bool recompute) {
+  return forward_unit_outputs(
+      index, x, [fn](const at::Tensor& in) { return std::vector<at::Tensor>{fn(in)}; },
+      recompute)[0];
+}
+
+std::vector<at::Tensor> FullyShard::forward_unit_outputs(
+    size_t index, const at::Tensor& x,
+    const std::function<std::vector<at::Tensor>(const at::Tensor&)>& fn, bool recompute) {
   auto& s = *impl_;
   HP_CHECK(index >= 1 && index < s.units.size(), "fully_shard: forward_unit(", index,
            ") is out of range; units 1..", s.units.size() - 1, " (0 is the root)");
   s.unshard(index);
   s.arm(index);
   s.prefetch(index + 1);
-  at::Tensor y;
+  std::vector<at::Tensor> outs;
   if (recompute && at::GradMode::is_enabled()) {
-    auto block = [fn](const std::vector<at::Tensor>& in) { return std::vector{fn(in[0])}; };
-    y = common::checkpoint(block, {x})[0];
+    auto block = [fn](const std::vector<at::Tensor>& in) { return fn(in[0]); };
+    outs = common::checkpoint(block, {x});
   } else {
-    y = fn(x);
+    outs = fn(x);
   }
   if (s.units[index].reshard_after_forward) {
     s.record("reshard", s.units[index].name);
     s.reshard(index);
   }
-  if (!at::GradMode::is_enabled() || !y.requires_grad()) return y;
-  return PreBackward::apply(y, &s, static_cast<int64_t>(index));
+  auto& y = outs[0];
+  if (!at::GradMode::is_enabled() || !y.requires_grad()) return outs;
+  y = PreBackward::apply(y, &s, static_cast<int64_t>(index));
+  return outs;
 }
 
 void FullyShard::set_requires_all_reduce(bool value) {

@@ -206,19 +206,36 @@ at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& pos
 
 at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids,
                                  const at::Tensor& doc_ids) {
+  // With recompute a layer's forward keeps no graph, so its auxiliary losses (MoE, DSA index)
+  // leave the recomputed block as outputs of their own: their gradients are recomputed with it.
+  recomputed_losses_.clear();
+  const bool recompute = config_.recompute && at::GradMode::is_enabled();
   for (size_t i = 0; i < layers.size(); ++i) {
     // By value: a recomputing backward runs fn after this call (and a default argument) ended.
     auto fn = [this, i, position_ids, doc_ids](const at::Tensor& in) {
       return layers[i]->forward(in, position_ids, doc_ids);
     };
+    auto with_losses = [this, i, fn](const at::Tensor& in) {
+      auto y = fn(in);
+      auto zero = at::zeros({}, y.options());
+      const auto& moe = layers[i]->moe;
+      const auto& mla = layers[i]->mla_attn;
+      auto moe_loss = moe && moe->loss().defined() ? moe->loss() : zero;
+      auto index_loss = mla && mla->index_loss().defined() ? mla->index_loss() : zero;
+      return std::vector<at::Tensor>{y, moe_loss, index_loss};
+    };
+    std::vector<at::Tensor> outs;
     if (fully_shard_ != nullptr) {
-      x = fully_shard_->forward_unit(i + 1, x, fn, config_.recompute);
-    } else if (config_.recompute && at::GradMode::is_enabled()) {
-      auto block = [fn](const std::vector<at::Tensor>& in) { return std::vector{fn(in[0])}; };
-      x = common::checkpoint(block, {x})[0];
+      outs = recompute ? fully_shard_->forward_unit_outputs(i + 1, x, with_losses, true)
+                       : std::vector<at::Tensor>{fully_shard_->forward_unit(i + 1, x, fn, false)};
+    } else if (recompute) {
+      auto block = [with_losses](const std::vector<at::Tensor>& in) { return with_losses(in[0]); };
+      outs = common::checkpoint(block, {x});
     } else {
-      x = fn(x);
+      outs = {fn(x)};
     }
+    x = outs[0];
+    if (recompute) recomputed_losses_.push_back({outs[1], outs[2]});
   }
   return x;
 }
@@ -329,6 +346,14 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
 
 at::Tensor Qwen3Impl::aux_loss() const {
   at::Tensor total;
+  if (!recomputed_losses_.empty()) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (!layers[i]->mla_attn || !layers[i]->mla_attn->index_loss().defined()) continue;
+      const auto& l = recomputed_losses_[i].second;
+      total = total.defined() ? total + l : l;
+    }
+    return total;
+  }
   for (const auto& layer : layers) {
     if (!layer->mla_attn || !layer->mla_attn->index_loss().defined()) continue;
     const auto& l = layer->mla_attn->index_loss();
@@ -339,6 +364,14 @@ at::Tensor Qwen3Impl::aux_loss() const {
 
 at::Tensor Qwen3Impl::moe_loss() const {
   at::Tensor total;
+  if (!recomputed_losses_.empty()) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (!layers[i]->moe) continue;
+      const auto& l = recomputed_losses_[i].first;
+      total = total.defined() ? total + l : l;
+    }
+    return total;
+  }
   for (const auto& layer : layers) {
     if (!layer->moe) continue;
     const auto& l = layer->moe->loss();

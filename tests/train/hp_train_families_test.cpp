@@ -127,6 +127,26 @@ TEST(HpTrainFamilies, ValidateModeEqualsProductionForEveryFamily) {
   }
 }
 
+// With --recompute the MoE layers' aux losses leave each recomputed layer as outputs of their
+// own, so their gradients survive: the run equals the one without recompute, with and without
+// HSDP (before, recompute silently dropped the aux loss's gradient).
+TEST(HpTrainFamilies, RecomputeKeepsTheMoELossGradients) {
+  for (const std::string& layout : {std::string("--nproc 1"), std::string("--nproc 2 --dp-shard 2"),
+                                    std::string("--nproc 2 --cp 2 --ep 2")}) {
+    const std::string base = layout + " --arch qwen3-moe " + kMoE + kModel +
+                             "--aux-loss-coef 1 --seq-len 64 --steps 3 --metrics-json ";
+    const std::string a = hp::testing::scratch_dir() + "/family_norecompute.json";
+    const std::string b = hp::testing::scratch_dir() + "/family_recompute.json";
+    auto ra = run(base + a);
+    auto rb = run(base + b + " --recompute");
+    ASSERT_EQ(ra.rc, 0) << ra.out;
+    ASSERT_EQ(rb.rc, 0) << rb.out;
+    const auto la = losses(metrics(a), 3), lb = losses(metrics(b), 3);
+    for (size_t i = 0; i < la.size(); ++i)
+      EXPECT_NEAR(la[i], lb[i], 1e-6) << layout << " step " << i + 1;
+  }
+}
+
 // Sharded checkpoints of an EP layout (experts per rank, outside HSDP): a resumed run continues
 // the exact trajectory, and resuming under another --ep is refused.
 TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {

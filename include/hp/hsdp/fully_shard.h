@@ -112,6 +112,11 @@ class FullyShard {
   at::Tensor forward_unit(size_t index, const at::Tensor& x,
                           const std::function<at::Tensor(const at::Tensor&)>& fn,
                           bool recompute = false);
+  // The same for a unit with several outputs (the first is the activation the next unit takes;
+  // the others, e.g. auxiliary losses, are returned in the graph, recomputed with the unit).
+  std::vector<at::Tensor> forward_unit_outputs(
+      size_t index, const at::Tensor& x,
+      const std::function<std::vector<at::Tensor>(const at::Tensor&)>& fn, bool recompute = false);
 
   void set_requires_all_reduce(bool value);
 
