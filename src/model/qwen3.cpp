@@ -206,17 +206,14 @@ at::Tensor Qwen3Impl::forward(const at::Tensor& input_ids, const at::Tensor& pos
 
 at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids,
                                  const at::Tensor& doc_ids) {
-  // With recompute a layer's forward keeps no graph, so its auxiliary losses (MoE, DSA index)
-  // leave the recomputed block as outputs of their own: their gradients are recomputed with it.
-  recomputed_losses_.clear();
+  // A layer's auxiliary losses (MoE, DSA index) leave it as outputs of their own: with recompute
+  // its forward keeps no graph, and their gradients are recomputed with the block.
+  layer_losses_.clear();
   const bool recompute = config_.recompute && at::GradMode::is_enabled();
   for (size_t i = 0; i < layers.size(); ++i) {
-    // By value: a recomputing backward runs fn after this call (and a default argument) ended.
-    auto fn = [this, i, position_ids, doc_ids](const at::Tensor& in) {
-      return layers[i]->forward(in, position_ids, doc_ids);
-    };
-    auto with_losses = [this, i, fn](const at::Tensor& in) {
-      auto y = fn(in);
+    // By value: a recomputing backward runs it after this call (and a default argument) ended.
+    auto with_losses = [this, i, position_ids, doc_ids](const at::Tensor& in) {
+      auto y = layers[i]->forward(in, position_ids, doc_ids);
       auto zero = at::zeros({}, y.options());
       const auto& moe = layers[i]->moe;
       const auto& mla = layers[i]->mla_attn;
@@ -226,16 +223,15 @@ at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids,
     };
     std::vector<at::Tensor> outs;
     if (fully_shard_ != nullptr) {
-      outs = recompute ? fully_shard_->forward_unit_outputs(i + 1, x, with_losses, true)
-                       : std::vector<at::Tensor>{fully_shard_->forward_unit(i + 1, x, fn, false)};
+      outs = fully_shard_->forward_unit_outputs(i + 1, x, with_losses, recompute);
     } else if (recompute) {
       auto block = [with_losses](const std::vector<at::Tensor>& in) { return with_losses(in[0]); };
       outs = common::checkpoint(block, {x});
     } else {
-      outs = {fn(x)};
+      outs = with_losses(x);
     }
     x = outs[0];
-    if (recompute) recomputed_losses_.push_back({outs[1], outs[2]});
+    layer_losses_.push_back({outs[1], outs[2]});
   }
   return x;
 }
@@ -346,17 +342,10 @@ void Qwen3Impl::set_validation(plan::BoundaryChecker* checker,
 
 at::Tensor Qwen3Impl::aux_loss() const {
   at::Tensor total;
-  if (!recomputed_losses_.empty()) {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      if (!layers[i]->mla_attn || !layers[i]->mla_attn->index_loss().defined()) continue;
-      const auto& l = recomputed_losses_[i].second;
-      total = total.defined() ? total + l : l;
-    }
-    return total;
-  }
-  for (const auto& layer : layers) {
-    if (!layer->mla_attn || !layer->mla_attn->index_loss().defined()) continue;
-    const auto& l = layer->mla_attn->index_loss();
+  for (size_t i = 0; i < layer_losses_.size(); ++i) {
+    const auto& mla = layers[i]->mla_attn;
+    if (!mla || !mla->index_loss().defined()) continue;
+    const auto& l = layer_losses_[i].second;
     total = total.defined() ? total + l : l;
   }
   return total;
@@ -364,17 +353,9 @@ at::Tensor Qwen3Impl::aux_loss() const {
 
 at::Tensor Qwen3Impl::moe_loss() const {
   at::Tensor total;
-  if (!recomputed_losses_.empty()) {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      if (!layers[i]->moe) continue;
-      const auto& l = recomputed_losses_[i].first;
-      total = total.defined() ? total + l : l;
-    }
-    return total;
-  }
-  for (const auto& layer : layers) {
-    if (!layer->moe) continue;
-    const auto& l = layer->moe->loss();
+  for (size_t i = 0; i < layer_losses_.size(); ++i) {
+    if (!layers[i]->moe) continue;
+    const auto& l = layer_losses_[i].first;
     total = total.defined() ? total + l : l;
   }
   return total;

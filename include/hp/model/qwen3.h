@@ -222,8 +222,9 @@ class Qwen3Impl : public torch::nn::Module, public plan::Plannable {
   const plan::ModuleShardingSpec* first_layer_ = nullptr;
   hsdp::FullyShard* fully_shard_ = nullptr;
   bool tp_ = false;
-  // With recompute: each layer's (MoE loss, DSA index loss) as outputs of its recomputed block.
-  std::vector<std::pair<at::Tensor, at::Tensor>> recomputed_losses_;
+  // Each layer's (MoE loss, DSA index loss) of the last forward, as outputs of the layer (of its
+  // recomputed block with recompute); zeros where the layer has none.
+  std::vector<std::pair<at::Tensor, at::Tensor>> layer_losses_;
 };
 TORCH_MODULE(Qwen3);
 
