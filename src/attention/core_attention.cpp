@@ -15,6 +15,11 @@ CoreAttention::CoreAttention(CoreAttentionOptions options)
 }
 
 at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return forward(q, k, v, options_.attention);
+}
+
+at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const AttentionOptions& options) {
   const bool bshd = options_.seq_dim == 1;
   AttentionFn inner = [this, bshd](const at::Tensor& q2, const at::Tensor& k2, const at::Tensor& v2,
                                    const AttentionOptions& o) {
@@ -22,7 +27,7 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
     auto r = host_.call_primitive(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), o);
     return AttentionResult{r.out.transpose(1, 2), r.lse};
   };
-  return host_.run_boundary(q, k, v, options_.attention, inner).out;
+  return host_.run_boundary(q, k, v, options, inner).out;
 }
 
 }  // namespace hp::attention

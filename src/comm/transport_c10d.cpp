@@ -100,9 +100,13 @@ class MultiPending final : public PendingOp {
   std::vector<compat::WorkPtr> works_;
 };
 
+// Over a c10d backend (what make_c10d_transport creates) or over a c10d::ProcessGroup someone
+// else created (make_process_group_transport; the same type in LibTorch 1.x): both have the same
+// collective calls.
+template <class Backend>
 class C10dTransport final : public Transport {
  public:
-  C10dTransport(c10::intrusive_ptr<compat::C10dBackend> backend, std::string name, int rank)
+  C10dTransport(c10::intrusive_ptr<Backend> backend, std::string name, int rank)
       : backend_(std::move(backend)), name_(std::move(name)), rank_(rank) {}
 
   std::string backend_name() const override { return name_; }
@@ -186,7 +190,7 @@ class C10dTransport final : public Transport {
   static constexpr int kAllGatherTagBase = 1 << 30;
   static constexpr int64_t kAllGatherTagSpan = 1 << 20;
 
-  c10::intrusive_ptr<compat::C10dBackend> backend_;
+  c10::intrusive_ptr<Backend> backend_;
   std::string name_;
   int rank_;
   int64_t gather_seq_ = 0;
@@ -214,7 +218,16 @@ std::unique_ptr<Transport> make_c10d_transport(const c10::intrusive_ptr<c10d::St
       options.backend == "nccl"
           ? compat::make_nccl_backend(store, rank, size, options.timeout)
           : compat::make_gloo_backend(store, rank, size, options.timeout, options.hostname);
-  return std::make_unique<C10dTransport>(std::move(backend), options.backend, rank);
+  return std::make_unique<C10dTransport<compat::C10dBackend>>(std::move(backend), options.backend,
+                                                              rank);
+}
+
+std::unique_ptr<Transport> make_process_group_transport(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group) {
+  HP_CHECK(process_group, "make_process_group_transport: the process group is null");
+  const std::string name = compat::process_group_backend_name(*process_group);
+  return std::make_unique<C10dTransport<c10d::ProcessGroup>>(process_group, name,
+                                                             process_group->getRank());
 }
 
 }  // namespace hp::comm

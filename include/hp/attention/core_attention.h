@@ -22,6 +22,10 @@ class CoreAttention {
  public:
   explicit CoreAttention(CoreAttentionOptions options = {});
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+  // With this call's own attention options in place of options().attention (e.g. the documents
+  // of this batch); the layout and the primitive stay the module's.
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionOptions& options);
   AttentionHost& host() { return host_; }
   const CoreAttentionOptions& options() const { return options_; }
 

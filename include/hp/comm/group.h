@@ -33,6 +33,7 @@ class Group {
   Transport& transport() { return *transport_; }
   CommContext& context() { return *context_; }
   const CommContext& context() const { return *context_; }
+  std::shared_ptr<CommContext> context_ptr() const { return context_; }
 
   // "group 'cp' (rank 1 of 2, world rank 3)": used in every error message.
   std::string describe() const;

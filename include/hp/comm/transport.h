@@ -21,7 +21,8 @@
 
 namespace c10d {
 class Store;
-}
+class ProcessGroup;
+}  // namespace c10d
 
 namespace hp::comm {
 
@@ -92,6 +93,13 @@ struct C10dTransportOptions {
 std::unique_ptr<Transport> make_c10d_transport(const c10::intrusive_ptr<c10d::Store>& store,
                                                int rank, int size,
                                                const C10dTransportOptions& options);
+
+// Over a c10d process group that already exists (e.g. a torch.distributed group handed in from
+// Python): no rendezvous, its ranks and its backend are the group's. The group's own timeout
+// applies to its collectives. Calls are issued on it in program order, interleaving with
+// whatever else its owner issues on it (the same-order contract covers both).
+std::unique_ptr<Transport> make_process_group_transport(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group);
 
 // The c10d backends this build can create ("gloo", and "nccl" when LibTorch has it).
 std::vector<std::string> available_c10d_backends();

@@ -82,6 +82,12 @@ inline at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 #endif
 }
 
+// The backend name ("gloo", "nccl", ...) of a process group made by someone else (e.g.
+// torch.distributed): the one its transport reports.
+inline std::string process_group_backend_name(const c10d::ProcessGroup& pg) {
+  return pg.getBackendName();
+}
+
 // The Future a Work completes, when the backend provides one; nullptr otherwise.
 inline c10::intrusive_ptr<c10::ivalue::Future> work_future(const WorkPtr& work) {
   try {

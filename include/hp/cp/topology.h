@@ -33,6 +33,11 @@ struct CPTopology {
   static std::shared_ptr<const CPTopology> build(const comm::World& world,
                                                  const comm::GroupPtr& cp_group,
                                                  const ContextParallelConfig& config);
+  // The same topology with no World and no rendezvous: the Ulysses and co groups are
+  // sub-groups of `cp_group` carried by its own transport (comm::make_subgroup). Collective over
+  // the CP group only. For CP groups made outside hyperparallel (a torch.distributed group).
+  static std::shared_ptr<const CPTopology> from_group(const comm::GroupPtr& cp_group,
+                                                      const ContextParallelConfig& config);
   std::string id() const;  // distinguishes runtimes built on different topologies
 };
 
