@@ -12,6 +12,8 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev
   iproute2              # ip netns / tc for the project's own link emulation
   python3-torch         # tests cross-check hp-cp-run against PyTorch (torch.save/torch.load)
+  python3-dev pybind11-dev  # the hyperparallel Python extension (build/python)
+  python3-pytest        # its tests, run through ctest
 )
 
 missing=()

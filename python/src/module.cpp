@@ -1,0 +1,29 @@
+// hyperparallel._C: the extension module. Errors of the library (hp::Error: a bad input or
+// configuration, named with its fix) become ValueError; a collective that failed (dead peer,
+// timeout) RuntimeError; c10 errors RuntimeError without their C++ backtrace.
+#include <pybind11/pybind11.h>
+
+#include <c10/util/Exception.h>
+
+#include "bindings.h"
+#include "hp/common/check.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hyperparallel: context-parallel attention over torch.distributed process groups";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const hp::CommError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const hp::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+  hp::python::bind_group(m);
+  hp::python::bind_attention(m);
+  hp::python::bind_plan(m);
+}

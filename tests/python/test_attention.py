@@ -1,0 +1,189 @@
+"""context_parallel_attention from Python on 2 and 4 gloo ranks: outputs and gradients of q, k
+and v equal a float64 single-process attention for every algorithm, causal and not, BSHD and
+BNSD, sync and async, with head-tail balance where the algorithm has it, packed documents, GQA;
+and a DeepSpeed-style Ulysses written here in plain PyTorch gives the same numbers (drop-in)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyperparallel as hp
+import reference
+from hp_dist import run_ranks
+
+B, S, HQ, HKV, D = 2, 32, 4, 4, 8
+
+
+def make_inputs(seed, b=B, s=S, hq=HQ, hkv=HKV, d=D):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def cases(p):
+    algorithms = ["ulysses", "all_gather", "ring"] + (["hybrid", "usp"] if p == 4 else [])
+    balanced = {"all_gather", "ring", "usp"}
+    for algorithm in algorithms:
+        for causal in (False, True):
+            for layout in ("bshd", "bnsd"):
+                for schedule in ("sync", "async"):
+                    yield dict(algorithm=algorithm, causal=causal, layout=layout,
+                               schedule=schedule, load_balance=False)
+        if algorithm in balanced:
+            for schedule in ("sync", "async"):
+                yield dict(algorithm=algorithm, causal=True, layout="bshd", schedule=schedule,
+                           load_balance=True)
+
+
+def run_case(rank, p, case, seed, hkv=HKV, mask=None, dtype=torch.float64):
+    """This rank's errors against the reference for one case (max abs over out, dq, dk, dv)."""
+    q, k, v, dout = make_inputs(seed, hkv=hkv)
+    doc_ids = None
+    if mask is not None:
+        doc_ids = reference_doc_ids(mask)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = reference.attention(*leaves, causal=case["causal"], doc_ids=doc_ids)
+    ref.backward(dout)
+    lb = case["load_balance"]
+    bnsd = case["layout"] == "bnsd"
+
+    def to_layout(t):
+        return t.transpose(1, 2) if bnsd else t
+
+    seq_dim = 2 if bnsd else 1
+    shards = [hp.shard_sequence(to_layout(t), seq_dim, load_balance=lb).to(dtype).detach()
+              .requires_grad_(True) for t in (q, k, v)]
+    algorithm = case["algorithm"]
+    degree = 2 if algorithm in ("hybrid", "usp") else None
+    out = hp.context_parallel_attention(*shards, ulysses_degree=degree, mask=mask, **case)
+    out.backward(hp.shard_sequence(to_layout(dout), seq_dim, load_balance=lb).to(dtype))
+    errors = {}
+    for name, got, want in (("out", out, ref), ("dq", shards[0].grad, leaves[0].grad),
+                            ("dk", shards[1].grad, leaves[1].grad),
+                            ("dv", shards[2].grad, leaves[2].grad)):
+        want = hp.shard_sequence(to_layout(want.detach()), seq_dim, load_balance=lb)
+        errors[name] = (got.detach().double() - want).abs().max().item()
+    return errors
+
+
+def reference_doc_ids(cu_seqlens):
+    ids = torch.zeros(1, S, dtype=torch.long)
+    for i in range(len(cu_seqlens) - 1):
+        ids[:, cu_seqlens[i]:cu_seqlens[i + 1]] = i
+    return ids
+
+
+def sweep(rank, p):
+    results = []
+    for i, case in enumerate(cases(p)):
+        results.append((case, run_case(rank, p, case, seed=i)))
+    return results
+
+
+def check(results, tol):
+    bad = []
+    for rank_results in results:
+        for case, errors in rank_results:
+            worst = max(errors.values())
+            if not worst < case.get("tol", tol):
+                bad.append(f"{case}: {errors}")
+    assert not bad, "cases off the reference:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_algorithm_equals_the_float64_reference(p):
+    results = run_ranks(p, sweep)
+    assert len(results[0]) >= (12 if p == 2 else 24)
+    check(results, 1e-10)
+
+
+def special_cases(rank, p):
+    out = []
+    # GQA: 4 query heads over 2 K/V heads.
+    for algorithm in ("all_gather", "ulysses", "ring"):
+        case = dict(algorithm=algorithm, causal=True, layout="bshd", schedule="sync",
+                    load_balance=False)
+        out.append((dict(case, hkv=2), run_case(rank, p, case, seed=100, hkv=2)))
+    # Packed documents (boundaries inside and across shards), every algorithm at P=2.
+    for algorithm in ("all_gather", "ulysses", "ring"):
+        case = dict(algorithm=algorithm, causal=True, layout="bshd", schedule="async",
+                    load_balance=False)
+        out.append((dict(case, mask="cu"), run_case(rank, p, case, seed=101,
+                                                    mask=[0, 5, 19, 20, 32])))
+    # float32 against the float64 reference.
+    case = dict(algorithm="ulysses", causal=True, layout="bshd", schedule="sync",
+                load_balance=False)
+    out.append((dict(case, dtype="float32", tol=1e-5),
+                run_case(rank, p, case, seed=102, dtype=torch.float32)))
+    return out
+
+
+def test_gqa_documents_and_float32():
+    check(run_ranks(2, special_cases), 1e-10)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """DeepSpeed-Ulysses' all-to-all, written here: [B, S/P, H, D] <-> [B, S, H/P, D]."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim):
+        ctx.dims = (scatter_dim, gather_dim)
+        p = dist.get_world_size()
+        send = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()  # chunk j to rank j
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        return torch.cat(recv.unbind(0), dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _SeqAllToAll.apply(grad, gather_dim, scatter_dim), None, None
+
+
+def deepspeed_ulysses(q, k, v, causal):
+    """DistributedAttention(local_attention) as DeepSpeed-Ulysses does it, local attention in
+    plain PyTorch."""
+    qh, kh, vh = (_SeqAllToAll.apply(t, 2, 1) for t in (q, k, v))
+    out = reference.attention(qh, kh, vh, causal=causal)
+    return _SeqAllToAll.apply(out, 1, 2)
+
+
+def drop_in(rank, p):
+    q, k, v, dout = make_inputs(7)
+    errs = {}
+    grads = []
+    for fn in ("deepspeed", "hyperparallel"):
+        shards = [hp.shard_sequence(t, 1).detach().requires_grad_(True) for t in (q, k, v)]
+        if fn == "deepspeed":
+            out = deepspeed_ulysses(*shards, causal=True)
+        else:
+            out = hp.context_parallel_attention(*shards, algorithm="ulysses", causal=True)
+        out.backward(hp.shard_sequence(dout, 1))
+        grads.append([out.detach()] + [s.grad for s in shards])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *grads):
+        errs[name] = (a - b).abs().max().item()
+    return errs
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_deepspeed_style_ulysses_gives_the_same_numbers(p):
+    for errs in run_ranks(p, drop_in):
+        assert max(errs.values()) < 1e-12, errs
+
+
+def counted_bytes(rank, p):
+    q, k, v, _ = make_inputs(3)
+    shards = [hp.shard_sequence(t, 1) for t in (q, k, v)]
+    hp.reset_counters()
+    hp.context_parallel_attention(*shards, algorithm="all_gather")
+    return hp.bytes_sent()
+
+
+def test_bytes_are_counted_on_the_torch_group():
+    # all_gather forward, no grad: K and V of this rank to each other rank.
+    per_rank = run_ranks(2, counted_bytes)
+    shard = B * (S // 2) * HKV * D * 8
+    assert per_rank == [2 * shard, 2 * shard]

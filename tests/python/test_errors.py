@@ -1,0 +1,94 @@
+"""Bad inputs cross the boundary as Python exceptions naming the problem, raised before anything
+is communicated (every rank gets the same error and the group stays usable); non-contiguous
+inputs are not a mistake: they give the contiguous result."""
+
+import pytest
+import torch
+
+import hyperparallel as hp
+from hp_dist import run_ranks
+
+
+def good(b=1, s=8, h=4, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(b, s, h, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def message(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__ + ": " + str(e)
+    return "no error"
+
+
+def mistakes(rank, p):
+    q, k, v = good()
+    seen = {}
+    seen["dtype"] = message(lambda: hp.context_parallel_attention(
+        q.long(), k.long(), v.long()))
+    seen["not_a_tensor"] = message(lambda: hp.context_parallel_attention(q.tolist(), k, v))
+    seen["mixed_dtypes"] = message(lambda: hp.context_parallel_attention(q, k.double(), v))
+    seen["three_dims"] = message(lambda: hp.context_parallel_attention(q[0], k[0], v[0]))
+    seen["head_dims_differ"] = message(lambda: hp.context_parallel_attention(
+        q, k[..., :4], v))
+    seen["batch_differs"] = message(lambda: hp.context_parallel_attention(
+        q, torch.cat([k, k]), torch.cat([v, v])))
+    seen["meta_device"] = message(lambda: hp.context_parallel_attention(
+        q.to("meta"), k.to("meta"), v.to("meta")))
+    seen["algorithm"] = message(lambda: hp.context_parallel_attention(
+        q, k, v, algorithm="ringo"))
+    seen["layout"] = message(lambda: hp.context_parallel_attention(q, k, v, layout="sbhd"))
+    seen["heads"] = message(lambda: hp.context_parallel_attention(
+        q[:, :, :3], k[:, :, :3], v[:, :, :3], algorithm="ulysses"))
+    seen["hybrid_degree"] = message(lambda: hp.context_parallel_attention(
+        q, k, v, algorithm="hybrid", ulysses_degree=2))
+    seen["odd_balanced"] = message(lambda: hp.context_parallel_attention(
+        q[:, :7], k[:, :7], v[:, :7], algorithm="all_gather", load_balance=True, causal=True))
+    seen["bool_mask"] = message(lambda: hp.context_parallel_attention(
+        q, k, v, mask=torch.ones(16, 16, dtype=torch.bool)))
+    seen["group"] = message(lambda: hp.context_parallel_attention(q, k, v, group="cp"))
+    seen["shard_length"] = message(lambda: hp.shard_sequence(torch.zeros(1, 7), 1))
+    # After every mistake the group still works, and non-contiguous inputs are fine.
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, BNSD memory
+    assert not qt.is_contiguous()
+    a = hp.context_parallel_attention(q, k, v, causal=True)
+    b = hp.context_parallel_attention(qt, k, v, causal=True)
+    seen["non_contiguous_diff"] = (a - b).abs().max().item()
+    return seen
+
+
+EXPECTED = {
+    "dtype": ["ValueError", "floating dtype"],
+    "not_a_tensor": ["ValueError", "q must be a torch.Tensor"],
+    "mixed_dtypes": ["ValueError", "share one dtype"],
+    "three_dims": ["ValueError", "must be 4-d"],
+    "head_dims_differ": ["ValueError", "q [1,8,4,8] and k [1,8,4,4] must share the per-head feature size"],
+    "batch_differs": ["ValueError", "k [2,8,4,8] differ in dim 0"],
+    "meta_device": ["ValueError", "gloo"],
+    "algorithm": ["ValueError", "algorithm='ringo' is not valid; valid: ulysses"],
+    "layout": ["ValueError", "layout='sbhd' is not valid"],
+    "heads": ["ValueError", "heads"],
+    "hybrid_degree": ["ValueError", "hybrid"],
+    "odd_balanced": ["ValueError", "load"],
+    "bool_mask": ["ValueError", "only document masks"],
+    "group": ["ValueError", "expected a torch.distributed ProcessGroup, got str"],
+    "shard_length": ["ValueError", "7"],
+}
+
+
+def test_each_mistake_names_the_problem():
+    results = run_ranks(2, mistakes)
+    wrong = []
+    for rank, seen in enumerate(results):
+        for key, words in EXPECTED.items():
+            if not all(w in seen[key] for w in words):
+                wrong.append(f"rank {rank} {key}: expected {words} in: {seen[key]}")
+    assert not wrong, "\n".join(wrong)
+    assert all(seen["non_contiguous_diff"] < 1e-6 for seen in results)
+
+
+def test_no_process_group_is_a_clear_error():
+    q, k, v = good()
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        hp.context_parallel_attention(q, k, v)

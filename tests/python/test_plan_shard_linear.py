@@ -1,0 +1,159 @@
+"""The planner from Python (the summary; every fail-fast error a ValueError with the planner's
+message, the same hp-train prints), shard/unshard_sequence (round trip and gradient),
+LinearAttentionCP against the float64 token recurrence, and algorithm='auto' on a calibration."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+import hyperparallel as hp
+import reference
+from hp_dist import run_ranks
+
+HP_TRAIN = os.environ.get("HP_TRAIN_BINARY", "")
+
+
+def test_plan_summary():
+    p = hp.plan(8, tp=2, cp=2, dp_shard=2, algorithm="ulysses", heads=4, kv_heads=4,
+                seq_len=256)
+    assert p["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert "ulysses" in p["cp"]
+    assert "mesh (" in p["summary"] and "hsdp" in p["summary"]
+    assert any(kind == "attention" for kind in p["modules"].values())
+    assert p["memory_per_rank_bytes"] > 0
+    moe = hp.plan(4, arch="qwen3-moe", cp=2, dp_shard=2, ep=4, experts=8, seq_len=64)
+    assert "ep" in moe["summary"] or moe["mesh"]["cp"] == 2
+
+
+# (world size, options, the same layout as hp-train flags; None: hp-train refuses it earlier,
+# in its own words, e.g. the product of the sizes against --nproc)
+ILLEGAL = [
+    (4, dict(cp=3), None),
+    (2, dict(cp=2, algorithm="ulysses", heads=3, kv_heads=3, head_dim=16, hidden=48),
+     ["--nproc", "2", "--cp", "2", "--cp-algo", "ulysses", "--heads", "3", "--kv-heads", "3",
+      "--head-dim", "16", "--hidden", "48"]),
+    (3, dict(cp=3, seq_len=512), ["--nproc", "3", "--cp", "3", "--seq-len", "512"]),
+    (4, dict(arch="qwen3-moe", experts=6, ep=4, dp_shard=4),
+     ["--nproc", "4", "--arch", "qwen3-moe", "--experts", "6", "--ep", "4", "--dp-shard", "4"]),
+]
+
+
+@pytest.mark.parametrize("world,options,flags", ILLEGAL)
+def test_plan_errors_are_value_errors_with_the_planners_message(world, options, flags):
+    with pytest.raises(ValueError) as info:
+        hp.plan(world, **options)
+    text = str(info.value)
+    assert text
+    if HP_TRAIN and flags:
+        run = subprocess.run([HP_TRAIN, *flags, "--steps", "1"], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode != 0
+        assert text in run.stderr, (text, run.stderr)
+
+
+def test_plan_refuses_unknown_options():
+    with pytest.raises(ValueError, match="unknown option 'cpp'"):
+        hp.plan(2, cpp=2)
+
+
+def shard_round_trip(rank, p):
+    x = torch.arange(2 * 16 * 3, dtype=torch.float64).view(2, 16, 3)
+    out = {}
+    for lb in (False, True):
+        mine = hp.shard_sequence(x, 1, load_balance=lb).requires_grad_(True)
+        full = hp.unshard_sequence(mine, 1, load_balance=lb)
+        out[lb] = bool(torch.equal(full.detach(), x))
+        (full * (rank + 1)).sum().backward()
+        # d/d(shard) of sum_r (r+1) * sum(full): every rank's weight, summed.
+        out[f"grad{lb}"] = bool(torch.equal(mine.grad, torch.full_like(mine, p * (p + 1) / 2)))
+    return out
+
+
+def test_shard_and_unshard_round_trip_with_gradients():
+    for res in run_ranks(2, shard_round_trip):
+        assert all(res.values()), res
+
+
+def linear_case(rank, p):
+    results = {}
+    for kind in ("gdn", "kda"):
+        g = torch.Generator().manual_seed(5)
+        b, t, h, hv, kd, vd = 1, 16, 2, 4, 4, 4
+        q = torch.randn(b, t, h, kd, generator=g, dtype=torch.float64)
+        k = torch.nn.functional.normalize(torch.randn(b, t, h, kd, generator=g,
+                                                      dtype=torch.float64), dim=-1)
+        v = torch.randn(b, t, hv, vd, generator=g, dtype=torch.float64)
+        gshape = (b, t, hv) if kind == "gdn" else (b, t, hv, kd)
+        gate = -torch.rand(*gshape, generator=g, dtype=torch.float64)
+        beta = torch.rand(b, t, hv, generator=g, dtype=torch.float64)
+        h0 = torch.randn(b, hv, kd, vd, generator=g, dtype=torch.float64)
+        dout = torch.randn(b, t, hv, vd, generator=g, dtype=torch.float64)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gate, beta, h0)]
+        ref, ref_final = reference.delta_rule(*leaves[:5], initial_state=leaves[5])
+        ref.backward(dout)
+        for mode in ("state_passing", "ulysses"):
+            mixer = hp.LinearAttentionCP(kind, mode)
+            shards = [hp.shard_sequence(x, 1).detach().requires_grad_(True)
+                      for x in (q, k, v, gate, beta)]
+            state = h0.clone().requires_grad_(True)
+            out, final = mixer(*shards, initial_state=state, output_final_state=True)
+            out.backward(hp.shard_sequence(dout, 1))
+            errs = [(out - hp.shard_sequence(ref.detach(), 1)).abs().max().item(),
+                    (final - ref_final.detach()).abs().max().item()]
+            for s, leaf in zip(shards, leaves[:5]):
+                errs.append((s.grad - hp.shard_sequence(leaf.grad, 1)).abs().max().item())
+            # The initial state's gradient: each rank holds its part; their sum is the whole.
+            total = (state.grad if state.grad is not None
+                     else torch.zeros_like(state)).clone()
+            torch.distributed.all_reduce(total)
+            errs.append((total - leaves[5].grad).abs().max().item())
+            results[(kind, mode)] = max(errs)
+    return results
+
+
+def test_linear_attention_cp_equals_the_token_recurrence():
+    for res in run_ranks(2, linear_case):
+        assert len(res) == 4
+        for key, err in res.items():
+            assert err < 1e-9, (key, err)
+
+
+def auto_case(rank, p, calibration):
+    os.environ["HP_CALIBRATION"] = calibration
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    shards = [hp.shard_sequence(t, 1) for t in (q, k, v)]
+    out = hp.context_parallel_attention(*shards, algorithm="auto", causal=True)
+    want = hp.shard_sequence(reference.attention(q, k, v, causal=True), 1)
+    return (out - want).abs().max().item()
+
+
+def test_auto_uses_the_calibration(tmp_path):
+    fit = {"latency_s": 1e-4, "seconds_per_byte": 1e-9}
+    calibration = {
+        "link": "loopback", "cores": 2, "attention_gflops": 10.0, "matmul_gflops": 50.0,
+        "collectives": {kind: {"2": fit} for kind in
+                        ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")},
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(calibration))
+    for err in run_ranks(2, auto_case, str(path)):
+        assert err < 1e-10
+
+
+def missing_calibration(rank, p, path):
+    os.environ["HP_CALIBRATION"] = path
+    q = torch.randn(1, 8, 4, 8)
+    try:
+        hp.context_parallel_attention(q, q, q, algorithm="auto")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_auto_without_a_calibration_names_the_command(tmp_path):
+    for text in run_ranks(2, missing_calibration, str(tmp_path / "none.json")):
+        assert "hp-bench calibrate" in text, text
