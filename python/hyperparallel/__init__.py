@@ -51,16 +51,18 @@ def _group(group):
                 "group: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group(...) first or pass a group")
         group = dist.distributed_c10d._get_default_group()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("group: this process is not a member of the group; call hyperparallel "
+                         "only on the ranks of the group you pass")
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(
             f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}; "
             "pass a group from torch.distributed.new_group or None for the default group")
     wrapped = _groups.get(group)
     if wrapped is None:
-        by_global = dist.distributed_c10d._pg_group_ranks.get(group)
-        if by_global is None:
-            raise ValueError("group: this process is not a member of the group")
-        ranks = sorted(by_global, key=by_global.get)  # global ranks in group-rank order
+        global_rank = getattr(dist, "get_global_rank", None) or \
+            dist.distributed_c10d._get_global_rank  # public from torch 2.0
+        ranks = [global_rank(group, i) for i in range(group.size())]  # in group-rank order
         wrapped = _C.Group(group, ranks, dist.get_rank())
         _groups[group] = wrapped
     return wrapped
@@ -229,7 +231,7 @@ def plan(world_size, **options):
     (algorithm, ulysses_degree, schedule, load_balance, kv_head_policy, head_groups) and the
     per-layer-type CP (linear_cp_mode, state_exchange, mla_cp).
 
-    Returns a dict: summary, mesh, cp, modules (path -> kind), memory_per_rank_bytes, memory,
-    log. An illegal layout raises ValueError with the planner's message.
+    Returns a dict: summary, mesh, cp, modules (path -> kind), ep, has_moe,
+    memory_per_rank_bytes, memory, log. An illegal layout raises ValueError with the planner's message.
     """
     return _C.plan(int(world_size), options)

@@ -9,7 +9,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -26,13 +25,14 @@ class TorchGroup {
  public:
   TorchGroup(comm::GroupPtr group) : group_(std::move(group)) {}  // NOLINT
   const comm::GroupPtr& group() const { return group_; }
-  // The topology for `config` (normalised): built on first use (its sub-groups ride on this
-  // group's transport; no communication), the same object afterwards.
+  // The topology for `config` (normalised): built on first use per Ulysses degree (its
+  // sub-groups ride on this group's transport; no communication; every rank builds them in
+  // the same order because every rank makes the same calls), the same object afterwards.
   std::shared_ptr<const cp::CPTopology> topology(const cp::ContextParallelConfig& config);
 
  private:
   comm::GroupPtr group_;
-  std::map<std::tuple<int64_t, std::string>, std::shared_ptr<const cp::CPTopology>> topologies_;
+  std::map<int64_t, std::shared_ptr<const cp::CPTopology>> topologies_;  // by Ulysses degree
 };
 
 void bind_group(pybind11::module_& m);      // group.cpp: Group, shard/unshard

@@ -15,11 +15,10 @@ namespace hp::python {
 
 std::shared_ptr<const cp::CPTopology> TorchGroup::topology(const cp::ContextParallelConfig& c) {
   const int64_t u = cp::ulysses_degree_of(c, group_->size());
-  auto key = std::make_tuple(u, c.algorithm.name());
-  auto it = topologies_.find(key);
+  auto it = topologies_.find(u);
   if (it != topologies_.end()) return it->second;
   auto t = cp::CPTopology::from_group(group_, c);
-  topologies_[key] = t;
+  topologies_[u] = t;
   return t;
 }
 

@@ -136,6 +136,8 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
     modules[py::str(path)] = kind;
   }
   out["modules"] = modules;
+  out["ep"] = p.ep_size;
+  out["has_moe"] = p.has_moe;
   out["memory_per_rank_bytes"] = memory.total();
   out["memory"] = memory.describe();
   out["log"] = p.log;

@@ -32,4 +32,9 @@ int Group::next_p2p_tag(int peer, bool sending) {
   return p2p_seq_[{peer, sending}]++;
 }
 
+int Group::next_subgroup_index() {
+  std::lock_guard<std::mutex> lock(tag_mu_);
+  return subgroups_made_++;
+}
+
 }  // namespace hp::comm

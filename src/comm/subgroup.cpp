@@ -13,11 +13,14 @@
 namespace hp::comm {
 namespace {
 
-// Tag layout: [kBase, kBase + kSlots * kSlotSpan). A slot per member list; inside a slot the
-// lower half numbers the sub-group's own send/recv tags, the upper half its collectives.
+// Tag layout: [kBase, kBase + kSlots * kSlotSpan) = [2^29, 2^30), below the parent's all-gather
+// tags (from 2^30) and far above its point-to-point sequence. A slot per sub-group of the parent
+// (its creation index); inside a slot the lower half numbers the sub-group's own send/recv tags,
+// the upper half its collectives (each half wraps after 2^18 calls, long after the first
+// completed).
 constexpr int kBase = 1 << 29;
-constexpr int kSlots = 32;
-constexpr int kSlotSpan = 1 << 23;
+constexpr int kSlots = 1 << 10;
+constexpr int kSlotSpan = 1 << 19;
 constexpr int kHalf = kSlotSpan / 2;
 
 int64_t nbytes(const at::Tensor& t) {
@@ -205,6 +208,15 @@ GroupPtr make_subgroup(const GroupPtr& parent, const std::vector<int>& parent_ra
              " is not a rank of ", parent->describe());
     HP_CHECK(seen.insert(r).second, "make_subgroup '", name, "': member ", r, " is listed twice");
   }
+  HP_CHECK(parent->transport().backend_name() != "nccl", "make_subgroup '", name,
+           "': ", parent->describe(),
+           " is an nccl group, whose point-to-point calls are not told apart by tag; make the "
+           "sub-group with World::new_group (or torch.distributed.new_group) instead");
+  // Every rank of the parent advances the index, members or not: the same sub-group gets the
+  // same slot everywhere.
+  const int index = parent->next_subgroup_index();
+  HP_CHECK(index < kSlots, "make_subgroup '", name, "': ", parent->describe(), " already has ",
+           kSlots, " sub-groups (the tag range holds no more); reuse the ones made");
   auto it = std::find(parent_ranks.begin(), parent_ranks.end(), parent->rank());
   if (it == parent_ranks.end()) return nullptr;
   const int me = static_cast<int>(it - parent_ranks.begin());
@@ -215,12 +227,7 @@ GroupPtr make_subgroup(const GroupPtr& parent, const std::vector<int>& parent_ra
   if (parent_ranks.size() == 1) {
     transport = make_self_transport();
   } else {
-    // The slot: a hash of the member list, the same on every member.
-    uint64_t h = 1469598103934665603ull;
-    for (int r : parent_ranks)
-      h = (h ^ static_cast<uint64_t>(r + 1)) * 1099511628211ull;
-    transport =
-        std::make_unique<SubgroupTransport>(parent, parent_ranks, me, static_cast<int>(h % kSlots));
+    transport = std::make_unique<SubgroupTransport>(parent, parent_ranks, me, index);
   }
   return std::make_shared<Group>(name, world_ranks, parent->world_rank(), std::move(transport),
                                  parent->context_ptr(), parent->timeout());

@@ -75,6 +75,47 @@ TEST(Subgroup, CollectivesEqualTheirDefinitionOverTheMembers) {
   });
 }
 
+TEST(Subgroup, SubgroupsWithTheSameMembersNeverMatchEachOthersMessages) {
+  // {0,1} made twice and {0,1,2} once; rank 0 issues A, B, C and rank 1 C, B, A (each in flight
+  // before the next is issued), with different sizes: a shared tag would pair the wrong
+  // messages (a size error or wrong values). Without verify_shapes: its blocking shape exchange
+  // before each collective would itself need the same order on every rank.
+  hp::testing::RankOptions options;
+  options.verify_shapes = false;
+  run_ranks(
+      3,
+      [](World& w) {
+        auto world = w.group_ptr();
+        auto a = make_subgroup(world, {0, 1}, "a");
+        auto b = make_subgroup(world, {0, 1}, "b");
+        auto c = make_subgroup(world, {0, 1, 2}, "c");
+        const int r = w.rank();
+        auto xa = value_of(r, {2}), xb = value_of(r, {3}), xc = value_of(r, {5});
+        if (r == 2) {
+          auto gc = all_gather(*c, xc, 0);
+          EXPECT_TRUE(at::equal(gc, at::cat({value_of(0, {5}), value_of(1, {5}), xc})));
+          return;
+        }
+        std::vector<std::pair<std::string, CommHandle>> handles;
+        auto issue = [&](const std::string& which) {
+          if (which == "a") handles.push_back({which, all_gather_async(*a, xa, 0)});
+          if (which == "b") handles.push_back({which, all_gather_async(*b, xb, 0)});
+          if (which == "c") handles.push_back({which, all_gather_async(*c, xc, 0)});
+        };
+        for (const auto& which : r == 0 ? std::vector<std::string>{"a", "b", "c"}
+                                        : std::vector<std::string>{"c", "b", "a"})
+          issue(which);
+        for (auto& [which, h] : handles) {
+          auto got = h.wait();
+          const int64_t n = which == "a" ? 2 : which == "b" ? 3 : 5;
+          std::vector<at::Tensor> want{value_of(0, {n}), value_of(1, {n})};
+          if (which == "c") want.push_back(value_of(2, {n}));
+          EXPECT_TRUE(at::equal(got, at::cat(want))) << which;
+        }
+      },
+      options);
+}
+
 TEST(Subgroup, CountsWhatItHandsTheParentAndRefusesBadMembers) {
   run_ranks(3, [](World& w) {
     auto world = w.group_ptr();

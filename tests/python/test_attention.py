@@ -187,3 +187,37 @@ def test_bytes_are_counted_on_the_torch_group():
     per_rank = run_ranks(2, counted_bytes)
     shard = B * (S // 2) * HKV * D * 8
     assert per_rank == [2 * shard, 2 * shard]
+
+
+def on_a_sub_group(rank, p):
+    """World of 4; the CP group is global ranks {1, 3} (group rank != global rank); ranks 0 and 2
+    only take part in new_group, as torch.distributed requires."""
+    group = dist.new_group([1, 3])
+    if rank not in (1, 3):
+        return None
+    q, k, v, dout = make_inputs(11)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = reference.attention(*leaves, causal=True)
+    ref.backward(dout)
+    errors = {}
+    for algorithm in ("ulysses", "all_gather", "ring"):
+        shards = [hp.shard_sequence(t, 1, group=group, load_balance=algorithm != "ulysses")
+                  .detach().requires_grad_(True) for t in (q, k, v)]
+        out = hp.context_parallel_attention(*shards, group=group, algorithm=algorithm,
+                                            causal=True,
+                                            load_balance=algorithm != "ulysses")
+        lb = algorithm != "ulysses"
+        out.backward(hp.shard_sequence(dout, 1, group=group, load_balance=lb))
+        full = hp.unshard_sequence(out.detach(), 1, group=group, load_balance=lb)
+        errors[algorithm] = max((full - ref.detach()).abs().max().item(),
+                                (shards[0].grad - hp.shard_sequence(
+                                    leaves[0].grad, 1, group=group, load_balance=lb))
+                                .abs().max().item())
+    return errors
+
+
+def test_a_sub_group_of_the_world():
+    results = run_ranks(4, on_a_sub_group)
+    assert results[0] is None and results[2] is None
+    for errors in (results[1], results[3]):
+        assert len(errors) == 3 and max(errors.values()) < 1e-10, errors

@@ -25,7 +25,8 @@ def test_plan_summary():
     assert any(kind == "attention" for kind in p["modules"].values())
     assert p["memory_per_rank_bytes"] > 0
     moe = hp.plan(4, arch="qwen3-moe", cp=2, dp_shard=2, ep=4, experts=8, seq_len=64)
-    assert "ep" in moe["summary"] or moe["mesh"]["cp"] == 2
+    assert "ep=4" in moe["summary"], moe["summary"]
+    assert moe["ep"] == 4 and moe["has_moe"]
 
 
 # (world size, options, the same layout as hp-train flags; None: hp-train refuses it earlier,

@@ -41,6 +41,9 @@ class Group {
   // Tag for the next send/recv with `peer` (group rank). Both sides advance their counter in
   // the same order, so matching calls get matching tags.
   int next_p2p_tag(int peer, bool sending);
+  // The index of the next sub-group made on this group (comm::make_subgroup): every rank of the
+  // group makes its sub-groups in the same order, so the same sub-group gets the same index.
+  int next_subgroup_index();
 
  private:
   std::string name_;
@@ -51,6 +54,7 @@ class Group {
   std::chrono::milliseconds timeout_;
   std::mutex tag_mu_;
   std::map<std::pair<int, bool>, int> p2p_seq_;
+  int subgroups_made_ = 0;
 };
 
 using GroupPtr = std::shared_ptr<Group>;

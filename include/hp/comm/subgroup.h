@@ -11,9 +11,11 @@
 //   all_reduce    an all_gather of the buffers, reduced locally     (P-1) n
 //   send / recv   the parent's, to/from the member's parent rank
 //   barrier       an all_gather of one byte per member
-// Tags live in a range of their own above the parent's point-to-point tags (a slot per member
-// list, then a sequence per sub-group), so a sub-group's messages never match the parent's or a
-// sibling's. Same-order contract: the members issue the same calls in the same order.
+// Tags live in a range of their own above the parent's point-to-point tags (a slot per sub-group,
+// then a sequence per sub-group), so a sub-group's messages never match the parent's or another
+// sub-group's, even one with the same members. Gloo (or any backend that matches point-to-point
+// calls by tag); an nccl parent is refused. Same-order contract: the members issue the same
+// calls on a sub-group in the same order.
 #pragma once
 
 #include <string>
@@ -24,7 +26,9 @@
 namespace hp::comm {
 
 // `parent_ranks`: the members as ranks of `parent` (in the sub-group's rank order; distinct, in
-// range). Called by any rank of the parent; returns null on ranks that are not members. A
+// range). No communication, but ordered: every rank of the parent calls it for every sub-group,
+// in the same order (members and not; a non-member gets null), so the same sub-group gets the
+// same tag slot on all its members. At most 1024 sub-groups per parent. A
 // sub-group of one rank is a self group. The sub-group shares the parent's CommContext (its
 // bytes count there) and timeout, and keeps the parent alive.
 GroupPtr make_subgroup(const GroupPtr& parent, const std::vector<int>& parent_ranks,

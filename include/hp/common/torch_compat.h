@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -84,8 +85,21 @@ inline at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 // The backend name ("gloo", "nccl", ...) of a process group made by someone else (e.g.
 // torch.distributed): the one its transport reports.
-inline std::string process_group_backend_name(const c10d::ProcessGroup& pg) {
-  return pg.getBackendName();
+// LibTorch 2.x: a group made with several backends (or none named) reports "undefined" or
+// "cpu:gloo,cuda:nccl"; the name is then that of the backend behind its CPU (else CUDA) tensors.
+inline std::string process_group_backend_name(c10d::ProcessGroup& pg) {
+  std::string name = pg.getBackendName();
+#if TORCH_VERSION_MAJOR >= 2
+  if (name == "undefined" || name.find(':') != std::string::npos) {
+    for (auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+      try {
+        return pg.getBackend(device)->getBackendName();
+      } catch (const std::exception&) {
+      }
+    }
+  }
+#endif
+  return name;
 }
 
 // The Future a Work completes, when the backend provides one; nullptr otherwise.
