@@ -60,7 +60,8 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--cp-algo", a.algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
-  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather, ring, usp)");
+  app.add_flag("--load-balance", a.load_balance,
+               "head-tail load balance (all_gather, hybrid, ring, usp)");
   app.add_option(
       "--load-balance-form", a.lb_form,
       "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "

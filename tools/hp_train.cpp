@@ -88,7 +88,8 @@ void add_layout_options(CLI::App& app, Args& a) {
                  hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
   app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
   app.add_option("--schedule", a.schedule, "sync | async");
-  app.add_flag("--load-balance", a.load_balance, "head-tail load balance (all_gather, ring, usp)");
+  app.add_flag("--load-balance", a.load_balance,
+               "head-tail load balance (all_gather, hybrid, ring, usp)");
   app.add_option("--kv-head-policy", a.kv_head_policy,
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");

@@ -57,6 +57,77 @@ struct Range {
   int64_t begin = 0, end = 0;  // global positions [begin, end)
 };
 
+}  // namespace
+
+std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>& parts,
+                                                   const at::Tensor& k, const at::Tensor& v,
+                                                   int64_t total, const AttentionCall& call,
+                                                   const GatheredKV& gathered) {
+  const int64_t seq = call.layout().seq_dim;
+  // Part i's keys sit in k/v rows [local_offset[i], ..), at the part's own global positions.
+  std::vector<Range> local;
+  std::vector<int64_t> local_offset;
+  int64_t off = 0;
+  for (const auto& p : parts) {
+    local.push_back({p.state.causal.q_offset, p.state.causal.q_offset + p.q.size(seq)});
+    local_offset.push_back(off);
+    off += p.q.size(seq);
+  }
+  // Attention of a part against keys at global positions [key_begin, ..).
+  auto state = [&](const QueryPart& part, const at::Tensor& kk, int64_t key_begin) {
+    CallState st = part.state;
+    st.causal = {part.state.causal.q_offset - key_begin, part.q.size(seq), kk.size(seq)};
+    st.kv_start = key_begin;
+    return st;
+  };
+  auto visible_end = [&](const QueryPart& p) {
+    return call.options().causal ? p.state.causal.q_offset + p.q.size(seq) : total;
+  };
+  std::vector<std::vector<attention::AttentionResult>> results(parts.size());
+  // 1. Local chunks, while the rest travels (a part's own chunk always: never empty).
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (size_t c = 0; c < local.size(); ++c) {
+      const int64_t end = std::min(local[c].end, visible_end(parts[i]));
+      if (end <= local[c].begin) continue;
+      const int64_t len = end - local[c].begin;
+      auto kk = k.narrow(seq, local_offset[c], len), vv = v.narrow(seq, local_offset[c], len);
+      const auto st = state(parts[i], kk, local[c].begin);
+      if (c != i && call.hidden(st)) continue;
+      results[i].push_back(call(parts[i].q, kk, vv, st));
+    }
+  }
+  // 2. The whole K/V (natural order).
+  auto [kg, vg] = gathered();
+  // 3. The visible key ranges outside the local chunks (blocks documents hide: skipped).
+  std::vector<Range> sorted = local;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t vis = visible_end(parts[i]);
+    int64_t at_pos = 0;
+    auto gap = [&](int64_t b, int64_t e) {
+      e = std::min(e, vis);
+      if (e <= b) return;
+      auto kk = kg.narrow(seq, b, e - b), vv = vg.narrow(seq, b, e - b);
+      const auto st = state(parts[i], kk, b);
+      if (!call.hidden(st)) results[i].push_back(call(parts[i].q, kk, vv, st));
+    };
+    for (const auto& r : sorted) {
+      gap(at_pos, r.begin);
+      at_pos = r.end;
+    }
+    gap(at_pos, total);
+  }
+  // 4. Merge per part; every rank's graph reaches the gathered K/V (anchored).
+  std::vector<at::Tensor> outs;
+  for (const auto& r : results)
+    outs.push_back(merge_by_lse(r, call.layout()));
+  outs[0] = anchored(outs[0], {kg, vg});
+  return outs;
+}
+
+namespace {
+
 class AllGatherStrategy final : public CPStrategy {
  public:
   std::string name() const override { return "all_gather"; }
@@ -149,71 +220,18 @@ class AllGatherStrategy final : public CPStrategy {
   at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const AttentionCall& call, const CPRuntimeContext& ctx,
                         const ArrivedFn& arrived) const {
-    const int64_t seq = ctx.layout.seq_dim;
-    const int64_t total = q.size(seq) * ctx.topology->cp_size;
+    const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
     // Query parts with their global ranges; the local K/V chunks sit at the same positions.
     std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
                                                     : std::vector{local_part(q, ctx, total)};
-    std::vector<Range> local;
-    std::vector<int64_t> local_offset;
-    int64_t off = 0;
-    for (const auto& p : parts) {
-      local.push_back({p.state.causal.q_offset, p.state.causal.q_offset + p.q.size(seq)});
-      local_offset.push_back(off);
-      off += p.q.size(seq);
-    }
-    // Attention of a part against keys at global positions [key_begin, ..).
-    auto block = [&](const QueryPart& part, const at::Tensor& kk, const at::Tensor& vv,
-                     int64_t key_begin) {
-      CallState st = part.state;
-      st.causal = {part.state.causal.q_offset - key_begin, part.q.size(seq), kk.size(seq)};
-      st.kv_start = key_begin;
-      return call(part.q, kk, vv, st);
-    };
-    auto visible_end = [&](const QueryPart& p) {
-      return call.options().causal ? p.state.causal.q_offset + p.q.size(seq) : total;
-    };
-    std::vector<std::vector<attention::AttentionResult>> results(parts.size());
-    // 1. Local chunks, while the all-gathers fly.
-    for (size_t i = 0; i < parts.size(); ++i) {
-      for (size_t c = 0; c < local.size(); ++c) {
-        const int64_t end = std::min(local[c].end, visible_end(parts[i]));
-        if (end <= local[c].begin) continue;
-        const int64_t len = end - local[c].begin;
-        results[i].push_back(block(parts[i], k.narrow(seq, local_offset[c], len),
-                                   v.narrow(seq, local_offset[c], len), local[c].begin));
+    auto outs = detail::attend_local_first(parts, k, v, total, call, [&] {
+      auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
+      if (ctx.load_balance) {
+        kg = detail::natural_order(kg, ctx.topology->cp_size, ctx.layout.seq_dim);
+        vg = detail::natural_order(vg, ctx.topology->cp_size, ctx.layout.seq_dim);
       }
-    }
-    // 2. The gathered K/V (natural order).
-    auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
-    if (ctx.load_balance) {
-      kg = detail::natural_order(kg, ctx.topology->cp_size, ctx.layout.seq_dim);
-      vg = detail::natural_order(vg, ctx.topology->cp_size, ctx.layout.seq_dim);
-    }
-    // 3. The visible key ranges outside this rank's chunks.
-    std::vector<Range> sorted = local;
-    std::sort(sorted.begin(), sorted.end(),
-              [](const Range& a, const Range& b) { return a.begin < b.begin; });
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const int64_t vis = visible_end(parts[i]);
-      int64_t at_pos = 0;
-      auto gap = [&](int64_t b, int64_t e) {
-        e = std::min(e, vis);
-        if (e <= b) return;
-        results[i].push_back(
-            block(parts[i], kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b), b));
-      };
-      for (const auto& r : sorted) {
-        gap(at_pos, r.begin);
-        at_pos = r.end;
-      }
-      gap(at_pos, total);
-    }
-    // 4. Merge per part, then the output layout.
-    std::vector<at::Tensor> outs;
-    for (const auto& r : results)
-      outs.push_back(merge_by_lse(r, ctx.layout));
-    outs[0] = anchored(outs[0], {kg, vg});
+      return std::make_pair(kg, vg);
+    });
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
   }
 };

@@ -4,6 +4,8 @@
 // attention step runs several calls per query block.
 #pragma once
 
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +25,18 @@ comm::CommHandle gather_seq_async(const at::Tensor& x, const comm::GroupPtr& gro
                                   const QKVLayout& l);
 comm::CommHandle gather_seq_grad_async(const at::Tensor& g, const comm::GroupPtr& group,
                                        const QKVLayout& l);  // reduce-scatter
+// The async half: attention of query parts whose own K/V rows are here while the whole K/V
+// travels. parts[i].state.causal.q_offset is part i's global position (total keys in all);
+// k/v hold part i's keys, at the same positions, in the parts' order. Each part attends the
+// local chunks it can see, then gathered() (waits; K/V of all `total` positions, natural
+// order), then the visible ranges outside the local chunks; blocks packed documents hide are
+// skipped. Backward runs the gathered blocks first, so the inverse collective started there
+// flies while the local blocks' backward computes. One output per part; every rank's graph
+// reaches the gathered tensors (anchored), so every rank runs their inverse collectives.
+using GatheredKV = std::function<std::pair<at::Tensor, at::Tensor>()>;
+std::vector<at::Tensor> attend_local_first(const std::vector<QueryPart>& parts, const at::Tensor& k,
+                                           const at::Tensor& v, int64_t total,
+                                           const AttentionCall& call, const GatheredKV& gathered);
 
 // ---- Ulysses piece (strategy_ulysses.cpp) ----
 // seq -> head all-to-all over `group` of size U: [.., S_l, .., N, ..] -> [.., U*S_l, .., N/U, ..].

@@ -115,10 +115,10 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
       c.algorithm = a;
       c.ulysses_degree = u;
       c.schedule = s;
-      c.load_balance =
-          w.load_balance && (a == cp::CPAlgorithm::kAllGather || a == cp::CPAlgorithm::kHybrid ||
-                             a == cp::CPAlgorithm::kRing);
-      if (a == cp::CPAlgorithm::kRing) c.load_balance_form = cp::LoadBalanceForm::kDataOrder;
+      // Every strategy that has head-tail balance gets it (ulysses needs none).
+      c.load_balance = w.load_balance && a != cp::CPAlgorithm::kUlysses;
+      // All but all_gather balance data-order shards only.
+      if (a != cp::CPAlgorithm::kAllGather) c.load_balance_form = cp::LoadBalanceForm::kDataOrder;
       try {  // the same checks the planner runs
         auto n = cp::normalize(c, p);
         if (!n) continue;
@@ -199,6 +199,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const double e = 4.0 * b, local = s / static_cast<double>(p);
   double early = 0, late = 0;  // early: launched at a handoff (async can hide it)
   double late_a2a = 0;
+  double co_gathers = 0;  // hybrid: launched after its all-to-alls (async hides them per block)
   if (u > 1) {
     const double frac = static_cast<double>(u - 1) / static_cast<double>(u);
     const auto& a2a = cal.fit("all_to_all", p);
@@ -226,10 +227,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     const auto& rs = cal.fit("reduce_scatter", p);
     const double gathers =
         2 * ag.time(n * static_cast<double>(c - 1)) + 2 * rs.time(n * static_cast<double>(c - 1));
-    // Hybrid keeps its cross-group all-gather synchronous.
-    (config.algorithm == cp::CPAlgorithm::kHybrid ? late : early) += gathers;
+    // Hybrid launches its co-group gathers only once the all-to-alls have arrived: they hide
+    // behind the co block's diagonal attention, not behind the projections.
+    (config.algorithm == cp::CPAlgorithm::kHybrid ? co_gathers : early) += gathers;
   }
-  out.comm_s = early + late;
+  out.comm_s = early + late + co_gathers;
   // Async hides the early collectives behind the projection work that follows them and, for
   // all_gather and ulysses, behind attention on what is already local (cp/overlap.cpp): the
   // own K/V chunks (1/P of the rank's attention) or the own head group's diagonal block
@@ -242,6 +244,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (ring) local_share = 0;  // usp's all-to-alls hide behind the projections only
   double hidden_s =
       async ? std::min(early, cal.overlap_budget * proj_s + local_share * attn_s) : 0.0;
+  // Async hybrid: the co-group gathers fly while the rank attends the co block it holds (1/C
+  // of its attention; its backward likewise hides the reduce-scatters).
+  if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {
+    hidden_s += std::min(co_gathers, attn_s / static_cast<double>(c));
+  }
   // Async ulysses in G head groups: the output all-to-alls of all groups but the last (and in
   // backward all but the first) fly while another group is attended.
   if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {

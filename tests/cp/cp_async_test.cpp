@@ -2,6 +2,7 @@
 // parameter gradients equal the sync schedule and the single-process reference; two
 // micro-batches in flight; recompute of the whole block; fallbacks and error paths; overlap
 // visible in the trace.
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -367,7 +368,9 @@ struct OverlapTrace {
   int64_t first_attention_begin = -1, first_attention_end = -1;
 };
 
-OverlapTrace trace_with_late_peer(const std::string& algo, int p) {
+// Rank 0's events of the forward (after its barrier) with rank `late` entering 300 ms late.
+std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& algo, int p,
+                                                             int late) {
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions o;
   o.tracer = tracer;
@@ -382,18 +385,25 @@ OverlapTrace trace_with_late_peer(const std::string& algo, int p) {
         auto spec = spec_for("sdpa_hf");
         apply_context_parallel(m.host(), spec, cfg, topo, quiet());
         comm::barrier(w.group());
-        if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (w.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
         m.forward(shard(seeded(41, {1, kS, kHidden}), 1, w.rank(), p));
       },
       o);
-  OverlapTrace t;
   int64_t start = -1;  // the end of rank 0's barrier: the forward starts after it
   for (const auto& e : tracer->events()) {
     if (e.rank == 0 && e.name == "barrier") start = std::max(start, e.end_us);
   }
   EXPECT_GE(start, 0);
+  std::vector<common::TraceEvent> out;
   for (const auto& e : tracer->events()) {
-    if (e.rank != 0 || e.begin_us < start) continue;
+    if (e.rank == 0 && e.begin_us >= start) out.push_back(e);
+  }
+  return out;
+}
+
+OverlapTrace trace_with_late_peer(const std::string& algo, int p) {
+  OverlapTrace t;
+  for (const auto& e : rank0_forward_with_late_peer(algo, p, 1)) {
     if (e.category == "comm" && e.name != "barrier" && t.launch < 0) t.launch = e.begin_us;
     if (e.category == "comm_wait" && e.name != "wait barrier" && t.wait_begin < 0) {
       t.wait_begin = e.begin_us;
@@ -423,11 +433,40 @@ TEST(CPAsync, AttentionOnLocalDataRunsWhileTheCollectivesArePending) {
   }
 }
 
-TEST(CPAsync, HybridWaitsBeforeItsFirstAttention) {
-  // Hybrid keeps its co-group all-gather synchronous: no attention before the first wait (the
-  // contrast that shows the test above can fail).
+TEST(CPAsync, HybridWaitsForItsAllToAllsBeforeItsFirstAttention) {
+  // Hybrid attends nothing before its all-to-alls have arrived (its queries are other ranks'
+  // heads): no attention before the first wait (the contrast that shows the test above can
+  // fail).
   auto t = trace_with_late_peer("hybrid", 4);
   EXPECT_GE(t.first_attention_begin, t.wait_end);
+}
+
+TEST(CPAsync, HybridCoGroupGatherFliesWhileTheCoBlockIsAttended) {
+  // P=4, U=2: rank 0's co group is {0, 2}; rank 2 enters 300 ms late, so rank 0's co-group
+  // gathers cannot finish before then. Rank 0 launches them, attends its diagonal co block, and
+  // only then waits for them (the original system's hybrid waits before any attention).
+  int64_t gather_launch = -1, gather_wait_begin = -1, gather_wait_end = -1;
+  std::vector<std::pair<int64_t, int64_t>> attention;
+  for (const auto& e : rank0_forward_with_late_peer("hybrid", 4, 2)) {
+    if (e.group != "cp_co") {
+      if (e.name == "attention") attention.emplace_back(e.begin_us, e.end_us);
+      continue;
+    }
+    if (e.category == "comm" && e.name == "all_gather" && gather_launch < 0)
+      gather_launch = e.begin_us;
+    if (e.category == "comm_wait" && e.name == "wait all_gather" && gather_wait_begin < 0) {
+      gather_wait_begin = e.begin_us;
+      gather_wait_end = e.end_us;
+    }
+  }
+  std::sort(attention.begin(), attention.end());
+  ASSERT_GE(gather_launch, 0);
+  ASSERT_GE(gather_wait_begin, 0);
+  ASSERT_FALSE(attention.empty());
+  EXPECT_GE(gather_wait_end - gather_launch, 200000) << "the gather really waited for rank 2";
+  EXPECT_LE(gather_launch, attention.front().first);
+  EXPECT_LE(attention.front().second, gather_wait_begin)
+      << "the diagonal co block must be attended while the co-group gathers fly";
 }
 
 }  // namespace

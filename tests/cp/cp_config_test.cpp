@@ -65,11 +65,15 @@ TEST(CPConfig, FailFast) {
   auto lb = cfg(CPAlgorithm::kUlysses);
   lb.load_balance = true;
   HP_EXPECT_ERROR(normalize(lb, 4),
-                  "cp_config.load_balance=true requires algorithm=all_gather or ring or usp "
-                  "(got ulysses)");
+                  "cp_config.load_balance=true requires algorithm=all_gather or hybrid or ring "
+                  "or usp (got ulysses)");
   lb.algorithm = CPAlgorithm::kHybrid;
   lb.ulysses_degree = 2;
-  HP_EXPECT_ERROR(normalize(lb, 4), "(got hybrid)");
+  EXPECT_TRUE(normalize(lb, 4)->load_balance);
+  lb.load_balance_form = LoadBalanceForm::kRuntimeSwap;
+  HP_EXPECT_ERROR(normalize(lb, 4),
+                  "cp_config.load_balance_form=runtime_swap with algorithm=hybrid: hybrid "
+                  "balances data-order shards");
 }
 
 TEST(CPConfig, HeadsAfterTP) {

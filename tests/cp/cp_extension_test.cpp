@@ -109,7 +109,8 @@ TEST(CPExtension, RegistriesDeriveNamesAndErrors) {
   c.load_balance = true;
   HP_EXPECT_ERROR(
       normalize(c, 4, &r.strategies),
-      "cp_config.load_balance=true requires algorithm=all_gather or ring or usp (got toy_ring)");
+      "cp_config.load_balance=true requires algorithm=all_gather or hybrid or ring or usp (got "
+      "toy_ring)");
   const AttentionShape shape{64, 4, 2, 16, 1, 4, 8};
   EXPECT_EQ(forward_bytes_per_rank(*n, 4, shape, 0, &r.strategies), 3 * 16 * 2 * (16 + 8) * 4);
   // The built-in registry is untouched.

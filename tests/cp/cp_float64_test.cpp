@@ -1,7 +1,7 @@
 // The whole CP path in float64 against the plain-formula reference (tests/harness, no code
 // shared with the kernels): every built-in strategy (all_gather plain and with both head-tail
-// forms, ulysses, hybrid), sync and async, causal and not, P in {2, 3, 4}, GQA, and a value
-// head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
+// forms, ulysses, hybrid plain and head-tail), sync and async, causal and not, P in {2, 3, 4}, GQA,
+// and a value head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
 #include <algorithm>
 #include <limits>
 
@@ -167,6 +167,12 @@ TEST(CPFloat64, HybridU2) {
 TEST(CPFloat64, HybridU3) {
   run_grid({"hybrid", 3}, {6});
 }
+// Data-order head-tail shards: after the all-to-all a co-rank holds its Ulysses group's
+// chunks, one query part each; the co-group gather brings the P shards in rank order.
+TEST(CPFloat64, HybridHeadTailDataOrder) {
+  run_grid({"hybrid", 2, true, LoadBalanceForm::kDataOrder}, {4, 6});
+  run_grid({"hybrid", 3, true, LoadBalanceForm::kDataOrder}, {6});
+}
 TEST(CPFloat64, Ring) {
   run_grid({"ring", std::nullopt}, {2, 3, 4});
 }
@@ -285,6 +291,7 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
       {{"all_gather", std::nullopt, true, LoadBalanceForm::kRuntimeSwap}, {3}},
       {{"ulysses", std::nullopt}, {2, 3}},
       {{"hybrid", 2}, {4}},
+      {{"hybrid", 2, true, LoadBalanceForm::kDataOrder}, {4}},
       {{"ring", std::nullopt}, {2, 3, 4}},
       {{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3}},
       {{"usp", 2}, {4}},

@@ -92,6 +92,27 @@ TEST(CostModel, SlowLinksFavourUlyssesAndAsyncHidesBehindProjections) {
     EXPECT_LE(ranked[i - 1].step_s, ranked[i].step_s);
 }
 
+// Async hybrid hides its co-group gathers behind the co block it holds: with no projections to
+// hide anything behind, sync hybrid exposes all its communication and async exposes less by
+// exactly the gathers (here smaller than 1/C of the attention), with the same volume.
+TEST(CostModel, AsyncHybridHidesItsCoGroupGathersBehindTheCoBlock) {
+  auto slow = synthetic(1.0 / 125e6);
+  auto w = workload();
+  w.projections = false;
+  auto sync = predict_cp_step(slow, config("hybrid", false, 2), 4, w);
+  auto async_cfg = config("hybrid", false, 2);
+  async_cfg.schedule = cp::CPSchedule::kAsync;
+  auto async = predict_cp_step(slow, async_cfg, 4, w);
+  EXPECT_DOUBLE_EQ(async.comm_s, sync.comm_s);
+  EXPECT_DOUBLE_EQ(sync.exposed_comm_s, sync.comm_s);
+  // K/V after the all-to-all: S/P positions x h_kv per rank, gathered over C = 2.
+  const double n = 4.0 * (w.seq / 4) * w.kv_heads * w.head_dim;
+  const double gathers =
+      2 * slow.fit("all_gather", 4).time(n) + 2 * slow.fit("reduce_scatter", 4).time(n);
+  ASSERT_LT(gathers, async.compute_s / 2);
+  EXPECT_NEAR(sync.exposed_comm_s - async.exposed_comm_s, gathers, 1e-9 * gathers);
+}
+
 // The ring hides its shifts behind the block it attends, in either schedule: on a slow link its
 // exposed time is below synchronous all_gather's, it pays a recompute in compute, and it sends
 // 3(P-1) blocks per step.

@@ -25,7 +25,7 @@ def make_inputs(seed, b=B, s=S, hq=HQ, hkv=HKV, d=D):
 
 def cases(p):
     algorithms = ["ulysses", "all_gather", "ring"] + (["hybrid", "usp"] if p == 4 else [])
-    balanced = {"all_gather", "ring", "usp"}
+    balanced = {"all_gather", "hybrid", "ring", "usp"}
     for algorithm in algorithms:
         for causal in (False, True):
             for layout in ("bshd", "bnsd"):
