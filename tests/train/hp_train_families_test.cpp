@@ -85,6 +85,12 @@ INSTANTIATE_TEST_SUITE_P(
                "--nproc 4 --cp 2 --dp-shard 2 --arch kimi-linear --layers 4 " + kMoE +
                    "--ep 2 --schedule async",
                "kimi-linear", "mla: strategy=latent_all_gather schedule=async"},
+        Layout{"hybrid_balanced_async",
+               "--nproc 4 --cp 4 --cp-algo hybrid --ulysses-degree 2 --schedule async "
+               "--load-balance",
+               "qwen3",
+               "strategy=hybrid schedule=async cp_size=4 ulysses_degree=2 colossal_degree=2 "
+               "load_balance=data_order"},
         Layout{"gated_tp2_ring_balanced",
                "--nproc 4 --cp 2 --tp 2 --layer-pattern AG --cp-algo ring --load-balance", "qwen3",
                "algorithm=ring"}),
