@@ -47,7 +47,7 @@ struct Args {
   int cp_size = 2;
   int64_t degree = 0;
   bool load_balance = false, causal = false;
-  std::string lb_form;  // empty: the strategy's form (ring, usp: data_order; all_gather: swap)
+  std::string lb_form;  // empty: the strategy's form (all_gather: swap; the others: data_order)
   std::string kv_head_policy = "error";
   std::vector<int64_t> cu_seqlens;  // empty: no documents
   int64_t head_groups = 0;
@@ -62,10 +62,9 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance,
                "head-tail load balance (all_gather, hybrid, ring, usp)");
-  app.add_option(
-      "--load-balance-form", a.lb_form,
-      "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
-      "made by shard_sequence); default: data_order for ring and usp, else runtime_swap");
+  app.add_option("--load-balance-form", a.lb_form,
+                 "runtime_swap (contiguous shards, Q halves swapped) | data_order (shards "
+                 "made by shard_sequence); default: runtime_swap for all_gather, else data_order");
   app.add_flag("--causal", a.causal, "causal attention");
   app.add_option("--layout", a.layout, "bnsd | bshd");
   app.add_option("--kv-head-policy", a.kv_head_policy,
@@ -91,9 +90,11 @@ hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   if (a.degree > 0) c.ulysses_degree = a.degree;
   c.load_balance = a.load_balance;
   c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
-  const std::string form = !a.lb_form.empty() ? a.lb_form
-                           : a.algo == "ring" ? "data_order"
-                                              : "runtime_swap";
+  // all_gather balances contiguous shards by swapping; every other balanced strategy
+  // (hybrid, ring, usp) balances data-order shards only.
+  const std::string form = !a.lb_form.empty()       ? a.lb_form
+                           : a.algo == "all_gather" ? "runtime_swap"
+                                                    : "data_order";
   HP_CHECK(form == "runtime_swap" || form == "data_order", "hp-cp-run: --load-balance-form '", form,
            "' is not valid; valid: runtime_swap, data_order");
   c.load_balance_form = form == "data_order" ? hp::cp::LoadBalanceForm::kDataOrder

@@ -17,7 +17,8 @@
 //     3. for each query part: attention(Q_part, K[gap]) per visible gap outside L  -> (o, lse)
 //     4. out_part = Σ o_i · exp(lse_i − logsumexp_i lse_i)
 //   Backward runs 3 before 2's inverse (dK, dV reduce-scatter) and 1 after it, so the
-//   reduce-scatter flies while the local chunks' backward computes.
+//   reduce-scatter flies while the local chunks' backward computes. Key blocks that packed
+//   documents hide entirely are skipped (attend_local_first, shared with hybrid).
 #include <algorithm>
 
 #include <ATen/ATen.h>

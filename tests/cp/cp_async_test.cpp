@@ -370,7 +370,7 @@ struct OverlapTrace {
 
 // Rank 0's events of the forward (after its barrier) with rank `late` entering 300 ms late.
 std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& algo, int p,
-                                                             int late) {
+                                                             int late, bool balanced = false) {
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions o;
   o.tracer = tracer;
@@ -380,6 +380,8 @@ std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& 
       [&](comm::World& w) {
         comm::DeviceMesh mesh(w, {{"cp", p}});
         auto cfg = make(algo, p, CPSchedule::kAsync);
+        cfg.load_balance = balanced;
+        cfg = *normalize(cfg, p);
         auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
         BlockWithHandoffs m(false, w.rank() == 0 ? tracer : nullptr);
         auto spec = spec_for("sdpa_hf");
@@ -443,30 +445,34 @@ TEST(CPAsync, HybridWaitsForItsAllToAllsBeforeItsFirstAttention) {
 
 TEST(CPAsync, HybridCoGroupGatherFliesWhileTheCoBlockIsAttended) {
   // P=4, U=2: rank 0's co group is {0, 2}; rank 2 enters 300 ms late, so rank 0's co-group
-  // gathers cannot finish before then. Rank 0 launches them, attends its diagonal co block, and
-  // only then waits for them (the original system's hybrid waits before any attention).
-  int64_t gather_launch = -1, gather_wait_begin = -1, gather_wait_end = -1;
-  std::vector<std::pair<int64_t, int64_t>> attention;
-  for (const auto& e : rank0_forward_with_late_peer("hybrid", 4, 2)) {
-    if (e.group != "cp_co") {
-      if (e.name == "attention") attention.emplace_back(e.begin_us, e.end_us);
-      continue;
+  // gathers cannot finish before then. Rank 0 launches them, attends the chunks it holds, and
+  // only then waits for them (the original system's hybrid waits before any attention); with
+  // head-tail balance as well (four held chunks, one query part each).
+  for (bool balanced : {false, true}) {
+    SCOPED_TRACE(balanced ? "balanced" : "contiguous");
+    int64_t gather_launch = -1, gather_wait_begin = -1, gather_wait_end = -1;
+    std::vector<std::pair<int64_t, int64_t>> attention;
+    for (const auto& e : rank0_forward_with_late_peer("hybrid", 4, 2, balanced)) {
+      if (e.group != "cp_co") {
+        if (e.name == "attention") attention.emplace_back(e.begin_us, e.end_us);
+        continue;
+      }
+      if (e.category == "comm" && e.name == "all_gather" && gather_launch < 0)
+        gather_launch = e.begin_us;
+      if (e.category == "comm_wait" && e.name == "wait all_gather" && gather_wait_begin < 0) {
+        gather_wait_begin = e.begin_us;
+        gather_wait_end = e.end_us;
+      }
     }
-    if (e.category == "comm" && e.name == "all_gather" && gather_launch < 0)
-      gather_launch = e.begin_us;
-    if (e.category == "comm_wait" && e.name == "wait all_gather" && gather_wait_begin < 0) {
-      gather_wait_begin = e.begin_us;
-      gather_wait_end = e.end_us;
-    }
+    std::sort(attention.begin(), attention.end());
+    ASSERT_GE(gather_launch, 0);
+    ASSERT_GE(gather_wait_begin, 0);
+    ASSERT_FALSE(attention.empty());
+    EXPECT_GE(gather_wait_end - gather_launch, 200000) << "the gather really waited for rank 2";
+    EXPECT_LE(gather_launch, attention.front().first);
+    EXPECT_LE(attention.front().second, gather_wait_begin)
+        << "the held chunks must be attended while the co-group gathers fly";
   }
-  std::sort(attention.begin(), attention.end());
-  ASSERT_GE(gather_launch, 0);
-  ASSERT_GE(gather_wait_begin, 0);
-  ASSERT_FALSE(attention.empty());
-  EXPECT_GE(gather_wait_end - gather_launch, 200000) << "the gather really waited for rank 2";
-  EXPECT_LE(gather_launch, attention.front().first);
-  EXPECT_LE(attention.front().second, gather_wait_begin)
-      << "the diagonal co block must be attended while the co-group gathers fly";
 }
 
 }  // namespace

@@ -57,7 +57,9 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
         Case{"hybrid", 4, 2, "sdpa_qkv", false},
         Case{"all_gather", 4, 0, "sdpa_qkv", false, " --load-balance"},
         Case{"all_gather", 3, 0, "sdpa_hf", true, " --load-balance --load-balance-form data_order"},
+        Case{"hybrid", 4, 2, "sdpa_hf", true, " --load-balance"},
         Case{"ring", 4, 0, "sdpa_qkv", true}, Case{"usp", 4, 2, "sdpa_hf", true},
+        Case{"usp", 4, 2, "sdpa_qkv", false, " --load-balance"},
         Case{"ring", 3, 0, "sdpa_hf", false, " --load-balance --load-balance-form data_order"}}) {
     auto lay = [&](const at::Tensor& t) { return c.bshd ? t.transpose(1, 2).contiguous() : t; };
     c10::Dict<std::string, at::Tensor> in;

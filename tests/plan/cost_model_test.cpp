@@ -2,6 +2,8 @@
 // calibration files, and the planner's --cp-algo auto (choice and log).
 #include <cstdlib>
 #include <fstream>
+#include <set>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -111,6 +113,23 @@ TEST(CostModel, AsyncHybridHidesItsCoGroupGathersBehindTheCoBlock) {
       2 * slow.fit("all_gather", 4).time(n) + 2 * slow.fit("reduce_scatter", 4).time(n);
   ASSERT_LT(gathers, async.compute_s / 2);
   EXPECT_NEAR(sync.exposed_comm_s - async.exposed_comm_s, gathers, 1e-9 * gathers);
+}
+
+// A balanced workload gives head-tail balance to every strategy that has it (data-order shards
+// for all but all_gather) and none to ulysses; hybrid and usp are among the candidates.
+TEST(CostModel, BalancedWorkloadsBalanceEveryStrategyThatCan) {
+  auto w = workload();
+  w.load_balance = true;
+  std::set<std::string> seen;
+  for (const auto& c : legal_cp_configs(4, w)) {
+    const std::string name = cp::to_string(c.algorithm);
+    seen.insert(name);
+    EXPECT_EQ(c.load_balance, c.algorithm != cp::CPAlgorithm::kUlysses) << name;
+    if (c.load_balance && c.algorithm != cp::CPAlgorithm::kAllGather) {
+      EXPECT_EQ(c.load_balance_form, cp::LoadBalanceForm::kDataOrder) << name;
+    }
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"all_gather", "hybrid", "ring", "ulysses", "usp"}));
 }
 
 // The ring hides its shifts behind the block it attends, in either schedule: on a slow link its

@@ -50,7 +50,7 @@ struct ContextParallelConfig {
   CPAlgorithm algorithm = CPAlgorithm::kAllGather;
   CPSchedule schedule = CPSchedule::kSync;
   std::optional<int64_t> ulysses_degree;  // ulysses: cp (default); hybrid: required, in (1, cp)
-  bool load_balance = false;  // head-tail balance (strategies that support it: all_gather)
+  bool load_balance = false;  // head-tail balance (strategies with supports_load_balance())
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   AsyncFallback async_fallback = AsyncFallback::kError;
   KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;

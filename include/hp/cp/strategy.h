@@ -82,7 +82,7 @@ struct CallState {
 };
 
 // One attention call of a prepared layer: a query block with its own causal state. Most
-// strategies have one part; head-tail load balance has two (the head and the tail chunk).
+// strategies have one part; head-tail load balance one per chunk held (all_gather: 2).
 struct QueryPart {
   at::Tensor q;
   CallState state;
