@@ -52,13 +52,24 @@ class _SeqAllToAll(torch.autograd.Function):
         return _SeqAllToAll.apply(grad, gather_dim, scatter_dim), None, None
 
 
-def local_attention(q, k, v, causal, mask):
-    """Plain PyTorch attention, BSHD [B, S, h, D]."""
+def local_attention(q, k, v, causal, mask=None):
+    """Plain PyTorch attention, BSHD [B, S, h, D]; `mask` (True above the diagonal) is built
+    when not given."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
+        if mask is None:
+            mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+
+
+def deepspeed_ulysses(q, k, v, causal, mask=None):
+    """DistributedAttention(local_attention) as DeepSpeed-Ulysses does it, on this rank's BSHD
+    sequence shards [B, S/P, H, D] (the package's drop-in test checks it against hyperparallel,
+    so the table compares two layers that compute the same numbers)."""
+    qh, kh, vh = (_SeqAllToAll.apply(t, 2, 1) for t in (q, k, v))
+    return _SeqAllToAll.apply(local_attention(qh, kh, vh, causal, mask), 1, 2)
 
 
 def rank_main(rank, args, seq, cp, port, out_path):
@@ -75,9 +86,7 @@ def rank_main(rank, args, seq, cp, port, out_path):
     for i in range(args.iters + 1):
         dist.barrier()
         start = time.perf_counter()
-        qh, kh, vh = (_SeqAllToAll.apply(t, 2, 1) for t in (q, k, v))
-        out = _SeqAllToAll.apply(local_attention(qh, kh, vh, args.causal, mask), 1, 2)
-        out.backward(dout)
+        deepspeed_ulysses(q, k, v, args.causal, mask).backward(dout)
         dist.barrier()
         if i > 0:
             times.append(time.perf_counter() - start)

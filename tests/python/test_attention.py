@@ -1,7 +1,11 @@
 """context_parallel_attention from Python on 2 and 4 gloo ranks: outputs and gradients of q, k
 and v equal a float64 single-process attention for every algorithm, causal and not, BSHD and
 BNSD, sync and async, with head-tail balance where the algorithm has it, packed documents, GQA;
-and a DeepSpeed-style Ulysses written here in plain PyTorch gives the same numbers (drop-in)."""
+and a DeepSpeed-style Ulysses in plain PyTorch (the peer of bench/python/peer_bench.py) gives
+the same numbers (drop-in)."""
+
+import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +14,12 @@ import torch.distributed as dist
 import hyperparallel as hp
 import reference
 from hp_dist import run_ranks
+
+# The peer of bench/python/peer_bench.py (DeepSpeed-Ulysses' pattern in plain PyTorch): tested
+# here as a drop-in, so the peer table compares layers that compute the same numbers.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                                "python"))
+from peer_bench import deepspeed_ulysses  # noqa: E402
 
 B, S, HQ, HKV, D = 2, 32, 4, 4, 8
 
@@ -123,32 +133,6 @@ def special_cases(rank, p):
 
 def test_gqa_documents_and_float32():
     check(run_ranks(2, special_cases), 1e-10)
-
-
-class _SeqAllToAll(torch.autograd.Function):
-    """DeepSpeed-Ulysses' all-to-all, written here: [B, S/P, H, D] <-> [B, S, H/P, D]."""
-
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim):
-        ctx.dims = (scatter_dim, gather_dim)
-        p = dist.get_world_size()
-        send = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()  # chunk j to rank j
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)
-        return torch.cat(recv.unbind(0), dim=gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _SeqAllToAll.apply(grad, gather_dim, scatter_dim), None, None
-
-
-def deepspeed_ulysses(q, k, v, causal):
-    """DistributedAttention(local_attention) as DeepSpeed-Ulysses does it, local attention in
-    plain PyTorch."""
-    qh, kh, vh = (_SeqAllToAll.apply(t, 2, 1) for t in (q, k, v))
-    out = reference.attention(qh, kh, vh, causal=causal)
-    return _SeqAllToAll.apply(out, 1, 2)
 
 
 def drop_in(rank, p):
