@@ -161,5 +161,18 @@ at::Tensor natural_order(const at::Tensor& gathered, int64_t p, int64_t seq) {
   return at::cat(natural, seq);
 }
 
+void natural_order_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) {
+  if (!ctx.load_balance || ctx.load_balance_form != LoadBalanceForm::kDataOrder) return;
+  k = natural_order(k, ctx.topology->cp_size, ctx.layout.seq_dim);
+  v = natural_order(v, ctx.topology->cp_size, ctx.layout.seq_dim);
+}
+
+void check_data_order_balance(const ContextParallelConfig& c, const std::string& algorithm) {
+  HP_CHECK(!c.load_balance || c.load_balance_form == LoadBalanceForm::kDataOrder,
+           "cp_config.load_balance_form=runtime_swap with algorithm=", algorithm, ": ", algorithm,
+           " balances data-order shards (shard_sequence with load_balance); set "
+           "load_balance_form=data_order");
+}
+
 }  // namespace detail
 }  // namespace hp::cp

@@ -182,8 +182,7 @@ class AllGatherStrategy final : public CPStrategy {
     const int64_t kv_len = p.k.size(ctx.layout.seq_dim);
     if (ctx.load_balance) {
       if (ctx.load_balance_form == LoadBalanceForm::kDataOrder) {
-        p.k = detail::natural_order(p.k, ctx.topology->cp_size, ctx.layout.seq_dim);
-        p.v = detail::natural_order(p.v, ctx.topology->cp_size, ctx.layout.seq_dim);
+        detail::natural_order_kv(p.k, p.v, ctx);
       }
       p.parts = detail::head_tail_parts(q, ctx, kv_len);
       return p;
@@ -227,10 +226,7 @@ class AllGatherStrategy final : public CPStrategy {
                                                     : std::vector{local_part(q, ctx, total)};
     auto outs = detail::attend_local_first(parts, k, v, total, call, [&] {
       auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
-      if (ctx.load_balance) {
-        kg = detail::natural_order(kg, ctx.topology->cp_size, ctx.layout.seq_dim);
-        vg = detail::natural_order(vg, ctx.topology->cp_size, ctx.layout.seq_dim);
-      }
+      detail::natural_order_kv(kg, vg, ctx);  // runtime swap never reaches here
       return std::make_pair(kg, vg);
     });
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];

@@ -41,27 +41,18 @@ class HybridStrategy final : public detail::UlyssesMoves {
   }
   void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
     detail::check_sub_group_degree(c, cp_size, "hybrid", "all_gather");
-    HP_CHECK(!c.load_balance || c.load_balance_form == LoadBalanceForm::kDataOrder,
-             "cp_config.load_balance_form=runtime_swap with algorithm=hybrid: hybrid balances "
-             "data-order shards (shard_sequence with load_balance); set "
-             "load_balance_form=data_order");
+    detail::check_data_order_balance(c, "hybrid");
   }
   bool supports_load_balance() const override { return true; }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
   }
-  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
-                    const std::string& who) const override {
-    UlyssesMoves::check_inputs(x, ctx, who);
-    if (ctx.load_balance) detail::check_head_tail(x, ctx);
-  }
-
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const CPRuntimeContext& ctx) const override {
     PreparedQKV p{k, v, {}};
     select_repeated_kv(p.k, p.v, ctx);
     detail::gather_kv(p.k, p.v, ctx.topology->co, ctx.layout);
-    in_natural_order(p.k, p.v, ctx);
+    detail::natural_order_kv(p.k, p.v, ctx);
     p.parts = held_parts(q, q_local.size(ctx.layout.seq_dim), p.k.size(ctx.layout.seq_dim), ctx);
     return p;
   }
@@ -92,7 +83,7 @@ class HybridStrategy final : public detail::UlyssesMoves {
         detail::attend_local_first(held_parts(qa, q.size(seq), total, ctx), k_flight.emitted(),
                                    v_flight.emitted(), total, call, [&] {
                                      auto kg = k_flight.wait(), vg = v_flight.wait();
-                                     in_natural_order(kg, vg, ctx);
+                                     detail::natural_order_kv(kg, vg, ctx);
                                      return std::make_pair(kg, vg);
                                    });
     return restore_output(outs, PreparedQKV{}, ctx);
@@ -124,12 +115,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
       }
     }
     return parts;
-  }
-
-  static void in_natural_order(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) {
-    if (!ctx.load_balance) return;
-    k = detail::natural_order(k, ctx.topology->cp_size, ctx.layout.seq_dim);
-    v = detail::natural_order(v, ctx.topology->cp_size, ctx.layout.seq_dim);
   }
 };
 

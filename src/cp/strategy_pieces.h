@@ -89,7 +89,7 @@ class UlyssesMoves : public CPStrategy {
   void check_options(const attention::AttentionOptions& options,
                      const std::string& who) const override;
   // Heads divisible by the Ulysses degree, before the all-to-all (K/V fewer than U: only with
-  // kv_head_policy=repeat).
+  // kv_head_policy=repeat); balanced shards (hybrid, usp) of an even length.
   void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
                     const std::string& who) const override;
 
@@ -136,5 +136,10 @@ std::vector<QueryPart> head_tail_parts(const at::Tensor& q, const CPRuntimeConte
 at::Tensor head_tail_restore(const std::vector<at::Tensor>& outs, const CPRuntimeContext& ctx);
 // `gathered` holds P data-order shards along seq_dim (rank r: chunks 2r and 2P-2r-1).
 at::Tensor natural_order(const at::Tensor& gathered, int64_t cp_size, int64_t seq_dim);
+// Gathered K and V of data-order balanced shards (ctx.load_balance, data_order form) put back
+// in natural order over ctx.layout's seq dim; unchanged otherwise.
+void natural_order_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx);
+// Strategies that balance data-order shards only (hybrid, ring, usp): refuses runtime_swap.
+void check_data_order_balance(const ContextParallelConfig& c, const std::string& algorithm);
 
 }  // namespace hp::cp::detail

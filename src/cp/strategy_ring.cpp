@@ -56,10 +56,7 @@ class RingStrategy final : public CPStrategy {
              " with algorithm=ring: ring uses no Ulysses groups; drop ulysses_degree (cp_size=",
              cp_size, ")");
     c.ulysses_degree = 1;
-    HP_CHECK(!c.load_balance || c.load_balance_form == LoadBalanceForm::kDataOrder,
-             "cp_config.load_balance_form=runtime_swap with algorithm=ring: ring balances "
-             "data-order shards (shard_sequence with load_balance); set "
-             "load_balance_form=data_order");
+    detail::check_data_order_balance(c, "ring");
   }
   bool supports_load_balance() const override { return true; }
   int64_t forward_bytes_per_rank(const ContextParallelConfig&, int64_t p, const AttentionShape& s,

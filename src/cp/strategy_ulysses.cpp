@@ -171,6 +171,7 @@ void detail::UlyssesMoves::check_options(const attention::AttentionOptions& opti
 
 void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
                                         const std::string& who) const {
+  if (ctx.load_balance) check_head_tail(x, ctx);  // hybrid, usp: balanced shards
   const int64_t u = ctx.topology->ulysses_degree;
   const int64_t heads = x.size(ctx.layout.heads_dim);
   if (ctx.kv_head_policy == KVHeadPolicy::kRepeat && heads < u && u % heads == 0) return;

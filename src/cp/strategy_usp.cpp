@@ -31,10 +31,7 @@ class UspStrategy final : public detail::UlyssesMoves {
   }
   void normalize(ContextParallelConfig& c, int64_t cp_size) const override {
     detail::check_sub_group_degree(c, cp_size, "usp", "ring");
-    HP_CHECK(!c.load_balance || c.load_balance_form == LoadBalanceForm::kDataOrder,
-             "cp_config.load_balance_form=runtime_swap with algorithm=usp: usp balances "
-             "data-order shards (shard_sequence with load_balance); set "
-             "load_balance_form=data_order");
+    detail::check_data_order_balance(c, "usp");
   }
   bool supports_load_balance() const override { return true; }
   std::vector<comm::OpKind> required_ops() const override {
@@ -49,12 +46,6 @@ class UspStrategy final : public detail::UlyssesMoves {
     const int64_t block =
         (s.seq / groups) * heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch * s.element_size;
     return forward_bytes_per_rank(c, p, s, cp_rank) + (groups - 1) * block;
-  }
-
-  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
-                    const std::string& who) const override {
-    UlyssesMoves::check_inputs(x, ctx, who);
-    if (ctx.load_balance) detail::check_head_tail(x, ctx);
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
