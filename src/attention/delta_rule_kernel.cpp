@@ -28,6 +28,7 @@
 
 #include "delta_rule_chunks.h"
 #include "hp/common/threads.h"
+#include "parallel_units.h"
 
 namespace hp::attention::detail {
 namespace {
@@ -48,6 +49,7 @@ at::Tensor chunked(const at::Tensor& t, int64_t n, int64_t c) {
 template <typename Fn>
 void for_each_row(int64_t n, const Fn& fn) {
   common::ScopedBlasThreads one_blas_thread(1);
+  warm_blas_buffers(at::get_num_threads());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot) {
