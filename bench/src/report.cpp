@@ -138,7 +138,7 @@ std::string run_report(const ReportOptions& o) {
         std::vector<Choice> choices{
             {"all_gather", 0, true}, {"ulysses", 0, false}, {"ring", 0, true}};
         if (p >= 4) {
-          choices.push_back({"hybrid", 2, false});
+          choices.push_back({"hybrid", 2, true});
           choices.push_back({"usp", 2, true});
         }
         BarGroup g;
