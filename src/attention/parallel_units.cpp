@@ -17,8 +17,7 @@ void warm_blas_buffers(int threads) {
     at::NoGradGuard no_grad;
     for (int64_t i = begin; i < end; ++i) {
       auto a = at::ones({kSide, kSide}, at::kFloat);
-      auto c = at::mm(a, a);
-      (void)c;
+      at::mm(a, a);
     }
   });
   warmed = threads;

@@ -181,9 +181,7 @@ class AllGatherStrategy final : public CPStrategy {
     PreparedQKV p{k, v, {}};
     const int64_t kv_len = p.k.size(ctx.layout.seq_dim);
     if (ctx.load_balance) {
-      if (ctx.load_balance_form == LoadBalanceForm::kDataOrder) {
-        detail::natural_order_kv(p.k, p.v, ctx);
-      }
+      detail::natural_order_kv(p.k, p.v, ctx);  // data_order only; runtime_swap keeps its order
       p.parts = detail::head_tail_parts(q, ctx, kv_len);
       return p;
     }
