@@ -39,6 +39,7 @@ double median_time(int reps, Fn fn) {
 int main(int argc, char** argv) {
   int64_t s = 8192, heads = 8, topk = 2048, hi = 4, di = 32;
   int reps = 1;
+  int64_t block_q = hp::attention::DSAOptions{}.block_q;
   for (int i = 1; i + 1 < argc; i += 2) {
     const int64_t v = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--tokens")) s = v;
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--index-heads")) hi = v;
     if (!std::strcmp(argv[i], "--index-dim")) di = v;
     if (!std::strcmp(argv[i], "--reps")) reps = static_cast<int>(v);
+    if (!std::strcmp(argv[i], "--block-q")) block_q = v;
     if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(static_cast<int>(v));
   }
   hp::attention::MLAShape shape;
@@ -59,6 +61,7 @@ int main(int argc, char** argv) {
                                   at::randn({1, s, di})};
   hp::attention::DSAOptions o;
   o.topk = topk;
+  o.block_q = block_q;
   at::Tensor indices;
   const double t_select =
       median_time(reps, [&] { indices = hp::attention::dsa_select(index, 0, topk, o.block_q); });

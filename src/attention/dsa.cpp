@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "dsa_sparse_kernel.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "parallel_units.h"
@@ -95,26 +96,37 @@ at::Tensor gather_rows(const at::Tensor& kv_b, const at::Tensor& idx) {
   return kv_b.index_select(0, idx.flatten()).view({idx.size(0), idx.size(1), kv_b.size(1)});
 }
 
-// Sparse MQA attention over selected keys; backward recomputes each block.
+// Sparse MQA attention over selected keys (dsa_sparse_kernel.h); backward recomputes each
+// query's scores from the kept lse.
+detail::SparseMQADims sparse_dims(const at::Tensor& q, const at::Tensor& indices,
+                                  int64_t value_dim) {
+  return {q.size(2), q.size(3), value_dim, indices.size(2)};
+}
+
 struct SparseMQAFn : torch::autograd::Function<SparseMQAFn> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& kv,
-                               const at::Tensor& indices, int64_t value_dim, double scale,
-                               int64_t block_q) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q_in,
+                               const at::Tensor& kv_in, const at::Tensor& indices_in,
+                               int64_t value_dim, double scale, int64_t block_q) {
+    auto q = q_in.contiguous(), kv = kv_in.contiguous(), indices = indices_in.contiguous();
     const int64_t batch = q.size(0), sq = q.size(1), heads = q.size(2), k = indices.size(2);
-    auto out = at::zeros({batch, sq, heads, value_dim}, q.options());
+    const int64_t c = q.size(3), skv = kv.size(1);
+    const auto dims = sparse_dims(q, indices, value_dim);
+    auto out = at::empty({batch, sq, heads, value_dim}, q.options());
     auto lse = at::empty({batch, sq, heads}, q.options());
-    auto p_mean = at::zeros({batch, sq, k}, q.options());
-    for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t) {
-      auto keys = block_keys(indices, b, t0, n);
-      auto g = gather_rows(kv.select(0, b), keys.idx);      // [n, k, C]
-      auto qb = q.select(0, b).narrow(0, t0, n);            // [n, H, C]
-      auto s = at::bmm(qb, g.transpose(1, 2)).mul_(scale);  // [n, H, k]
-      s.masked_fill_(keys.valid.logical_not().unsqueeze(1), kNegInf);
-      auto l = at::logsumexp(s, -1);  // [n, H]
-      auto p = s.sub_(l.unsqueeze(-1)).exp_();
-      out.select(0, b).narrow(0, t0, n).copy_(at::bmm(p, g.narrow(2, 0, value_dim)));
-      lse.select(0, b).narrow(0, t0, n).copy_(l);
-      p_mean.select(0, b).narrow(0, t0, n).copy_(p.mean(1));
+    auto p_mean = at::empty({batch, sq, k}, q.options());
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dsa_sparse_mqa_forward", [&] {
+      const auto* qp = q.data_ptr<scalar_t>();
+      const auto* kvp = kv.data_ptr<scalar_t>();
+      const auto* ip = indices.data_ptr<int64_t>();
+      auto* op = out.data_ptr<scalar_t>();
+      auto* lp = lse.data_ptr<scalar_t>();
+      auto* pp = p_mean.data_ptr<scalar_t>();
+      for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t) {
+        const int64_t row = b * sq + t0;
+        detail::sparse_mqa_forward(dims, scale, n, qp + row * heads * c, ip + row * k,
+                                   kvp + b * skv * c, op + row * heads * value_dim,
+                                   lp + row * heads, pp + row * k);
+      });
     });
     ctx->save_for_backward({q, kv, indices, out, lse});
     ctx->saved_data["value_dim"] = value_dim;
@@ -131,28 +143,27 @@ struct SparseMQAFn : torch::autograd::Function<SparseMQAFn> {
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t block_q = ctx->saved_data["block_q"].toInt();
     auto dout = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(out);
-    auto dq = at::zeros_like(q);
+    auto dq = at::empty_like(q);
     SlotSums dkv(kv, at::get_num_threads());
-    const int64_t batch = q.size(0), sq = q.size(1), c = kv.size(2);
-    for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
-      auto keys = block_keys(indices, b, t0, n);
-      auto g = gather_rows(kv.select(0, b), keys.idx);
-      auto qb = q.select(0, b).narrow(0, t0, n);
-      auto s = at::bmm(qb, g.transpose(1, 2)).mul_(scale);
-      s.masked_fill_(keys.valid.logical_not().unsqueeze(1), kNegInf);
-      auto p = s.sub_(lse.select(0, b).narrow(0, t0, n).unsqueeze(-1)).exp_();  // [n, H, k]
-      auto dob = dout.select(0, b).narrow(0, t0, n);                            // [n, H, R]
-      auto ob = out.select(0, b).narrow(0, t0, n);
-      auto gv = g.narrow(2, 0, value_dim);
-      auto dp = at::bmm(dob, gv.transpose(1, 2));     // [n, H, k]
-      auto d = (dob * ob).sum(-1, /*keepdim=*/true);  // [n, H, 1]
-      auto ds = dp.sub_(d).mul_(p).mul_(scale);
-      dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(ds, g));  // [n, H, C]
-      auto dg = at::bmm(ds.transpose(1, 2), qb);               // [n, k, C]
-      dg.narrow(2, 0, value_dim).add_(at::bmm(p.transpose(1, 2), dob));
-      dg.mul_(keys.valid.unsqueeze(-1));
-      auto dst = dkv.at_slot(slot).select(0, b);
-      scatter_add_rows(dst, keys.idx.contiguous(), dg.view({-1, c}));
+    const int64_t batch = q.size(0), sq = q.size(1), heads = q.size(2), k = indices.size(2);
+    const int64_t c = q.size(3), skv = kv.size(1);
+    const auto dims = sparse_dims(q, indices, value_dim);
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dsa_sparse_mqa_backward", [&] {
+      const auto* qp = q.data_ptr<scalar_t>();
+      const auto* kvp = kv.data_ptr<scalar_t>();
+      const auto* ip = indices.data_ptr<int64_t>();
+      const auto* op = out.data_ptr<scalar_t>();
+      const auto* dop = dout.data_ptr<scalar_t>();
+      const auto* lp = lse.data_ptr<scalar_t>();
+      auto* dqp = dq.data_ptr<scalar_t>();
+      for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
+        const int64_t row = b * sq + t0;
+        auto* dkvp = dkv.at_slot(slot).data_ptr<scalar_t>() + b * skv * c;
+        detail::sparse_mqa_backward(dims, scale, n, qp + row * heads * c, ip + row * k,
+                                    kvp + b * skv * c, op + row * heads * value_dim,
+                                    dop + row * heads * value_dim, lp + row * heads,
+                                    dqp + row * heads * c, dkvp);
+      });
     });
     return {dq, dkv.sum(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -8,11 +8,7 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HP_VECTOR_CLONES
-#endif
+#include "vector_clones.h"
 
 namespace hp::attention::detail {
 namespace {
@@ -38,6 +34,8 @@ inline float exp_approx(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.0f ? 0.0f : p * scale;
 }
+
+}  // namespace
 
 // s[0, n) <- exp(s - shift); returns the sum.
 HP_VECTOR_CLONES float exp_shift_sum(float* s, int64_t n, float shift) {
@@ -82,16 +80,6 @@ double row_max(const double* s, int64_t n) {
   return mx;
 }
 
-HP_VECTOR_CLONES void grad_row(const float* p, float* dp, int64_t n, float delta) {
-  for (int64_t j = 0; j < n; ++j)
-    dp[j] = p[j] * (dp[j] - delta);
-}
-
-void grad_row(const double* p, double* dp, int64_t n, double delta) {
-  for (int64_t j = 0; j < n; ++j)
-    dp[j] = p[j] * (dp[j] - delta);
-}
-
 // s[0, n) <- exp(s - shift) * scale.
 HP_VECTOR_CLONES void exp_shift_scale(float* s, int64_t n, float shift, float scale) {
   for (int64_t j = 0; j < n; ++j)
@@ -101,6 +89,18 @@ HP_VECTOR_CLONES void exp_shift_scale(float* s, int64_t n, float shift, float sc
 void exp_shift_scale(double* s, int64_t n, double shift, double scale) {
   for (int64_t j = 0; j < n; ++j)
     s[j] = std::exp(s[j] - shift) * scale;
+}
+
+namespace {
+
+HP_VECTOR_CLONES void grad_row(const float* p, float* dp, int64_t n, float delta) {
+  for (int64_t j = 0; j < n; ++j)
+    dp[j] = p[j] * (dp[j] - delta);
+}
+
+void grad_row(const double* p, double* dp, int64_t n, double delta) {
+  for (int64_t j = 0; j < n; ++j)
+    dp[j] = p[j] * (dp[j] - delta);
 }
 
 template <typename T>

@@ -28,6 +28,18 @@ struct TileRows {
   }
 };
 
+// Row primitives (also used by the DSA sparse kernel). Float builds are vectorised for AVX2
+// where the CPU has it (vector_clones.h); the float exp is a polynomial, relative error < 2e-7.
+// s[0, n) <- exp(s - shift); returns the sum.
+float exp_shift_sum(float* s, int64_t n, float shift);
+double exp_shift_sum(double* s, int64_t n, double shift);
+// s[0, n) <- exp(s - shift) * scale.
+void exp_shift_scale(float* s, int64_t n, float shift, float scale);
+void exp_shift_scale(double* s, int64_t n, double shift, double scale);
+// max of s[0, n) (-inf for n = 0; -inf entries handled exactly).
+float row_max(const float* s, int64_t n);
+double row_max(const double* s, int64_t n);
+
 // Forward online-softmax update, in place: s <- exp(s - m_new) (0 where hidden), and per row
 // m <- m_new = max(m, rowmax s), l <- l * alpha + rowsum p, alpha <- exp(m_old - m_new).
 // NaN in, NaN out: a row whose visible scores hold a NaN gets m = l = alpha = NaN and p = NaN,

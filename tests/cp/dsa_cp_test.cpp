@@ -123,6 +123,70 @@ TEST(DSA, SingleProcessEqualsTheExplicitReference) {
   }
 }
 
+// The sparse kernel's vector paths (four 32-byte vectors per step, then single vectors, then
+// scalar columns) and its head groups of four need wider rows and a head count that is not a
+// multiple of four: H = 5, row width R + d_rope = 45, value width 37. float64 to 1e-10, float32
+// (the AVX2 build where the CPU has it) to float32 accuracy; the dense variant in float32 so
+// that the selection cannot differ by rounding.
+TEST(DSA, WideRowsInFloat64AndFloat32) {
+  attention::MLAShape sh;
+  sh.heads = 5;
+  sh.d_nope = 9;
+  sh.d_rope = 8;
+  sh.d_v = 6;
+  sh.kv_rank = 37;
+  const int64_t b = 1, s = 40, hi = 2, di = 6, topk = 11;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto r = [&](std::vector<int64_t> size) { return at::randn(size, gen, at::kDouble); };
+  const std::vector<at::Tensor> in = {r({b, s, sh.heads, sh.qk_dim()}),
+                                      r({b, s, sh.kv_rank}),
+                                      r({b, s, sh.d_rope}),
+                                      r({sh.heads * (sh.d_nope + sh.d_v), sh.kv_rank}) * 0.3,
+                                      r({b, s, hi, di}),
+                                      r({b, s, hi}).abs(),
+                                      r({b, s, di}),
+                                      r({b, s, sh.heads, sh.d_v})};
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    for (const std::string loss : {"sparse", "dense"}) {
+      if (dtype == at::kFloat && loss == "sparse") continue;
+      auto run = [&](bool reference) {
+        std::vector<at::Tensor> x;
+        for (size_t i = 0; i + 1 < in.size(); ++i)
+          x.push_back(in[i].to(reference ? at::kDouble : dtype).clone().requires_grad_(true));
+        at::Tensor out, index_loss;
+        if (reference) {
+          auto ref = hp::testing::reference_dsa(x[0], x[1], x[2], x[3], sh.d_v, x[4], x[5], x[6],
+                                                topk, loss);
+          out = ref.out;
+          index_loss = ref.loss;
+        } else {
+          attention::DSAOptions o;
+          o.topk = topk;
+          o.loss = loss;
+          o.block_q = 3;
+          auto got = attention::dsa_attention(x[0], x[1], x[2], x[3], sh, {x[4], x[5], x[6]}, 0, o);
+          out = got.out;
+          index_loss = got.loss;
+        }
+        ((out * in.back().to(out.scalar_type())).sum() + index_loss).backward();
+        std::vector<at::Tensor> res = {out.detach().to(at::kDouble),
+                                       index_loss.detach().to(at::kDouble)};
+        for (const auto& t : x)
+          res.push_back(t.grad().to(at::kDouble));
+        return res;
+      };
+      const auto ref = run(true), got = run(false);
+      const double tol = dtype == at::kDouble ? 1e-10 : 2e-4;
+      const char* names[] = {"out",    "index loss", "dq",       "dlatent", "dk_rope",
+                             "dw_ukv", "dq_index",   "dw_index", "dk_index"};
+      for (size_t i = 0; i < ref.size(); ++i) {
+        expect_close(got[i], ref[i],
+                     std::string(c10::toString(dtype)) + " " + loss + " " + names[i], tol, tol);
+      }
+    }
+  }
+}
+
 void run_cp(int p, const std::string& loss, const DSACPOptions& co) {
   const auto in = inputs();
   at::Tensor selected;

@@ -1,0 +1,302 @@
+// DSA's sparse MQA kernel (see the header). Per query: compact its selected keys, one pass over
+// their kv rows for the scores (and, backward, dP), row-wise softmax on the [H, keys] scratch,
+// one more pass over the same rows for the output (backward: dQ and the key's dKV row). Built
+// with the fused row kernels' flags (-O3, reassociation) so the dot products and row updates
+// vectorise; the float entry points are cloned for AVX2 (vector_clones.h).
+#include "dsa_sparse_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "softmax_rows.h"
+#include "vector_clones.h"
+
+// The vector helpers below are always inlined: the note about passing 32-byte vectors without
+// AVX (the baseline clone) concerns an ABI no call here uses.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace hp::attention::detail {
+namespace {
+
+// 32-byte vectors of T (GCC vector extensions: one AVX register in the x86-64-v3 clone, two
+// SSE registers in the baseline one); unaligned loads and stores through memcpy.
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+template <typename T>
+using Vec = typename VecOf<T>::type;
+template <typename T>
+constexpr int64_t kLanes = 32 / sizeof(T);
+
+template <typename T>
+HP_ALWAYS_INLINE Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename T>
+HP_ALWAYS_INLINE void store(T* p, const Vec<T>& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+template <typename T>
+HP_ALWAYS_INLINE T hsum(const Vec<T>& v) {
+  T s = 0;
+  for (int64_t l = 0; l < kLanes<T>; ++l)
+    s += v[l];
+  return s;
+}
+
+// out[i] = a[i] . b over n columns, for four vectors a[0..3] at once (four independent
+// accumulator chains, so the FMA latency is hidden).
+template <typename T>
+HP_ALWAYS_INLINE void dot4(const T* const* a, const T* __restrict__ b, int64_t n, T* out) {
+  constexpr int64_t L = kLanes<T>;
+  Vec<T> c0 = {}, c1 = {}, c2 = {}, c3 = {};
+  int64_t c = 0;
+  for (; c + L <= n; c += L) {
+    const Vec<T> r = load(b + c);
+    c0 += load<T>(a[0] + c) * r;
+    c1 += load<T>(a[1] + c) * r;
+    c2 += load<T>(a[2] + c) * r;
+    c3 += load<T>(a[3] + c) * r;
+  }
+  T s0 = hsum<T>(c0), s1 = hsum<T>(c1), s2 = hsum<T>(c2), s3 = hsum<T>(c3);
+  for (; c < n; ++c) {
+    s0 += a[0][c] * b[c];
+    s1 += a[1][c] * b[c];
+    s2 += a[2][c] * b[c];
+    s3 += a[3][c] * b[c];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
+// dst[h * stride] = heads[h] . b for every h < H, four heads at a time (the last group padded
+// with head 0, its extra results dropped).
+template <typename T>
+HP_ALWAYS_INLINE void dots(const T* const* heads, int64_t H, const T* b, int64_t n, T* dst,
+                           int64_t stride) {
+  for (int64_t h0 = 0; h0 < H; h0 += 4) {
+    const T* a[4];
+    for (int64_t i = 0; i < 4; ++i)
+      a[i] = heads[h0 + i < H ? h0 + i : 0];
+    T r[4];
+    dot4(a, b, n, r);
+    for (int64_t i = 0; i < 4 && h0 + i < H; ++i)
+      dst[(h0 + i) * stride] = r[i];
+  }
+}
+
+// y[0, n) += sum_t a[t] * x[t][0, n) for t < nt: four vectors of y stay in registers while
+// every x[t] is added (independent chains), so y is loaded and stored once.
+template <typename T>
+HP_ALWAYS_INLINE void rows_acc(T* __restrict__ y, const T* __restrict__ a, const T* const* x,
+                               int64_t nt, int64_t n) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t c = 0;
+  for (; c + 4 * L <= n; c += 4 * L) {
+    Vec<T> y0 = load(y + c), y1 = load(y + c + L), y2 = load(y + c + 2 * L),
+           y3 = load(y + c + 3 * L);
+    for (int64_t t = 0; t < nt; ++t) {
+      const T at = a[t];
+      const T* xr = x[t] + c;
+      y0 += at * load(xr);
+      y1 += at * load(xr + L);
+      y2 += at * load(xr + 2 * L);
+      y3 += at * load(xr + 3 * L);
+    }
+    store(y + c, y0);
+    store(y + c + L, y1);
+    store(y + c + 2 * L, y2);
+    store(y + c + 3 * L, y3);
+  }
+  for (; c + L <= n; c += L) {
+    Vec<T> y0 = load(y + c);
+    for (int64_t t = 0; t < nt; ++t)
+      y0 += a[t] * load(x[t] + c);
+    store(y + c, y0);
+  }
+  for (; c < n; ++c) {
+    T acc = y[c];
+    for (int64_t t = 0; t < nt; ++t)
+      acc += a[t] * x[t][c];
+    y[c] = acc;
+  }
+}
+
+// Keys are taken in groups of this many for the row updates (rows_acc's nt).
+constexpr int64_t kKeyGroup = 8;
+
+// The query's valid keys (kv rows) and the slots they came from; returns their count.
+HP_ALWAYS_INLINE int64_t compact_keys(const int64_t* slots_idx, int64_t k, int64_t* keys,
+                                      int64_t* slots) {
+  int64_t m = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    if (slots_idx[j] < 0) continue;
+    keys[m] = slots_idx[j];
+    slots[m++] = j;
+  }
+  return m;
+}
+
+template <typename T>
+HP_ALWAYS_INLINE void forward_impl(const SparseMQADims& d, double scale_d, int64_t n, const T* q,
+                                   const int64_t* idx, const T* kv, T* out, T* lse, T* p_mean) {
+  const int64_t H = d.heads, C = d.width, V = d.value_dim, k = d.topk;
+  const T scale = static_cast<T>(scale_d);
+  std::vector<int64_t> keys(k), slots(k);
+  std::vector<T> s(H * k);
+  std::vector<const T*> q_heads(H);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* qi = q + i * H * C;
+    T* oi = out + i * H * V;
+    T* pm = p_mean + i * k;
+    const int64_t m = compact_keys(idx + i * k, k, keys.data(), slots.data());
+    for (int64_t c = 0; c < H * V; ++c)
+      oi[c] = 0;
+    for (int64_t j = 0; j < k; ++j)
+      pm[j] = 0;
+    if (m == 0) {
+      for (int64_t h = 0; h < H; ++h)
+        lse[i * H + h] = -std::numeric_limits<T>::infinity();
+      continue;
+    }
+    for (int64_t h = 0; h < H; ++h)
+      q_heads[h] = qi + h * C;
+    for (int64_t j = 0; j < m; ++j)
+      dots(q_heads.data(), H, kv + keys[j] * C, C, s.data() + j, m);
+    for (int64_t h = 0; h < H; ++h) {
+      T* sh = s.data() + h * m;
+      for (int64_t j = 0; j < m; ++j)
+        sh[j] *= scale;
+      const T mx = row_max(sh, m);
+      const T sum = exp_shift_sum(sh, m, mx);
+      lse[i * H + h] = mx + std::log(sum);
+      const T inv = T(1) / sum;
+      for (int64_t j = 0; j < m; ++j)
+        sh[j] *= inv;
+    }
+    const T inv_heads = T(1) / static_cast<T>(H);
+    for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
+      const int64_t g = std::min(kKeyGroup, m - j0);
+      const T* rows[kKeyGroup];
+      for (int64_t j = 0; j < g; ++j)
+        rows[j] = kv + keys[j0 + j] * C;
+      for (int64_t h = 0; h < H; ++h)
+        rows_acc(oi + h * V, s.data() + h * m + j0, rows, g, V);
+      for (int64_t j = j0; j < j0 + g; ++j) {
+        T mean = 0;
+        for (int64_t h = 0; h < H; ++h)
+          mean += s[h * m + j];
+        pm[slots[j]] = mean * inv_heads;
+      }
+    }
+  }
+}
+
+template <typename T>
+HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int64_t n, const T* q,
+                                    const int64_t* idx, const T* kv, const T* out, const T* dout,
+                                    const T* lse, T* dq, T* dkv) {
+  const int64_t H = d.heads, C = d.width, V = d.value_dim, k = d.topk;
+  const T scale = static_cast<T>(scale_d);
+  std::vector<int64_t> keys(k), slots(k);
+  std::vector<T> p(H * k), ds(H * k), delta(H), dsj(H), pj(H);
+  std::vector<const T*> q_heads(H), do_heads(H);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* qi = q + i * H * C;
+    const T* doi = dout + i * H * V;
+    for (int64_t h = 0; h < H; ++h) {
+      q_heads[h] = qi + h * C;
+      do_heads[h] = doi + h * V;
+    }
+    T* dqi = dq + i * H * C;
+    for (int64_t c = 0; c < H * C; ++c)
+      dqi[c] = 0;
+    const int64_t m = compact_keys(idx + i * k, k, keys.data(), slots.data());
+    if (m == 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* oh = out + i * H * V + h * V;
+      T acc = 0;
+      for (int64_t c = 0; c < V; ++c)
+        acc += doi[h * V + c] * oh[c];
+      delta[h] = acc;
+    }
+    // Pass 1: scores and dP per key.
+    for (int64_t j = 0; j < m; ++j) {
+      const T* row = kv + keys[j] * C;
+      dots(q_heads.data(), H, row, C, p.data() + j, m);
+      dots(do_heads.data(), H, row, V, ds.data() + j, m);
+    }
+    // Row-wise: p = exp(s - lse), ds = p (dp - delta) scale.
+    for (int64_t h = 0; h < H; ++h) {
+      T* ph = p.data() + h * m;
+      T* dsh = ds.data() + h * m;
+      for (int64_t j = 0; j < m; ++j)
+        ph[j] *= scale;
+      exp_shift_scale(ph, m, lse[i * H + h], T(1));
+      const T dh = delta[h];
+      for (int64_t j = 0; j < m; ++j)
+        dsh[j] = ph[j] * (dsh[j] - dh) * scale;
+    }
+    // Pass 2: dQ from each group of rows; each row's own dKV.
+    for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
+      const int64_t g = std::min(kKeyGroup, m - j0);
+      const T* rows[kKeyGroup];
+      for (int64_t j = 0; j < g; ++j)
+        rows[j] = kv + keys[j0 + j] * C;
+      for (int64_t h = 0; h < H; ++h)
+        rows_acc(dqi + h * C, ds.data() + h * m + j0, rows, g, C);
+      for (int64_t j = j0; j < j0 + g; ++j) {
+        for (int64_t h = 0; h < H; ++h) {
+          dsj[h] = ds[h * m + j];
+          pj[h] = p[h * m + j];
+        }
+        T* drow = dkv + keys[j] * C;
+        rows_acc(drow, dsj.data(), q_heads.data(), H, C);
+        rows_acc(drow, pj.data(), do_heads.data(), H, V);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+HP_VECTOR_CLONES void sparse_mqa_forward(const SparseMQADims& d, double scale, int64_t n,
+                                         const float* q, const int64_t* idx, const float* kv,
+                                         float* out, float* lse, float* p_mean) {
+  forward_impl(d, scale, n, q, idx, kv, out, lse, p_mean);
+}
+
+void sparse_mqa_forward(const SparseMQADims& d, double scale, int64_t n, const double* q,
+                        const int64_t* idx, const double* kv, double* out, double* lse,
+                        double* p_mean) {
+  forward_impl(d, scale, n, q, idx, kv, out, lse, p_mean);
+}
+
+HP_VECTOR_CLONES void sparse_mqa_backward(const SparseMQADims& d, double scale, int64_t n,
+                                          const float* q, const int64_t* idx, const float* kv,
+                                          const float* out, const float* dout, const float* lse,
+                                          float* dq, float* dkv) {
+  backward_impl(d, scale, n, q, idx, kv, out, dout, lse, dq, dkv);
+}
+
+void sparse_mqa_backward(const SparseMQADims& d, double scale, int64_t n, const double* q,
+                         const int64_t* idx, const double* kv, const double* out,
+                         const double* dout, const double* lse, double* dq, double* dkv) {
+  backward_impl(d, scale, n, q, idx, kv, out, dout, lse, dq, dkv);
+}
+
+}  // namespace hp::attention::detail

@@ -1,0 +1,43 @@
+// Internal to attention/: DSA's sparse MQA attention (attention/dsa.h) for a run of queries of
+// one batch row, on raw contiguous buffers, one thread. Each selected key's [latent | k_rope] row
+// is read in place from kv (no gathered copy): every head's score with it, then (forward) its
+// value contribution to every head, or (backward) dQ and its own dKV row, while the row is in
+// L1. Selection slots holding -1 are skipped (their probability is 0).
+//
+//   forward   s[h, j] = q[h] . kv[idx[j]] * scale;  p = softmax_j(s[h, :]);  lse[h]
+//             out[h] = sum_j p[h, j] kv[idx[j], :V];  p_mean[j] = mean_h p[h, j]
+//   backward  p from s and the forward's lse; dp[h, j] = dout[h] . kv[idx[j], :V];
+//             ds = p (dp - dout[h] . out[h]) * scale
+//             dq[h] = sum_j ds[h, j] kv[idx[j]]                                (written)
+//             dkv[idx[j]] += sum_h ds[h, j] q[h]  (+ sum_h p[h, j] dout[h] on :V)  (accumulated)
+#pragma once
+
+#include <cstdint>
+
+namespace hp::attention::detail {
+
+struct SparseMQADims {
+  int64_t heads = 0;      // H
+  int64_t width = 0;      // C: the row width of q and kv (R + d_rope)
+  int64_t value_dim = 0;  // V <= C: a kv row's first V columns are its value
+  int64_t topk = 0;       // k: selection slots per query (-1: none)
+};
+
+// n queries: q [n, H, C], idx [n, k], kv [Skv, C]; writes out [n, H, V], lse [n, H] (-inf for
+// a query with no key) and p_mean [n, k] (0 in empty slots).
+void sparse_mqa_forward(const SparseMQADims& d, double scale, int64_t n, const float* q,
+                        const int64_t* idx, const float* kv, float* out, float* lse, float* p_mean);
+void sparse_mqa_forward(const SparseMQADims& d, double scale, int64_t n, const double* q,
+                        const int64_t* idx, const double* kv, double* out, double* lse,
+                        double* p_mean);
+
+// n queries, given the forward's out and lse and the incoming dout [n, H, V]: writes dq
+// [n, H, C], adds into dkv [Skv, C] (the caller's own buffer: rows are shared between queries).
+void sparse_mqa_backward(const SparseMQADims& d, double scale, int64_t n, const float* q,
+                         const int64_t* idx, const float* kv, const float* out, const float* dout,
+                         const float* lse, float* dq, float* dkv);
+void sparse_mqa_backward(const SparseMQADims& d, double scale, int64_t n, const double* q,
+                         const int64_t* idx, const double* kv, const double* out,
+                         const double* dout, const double* lse, double* dq, double* dkv);
+
+}  // namespace hp::attention::detail
