@@ -1,7 +1,7 @@
 // DSA's kernels (see the header): selection by blocks of queries with a threshold top-k (ties to
-// the lower position), the sparse MQA attention and the indexer loss as autograd nodes whose
-// backward recomputes a block from what the forward kept (never the gathered keys of all
-// queries at once).
+// the lower position), the sparse MQA attention and the indexer loss as autograd nodes over
+// the fused per-query kernels of dsa_sparse_kernel.h (the attention's backward recomputes each
+// query's scores from the forward's lse; the loss's gradients are computed with it).
 #include "hp/attention/dsa.h"
 
 #include <cmath>
@@ -24,15 +24,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-// The rows [t0, t0 + n) of `indices[b]`: clamped (for gathers) and the valid mask.
-struct BlockKeys {
-  at::Tensor idx, valid;  // [n, k] int64 (>= 0), [n, k] bool
-};
-BlockKeys block_keys(const at::Tensor& indices, int64_t b, int64_t t0, int64_t n) {
-  auto raw = indices.select(0, b).narrow(0, t0, n);
-  return {raw.clamp_min(0), raw.ge(0)};
-}
 
 // fn(b, t0, n, slot) for every (batch row, query block) in parallel, BLAS on one thread each.
 template <typename Fn>
@@ -66,35 +57,6 @@ class SlotSums {
   at::Tensor like_;
   std::vector<at::Tensor> parts_;
 };
-
-// dst[idx[i], :] += src[i, :] for the rows of src [m, C] (contiguous): a plain loop, much
-// cheaper than index_add_ for many short rows.
-template <typename T>
-void scatter_add_rows_of(T* dst, const int64_t* idx, const T* src, int64_t m, int64_t c) {
-  for (int64_t i = 0; i < m; ++i) {
-    T* __restrict__ row = dst + idx[i] * c;
-    const T* __restrict__ from = src + i * c;
-#pragma GCC ivdep
-    for (int64_t j = 0; j < c; ++j)
-      row[j] += from[j];
-  }
-}
-
-void scatter_add_rows(at::Tensor& dst, const at::Tensor& idx, const at::Tensor& src) {
-  const auto* ip = idx.data_ptr<int64_t>();
-  if (src.scalar_type() == at::kDouble) {
-    scatter_add_rows_of(dst.data_ptr<double>(), ip, src.data_ptr<double>(), src.size(0),
-                        src.size(1));
-  } else {
-    HP_INTERNAL_ASSERT(src.scalar_type() == at::kFloat, "scatter_add_rows: ", src.scalar_type());
-    scatter_add_rows_of(dst.data_ptr<float>(), ip, src.data_ptr<float>(), src.size(0), src.size(1));
-  }
-}
-
-// kv[b] rows at idx: [n, k, C].
-at::Tensor gather_rows(const at::Tensor& kv_b, const at::Tensor& idx) {
-  return kv_b.index_select(0, idx.flatten()).view({idx.size(0), idx.size(1), kv_b.size(1)});
-}
 
 // Sparse MQA attention over selected keys (dsa_sparse_kernel.h); backward recomputes each
 // query's scores from the kept lse.
@@ -169,44 +131,36 @@ struct SparseMQAFn : torch::autograd::Function<SparseMQAFn> {
   }
 };
 
-// The indexer scores of a block against its keys: a [n, H_I, k] (pre-relu) and I [n, k].
-void index_scores(const at::Tensor& qb, const at::Tensor& wb, const at::Tensor& g, at::Tensor& a,
-                  at::Tensor& scores) {
-  a = at::bmm(qb, g.transpose(1, 2));                // [n, H_I, k]
-  scores = (at::relu(a) * wb.unsqueeze(-1)).sum(1);  // [n, k]
-}
-
 // The indexer loss; its gradient is computed in forward (the loss is a scalar) and scaled by
 // the incoming gradient in backward.
 struct IndexerLossFn : torch::autograd::Function<IndexerLossFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& w,
-                            const at::Tensor& k, const at::Tensor& indices, const at::Tensor& p,
-                            int64_t block_q) {
-    const int64_t batch = q.size(0), sq = q.size(1), d = k.size(2);
-    auto dq = at::zeros_like(q), dw = at::zeros_like(w);
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& w_in,
+                            const at::Tensor& k_in, const at::Tensor& indices_in,
+                            const at::Tensor& p_in, int64_t block_q) {
+    auto q = q_in.contiguous(), w = w_in.contiguous(), k = k_in.contiguous();
+    auto indices = indices_in.contiguous(), p = p_in.to(q.scalar_type()).contiguous();
+    const int64_t batch = q.size(0), sq = q.size(1), heads = q.size(2), d = k.size(2);
+    const int64_t skv = k.size(1), topk = indices.size(2);
+    const detail::IndexerDims dims{heads, d, topk};
+    auto dq = at::empty_like(q), dw = at::empty_like(w);
     const int threads = at::get_num_threads();
     SlotSums dk(k, threads);
     std::vector<double> totals(threads, 0.0);
-    for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
-      auto keys = block_keys(indices, b, t0, n);
-      auto g = gather_rows(k.select(0, b), keys.idx);  // [n, k, d_I]
-      auto qb = q.select(0, b).narrow(0, t0, n);       // [n, H_I, d_I]
-      auto wb = w.select(0, b).narrow(0, t0, n);       // [n, H_I]
-      at::Tensor a, scores;
-      index_scores(qb, wb, g, a, scores);
-      scores.masked_fill_(keys.valid.logical_not(), kNegInf);
-      auto logq = at::log_softmax(scores, -1);
-      auto pb = p.select(0, b).narrow(0, t0, n) * keys.valid;
-      // KL(p || q) = sum p (log p - log q); terms with p = 0 (or invalid keys) are 0.
-      auto kl = at::xlogy(pb, pb) - at::where(keys.valid, pb * logq, at::zeros_like(pb));
-      totals[slot] += kl.sum().item<double>();
-      auto di = (at::exp(logq) * pb.sum(-1, /*keepdim=*/true) - pb) * keys.valid;  // [n, k]
-      dw.select(0, b).narrow(0, t0, n).copy_((at::relu(a) * di.unsqueeze(1)).sum(-1));
-      auto da = di.unsqueeze(1) * wb.unsqueeze(-1) * a.gt(0);  // [n, H_I, k]
-      dq.select(0, b).narrow(0, t0, n).copy_(at::bmm(da, g));
-      auto dg = at::bmm(da.transpose(1, 2), qb).mul_(keys.valid.unsqueeze(-1));  // [n, k, d_I]
-      auto dst = dk.at_slot(slot).select(0, b);
-      scatter_add_rows(dst, keys.idx.contiguous(), dg.view({-1, d}));
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dsa_indexer_loss", [&] {
+      const auto* qp = q.data_ptr<scalar_t>();
+      const auto* wp = w.data_ptr<scalar_t>();
+      const auto* kp = k.data_ptr<scalar_t>();
+      const auto* ip = indices.data_ptr<int64_t>();
+      const auto* pp = p.data_ptr<scalar_t>();
+      auto* dqp = dq.data_ptr<scalar_t>();
+      auto* dwp = dw.data_ptr<scalar_t>();
+      for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
+        const int64_t row = b * sq + t0;
+        auto* dkp = dk.at_slot(slot).data_ptr<scalar_t>() + b * skv * d;
+        totals[slot] += detail::indexer_loss_rows(
+            dims, n, qp + row * heads * d, wp + row * heads, ip + row * topk, kp + b * skv * d,
+            pp + row * topk, dqp + row * heads * d, dwp + row * heads, dkp);
+      });
     });
     ctx->save_for_backward({dq, dw, dk.sum()});
     double total = 0;

@@ -272,7 +272,96 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
   }
 }
 
+template <typename T>
+HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q, const T* w,
+                                     const int64_t* idx, const T* kk, const T* p, T* dq, T* dw,
+                                     T* dk) {
+  const int64_t H = d.heads, D = d.dim, k = d.topk;
+  std::vector<int64_t> keys(k), slots(k);
+  std::vector<T> a(H * k), scores(k), e(k), di(k), dah(H);
+  std::vector<const T*> q_heads(H);
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* qi = q + i * H * D;
+    const T* wi = w + i * H;
+    const T* pi = p + i * k;
+    T* dqi = dq + i * H * D;
+    T* dwi = dw + i * H;
+    for (int64_t c = 0; c < H * D; ++c)
+      dqi[c] = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      dwi[h] = 0;
+      q_heads[h] = qi + h * D;
+    }
+    const int64_t m = compact_keys(idx + i * k, k, keys.data(), slots.data());
+    if (m == 0) continue;
+    for (int64_t j = 0; j < m; ++j)
+      dots(q_heads.data(), H, kk + keys[j] * D, D, a.data() + j, m);
+    for (int64_t j = 0; j < m; ++j)
+      scores[j] = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      const T wh = wi[h];
+      const T* ah = a.data() + h * m;
+      for (int64_t j = 0; j < m; ++j)
+        scores[j] += wh * (ah[j] > T(0) ? ah[j] : T(0));
+    }
+    for (int64_t j = 0; j < m; ++j)
+      e[j] = scores[j];
+    const T mx = row_max(e.data(), m);
+    const T log_z = mx + std::log(exp_shift_sum(e.data(), m, mx));
+    T p_sum = 0;
+    double kl = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const T pj = pi[slots[j]];
+      p_sum += pj;
+      if (pj > T(0)) kl += static_cast<double>(pj) * (std::log(pj) - (scores[j] - log_z));
+    }
+    total += kl;
+    const T inv_z = std::exp(mx - log_z);  // 1 / sum_j exp(I[j] - mx)
+    for (int64_t j = 0; j < m; ++j)
+      di[j] = e[j] * inv_z * p_sum - pi[slots[j]];
+    // dw[h] = sum_j relu(a) dI;  da = dI w (a > 0), kept in a.
+    for (int64_t h = 0; h < H; ++h) {
+      T* ah = a.data() + h * m;
+      const T wh = wi[h];
+      T acc = 0;
+      for (int64_t j = 0; j < m; ++j) {
+        const bool on = ah[j] > T(0);
+        acc += on ? ah[j] * di[j] : T(0);
+        ah[j] = on ? di[j] * wh : T(0);
+      }
+      dwi[h] = acc;
+    }
+    for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
+      const int64_t g = std::min(kKeyGroup, m - j0);
+      const T* rows[kKeyGroup];
+      for (int64_t j = 0; j < g; ++j)
+        rows[j] = kk + keys[j0 + j] * D;
+      for (int64_t h = 0; h < H; ++h)
+        rows_acc(dqi + h * D, a.data() + h * m + j0, rows, g, D);
+      for (int64_t j = j0; j < j0 + g; ++j) {
+        for (int64_t h = 0; h < H; ++h)
+          dah[h] = a[h * m + j];
+        rows_acc(dk + keys[j] * D, dah.data(), q_heads.data(), H, D);
+      }
+    }
+  }
+  return total;
+}
+
 }  // namespace
+
+HP_VECTOR_CLONES double indexer_loss_rows(const IndexerDims& d, int64_t n, const float* q,
+                                          const float* w, const int64_t* idx, const float* k,
+                                          const float* p, float* dq, float* dw, float* dk) {
+  return indexer_impl(d, n, q, w, idx, k, p, dq, dw, dk);
+}
+
+double indexer_loss_rows(const IndexerDims& d, int64_t n, const double* q, const double* w,
+                         const int64_t* idx, const double* k, const double* p, double* dq,
+                         double* dw, double* dk) {
+  return indexer_impl(d, n, q, w, idx, k, p, dq, dw, dk);
+}
 
 HP_VECTOR_CLONES void sparse_mqa_forward(const SparseMQADims& d, double scale, int64_t n,
                                          const float* q, const int64_t* idx, const float* kv,

@@ -40,4 +40,23 @@ void sparse_mqa_backward(const SparseMQADims& d, double scale, int64_t n, const 
                          const int64_t* idx, const double* kv, const double* out,
                          const double* dout, const double* lse, double* dq, double* dkv);
 
+// The indexer loss over the same selection, with its gradients (the loss is a scalar, so they
+// are computed with it). n queries: q_index [n, H_I, d_I], w [n, H_I], idx [n, k], k_index
+// [Skv, d_I], p [n, k] (the targets, 0 in empty slots):
+//   I[j] = sum_h w[h] relu(q_index[h] . k_index[idx[j]]);  lq = log_softmax_j(I)
+//   loss = sum_j p[j] (log p[j] - lq[j])  (0 log 0 = 0);  dI = softmax(I) sum_j p - p
+// Returns the loss of the n queries; writes dq [n, H_I, d_I] and dw [n, H_I]; adds into dk
+// [Skv, d_I] (the caller's own buffer).
+struct IndexerDims {
+  int64_t heads = 0;  // H_I
+  int64_t dim = 0;    // d_I
+  int64_t topk = 0;   // k
+};
+double indexer_loss_rows(const IndexerDims& d, int64_t n, const float* q, const float* w,
+                         const int64_t* idx, const float* k, const float* p, float* dq, float* dw,
+                         float* dk);
+double indexer_loss_rows(const IndexerDims& d, int64_t n, const double* q, const double* w,
+                         const int64_t* idx, const double* k, const double* p, double* dq,
+                         double* dw, double* dk);
+
 }  // namespace hp::attention::detail
