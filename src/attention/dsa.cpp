@@ -189,8 +189,7 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
   at::NoGradGuard no_grad;
   const int64_t batch = index.q.size(0), sq = index.q.size(1), skv = index.k.size(1);
   topk = std::min(topk, skv);
-  auto out = at::full({batch, sq, topk}, -1, index.q.options().dtype(at::kLong));
-  auto positions = at::arange(skv, index.q.options().dtype(at::kLong));
+  auto out = at::empty({batch, sq, topk}, index.q.options().dtype(at::kLong));
   for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t) {
     auto qb = index.q.select(0, b).narrow(0, t0, n);  // [n, H_I, d_I]
     auto wb = index.w.select(0, b).narrow(0, t0, n);
@@ -198,29 +197,17 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
     const int64_t width = std::min(skv, q_offset + t0 + n);
     auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t());  // [n, H_I, w]
     auto scores = at::bmm(wb.unsqueeze(1), a.relu_()).squeeze(1);           // [n, w]
-    // Only the last columns (the keys at the block's own positions) are hidden from some rows.
-    const int64_t diag = std::min(q_offset + t0, width);
-    auto rows = at::arange(q_offset + t0, q_offset + t0 + n, positions.options()).unsqueeze(1);
-    auto hidden = positions.narrow(0, diag, width - diag).unsqueeze(0).gt(rows);  // [n, w - diag]
-    scores.narrow(1, diag, width - diag).masked_fill_(hidden, kNegInf);
-    at::Tensor selected;
-    if (topk >= width) {
-      selected = scores.isfinite();  // every visible key
-    } else {
-      // The k-th largest score per row (a selection, not a sort); everything above it, then
-      // its ties by position. A row with fewer visible keys than topk has kth = -inf: "above"
-      // is then exactly its visible keys and no tie is taken.
-      auto kth = std::get<0>(at::kthvalue(scores, width - topk + 1, -1, /*keepdim=*/true));
-      auto above = scores.gt(kth);
-      auto tie = scores.eq(kth).logical_and_(kth.isfinite());
-      auto need = topk - above.sum(-1, /*keepdim=*/true);
-      selected = above.logical_or_(tie.logical_and_(at::cumsum(tie, -1).le(need)));
-    }
-    auto slot = at::cumsum(selected, -1) - 1;  // [n, Skv]: the rank among the selected
-    auto nz = selected.nonzero();              // [m, 2] (row, key), keys ascending per row
-    auto r = nz.select(1, 0), key = nz.select(1, 1);
+    scores = scores.contiguous();
+    // Row r sees the keys 0..q_offset + t0 + r (never past Skv); its top-k in position order.
     auto block = out.select(0, b).narrow(0, t0, n);
-    block.index_put_({r, slot.index({r, key})}, key);
+    AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "dsa_select", [&] {
+      std::vector<scalar_t> scratch(width);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t visible = std::min(width, q_offset + t0 + r + 1);
+        detail::topk_positions(scores.data_ptr<scalar_t>() + r * width, visible, topk,
+                               block.data_ptr<int64_t>() + r * topk, scratch.data());
+      }
+    });
   });
   return out;
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -349,7 +350,45 @@ HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q
   return total;
 }
 
+template <typename T>
+void topk_impl(const T* scores, int64_t visible, int64_t k, int64_t* out, T* scratch) {
+  int64_t m = 0;
+  if (visible <= k) {
+    for (; m < visible; ++m)
+      out[m] = m;
+  } else {
+    // The k-th largest score (a selection, not a sort), then one pass in position order: every
+    // key above it, and its ties while places remain.
+    std::copy(scores, scores + visible, scratch);
+    std::nth_element(scratch, scratch + (k - 1), scratch + visible, std::greater<T>());
+    const T kth = scratch[k - 1];
+    int64_t above = 0;
+    for (int64_t j = 0; j < visible; ++j)
+      above += scores[j] > kth ? 1 : 0;
+    int64_t ties = k - above;
+    for (int64_t j = 0; j < visible && m < k; ++j) {
+      if (scores[j] > kth) {
+        out[m++] = j;
+      } else if (scores[j] == kth && ties > 0) {
+        out[m++] = j;
+        --ties;
+      }
+    }
+  }
+  for (; m < k; ++m)
+    out[m] = -1;
+}
+
 }  // namespace
+
+void topk_positions(const float* scores, int64_t visible, int64_t k, int64_t* out, float* scratch) {
+  topk_impl(scores, visible, k, out, scratch);
+}
+
+void topk_positions(const double* scores, int64_t visible, int64_t k, int64_t* out,
+                    double* scratch) {
+  topk_impl(scores, visible, k, out, scratch);
+}
 
 HP_VECTOR_CLONES double indexer_loss_rows(const IndexerDims& d, int64_t n, const float* q,
                                           const float* w, const int64_t* idx, const float* k,

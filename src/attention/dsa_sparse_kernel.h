@@ -59,4 +59,12 @@ double indexer_loss_rows(const IndexerDims& d, int64_t n, const double* q, const
                          const int64_t* idx, const double* k, const double* p, double* dq,
                          double* dw, double* dk);
 
+// Top-k of one query's indexer scores: the first `visible` entries of `scores` are its visible
+// keys (positions 0..visible-1). Writes the k best positions in ascending order into out[0, k)
+// (ties at the k-th score go to the lower positions; every visible key when visible <= k; -1
+// past the count). `scratch` holds at least `visible` values.
+void topk_positions(const float* scores, int64_t visible, int64_t k, int64_t* out, float* scratch);
+void topk_positions(const double* scores, int64_t visible, int64_t k, int64_t* out,
+                    double* scratch);
+
 }  // namespace hp::attention::detail
