@@ -1,7 +1,7 @@
 // A standalone timing of DSA's parts (issue 15): selection, sparse attention fwd and bwd,
 // indexer loss, against dense blockwise MLA of the same shape. One process.
 //   dsa_speed [--tokens S] [--heads H] [--topk K] [--index-heads HI] [--index-dim DI] [--reps N]
-//             [--threads T]
+//             [--threads T] [--block-q N] [--dense 0|1]  (--dense 0: skip the dense timing)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   int64_t s = 8192, heads = 8, topk = 2048, hi = 4, di = 32;
   int reps = 1;
   int64_t block_q = hp::attention::DSAOptions{}.block_q;
+  bool dense = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const int64_t v = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--tokens")) s = v;
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--index-dim")) di = v;
     if (!std::strcmp(argv[i], "--reps")) reps = static_cast<int>(v);
     if (!std::strcmp(argv[i], "--block-q")) block_q = v;
+    if (!std::strcmp(argv[i], "--dense")) dense = v != 0;
     if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(static_cast<int>(v));
   }
   hp::attention::MLAShape shape;
@@ -79,7 +81,7 @@ int main(int argc, char** argv) {
   const double t_loss = median_time(reps, [&] {
     loss = hp::attention::dsa_indexer_loss({iq, iw, ik}, indices, p, o.block_q);
   });
-  const double t_dense = median_time(reps, [&] {
+  const double t_dense = !dense ? 0.0 : median_time(reps, [&] {
     auto qq = q.detach().requires_grad_(true);
     auto d = hp::attention::mla_attention(qq, latent, k_rope, w_ukv, shape);
     d.backward(at::ones_like(d));

@@ -140,6 +140,27 @@ HP_ALWAYS_INLINE void rows_acc(T* __restrict__ y, const T* __restrict__ a, const
 // Keys are taken in groups of this many for the row updates (rows_acc's nt).
 constexpr int64_t kKeyGroup = 8;
 
+// The selected rows are scattered over kv (and dkv), beyond the caches at long sequences, and
+// the hardware cannot guess the next one: each pass asks for the rows this many keys ahead.
+constexpr int64_t kPrefetchKeys = 8;
+
+template <int kWrite, typename T>
+HP_ALWAYS_INLINE void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64)
+    __builtin_prefetch(p + b, kWrite, 3);
+  __builtin_prefetch(p + bytes - 1, kWrite, 3);
+}
+
+// Rows keys[from, to) of base (width n), clamped to m keys.
+template <int kWrite, typename T>
+HP_ALWAYS_INLINE void prefetch_rows(const T* base, const int64_t* keys, int64_t from, int64_t to,
+                                    int64_t m, int64_t n) {
+  for (int64_t j = from; j < to && j < m; ++j)
+    prefetch_row<kWrite>(base + keys[j] * n, n);
+}
+
 // The query's valid keys (kv rows) and the slots they came from; returns their count.
 HP_ALWAYS_INLINE int64_t compact_keys(const int64_t* slots_idx, int64_t k, int64_t* keys,
                                       int64_t* slots) {
@@ -176,8 +197,11 @@ HP_ALWAYS_INLINE void forward_impl(const SparseMQADims& d, double scale_d, int64
     }
     for (int64_t h = 0; h < H; ++h)
       q_heads[h] = qi + h * C;
-    for (int64_t j = 0; j < m; ++j)
+    prefetch_rows<0>(kv, keys.data(), 0, kPrefetchKeys, m, C);
+    for (int64_t j = 0; j < m; ++j) {
+      prefetch_rows<0>(kv, keys.data(), j + kPrefetchKeys, j + kPrefetchKeys + 1, m, C);
       dots(q_heads.data(), H, kv + keys[j] * C, C, s.data() + j, m);
+    }
     for (int64_t h = 0; h < H; ++h) {
       T* sh = s.data() + h * m;
       for (int64_t j = 0; j < m; ++j)
@@ -190,8 +214,10 @@ HP_ALWAYS_INLINE void forward_impl(const SparseMQADims& d, double scale_d, int64
         sh[j] *= inv;
     }
     const T inv_heads = T(1) / static_cast<T>(H);
+    prefetch_rows<0>(kv, keys.data(), 0, kKeyGroup, m, V);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
       const int64_t g = std::min(kKeyGroup, m - j0);
+      prefetch_rows<0>(kv, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, V);
       const T* rows[kKeyGroup];
       for (int64_t j = 0; j < g; ++j)
         rows[j] = kv + keys[j0 + j] * C;
@@ -236,7 +262,9 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
       delta[h] = acc;
     }
     // Pass 1: scores and dP per key.
+    prefetch_rows<0>(kv, keys.data(), 0, kPrefetchKeys, m, C);
     for (int64_t j = 0; j < m; ++j) {
+      prefetch_rows<0>(kv, keys.data(), j + kPrefetchKeys, j + kPrefetchKeys + 1, m, C);
       const T* row = kv + keys[j] * C;
       dots(q_heads.data(), H, row, C, p.data() + j, m);
       dots(do_heads.data(), H, row, V, ds.data() + j, m);
@@ -253,8 +281,12 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
         dsh[j] = ph[j] * (dsh[j] - dh) * scale;
     }
     // Pass 2: dQ from each group of rows; each row's own dKV.
+    prefetch_rows<0>(kv, keys.data(), 0, kKeyGroup, m, C);
+    prefetch_rows<1>(dkv, keys.data(), 0, kKeyGroup, m, C);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
       const int64_t g = std::min(kKeyGroup, m - j0);
+      prefetch_rows<0>(kv, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, C);
+      prefetch_rows<1>(dkv, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, C);
       const T* rows[kKeyGroup];
       for (int64_t j = 0; j < g; ++j)
         rows[j] = kv + keys[j0 + j] * C;
@@ -296,8 +328,11 @@ HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q
     }
     const int64_t m = compact_keys(idx + i * k, k, keys.data(), slots.data());
     if (m == 0) continue;
-    for (int64_t j = 0; j < m; ++j)
+    prefetch_rows<0>(kk, keys.data(), 0, kPrefetchKeys, m, D);
+    for (int64_t j = 0; j < m; ++j) {
+      prefetch_rows<0>(kk, keys.data(), j + kPrefetchKeys, j + kPrefetchKeys + 1, m, D);
       dots(q_heads.data(), H, kk + keys[j] * D, D, a.data() + j, m);
+    }
     for (int64_t j = 0; j < m; ++j)
       scores[j] = 0;
     for (int64_t h = 0; h < H; ++h) {
@@ -333,8 +368,12 @@ HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q
       }
       dwi[h] = acc;
     }
+    prefetch_rows<0>(kk, keys.data(), 0, kKeyGroup, m, D);
+    prefetch_rows<1>(dk, keys.data(), 0, kKeyGroup, m, D);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
       const int64_t g = std::min(kKeyGroup, m - j0);
+      prefetch_rows<0>(kk, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, D);
+      prefetch_rows<1>(dk, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, D);
       const T* rows[kKeyGroup];
       for (int64_t j = 0; j < g; ++j)
         rows[j] = kk + keys[j0 + j] * D;
