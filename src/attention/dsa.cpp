@@ -5,7 +5,6 @@
 #include "hp/attention/dsa.h"
 
 #include <cmath>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -22,8 +21,6 @@ using detail::for_each_unit;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 // fn(b, t0, n, slot) for every (batch row, query block) in parallel, BLAS on one thread each.
 template <typename Fn>
@@ -195,17 +192,17 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
     auto wb = index.w.select(0, b).narrow(0, t0, n);
     // Keys past the block's last query are never visible: score the causal prefix only.
     const int64_t width = std::min(skv, q_offset + t0 + n);
-    auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t());  // [n, H_I, w]
-    auto scores = at::bmm(wb.unsqueeze(1), a.relu_()).squeeze(1);           // [n, w]
-    scores = scores.contiguous();
-    // Row r sees the keys 0..q_offset + t0 + r (never past Skv); its top-k in position order.
+    auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t()).contiguous();
+    // Row r sees the keys 0..q_offset + t0 + r (never past Skv): its scores and top-k.
     auto block = out.select(0, b).narrow(0, t0, n);
-    AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "dsa_select", [&] {
-      std::vector<scalar_t> scratch(width);
+    auto wc = wb.contiguous();
+    const int64_t heads = a.size(1);
+    AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "dsa_select", [&] {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t visible = std::min(width, q_offset + t0 + r + 1);
-        detail::topk_positions(scores.data_ptr<scalar_t>() + r * width, visible, topk,
-                               block.data_ptr<int64_t>() + r * topk, scratch.data());
+        detail::select_row(a.data_ptr<scalar_t>() + r * heads * width, heads, width,
+                           wc.data_ptr<scalar_t>() + r * heads, visible, topk,
+                           block.data_ptr<int64_t>() + r * topk);
       }
     });
   });

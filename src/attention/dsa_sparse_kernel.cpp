@@ -389,23 +389,65 @@ HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q
   return total;
 }
 
+// The k-th largest of v[0, n) (a selection, not a sort; v is reordered).
 template <typename T>
-void topk_impl(const T* scores, int64_t visible, int64_t k, int64_t* out, T* scratch) {
+T kth_largest(T* v, int64_t n, int64_t k) {
+  std::nth_element(v, v + (k - 1), v + n, std::greater<T>());
+  return v[k - 1];
+}
+
+template <typename T>
+HP_ALWAYS_INLINE void select_impl(const T* a, int64_t heads, int64_t stride, const T* w,
+                                  int64_t visible, int64_t k, int64_t* out) {
   int64_t m = 0;
   if (visible <= k) {
     for (; m < visible; ++m)
       out[m] = m;
   } else {
-    // The k-th largest score (a selection, not a sort), then one pass in position order: every
-    // key above it, and its ties while places remain.
-    std::copy(scores, scores + visible, scratch);
-    std::nth_element(scratch, scratch + (k - 1), scratch + visible, std::greater<T>());
-    const T kth = scratch[k - 1];
+    // I[j] = sum_h w[h] relu(a[h][j]).
+    std::vector<T> scores(visible, T(0));
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* ah = a + h * stride;
+      const T wh = w[h];
+      for (int64_t j = 0; j < visible; ++j)
+        scores[j] += wh * (ah[j] > T(0) ? ah[j] : T(0));
+    }
+    // A threshold from a sample (above the k-th score's expected rank, with a margin) keeps
+    // the exact selection to the few keys at or above it; when fewer than k are, all keys.
+    std::vector<int64_t> cand;
+    std::vector<T> vals;
+    constexpr int64_t kSample = 1024;
+    if (visible >= 4 * kSample) {
+      std::vector<T> sample(kSample);
+      const int64_t step = visible / kSample;
+      for (int64_t i = 0; i < kSample; ++i)
+        sample[i] = scores[i * step];
+      const int64_t rank = std::min<int64_t>(
+          kSample, static_cast<int64_t>(1.25 * static_cast<double>(k) * kSample / visible) + 16);
+      const T threshold = kth_largest(sample.data(), kSample, rank);
+      for (int64_t j = 0; j < visible; ++j) {
+        if (scores[j] >= threshold) cand.push_back(j);
+      }
+      if (static_cast<int64_t>(cand.size()) < k) cand.clear();
+    }
+    if (cand.empty()) {
+      cand.resize(visible);
+      for (int64_t j = 0; j < visible; ++j)
+        cand[j] = j;
+    }
+    // Every top-k key is a candidate (at least k candidates score >= the threshold, so the
+    // k-th score does too). One pass over them in position order: every key above the k-th
+    // score, and its ties while places remain.
+    vals.resize(cand.size());
+    for (size_t i = 0; i < cand.size(); ++i)
+      vals[i] = scores[cand[i]];
+    const T kth = kth_largest(vals.data(), static_cast<int64_t>(vals.size()), k);
     int64_t above = 0;
-    for (int64_t j = 0; j < visible; ++j)
+    for (int64_t j : cand)
       above += scores[j] > kth ? 1 : 0;
     int64_t ties = k - above;
-    for (int64_t j = 0; j < visible && m < k; ++j) {
+    for (size_t i = 0; i < cand.size() && m < k; ++i) {
+      const int64_t j = cand[i];
       if (scores[j] > kth) {
         out[m++] = j;
       } else if (scores[j] == kth && ties > 0) {
@@ -420,13 +462,14 @@ void topk_impl(const T* scores, int64_t visible, int64_t k, int64_t* out, T* scr
 
 }  // namespace
 
-void topk_positions(const float* scores, int64_t visible, int64_t k, int64_t* out, float* scratch) {
-  topk_impl(scores, visible, k, out, scratch);
+HP_VECTOR_CLONES void select_row(const float* a, int64_t heads, int64_t stride, const float* w,
+                                 int64_t visible, int64_t k, int64_t* out) {
+  select_impl(a, heads, stride, w, visible, k, out);
 }
 
-void topk_positions(const double* scores, int64_t visible, int64_t k, int64_t* out,
-                    double* scratch) {
-  topk_impl(scores, visible, k, out, scratch);
+void select_row(const double* a, int64_t heads, int64_t stride, const double* w, int64_t visible,
+                int64_t k, int64_t* out) {
+  select_impl(a, heads, stride, w, visible, k, out);
 }
 
 HP_VECTOR_CLONES double indexer_loss_rows(const IndexerDims& d, int64_t n, const float* q,

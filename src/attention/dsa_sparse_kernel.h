@@ -59,12 +59,13 @@ double indexer_loss_rows(const IndexerDims& d, int64_t n, const double* q, const
                          const int64_t* idx, const double* k, const double* p, double* dq,
                          double* dw, double* dk);
 
-// Top-k of one query's indexer scores: the first `visible` entries of `scores` are its visible
-// keys (positions 0..visible-1). Writes the k best positions in ascending order into out[0, k)
-// (ties at the k-th score go to the lower positions; every visible key when visible <= k; -1
-// past the count). `scratch` holds at least `visible` values.
-void topk_positions(const float* scores, int64_t visible, int64_t k, int64_t* out, float* scratch);
-void topk_positions(const double* scores, int64_t visible, int64_t k, int64_t* out,
-                    double* scratch);
+// One query's selection: a [H_I, stride] holds q_index[h] . k_index[j] for its keys (positions
+// 0..visible-1 visible), w [H_I] its index weights. Scores I[j] = sum_h w[h] relu(a[h][j]);
+// writes the k best positions in ascending order into out[0, k) (ties at the k-th score go to
+// the lower positions; every visible key when visible <= k; -1 past the count).
+void select_row(const float* a, int64_t heads, int64_t stride, const float* w, int64_t visible,
+                int64_t k, int64_t* out);
+void select_row(const double* a, int64_t heads, int64_t stride, const double* w, int64_t visible,
+                int64_t k, int64_t* out);
 
 }  // namespace hp::attention::detail

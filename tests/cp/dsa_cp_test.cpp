@@ -187,6 +187,31 @@ TEST(DSA, WideRowsInFloat64AndFloat32) {
   }
 }
 
+// Long rows take the sampled-threshold path of the selection (4096 or more visible keys): the
+// selected set must still be exactly the top-k by (score desc, position asc), ties included.
+// One index head of width 1 with q = w = 1 makes every query's scores relu(k_I[s]); k_I takes
+// 40 values, so every row has many ties at its k-th score.
+TEST(DSA, LongRowSelectionEqualsSortedTopK) {
+  const int64_t s = 4400;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto k_index = at::randint(-5, 35, {1, s, 1}, gen, at::kDouble);
+  attention::DSAIndexer index{at::ones({1, s, 1, 1}, at::kDouble), at::ones({1, s, 1}, at::kDouble),
+                              k_index};
+  auto scores = k_index.view({s}).clamp_min(0);
+  for (int64_t topk : {7, 300, 2500}) {
+    auto got = attention::dsa_select(index, 0, topk, 16);
+    for (int64_t t : {int64_t{4095}, int64_t{4200}, s - 1}) {
+      // Sort-based reference: descending score, ascending position; the first topk, ascending.
+      auto visible = scores.narrow(0, 0, t + 1);
+      auto order = at::arange(t + 1, at::kLong);
+      auto key = visible * (t + 2) - order.to(at::kDouble);  // ties -> lower position first
+      auto top = std::get<1>(key.sort(0, /*descending=*/true)).narrow(0, 0, topk);
+      auto want = std::get<0>(top.sort());
+      EXPECT_TRUE(at::equal(got[0][t], want)) << "topk " << topk << ", query " << t;
+    }
+  }
+}
+
 void run_cp(int p, const std::string& loss, const DSACPOptions& co) {
   const auto in = inputs();
   at::Tensor selected;
