@@ -226,9 +226,39 @@ at::Tensor dsa_absorb_queries(const at::Tensor& q, const at::Tensor& w_ukv, cons
   return at::cat({absorbed, q.narrow(-1, shape.d_nope, shape.d_rope)}, -1);
 }
 
+namespace {
+
+// The fused kernels read rows by index without bounds checks: shapes, dtypes and every index
+// are checked here, once per call.
+void check_selection(const char* who, const at::Tensor& q, const at::Tensor& keys,
+                     const at::Tensor& indices) {
+  HP_CHECK(q.dim() == 4 && keys.dim() == 3 && indices.dim() == 3 && q.size(0) == keys.size(0) &&
+               indices.size(0) == q.size(0) && indices.size(1) == q.size(1) &&
+               q.size(3) == keys.size(2),
+           who, ": expected queries [B, Sq, H, C], keys [B, Skv, C] and indices [B, Sq, k]; got ",
+           q.sizes(), ", ", keys.sizes(), ", ", indices.sizes());
+  HP_CHECK(q.scalar_type() == keys.scalar_type() &&
+               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
+           who, ": queries and keys must both be float32 or both float64, got ", q.scalar_type(),
+           " and ", keys.scalar_type());
+  HP_CHECK(indices.scalar_type() == at::kLong, who, ": indices must be int64, got ",
+           indices.scalar_type());
+  if (indices.numel() == 0) return;
+  const int64_t top = indices.max().item<int64_t>();
+  HP_CHECK(top < keys.size(1), who, ": index ", top, " is past the ", keys.size(1),
+           " keys; indices are key positions 0..Skv-1 (-1: no key)");
+  const int64_t low = indices.min().item<int64_t>();
+  HP_CHECK(low >= -1, who, ": index ", low, " is not a key position; use -1 for an empty slot");
+}
+
+}  // namespace
+
 void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Tensor& indices,
                     int64_t value_dim, double scale, int64_t block_q, at::Tensor& out,
                     at::Tensor& p_mean) {
+  check_selection("dsa_sparse_mqa", q_abs, kv, indices);
+  HP_CHECK(value_dim >= 1 && value_dim <= kv.size(2), "dsa_sparse_mqa: value_dim=", value_dim,
+           " must be in [1, ", kv.size(2), "] (the values are the first columns of a kv row)");
   auto res = SparseMQAFn::apply(q_abs, kv, indices, value_dim, scale, block_q);
   out = res[0];
   p_mean = res[1];
@@ -236,6 +266,14 @@ void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Ten
 
 at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices, const at::Tensor& p,
                             int64_t block_q) {
+  check_selection("dsa_indexer_loss", index.q, index.k, indices);
+  HP_CHECK(index.w.dim() == 3 && index.w.size(0) == index.q.size(0) &&
+               index.w.size(1) == index.q.size(1) && index.w.size(2) == index.q.size(2) &&
+               index.w.scalar_type() == index.q.scalar_type(),
+           "dsa_indexer_loss: w must be [B, Sq, H_I] ", index.q.scalar_type(), ", got ",
+           index.w.sizes(), " ", index.w.scalar_type());
+  HP_CHECK(p.sizes() == indices.sizes(), "dsa_indexer_loss: targets p ", p.sizes(),
+           " must match indices ", indices.sizes());
   return IndexerLossFn::apply(index.q, index.w, index.k, indices, p.detach(), block_q);
 }
 

@@ -301,6 +301,20 @@ TEST(DSACP, FailFast) {
   HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope,
                                {in.qi, in.wi, in.ki.narrow(2, 0, 2)}, 2),
                   "k_index [2, 24, 2] must be [B=2, S=24, d_I=5]");
+  // The fused kernels read rows by index: a bad index is refused, never read.
+  at::Tensor out, p_mean;
+  auto kv = at::cat({in.latent, in.k_rope}, -1);
+  auto q_abs = attention::dsa_absorb_queries(in.q, in.w_ukv, shape());
+  auto bad = at::zeros({kB, kS, 2}, at::kLong);
+  bad[1][3][1] = kS;
+  HP_EXPECT_ERROR(attention::dsa_sparse_mqa(q_abs, kv, bad, shape().kv_rank, 1.0, 4, out, p_mean),
+                  "dsa_sparse_mqa: index 24 is past the 24 keys");
+  bad[1][3][1] = -2;
+  HP_EXPECT_ERROR(attention::dsa_sparse_mqa(q_abs, kv, bad, shape().kv_rank, 1.0, 4, out, p_mean),
+                  "dsa_sparse_mqa: index -2 is not a key position");
+  HP_EXPECT_ERROR(attention::dsa_sparse_mqa(q_abs, kv.to(at::kFloat), bad.clamp_min(0),
+                                            shape().kv_rank, 1.0, 4, out, p_mean),
+                  "queries and keys must both be float32 or both float64");
   DSACPOptions lb;
   lb.load_balance = true;
   HP_EXPECT_ERROR(
