@@ -187,16 +187,21 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
   const int64_t batch = index.q.size(0), sq = index.q.size(1), skv = index.k.size(1);
   topk = std::min(topk, skv);
   auto out = at::empty({batch, sq, topk}, index.q.options().dtype(at::kLong));
-  for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t) {
-    auto qb = index.q.select(0, b).narrow(0, t0, n);  // [n, H_I, d_I]
+  const int64_t heads = index.q.size(2), dim = index.q.size(3);
+  // One score buffer per thread, reused by its blocks (fresh [n, H_I, width] tensors would
+  // fault their pages in again for every block).
+  std::vector<at::Tensor> scratch(at::get_num_threads());
+  for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
+    auto qb = index.q.select(0, b).narrow(0, t0, n).reshape({n * heads, dim});
     auto wb = index.w.select(0, b).narrow(0, t0, n);
     // Keys past the block's last query are never visible: score the causal prefix only.
     const int64_t width = std::min(skv, q_offset + t0 + n);
-    auto a = at::matmul(qb, index.k.select(0, b).narrow(0, 0, width).t()).contiguous();
+    if (!scratch[slot].defined()) scratch[slot] = at::empty({block_q * heads * skv}, qb.options());
+    auto a = scratch[slot].narrow(0, 0, n * heads * width).view({n * heads, width});
+    at::mm_out(a, qb, index.k.select(0, b).narrow(0, 0, width).t());
     // Row r sees the keys 0..q_offset + t0 + r (never past Skv): its scores and top-k.
     auto block = out.select(0, b).narrow(0, t0, n);
     auto wc = wb.contiguous();
-    const int64_t heads = a.size(1);
     AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "dsa_select", [&] {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t visible = std::min(width, q_offset + t0 + r + 1);
