@@ -1,8 +1,10 @@
-// DSA's sparse MQA kernel (see the header). Per query: compact its selected keys, one pass over
-// their kv rows for the scores (and, backward, dP), row-wise softmax on the [H, keys] scratch,
-// one more pass over the same rows for the output (backward: dQ and the key's dKV row). Built
-// with the fused row kernels' flags (-O3, reassociation) so the dot products and row updates
-// vectorise; the float entry points are cloned for AVX2 (vector_clones.h).
+// DSA's kernels (see the header). Per query: compact its selected keys; forward, one pass over
+// their kv rows for the scores, row-wise softmax on the [H, keys] scratch, one more pass for the
+// output; backward, one pass in groups of 8 keys (scores and dP, then p from the forward's lse,
+// dS, dQ and each row's dKV while the group's rows are in L1). The indexer loss is one pass
+// likewise; the selection scores each visible key and takes the top-k through a sampled
+// threshold. Built with the fused row kernels' flags (-O3, reassociation) so the dot products
+// and row updates vectorise; the float entry points are cloned for AVX2 (vector_clones.h).
 #include "dsa_sparse_kernel.h"
 
 #include <algorithm>
@@ -240,7 +242,7 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
   const int64_t H = d.heads, C = d.width, V = d.value_dim, k = d.topk;
   const T scale = static_cast<T>(scale_d);
   std::vector<int64_t> keys(k), slots(k);
-  std::vector<T> p(H * k), ds(H * k), delta(H), dsj(H), pj(H);
+  std::vector<T> p(H * kKeyGroup), ds(H * kKeyGroup), delta(H), dsj(H), pj(H);
   std::vector<const T*> q_heads(H), do_heads(H);
   for (int64_t i = 0; i < n; ++i) {
     const T* qi = q + i * H * C;
@@ -261,26 +263,9 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
         acc += doi[h * V + c] * oh[c];
       delta[h] = acc;
     }
-    // Pass 1: scores and dP per key.
-    prefetch_rows<0>(kv, keys.data(), 0, kPrefetchKeys, m, C);
-    for (int64_t j = 0; j < m; ++j) {
-      prefetch_rows<0>(kv, keys.data(), j + kPrefetchKeys, j + kPrefetchKeys + 1, m, C);
-      const T* row = kv + keys[j] * C;
-      dots(q_heads.data(), H, row, C, p.data() + j, m);
-      dots(do_heads.data(), H, row, V, ds.data() + j, m);
-    }
-    // Row-wise: p = exp(s - lse), ds = p (dp - delta) scale.
-    for (int64_t h = 0; h < H; ++h) {
-      T* ph = p.data() + h * m;
-      T* dsh = ds.data() + h * m;
-      for (int64_t j = 0; j < m; ++j)
-        ph[j] *= scale;
-      exp_shift_scale(ph, m, lse[i * H + h], T(1));
-      const T dh = delta[h];
-      for (int64_t j = 0; j < m; ++j)
-        dsh[j] = ph[j] * (dsh[j] - dh) * scale;
-    }
-    // Pass 2: dQ from each group of rows; each row's own dKV.
+    // One pass over the keys in groups of kKeyGroup: the group's scores and dP (its rows
+    // enter L1), then p = exp(s - lse) and dS for the group, then dQ and each row's dKV from
+    // the same rows, still in L1 (the forward's lse makes p known per key: no row pass).
     prefetch_rows<0>(kv, keys.data(), 0, kKeyGroup, m, C);
     prefetch_rows<1>(dkv, keys.data(), 0, kKeyGroup, m, C);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
@@ -290,14 +275,34 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
       const T* rows[kKeyGroup];
       for (int64_t j = 0; j < g; ++j)
         rows[j] = kv + keys[j0 + j] * C;
-      for (int64_t h = 0; h < H; ++h)
-        rows_acc(dqi + h * C, ds.data() + h * m + j0, rows, g, C);
-      for (int64_t j = j0; j < j0 + g; ++j) {
-        for (int64_t h = 0; h < H; ++h) {
-          dsj[h] = ds[h * m + j];
-          pj[h] = p[h * m + j];
+      // p and ds are [H, kKeyGroup]; the columns past g stay 0.
+      std::fill(p.begin(), p.end(), T(0));
+      std::fill(ds.begin(), ds.end(), T(0));
+      for (int64_t j = 0; j < g; ++j) {
+        dots(q_heads.data(), H, rows[j], C, p.data() + j, kKeyGroup);
+        dots(do_heads.data(), H, rows[j], V, ds.data() + j, kKeyGroup);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const T l = lse[i * H + h];
+        for (int64_t j = 0; j < g; ++j)
+          p[h * kKeyGroup + j] = p[h * kKeyGroup + j] * scale - l;
+      }
+      exp_shift_scale(p.data(), H * kKeyGroup, T(0), T(1));
+      for (int64_t h = 0; h < H; ++h) {
+        const T dh = delta[h];
+        for (int64_t j = 0; j < kKeyGroup; ++j) {
+          const int64_t at = h * kKeyGroup + j;
+          ds[at] = j < g ? p[at] * (ds[at] - dh) * scale : T(0);
         }
-        T* drow = dkv + keys[j] * C;
+      }
+      for (int64_t h = 0; h < H; ++h)
+        rows_acc(dqi + h * C, ds.data() + h * kKeyGroup, rows, g, C);
+      for (int64_t j = 0; j < g; ++j) {
+        for (int64_t h = 0; h < H; ++h) {
+          dsj[h] = ds[h * kKeyGroup + j];
+          pj[h] = p[h * kKeyGroup + j];
+        }
+        T* drow = dkv + keys[j0 + j] * C;
         rows_acc(drow, dsj.data(), q_heads.data(), H, C);
         rows_acc(drow, pj.data(), do_heads.data(), H, V);
       }
