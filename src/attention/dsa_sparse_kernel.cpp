@@ -175,6 +175,35 @@ HP_ALWAYS_INLINE int64_t compact_keys(const int64_t* slots_idx, int64_t k, int64
   return m;
 }
 
+// The group of keys at j0 (at most kKeyGroup): rows[] points at their rows of base (width n);
+// the next group's rows are prefetched (their first `prefetch_n` columns, and the same rows of
+// `grad` for writing when it is set). Returns the group's size.
+template <typename T>
+HP_ALWAYS_INLINE int64_t key_group(const T* base, T* grad, const int64_t* keys, int64_t m,
+                                   int64_t n, int64_t prefetch_n, int64_t j0, const T** rows) {
+  const int64_t from = j0 == 0 ? 0 : j0 + kKeyGroup;
+  for (int64_t start = from; start <= j0 + kKeyGroup; start += kKeyGroup) {
+    prefetch_rows<0>(base, keys, start, start + kKeyGroup, m, prefetch_n);
+    if (grad != nullptr) prefetch_rows<1>(grad, keys, start, start + kKeyGroup, m, n);
+  }
+  const int64_t g = std::min(kKeyGroup, m - j0);
+  for (int64_t j = 0; j < g; ++j)
+    rows[j] = base + keys[j0 + j] * n;
+  return g;
+}
+
+// dst[h * m + j] = heads[h] . base[keys[j]] for every selected key j < m (rows n wide),
+// prefetching kPrefetchKeys ahead.
+template <typename T>
+HP_ALWAYS_INLINE void key_dots(const T* const* heads, int64_t H, const T* base, const int64_t* keys,
+                               int64_t m, int64_t n, T* dst) {
+  prefetch_rows<0>(base, keys, 0, kPrefetchKeys, m, n);
+  for (int64_t j = 0; j < m; ++j) {
+    prefetch_rows<0>(base, keys, j + kPrefetchKeys, j + kPrefetchKeys + 1, m, n);
+    dots(heads, H, base + keys[j] * n, n, dst + j, m);
+  }
+}
+
 template <typename T>
 HP_ALWAYS_INLINE void forward_impl(const SparseMQADims& d, double scale_d, int64_t n, const T* q,
                                    const int64_t* idx, const T* kv, T* out, T* lse, T* p_mean) {
@@ -199,11 +228,7 @@ HP_ALWAYS_INLINE void forward_impl(const SparseMQADims& d, double scale_d, int64
     }
     for (int64_t h = 0; h < H; ++h)
       q_heads[h] = qi + h * C;
-    prefetch_rows<0>(kv, keys.data(), 0, kPrefetchKeys, m, C);
-    for (int64_t j = 0; j < m; ++j) {
-      prefetch_rows<0>(kv, keys.data(), j + kPrefetchKeys, j + kPrefetchKeys + 1, m, C);
-      dots(q_heads.data(), H, kv + keys[j] * C, C, s.data() + j, m);
-    }
+    key_dots(q_heads.data(), H, kv, keys.data(), m, C, s.data());
     for (int64_t h = 0; h < H; ++h) {
       T* sh = s.data() + h * m;
       for (int64_t j = 0; j < m; ++j)
@@ -216,13 +241,9 @@ HP_ALWAYS_INLINE void forward_impl(const SparseMQADims& d, double scale_d, int64
         sh[j] *= inv;
     }
     const T inv_heads = T(1) / static_cast<T>(H);
-    prefetch_rows<0>(kv, keys.data(), 0, kKeyGroup, m, V);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
-      const int64_t g = std::min(kKeyGroup, m - j0);
-      prefetch_rows<0>(kv, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, V);
       const T* rows[kKeyGroup];
-      for (int64_t j = 0; j < g; ++j)
-        rows[j] = kv + keys[j0 + j] * C;
+      const int64_t g = key_group<T>(kv, nullptr, keys.data(), m, C, V, j0, rows);
       for (int64_t h = 0; h < H; ++h)
         rows_acc(oi + h * V, s.data() + h * m + j0, rows, g, V);
       for (int64_t j = j0; j < j0 + g; ++j) {
@@ -266,15 +287,9 @@ HP_ALWAYS_INLINE void backward_impl(const SparseMQADims& d, double scale_d, int6
     // One pass over the keys in groups of kKeyGroup: the group's scores and dP (its rows
     // enter L1), then p = exp(s - lse) and dS for the group, then dQ and each row's dKV from
     // the same rows, still in L1 (the forward's lse makes p known per key: no row pass).
-    prefetch_rows<0>(kv, keys.data(), 0, kKeyGroup, m, C);
-    prefetch_rows<1>(dkv, keys.data(), 0, kKeyGroup, m, C);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
-      const int64_t g = std::min(kKeyGroup, m - j0);
-      prefetch_rows<0>(kv, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, C);
-      prefetch_rows<1>(dkv, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, C);
       const T* rows[kKeyGroup];
-      for (int64_t j = 0; j < g; ++j)
-        rows[j] = kv + keys[j0 + j] * C;
+      const int64_t g = key_group<T>(kv, dkv, keys.data(), m, C, C, j0, rows);
       // p and ds are [H, kKeyGroup]; the columns past g stay 0.
       std::fill(p.begin(), p.end(), T(0));
       std::fill(ds.begin(), ds.end(), T(0));
@@ -333,11 +348,7 @@ HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q
     }
     const int64_t m = compact_keys(idx + i * k, k, keys.data(), slots.data());
     if (m == 0) continue;
-    prefetch_rows<0>(kk, keys.data(), 0, kPrefetchKeys, m, D);
-    for (int64_t j = 0; j < m; ++j) {
-      prefetch_rows<0>(kk, keys.data(), j + kPrefetchKeys, j + kPrefetchKeys + 1, m, D);
-      dots(q_heads.data(), H, kk + keys[j] * D, D, a.data() + j, m);
-    }
+    key_dots(q_heads.data(), H, kk, keys.data(), m, D, a.data());
     for (int64_t j = 0; j < m; ++j)
       scores[j] = 0;
     for (int64_t h = 0; h < H; ++h) {
@@ -373,15 +384,9 @@ HP_ALWAYS_INLINE double indexer_impl(const IndexerDims& d, int64_t n, const T* q
       }
       dwi[h] = acc;
     }
-    prefetch_rows<0>(kk, keys.data(), 0, kKeyGroup, m, D);
-    prefetch_rows<1>(dk, keys.data(), 0, kKeyGroup, m, D);
     for (int64_t j0 = 0; j0 < m; j0 += kKeyGroup) {
-      const int64_t g = std::min(kKeyGroup, m - j0);
-      prefetch_rows<0>(kk, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, D);
-      prefetch_rows<1>(dk, keys.data(), j0 + kKeyGroup, j0 + 2 * kKeyGroup, m, D);
       const T* rows[kKeyGroup];
-      for (int64_t j = 0; j < g; ++j)
-        rows[j] = kk + keys[j0 + j] * D;
+      const int64_t g = key_group<T>(kk, dk, keys.data(), m, D, D, j0, rows);
       for (int64_t h = 0; h < H; ++h)
         rows_acc(dqi + h * D, a.data() + h * m + j0, rows, g, D);
       for (int64_t j = j0; j < j0 + g; ++j) {
