@@ -188,26 +188,39 @@ at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, i
   topk = std::min(topk, skv);
   auto out = at::empty({batch, sq, topk}, index.q.options().dtype(at::kLong));
   const int64_t heads = index.q.size(2), dim = index.q.size(3);
-  // One score buffer per thread, reused by its blocks (fresh [n, H_I, width] tensors would
-  // fault their pages in again for every block).
-  std::vector<at::Tensor> scratch(at::get_num_threads());
+  // Keys are scored in chunks whose [n * H_I, chunk] dot products stay in cache while they are
+  // reduced into the rows' scores; one buffer of each per thread, reused by its blocks (fresh
+  // tensors would fault their pages in again for every block).
+  constexpr int64_t kChunk = 2048;
+  std::vector<at::Tensor> dots(at::get_num_threads()), scores(at::get_num_threads());
   for_each_block(batch, sq, block_q, [&](int64_t b, int64_t t0, int64_t n, int64_t slot) {
     auto qb = index.q.select(0, b).narrow(0, t0, n).reshape({n * heads, dim});
-    auto wb = index.w.select(0, b).narrow(0, t0, n);
+    auto wc = index.w.select(0, b).narrow(0, t0, n).contiguous();
     // Keys past the block's last query are never visible: score the causal prefix only.
     const int64_t width = std::min(skv, q_offset + t0 + n);
-    if (!scratch[slot].defined()) scratch[slot] = at::empty({block_q * heads * skv}, qb.options());
-    auto a = scratch[slot].narrow(0, 0, n * heads * width).view({n * heads, width});
-    at::mm_out(a, qb, index.k.select(0, b).narrow(0, 0, width).t());
-    // Row r sees the keys 0..q_offset + t0 + r (never past Skv): its scores and top-k.
+    if (!dots[slot].defined()) {
+      dots[slot] = at::empty({block_q * heads * std::min(kChunk, skv)}, qb.options());
+      scores[slot] = at::empty({block_q * skv}, qb.options());
+    }
     auto block = out.select(0, b).narrow(0, t0, n);
-    auto wc = wb.contiguous();
-    AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "dsa_select", [&] {
+    AT_DISPATCH_FLOATING_TYPES(qb.scalar_type(), "dsa_select", [&] {
+      auto* sp = scores[slot].data_ptr<scalar_t>();
+      // Row r sees the keys 0..q_offset + t0 + r (never past Skv).
+      auto visible = [&](int64_t r) { return std::min(width, q_offset + t0 + r + 1); };
+      for (int64_t c0 = 0; c0 < width; c0 += kChunk) {
+        const int64_t cw = std::min(kChunk, width - c0);
+        auto a = dots[slot].narrow(0, 0, n * heads * cw).view({n * heads, cw});
+        at::mm_out(a, qb, index.k.select(0, b).narrow(0, c0, cw).t());
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t len = std::min(cw, visible(r) - c0);
+          if (len <= 0) continue;
+          detail::index_scores(a.data_ptr<scalar_t>() + r * heads * cw, heads, cw,
+                               wc.data_ptr<scalar_t>() + r * heads, len, sp + r * width + c0);
+        }
+      }
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t visible = std::min(width, q_offset + t0 + r + 1);
-        detail::select_row(a.data_ptr<scalar_t>() + r * heads * width, heads, width,
-                           wc.data_ptr<scalar_t>() + r * heads, visible, topk,
-                           block.data_ptr<int64_t>() + r * topk);
+        detail::top_k_positions(sp + r * width, visible(r), topk,
+                                block.data_ptr<int64_t>() + r * topk);
       }
     });
   });

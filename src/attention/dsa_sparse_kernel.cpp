@@ -407,21 +407,25 @@ T kth_largest(T* v, int64_t n, int64_t k) {
 }
 
 template <typename T>
-HP_ALWAYS_INLINE void select_impl(const T* a, int64_t heads, int64_t stride, const T* w,
-                                  int64_t visible, int64_t k, int64_t* out) {
+HP_ALWAYS_INLINE void scores_impl(const T* a, int64_t heads, int64_t stride, const T* w, int64_t n,
+                                  T* scores) {
+  for (int64_t j = 0; j < n; ++j)
+    scores[j] = 0;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* ah = a + h * stride;
+    const T wh = w[h];
+    for (int64_t j = 0; j < n; ++j)
+      scores[j] += wh * (ah[j] > T(0) ? ah[j] : T(0));
+  }
+}
+
+template <typename T>
+HP_ALWAYS_INLINE void topk_impl(const T* scores, int64_t visible, int64_t k, int64_t* out) {
   int64_t m = 0;
   if (visible <= k) {
     for (; m < visible; ++m)
       out[m] = m;
   } else {
-    // I[j] = sum_h w[h] relu(a[h][j]).
-    std::vector<T> scores(visible, T(0));
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* ah = a + h * stride;
-      const T wh = w[h];
-      for (int64_t j = 0; j < visible; ++j)
-        scores[j] += wh * (ah[j] > T(0) ? ah[j] : T(0));
-    }
     // A threshold from a sample (above the k-th score's expected rank, with a margin) keeps
     // the exact selection to the few keys at or above it; when fewer than k are, all keys.
     std::vector<int64_t> cand;
@@ -472,14 +476,23 @@ HP_ALWAYS_INLINE void select_impl(const T* a, int64_t heads, int64_t stride, con
 
 }  // namespace
 
-HP_VECTOR_CLONES void select_row(const float* a, int64_t heads, int64_t stride, const float* w,
-                                 int64_t visible, int64_t k, int64_t* out) {
-  select_impl(a, heads, stride, w, visible, k, out);
+HP_VECTOR_CLONES void index_scores(const float* a, int64_t heads, int64_t stride, const float* w,
+                                   int64_t n, float* scores) {
+  scores_impl(a, heads, stride, w, n, scores);
 }
 
-void select_row(const double* a, int64_t heads, int64_t stride, const double* w, int64_t visible,
-                int64_t k, int64_t* out) {
-  select_impl(a, heads, stride, w, visible, k, out);
+void index_scores(const double* a, int64_t heads, int64_t stride, const double* w, int64_t n,
+                  double* scores) {
+  scores_impl(a, heads, stride, w, n, scores);
+}
+
+HP_VECTOR_CLONES void top_k_positions(const float* scores, int64_t visible, int64_t k,
+                                      int64_t* out) {
+  topk_impl(scores, visible, k, out);
+}
+
+void top_k_positions(const double* scores, int64_t visible, int64_t k, int64_t* out) {
+  topk_impl(scores, visible, k, out);
 }
 
 HP_VECTOR_CLONES double indexer_loss_rows(const IndexerDims& d, int64_t n, const float* q,

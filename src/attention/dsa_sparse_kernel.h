@@ -59,13 +59,16 @@ double indexer_loss_rows(const IndexerDims& d, int64_t n, const double* q, const
                          const int64_t* idx, const double* k, const double* p, double* dq,
                          double* dw, double* dk);
 
-// One query's selection: a [H_I, stride] holds q_index[h] . k_index[j] for its keys (positions
-// 0..visible-1 visible), w [H_I] its index weights. Scores I[j] = sum_h w[h] relu(a[h][j]);
-// writes the k best positions in ascending order into out[0, k) (ties at the k-th score go to
-// the lower positions; every visible key when visible <= k; -1 past the count).
-void select_row(const float* a, int64_t heads, int64_t stride, const float* w, int64_t visible,
-                int64_t k, int64_t* out);
-void select_row(const double* a, int64_t heads, int64_t stride, const double* w, int64_t visible,
-                int64_t k, int64_t* out);
+// The selection, per query. index_scores: a [H_I, stride] holds q_index[h] . k_index[j] for n
+// keys, w [H_I] the query's index weights; scores[j] = sum_h w[h] relu(a[h][j]) for j < n.
+void index_scores(const float* a, int64_t heads, int64_t stride, const float* w, int64_t n,
+                  float* scores);
+void index_scores(const double* a, int64_t heads, int64_t stride, const double* w, int64_t n,
+                  double* scores);
+// top_k_positions: the first `visible` scores are the query's visible keys (positions
+// 0..visible-1); writes the k best positions in ascending order into out[0, k) (ties at the
+// k-th score go to the lower positions; every visible key when visible <= k; -1 past the count).
+void top_k_positions(const float* scores, int64_t visible, int64_t k, int64_t* out);
+void top_k_positions(const double* scores, int64_t visible, int64_t k, int64_t* out);
 
 }  // namespace hp::attention::detail
