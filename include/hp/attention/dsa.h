@@ -22,8 +22,9 @@
 // falls in its blocking), and two keys that tie in exact arithmetic (a repeated token) may then
 // order differently: float32 DSA under CP can select other keys than the single-process run
 // where scores tie. float64 inputs select identically (the tests hold it to that).
-// Memory: no [Sq, Skv] tensor; the indexer scores and the attention run in query blocks, and
-// both custom backward passes recompute a block from what the forward kept.
+// Memory: no [Sq, Skv] tensor; the indexer scores and the attention run in query blocks; the
+// attention's backward recomputes each query's scores from the forward's lse, and the loss's
+// gradients are computed with it (it is a scalar).
 #pragma once
 
 #include <cstdint>
