@@ -2,7 +2,8 @@
 // the indexer loss and the selection, for a run of queries of one batch row, on raw contiguous
 // buffers, one thread. Attention: each selected key's [latent | k_rope] row is read in place
 // from kv (no gathered copy): every head's score with it, then (forward) its value contribution
-// to every head, or (backward) dQ and its own dKV row, while the row is in L1. Selection slots holding -1 are skipped (their probability is 0).
+// to every head, or (backward) dQ and its own dKV row, while the row is in L1. Selection slots
+// holding -1 are skipped (their probability is 0).
 //
 //   forward   s[h, j] = q[h] . kv[idx[j]] * scale;  p = softmax_j(s[h, :]);  lse[h]
 //             out[h] = sum_j p[h, j] kv[idx[j], :V];  p_mean[j] = mean_h p[h, j]
