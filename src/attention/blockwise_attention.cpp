@@ -23,8 +23,9 @@
 //     dK += dS^T (q*scale)
 //
 // Tiles wholly above the causal diagonal (after q_offset) or wholly hidden by a mask are
-// skipped (TileMask::kind); no [Sq, Skv] tensor exists in forward or backward: memory is
-// O(S*D) plus one [G*bq, bk] tile per step.
+// skipped (TileMask::kind); tiles the causal diagonal crosses are multiplied in pieces of 64
+// query rows, each only up to the last key it sees (row_ranges). No [Sq, Skv] tensor exists in
+// forward or backward: memory is O(S*D) plus one [G*bq, bk] tile per step.
 #include <algorithm>
 #include <atomic>
 #include <functional>
@@ -88,6 +89,45 @@ detail::TileRows tile_rows(const Problem& p, const TileMask& t, int64_t qb, int6
   tr.q_first = p.q_offset + q_start(t, qb);
   tr.kv_first = kv_start(t, kb);
   return tr;
+}
+
+// Row ranges of a tile and the leading columns each range needs. A causal tile that the
+// diagonal crosses is cut, per head, into pieces of kCausalPiece query rows; each piece
+// multiplies only up to the last column its last row sees, so the tile's upper-right triangle
+// is mostly never computed (a 256x256 tile in 4 pieces: 62.5% of its GEMM work). Rows that see
+// every column are merged into one range; rows that see none are left out (their scores are
+// never written, and the row passes zero them, reading no column past visible_cols).
+struct RowRange {
+  int64_t first = 0, end = 0, cols = 0;
+};
+constexpr int64_t kCausalPiece = 64;
+
+// The rows of range rr of a [rows, ...] matrix.
+at::Tensor rows_of(const at::Tensor& x, const RowRange& rr) {
+  return x.slice(0, rr.first, rr.end);
+}
+// Range rr of a [rows, bk] tile: its rows, leading rr.cols columns.
+at::Tensor part(const at::Tensor& tile, const RowRange& rr) {
+  return tile.slice(0, rr.first, rr.end).narrow(1, 0, rr.cols);
+}
+
+std::vector<RowRange> row_ranges(const detail::TileRows& tr, BlockKind kind) {
+  std::vector<RowRange> out;
+  if (kind != BlockKind::kPartial || !tr.causal) return {{0, tr.rows, tr.cols}};
+  for (int64_t r0 = 0; r0 < tr.rows;) {
+    const int64_t head_end = (r0 / tr.rows_per_head + 1) * tr.rows_per_head;
+    const int64_t r1 = std::min(head_end, r0 + kCausalPiece);
+    const int64_t cols = tr.visible_cols(r1 - 1);  // non-decreasing within a head
+    if (cols > 0) {
+      if (!out.empty() && out.back().end == r0 && out.back().cols == tr.cols && cols == tr.cols) {
+        out.back().end = r1;
+      } else {
+        out.push_back({r0, r1, cols});
+      }
+    }
+    r0 = r1;
+  }
+  return out;
 }
 
 // Units (callers order them largest first, so causal imbalance evens out) run through
@@ -159,14 +199,24 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
       const BlockKind kind = t.kind(qb, kb);
       if (kind == BlockKind::kEmpty) continue;
       const int64_t ks = kv_start(t, kb), ke = kv_end(p, t, kb);
-      auto s = scratch[slot].narrow(0, 0, rows * (ke - ks)).view({rows, ke - ks});
-      at::mm_out(s, qblk, k3[hh].slice(0, ks, ke).t());
+      const auto tr = tile_rows(p, t, qb, kb);
+      const auto ranges = row_ranges(tr, kind);
+      auto s = scratch[slot].narrow(0, 0, rows * tr.cols).view({rows, tr.cols});
+      auto kblk = k3[hh].slice(0, ks, ke);
+      for (const auto& rr : ranges) {
+        auto out = part(s, rr);
+        at::mm_out(out, rows_of(qblk, rr), kblk.narrow(0, 0, rr.cols).t());
+      }
       if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
         t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
-      detail::online_softmax_update<T>(tile_rows(p, t, qb, kb), s.data_ptr<T>(), m.data_ptr<T>(),
-                                       l.data_ptr<T>(), alpha.data_ptr<T>());
-      acc.mul_(alpha.unsqueeze(1)).addmm_(s, v3[hh].slice(0, ks, ke));
+      detail::online_softmax_update<T>(tr, s.data_ptr<T>(), m.data_ptr<T>(), l.data_ptr<T>(),
+                                       alpha.data_ptr<T>());
+      acc.mul_(alpha.unsqueeze(1));
+      auto vblk = v3[hh].slice(0, ks, ke);
+      for (const auto& rr : ranges) {
+        rows_of(acc, rr).addmm_(part(s, rr), vblk.narrow(0, 0, rr.cols));
+      }
     }
     // Rows that saw no key: m = -inf, l = 0 -> out 0, lse = -inf, 1/l kept as 0.
     auto lse = m.masked_fill(m.isneginf(), 0.0).add_(l.log());
@@ -224,22 +274,31 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       const auto tr = tile_rows(p, t, qb, kb);
       auto qh = qblk[qb][hh];
       auto doh = doblk[qb][hh];
+      const auto ranges = row_ranges(tr, kind);
       auto s = s_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
-      at::mm_out(s, qh, kblk.t());
+      auto ds = dp_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
+      for (const auto& rr : ranges) {
+        auto out = part(s, rr);
+        at::mm_out(out, rows_of(qh, rr), kblk.narrow(0, 0, rr.cols).t());
+      }
       if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
         t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
       detail::recompute_probs<T>(tr, s.data_ptr<T>(), maxblk[qb][hh].data_ptr<T>(),
                                  invblk[qb][hh].data_ptr<T>());
-      dv_acc.addmm_(s.t(), doh);
-      auto ds = dp_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
-      at::mm_out(ds, doh, vblk.t());
+      for (const auto& rr : ranges) {
+        dv_acc.narrow(0, 0, rr.cols).addmm_(part(s, rr).t(), rows_of(doh, rr));
+        auto out = part(ds, rr);
+        at::mm_out(out, rows_of(doh, rr), vblk.narrow(0, 0, rr.cols).t());
+      }
       detail::softmax_grad<T>(tr, s.data_ptr<T>(), ds.data_ptr<T>(),
                               deltablk[qb][hh].data_ptr<T>());
       auto& dq = dq_part[slot][qb];
       if (!dq.defined()) dq = at::zeros_like(qblk[qb]);
-      dq[hh].addmm_(ds, kblk);
-      dk_acc.addmm_(ds.t(), qh);
+      for (const auto& rr : ranges) {
+        rows_of(dq[hh], rr).addmm_(part(ds, rr), kblk.narrow(0, 0, rr.cols));
+        dk_acc.narrow(0, 0, rr.cols).addmm_(part(ds, rr).t(), rows_of(qh, rr));
+      }
     }
     dk3[hh].slice(0, ks, ke).copy_(dk_acc);
     dv3[hh].slice(0, ks, ke).copy_(dv_acc);

@@ -100,6 +100,8 @@ enum class Case {
   kSlidingWindow,  // sliding_window_mask
   kDocuments,      // document_mask + causal (packed sequences)
   kSmallBlocks,    // causal + bool mask with 5 x 7 tiles
+  kLargeTiles,     // causal, q_offset 40, 200 x 150 tiles (the blockwise kernel cuts diagonal
+                   // tiles into 64-row pieces; some pieces see no key of their tile) + documents
 };
 
 const char* case_name(Case c) {
@@ -122,6 +124,8 @@ const char* case_name(Case c) {
       return "Documents";
     case Case::kSmallBlocks:
       return "SmallBlocks";
+    case Case::kLargeTiles:
+      return "LargeTiles";
   }
   return "?";
 }
@@ -178,6 +182,10 @@ Setup make_setup(Case c, int64_t nq, int64_t nkv, int64_t dqk, int64_t dv) {
     case Case::kSmallBlocks:
       sq = 23;
       skv = 31;
+      break;
+    case Case::kLargeTiles:
+      sq = 300;  // queries 40..339, keys 0..339
+      skv = 340;
       break;
     default:
       break;
@@ -239,6 +247,18 @@ Setup make_setup(Case c, int64_t nq, int64_t nkv, int64_t dqk, int64_t dv) {
       s.opts.block_kv = 7;
       break;
     }
+    case Case::kLargeTiles: {
+      // Documents 0..169 and 170..339: tile (q block 1, kv block 2) is causal only, with rows
+      // that see none of its keys; the tiles of q block 0 are cut by the document boundary.
+      auto ids = at::cat({at::zeros({170}, at::kLong), at::ones({170}, at::kLong)});
+      s.opts.mask_fn = document_mask(ids);
+      s.opts.mask_fn->q_index_offset = 40;
+      s.opts.causal = true;
+      s.opts.causal_meta = CausalMetadata{40, sq, skv};
+      s.opts.block_q = 200;
+      s.opts.block_kv = 150;
+      break;
+    }
   }
   return s;
 }
@@ -270,8 +290,8 @@ INSTANTIATE_TEST_SUITE_P(
     Grid, KernelVsReference,
     ::testing::Combine(::testing::Values(Case::kNonCausal, Case::kCausal, Case::kCausalOffset,
                                          Case::kBoolMask, Case::kAdditive, Case::kMaskFn,
-                                         Case::kSlidingWindow, Case::kDocuments,
-                                         Case::kSmallBlocks),
+                                         Case::kSlidingWindow, Case::kDocuments, Case::kSmallBlocks,
+                                         Case::kLargeTiles),
                        ::testing::Values(Heads{4, 4}, Heads{6, 2}, Heads{3, 1}),
                        ::testing::Values(Dims{48, 32}, Dims{24, 40}),
                        ::testing::Values(at::kDouble, at::kFloat)),
