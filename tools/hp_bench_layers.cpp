@@ -139,7 +139,9 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"peak_rss_per_rank", r.peak_rss_per_rank},
                     {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank},
                     {"exposed_comm_s", r.exposed_comm_s},
-                    {"overlap_fraction", r.overlap_fraction}});
+                    {"overlap_fraction", r.overlap_fraction},
+                    {"step_time_without_documents_s", r.step_time_without_documents_s},
+                    {"documents_speedup", r.documents_speedup}});
   }
   return {{"results", list}};
 }
@@ -181,6 +183,10 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
           "  %lld packed documents: %.4f of the 256x256 score tiles visible, %.4f "
           "without documents (ratio %.2f)\n",
           (long long)a.bench.documents, with, without, without / with);
+      std::printf(
+          "  the same batch without documents, paired steps in this run: step %.3f s (median); "
+          "speed-up %.2fx (median of the per-step ratios)\n",
+          r.step_time_without_documents_s, r.documents_speedup);
     }
   }
 }

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <memory>
 
 #include <ATen/ATen.h>
 
@@ -86,22 +88,42 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
     v = at::randn({o.batch, o.kv_heads, s_local, o.head_dim}, gen, at::kFloat);
     dout = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
   }
-  std::vector<double> steps, cpu, waits;
+  std::vector<double> steps, cpu, waits, plain_steps, speedups;
   int64_t bytes = 0, wire = -1;
   {
     CPAttentionLayer layer(world, cp_group, lo);
-    auto step = [&] {
+    auto run_layer = [&](CPAttentionLayer& l) {
       if (o.projections) {
-        layer.run_block(x, dy);
+        l.run_block(x, dy);
       } else {
-        layer.run(q, k, v, dout);
+        l.run(q, k, v, dout);
       }
+    };
+    auto step = [&] { run_layer(layer); };
+    // The same batch without documents, for the paired speed-up.
+    std::unique_ptr<CPAttentionLayer> plain;
+    if (o.documents > 0) {
+      auto plain_options = lo;
+      plain_options.doc_ids = at::Tensor();
+      plain = std::make_unique<CPAttentionLayer>(world, cp_group, plain_options);
+      run_layer(*plain);  // warm-up
+    }
+    // The slowest rank's wall time of one synchronised call of `fn`.
+    auto slowest_time = [&](const std::function<void()>& fn) {
+      comm::barrier(timing);
+      auto t0 = std::chrono::steady_clock::now();
+      fn();
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
+      return slowest.item<double>();
     };
     step();  // warm-up
     auto& counters = world.context().counters;
     const bool on_wire = emulated_link_rate().has_value();
     if (on_wire) comm::barrier(timing);  // the warm-up's bytes are all delivered
     const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
+    int64_t paired_wire = 0;
     for (int i = 0; i < o.iters; ++i) {
       comm::barrier(timing);
       const int64_t before = counters.total_bytes();
@@ -116,10 +138,20 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
       waits.push_back((counters.wait_us() - wait_before) * 1e-6);
       auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
       steps.push_back(slowest.item<double>());
+      if (plain) {
+        if (on_wire) comm::barrier(timing);
+        const int64_t wire_pause = on_wire ? loopback_tx_bytes() : 0;
+        plain_steps.push_back(slowest_time([&] { run_layer(*plain); }));
+        speedups.push_back(plain_steps.back() / steps.back());
+        if (on_wire) {  // the paired step's bytes are not this layer's
+          comm::barrier(timing);
+          paired_wire += loopback_tx_bytes() - wire_pause;
+        }
+      }
     }
     if (on_wire) {
       comm::barrier(timing);
-      wire = (loopback_tx_bytes() - wire_before) / p / o.iters;
+      wire = (loopback_tx_bytes() - wire_before - paired_wire) / p / o.iters;
     }
   }
   rusage u{};
@@ -135,6 +167,10 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
   r.ulysses_degree = cp::ulysses_degree_of(config, p);
   r.seq = o.seq;
   r.step_time_s = median(steps);
+  if (!plain_steps.empty()) {
+    r.step_time_without_documents_s = median(plain_steps);
+    r.documents_speedup = median(speedups);
+  }
   r.wire_bytes_per_rank = wire;
   r.comm_bytes_per_rank = bytes;
   cp::AttentionShape shape{o.seq, o.heads, o.kv_heads, o.head_dim, o.batch, 4};

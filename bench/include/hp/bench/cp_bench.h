@@ -45,10 +45,16 @@ struct CPBenchResult {
   // that the async schedule hid: 1 - exposed_async / exposed_sync.
   double exposed_comm_s = 0;
   double overlap_fraction = 0;
+  // With documents: the same batch without documents, timed in the same run, each of its steps
+  // right after one with documents (the machine's drift hits both alike): its median step time
+  // and the median over iterations of (step without / step with documents).
+  double step_time_without_documents_s = 0;
+  double documents_speedup = 0;
 };
 
 // Collective over the world; every rank returns the same results. With schedule = async the
-// sync schedule runs too (same layer, same data) and comes first in the result.
+// sync schedule runs too (same layer, same data) and comes first in the result. With
+// documents, every timed step is followed by one of the same layer without documents.
 std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& options);
 
 }  // namespace hp::bench
