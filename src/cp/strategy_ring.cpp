@@ -8,20 +8,25 @@
 //       causal, the diagonal: causal mask;  key block before: unmasked;  not causal: unmasked
 //       packed documents: a block no document spans with the query chunk is skipped too
 //     wait for the next block (the transfer overlaps the attention of the current one)
+//   packed documents: the ring stops after the last step J whose block some rank attends (every
+//     rank computes J from the global document ids): blocks no rank sees never travel (J = 0:
+//     nothing moves). Without documents J = P-1.
 //   out, lse merged by log-sum-exp as the blocks arrive (one custom autograd node)
 //   head-tail balance (data-order shards: chunks 2r and 2P-2r-1): each of the two query chunks
 //   against each of the two key chunks of the block, by their chunk ids.
 //   backward: the blocks travel the same way again, each followed by a dK/dV accumulator:
 //     step i = 1 .. P-1 recomputes the visible calls of the block here (attention's own autograd,
 //     seeded with dO and the lse gradient of the merge), adds its dK/dV to the accumulator that
-//     arrives from rank r-1 (none at step 1) and shifts it on; after step P-1 it reaches home.
+//     arrives from rank r-1 (none at step 1) and shifts it on; after step J it goes home
+//     (a shift by P-J: the ring's next hop when J = P-1).
 //     The own block's calls run half before the ring (hiding the first shift) and half after
 //     it (hiding the accumulator's last hop); their dK/dV never travel.
 // Memory: the saved q, k, v, out, lse of this rank, and at most two K/V blocks (the one here and
 // the one arriving) in forward and in backward (never the whole sequence). The own block's
 // calls keep their autograd graph from forward (their K/V are this rank's inputs): only the
 // blocks that travelled are recomputed.
-// Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size.
+// Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size (with
+// documents J instead of P-1: the formula is their upper bound).
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -107,9 +112,10 @@ struct RingPlan {
   std::shared_ptr<const AttentionCall> call;
   QKVLayout layout;
   detail::RingGroup ring;
-  int64_t s = 0;    // local sequence length
-  int64_t len = 0;  // rows per chunk (ring.chunk_len)
-  int64_t dk = 0;   // last dim of k (the [k | v] buffer splits there)
+  int64_t s = 0;          // local sequence length
+  int64_t len = 0;        // rows per chunk (ring.chunk_len)
+  int64_t dk = 0;         // last dim of k (the [k | v] buffer splits there)
+  int64_t last_step = 0;  // J: the last step whose block some rank attends (last_needed_step)
 
   // Chunk ids (of the global sequence cut into `len`-row chunks) of the rows `rank` holds.
   const std::vector<int64_t>& chunk_ids(int64_t rank) const { return ring.chunks[rank]; }
@@ -131,12 +137,13 @@ at::Tensor query_rows(const RingPlan& plan, const at::Tensor& x, const Pair& pai
   return plan.chunk(x, pair.qi).narrow(plan.layout.seq_dim, pair.row0, pair.rows);
 }
 
-// The calls of the step that holds the block of rank `src`: causal blocks above the diagonal and
-// blocks no packed document spans are left out (never computed). `half` 0 / 1 keeps the first /
-// second half of every query chunk's rows (-1: all rows).
-std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
+// The calls of ring member `dst`'s queries against the block of member `src`: causal blocks
+// above the diagonal and blocks no packed document spans are left out (never computed). `half`
+// 0 / 1 keeps the first / second half of every query chunk's rows (-1: all rows). Positions are
+// global, so any member can tell what any other attends.
+std::vector<Pair> pairs_between(const RingPlan& plan, int64_t dst, int64_t src, int half = -1) {
   const bool causal = plan.call->options().causal;
-  const auto &queries = plan.chunk_ids(plan.ring.rank), &keys = plan.chunk_ids(src);
+  const auto &queries = plan.chunk_ids(dst), &keys = plan.chunk_ids(src);
   std::vector<Pair> out;
   for (size_t kc = 0; kc < keys.size(); ++kc) {
     for (size_t qi = 0; qi < queries.size(); ++qi) {
@@ -159,6 +166,25 @@ std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
     }
   }
   return out;
+}
+
+// This rank's calls at the step that holds the block of member `src`.
+std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
+  return pairs_between(plan, plan.ring.rank, src, half);
+}
+
+// J: P-1, or with packed documents the last ring step whose block some member attends (step j
+// brings member d the block of member d - j). Every member computes the same J from the global
+// positions, without communication.
+int64_t last_needed_step(const RingPlan& plan) {
+  const int64_t p = plan.ring.size;
+  if (p == 1 || !plan.call->options().documents) return p - 1;
+  for (int64_t j = p - 1; j >= 1; --j) {
+    for (int64_t d = 0; d < p; ++d) {
+      if (!pairs_between(plan, d, (d - j + p) % p).empty()) return j;
+    }
+  }
+  return 0;
 }
 
 at::Tensor key_part(const RingPlan& plan, const at::Tensor& kv, size_t kc) {
@@ -208,10 +234,10 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     auto kept = std::make_shared<std::vector<KeptCall>>();
     const bool keep = q.requires_grad() || k.requires_grad() || v.requires_grad();
     auto kv = at::cat({k, v}, -1).contiguous();
-    for (int64_t step = 0; step < plan->ring.size; ++step) {
+    for (int64_t step = 0; step <= plan->last_step; ++step) {
       const int64_t src = (plan->ring.rank - step + plan->ring.size) % plan->ring.size;
       comm::Pending next;
-      if (step + 1 < plan->ring.size) next = comm::shift_async(*plan->ring.group, kv, 1);
+      if (step < plan->last_step) next = comm::shift_async(*plan->ring.group, kv, 1);
       if (step == 0 && keep) {
         // The own block, in the two halves its backward runs in, with autograd on.
         at::AutoGradMode grad_on(true);
@@ -267,18 +293,20 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         c = KeptCall{};  // its graph is spent: free it now
       }
     };
+    const int64_t last = plan->last_step;
     comm::Pending next;
-    if (p > 1) next = comm::shift_async(*plan->ring.group, own, 1);
+    if (last >= 1) next = comm::shift_async(*plan->ring.group, own, 1);
     own_half(0);             // the first half of the own block hides the first shift
     comm::Pending arriving;  // the accumulator of the block here, from the previous rank
-    for (int64_t step = 1; step < p; ++step) {
+    for (int64_t step = 1; step <= last; ++step) {
       auto kv = next();  // the block of rank r - step
-      next = step + 1 < p ? comm::shift_async(*plan->ring.group, kv, 1) : comm::Pending();
+      next = step < last ? comm::shift_async(*plan->ring.group, kv, 1) : comm::Pending();
       auto local = at::zeros_like(kv);
       compute(kv, (r - step + p) % p, local);
-      // The accumulator follows its block to rank r+1; after the last step it reaches home.
+      // The accumulator follows its block to rank r+1; after the last step it goes home (rank
+      // r - last, a shift by p - last).
       auto acc = arriving ? arriving() + local : local;
-      arriving = comm::shift_async(*plan->ring.group, acc, 1);
+      arriving = comm::shift_async(*plan->ring.group, acc, step < last ? 1 : p - last);
     }
     own_half(1);  // the second half hides the accumulator's last hop
     if (arriving) dkv += arriving();
@@ -356,6 +384,7 @@ at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const a
                          plan->len * static_cast<int64_t>(ring.chunks[ring.rank].size()) == plan->s,
                      "ring: the chunk table does not cover the local sequence");
   plan->dk = k.size(-1);
+  plan->last_step = last_needed_step(*plan);
   return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)));
 }
 

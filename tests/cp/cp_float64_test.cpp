@@ -379,6 +379,67 @@ TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
   });
 }
 
+// With packed documents the ring stops after the last step whose block some rank attends (every
+// rank computes it from the global document ids): documents that are the shards move nothing;
+// documents {0..19}, {20..47} at P=3 (causal, shards of 16) need one step (rank 1 sees rank 0's
+// keys, rank 2 only rank 1's), so forward shifts one block, and backward shifts it again and sends
+// its accumulator straight home (two ranks back: a shift by 2). Outputs and gradients equal the
+// single-process reference (CPFloat64.PackedDocumentsEqualEachDocumentAlone covers J between 0
+// and P-1 at P=4 as well).
+TEST(RingSchedule, BlocksNoRankAttendsNeverTravel) {
+  const int p = 3;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "ring";
+  const auto norm = *normalize(cfg, p);
+  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
+             v = f64(3, {1, kNkv, kS, kDv});
+  for (const std::vector<int64_t>& cu : {std::vector<int64_t>{0, 16, 32, kS}, {0, 20, kS}}) {
+    const bool one_step = cu.size() == 3;
+    auto ids = attention::document_ids_from_cu_seqlens(cu, kS);
+    Direct ref(true, ids);
+    auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
+         rv = v.clone().requires_grad_(true);
+    auto ref_out = ref.forward(rq, rk, rv);
+    ref_out.sum().backward();
+    std::vector<at::Tensor> outs(p), dqs(p), dks(p);
+    run_ranks(p, [&](comm::World& w) {
+      Direct m(true, ids);
+      apply_cp(m, w, norm, /*handoffs=*/false);
+      const int64_t r = w.rank();
+      auto mine = [&](const at::Tensor& full) {
+        return shard_sequence(full, 2, r, p, false).requires_grad_(true);
+      };
+      auto lq = mine(q), lk = mine(k), lv = mine(v);
+      auto& rec = *w.context().recorder;
+      rec.clear();
+      auto out = m.forward(lq, lk, lv);
+      const std::string block = "[1,6,16,14]";  // [k | v]: Dqk 8 + Dv 6
+      auto shift = [&](int by) {
+        return std::vector<std::string>{
+            "recv(cp,peer=" + std::to_string((r + p - by) % p) + ")" + block,
+            "send(cp,peer=" + std::to_string((r + by) % p) + ")" + block};
+      };
+      std::vector<std::string> fwd, bwd;
+      if (one_step) {
+        auto s1 = shift(1), s2 = shift(2);
+        fwd.insert(fwd.end(), s1.begin(), s1.end());
+        bwd.insert(bwd.end(), s1.begin(), s1.end());
+        bwd.insert(bwd.end(), s2.begin(), s2.end());
+      }
+      EXPECT_EQ(rec.schedule(), fwd) << "documents " << cu.size() - 1;
+      rec.clear();
+      out.sum().backward();
+      EXPECT_EQ(rec.schedule(), bwd) << "documents " << cu.size() - 1;
+      outs[r] = out.detach();
+      dqs[r] = lq.grad();
+      dks[r] = lk.grad();
+    });
+    expect_close(unshard_sequence(outs, 2, false), ref_out.detach(), "out", 1e-10, 1e-10);
+    expect_close(unshard_sequence(dqs, 2, false), rq.grad(), "dq", 1e-10, 1e-10);
+    expect_close(unshard_sequence(dks, 2, false), rk.grad(), "dk", 1e-10, 1e-10);
+  }
+}
+
 // Skipped, not masked: blocks above the causal diagonal and blocks no document spans are never
 // computed. Keys and values there are NaN; a ring that computed and then masked them would turn
 // the output (or dq) of the queries that cannot see them into NaN.
