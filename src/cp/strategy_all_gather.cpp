@@ -19,6 +19,11 @@
 //   Backward runs 3 before 2's inverse (dK, dV reduce-scatter) and 1 after it, so the
 //   reduce-scatter flies while the local chunks' backward computes. Key blocks that packed
 //   documents hide entirely are skipped (attend_local_first, shared with hybrid).
+//
+// Sync with packed documents that hide every other rank's keys from every rank's queries
+// (remote_keys_hidden, decided alike by all ranks from the global ids): no all-gather, no
+// reduce-scatter; each rank attends its own chunks (the async schedule launched its gathers at
+// the handoffs, before the documents were known, and waits for them as usual).
 #include <algorithm>
 
 #include <ATen/ATen.h>
@@ -26,6 +31,7 @@
 #include "hp/comm/autograd_collectives.h"
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
+#include "hp/cp/sequence.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -97,6 +103,12 @@ std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>&
       results[i].push_back(call(parts[i].q, kk, vv, st));
     }
   }
+  if (!gathered) {  // nothing outside the local chunks is visible
+    std::vector<at::Tensor> outs;
+    for (const auto& r : results)
+      outs.push_back(merge_by_lse(r, call.layout()));
+    return outs;
+  }
   // 2. The whole K/V (natural order).
   auto [kg, vg] = gathered();
   // 3. The visible key ranges outside the local chunks (blocks documents hide: skipped).
@@ -125,6 +137,40 @@ std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>&
     outs.push_back(merge_by_lse(r, call.layout()));
   outs[0] = anchored(outs[0], {kg, vg});
   return outs;
+}
+
+bool detail::remote_keys_hidden(const AttentionCall& call, int64_t size, int64_t total,
+                                const std::function<std::vector<int64_t>(int64_t)>& chunks) {
+  if (!call.options().documents) return false;
+  const bool causal = call.options().causal;
+  for (int64_t r = 0; r < size; ++r) {
+    const auto ids = chunks(r);
+    const int64_t len = total / (size * static_cast<int64_t>(ids.size()));
+    std::vector<Range> own;
+    for (int64_t id : ids)
+      own.push_back({id * len, (id + 1) * len});
+    std::sort(own.begin(), own.end(),
+              [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (const auto& q : own) {
+      const int64_t vis = causal ? q.end : total;
+      // The gaps between the own chunks (and before / after them), up to what q can see.
+      int64_t at_pos = 0;
+      auto gap_visible = [&](int64_t b, int64_t e) {
+        e = std::min(e, vis);
+        if (e <= b) return false;
+        CallState st;
+        st.causal = {q.begin - b, q.end - q.begin, e - b};
+        st.kv_start = b;
+        return !call.hidden(st);
+      };
+      for (const auto& o : own) {
+        if (gap_visible(at_pos, o.begin)) return false;
+        at_pos = o.end;
+      }
+      if (gap_visible(at_pos, total)) return false;
+    }
+  }
+  return true;
 }
 
 namespace {
@@ -192,6 +238,29 @@ class AllGatherStrategy final : public CPStrategy {
   at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV&,
                             const CPRuntimeContext& ctx) const override {
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
+  }
+
+  // Sync: when packed documents hide every other rank's keys from every rank's queries, the
+  // K/V all-gather and its reduce-scatter are skipped (each rank attends its own chunks).
+  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
+    const auto& t = *ctx.topology;
+    const bool runtime_swap =
+        ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
+    if (t.cp_size > 1 && !runtime_swap && can_split_call(call)) {
+      const int64_t total = q.size(ctx.layout.seq_dim) * t.cp_size;
+      const auto chunks = [&](int64_t r) {
+        return ctx.load_balance ? load_balance_chunks(r, t.cp_size) : std::vector<int64_t>{r};
+      };
+      if (detail::remote_keys_hidden(call, t.cp_size, total, chunks)) {
+        if (ctx.load_balance) detail::check_head_tail(q, ctx);
+        std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
+                                                        : std::vector{local_part(q, ctx, total)};
+        auto outs = detail::attend_local_first(parts, k, v, total, call, {});
+        return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
+      }
+    }
+    return CPStrategy::run_sync(q, k, v, call, ctx);
   }
 
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

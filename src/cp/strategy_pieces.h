@@ -33,10 +33,19 @@ comm::CommHandle gather_seq_grad_async(const at::Tensor& g, const comm::GroupPtr
 // skipped. Backward runs the gathered blocks first, so the inverse collective started there
 // flies while the local blocks' backward computes. One output per part; every rank's graph
 // reaches the gathered tensors (anchored), so every rank runs their inverse collectives.
+// An undefined `gathered` (nothing outside the local chunks is visible to any rank, see
+// remote_keys_hidden) attends the local chunks only: no wait, no anchor.
 using GatheredKV = std::function<std::pair<at::Tensor, at::Tensor>()>;
 std::vector<at::Tensor> attend_local_first(const std::vector<QueryPart>& parts, const at::Tensor& k,
                                            const at::Tensor& v, int64_t total,
                                            const AttentionCall& call, const GatheredKV& gathered);
+// Whether the call's packed documents (and the causal rule) hide, from every one of the
+// group's `size` ranks, every key outside the chunks that rank holds: its queries and keys are
+// chunks `chunks(rank)` of the sequence cut into size * chunks(rank).size() equal chunks. All ranks
+// decide the same from the global document ids, so all of them may skip the K/V collectives. False
+// without documents.
+bool remote_keys_hidden(const AttentionCall& call, int64_t size, int64_t total,
+                        const std::function<std::vector<int64_t>(int64_t)>& chunks);
 
 // ---- Ulysses piece (strategy_ulysses.cpp) ----
 // seq -> head all-to-all over `group` of size U: [.., S_l, .., N, ..] -> [.., U*S_l, .., N/U, ..].

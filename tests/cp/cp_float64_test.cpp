@@ -440,6 +440,62 @@ TEST(RingSchedule, BlocksNoRankAttendsNeverTravel) {
   }
 }
 
+// Sync all_gather with packed documents that hide every other rank's keys from every rank
+// (documents = the chunks each rank holds, contiguous at P=3 and head-tail at P=2): no
+// collective at all, forward or backward, and the result equals the single-process reference.
+// Documents {0..19}, {20..47} at P=3 need the gathers and still run them.
+TEST(AllGatherSchedule, NoGatherWhenDocumentsHideEveryOtherRanksKeys) {
+  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
+             v = f64(3, {1, kNkv, kS, kDv});
+  struct Run {
+    int p;
+    bool balanced;
+    std::vector<int64_t> cu;
+    bool gathers;
+  };
+  for (const auto& run :
+       {Run{3, false, {0, 16, 32, kS}, false}, Run{2, true, {0, 12, 24, 36, kS}, false},
+        Run{3, false, {0, 20, kS}, true}}) {
+    SCOPED_TRACE("P=" + std::to_string(run.p) + (run.balanced ? " balanced" : ""));
+    ContextParallelConfig cfg;
+    cfg.algorithm = "all_gather";
+    cfg.load_balance = run.balanced;
+    const auto norm = *normalize(cfg, run.p);
+    auto ids = attention::document_ids_from_cu_seqlens(run.cu, kS);
+    Direct ref(true, ids);
+    auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
+         rv = v.clone().requires_grad_(true);
+    auto ref_out = ref.forward(rq, rk, rv);
+    ref_out.sum().backward();
+    std::vector<at::Tensor> outs(run.p), dqs(run.p), dks(run.p), dvs(run.p);
+    run_ranks(run.p, [&](comm::World& w) {
+      Direct m(true, ids);
+      apply_cp(m, w, norm, /*handoffs=*/false);
+      const int64_t r = w.rank();
+      auto mine = [&](const at::Tensor& full) {
+        return shard_sequence(full, 2, r, run.p, run.balanced).requires_grad_(true);
+      };
+      auto lq = mine(q), lk = mine(k), lv = mine(v);
+      auto& rec = *w.context().recorder;
+      rec.clear();
+      auto out = m.forward(lq, lk, lv);
+      out.sum().backward();
+      EXPECT_EQ(rec.schedule().empty(), !run.gathers);
+      outs[r] = out.detach();
+      dqs[r] = lq.grad();
+      dks[r] = lk.grad();
+      dvs[r] = lv.grad();
+    });
+    auto whole = [&](const std::vector<at::Tensor>& parts) {
+      return unshard_sequence(parts, 2, run.balanced);
+    };
+    expect_close(whole(outs), ref_out.detach(), "out", 1e-10, 1e-10);
+    expect_close(whole(dqs), rq.grad(), "dq", 1e-10, 1e-10);
+    expect_close(whole(dks), rk.grad(), "dk", 1e-10, 1e-10);
+    expect_close(whole(dvs), rv.grad(), "dv", 1e-10, 1e-10);
+  }
+}
+
 // Skipped, not masked: blocks above the causal diagonal and blocks no document spans are never
 // computed. Keys and values there are NaN; a ring that computed and then masked them would turn
 // the output (or dq) of the queries that cannot see them into NaN.
