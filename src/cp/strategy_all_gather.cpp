@@ -253,7 +253,6 @@ class AllGatherStrategy final : public CPStrategy {
         return ctx.load_balance ? load_balance_chunks(r, t.cp_size) : std::vector<int64_t>{r};
       };
       if (detail::remote_keys_hidden(call, t.cp_size, total, chunks)) {
-        if (ctx.load_balance) detail::check_head_tail(q, ctx);
         std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
                                                         : std::vector{local_part(q, ctx, total)};
         auto outs = detail::attend_local_first(parts, k, v, total, call, {});

@@ -54,7 +54,8 @@ struct CPBenchResult {
 
 // Collective over the world; every rank returns the same results. With schedule = async the
 // sync schedule runs too (same layer, same data) and comes first in the result. With
-// documents, every timed step is followed by one of the same layer without documents.
+// documents, every timed step is followed by one of the same layer without documents (a second
+// layer, alive during the run: the peak RSS covers both).
 std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& options);
 
 }  // namespace hp::bench
