@@ -125,19 +125,15 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
     const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
     int64_t paired_wire = 0;
     for (int i = 0; i < o.iters; ++i) {
-      comm::barrier(timing);
-      const int64_t before = counters.total_bytes();
-      const int64_t wait_before = counters.wait_us();
-      const double c0 = thread_cpu_s();
-      auto t0 = std::chrono::steady_clock::now();
-      step();
-      const double dt =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      cpu.push_back(thread_cpu_s() - c0);
-      bytes = counters.total_bytes() - before;
-      waits.push_back((counters.wait_us() - wait_before) * 1e-6);
-      auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
-      steps.push_back(slowest.item<double>());
+      steps.push_back(slowest_time([&] {
+        const int64_t before = counters.total_bytes();
+        const int64_t wait_before = counters.wait_us();
+        const double c0 = thread_cpu_s();
+        step();
+        cpu.push_back(thread_cpu_s() - c0);
+        bytes = counters.total_bytes() - before;
+        waits.push_back((counters.wait_us() - wait_before) * 1e-6);
+      }));
       if (plain) {
         if (on_wire) comm::barrier(timing);
         const int64_t wire_pause = on_wire ? loopback_tx_bytes() : 0;

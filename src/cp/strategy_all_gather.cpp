@@ -64,6 +64,32 @@ struct Range {
   int64_t begin = 0, end = 0;  // global positions [begin, end)
 };
 
+// The ranges of [0, end) outside the chunks `own` (any order), in position order.
+std::vector<Range> gaps_outside(std::vector<Range> own, int64_t end) {
+  std::sort(own.begin(), own.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::vector<Range> out;
+  int64_t at_pos = 0;
+  auto add = [&](int64_t b, int64_t e) {
+    e = std::min(e, end);
+    if (b < e) out.push_back({b, e});
+  };
+  for (const auto& r : own) {
+    add(at_pos, r.begin);
+    at_pos = r.end;
+  }
+  add(at_pos, end);
+  return out;
+}
+
+// `base` for queries at global [q_begin, ..) against keys at global [key_begin, +key_len).
+CallState block_state(CallState base, int64_t q_begin, int64_t q_len, int64_t key_begin,
+                      int64_t key_len) {
+  base.causal = {q_begin - key_begin, q_len, key_len};
+  base.kv_start = key_begin;
+  return base;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>& parts,
@@ -82,10 +108,8 @@ std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>&
   }
   // Attention of a part against keys at global positions [key_begin, ..).
   auto state = [&](const QueryPart& part, const at::Tensor& kk, int64_t key_begin) {
-    CallState st = part.state;
-    st.causal = {part.state.causal.q_offset - key_begin, part.q.size(seq), kk.size(seq)};
-    st.kv_start = key_begin;
-    return st;
+    return block_state(part.state, part.state.causal.q_offset, part.q.size(seq), key_begin,
+                       kk.size(seq));
   };
   auto visible_end = [&](const QueryPart& p) {
     return call.options().causal ? p.state.causal.q_offset + p.q.size(seq) : total;
@@ -112,24 +136,13 @@ std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>&
   // 2. The whole K/V (natural order).
   auto [kg, vg] = gathered();
   // 3. The visible key ranges outside the local chunks (blocks documents hide: skipped).
-  std::vector<Range> sorted = local;
-  std::sort(sorted.begin(), sorted.end(),
-            [](const Range& a, const Range& b) { return a.begin < b.begin; });
   for (size_t i = 0; i < parts.size(); ++i) {
-    const int64_t vis = visible_end(parts[i]);
-    int64_t at_pos = 0;
-    auto gap = [&](int64_t b, int64_t e) {
-      e = std::min(e, vis);
-      if (e <= b) return;
-      auto kk = kg.narrow(seq, b, e - b), vv = vg.narrow(seq, b, e - b);
-      const auto st = state(parts[i], kk, b);
+    for (const auto& g : gaps_outside(local, visible_end(parts[i]))) {
+      auto kk = kg.narrow(seq, g.begin, g.end - g.begin);
+      auto vv = vg.narrow(seq, g.begin, g.end - g.begin);
+      const auto st = state(parts[i], kk, g.begin);
       if (!call.hidden(st)) results[i].push_back(call(parts[i].q, kk, vv, st));
-    };
-    for (const auto& r : sorted) {
-      gap(at_pos, r.begin);
-      at_pos = r.end;
     }
-    gap(at_pos, total);
   }
   // 4. Merge per part; every rank's graph reaches the gathered K/V (anchored).
   std::vector<at::Tensor> outs;
@@ -149,25 +162,11 @@ bool detail::remote_keys_hidden(const AttentionCall& call, int64_t size, int64_t
     std::vector<Range> own;
     for (int64_t id : ids)
       own.push_back({id * len, (id + 1) * len});
-    std::sort(own.begin(), own.end(),
-              [](const Range& a, const Range& b) { return a.begin < b.begin; });
     for (const auto& q : own) {
-      const int64_t vis = causal ? q.end : total;
-      // The gaps between the own chunks (and before / after them), up to what q can see.
-      int64_t at_pos = 0;
-      auto gap_visible = [&](int64_t b, int64_t e) {
-        e = std::min(e, vis);
-        if (e <= b) return false;
-        CallState st;
-        st.causal = {q.begin - b, q.end - q.begin, e - b};
-        st.kv_start = b;
-        return !call.hidden(st);
-      };
-      for (const auto& o : own) {
-        if (gap_visible(at_pos, o.begin)) return false;
-        at_pos = o.end;
+      for (const auto& g : gaps_outside(own, causal ? q.end : total)) {
+        const auto st = block_state({}, q.begin, q.end - q.begin, g.begin, g.end - g.begin);
+        if (!call.hidden(st)) return false;
       }
-      if (gap_visible(at_pos, total)) return false;
     }
   }
   return true;
