@@ -141,7 +141,8 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"exposed_comm_s", r.exposed_comm_s},
                     {"overlap_fraction", r.overlap_fraction},
                     {"step_time_without_documents_s", r.step_time_without_documents_s},
-                    {"documents_speedup", r.documents_speedup}});
+                    {"documents_speedup", r.documents_speedup},
+                    {"async_speedup", r.async_speedup}});
   }
   return {{"results", list}};
 }
@@ -160,7 +161,10 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
         (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
         r.peak_rss_bytes / 1048576.0, r.exposed_comm_s,
         r.schedule == "async"
-            ? hp::common::str_cat(" (overlap fraction ", r.overlap_fraction, ")").c_str()
+            ? hp::common::str_cat(" (overlap fraction ", r.overlap_fraction,
+                                  "; sync step / async step, paired steps in this run: ",
+                                  r.async_speedup, "x median)")
+                  .c_str()
             : "",
         r.wire_bytes_per_rank >= 0
             ? hp::common::str_cat("; on the wire ", r.wire_bytes_per_rank, " bytes/rank (link ",

@@ -63,19 +63,27 @@ double visible_tile_fraction(int64_t seq, bool causal, int64_t documents, int64_
 
 namespace {
 
-CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
-                        const cp::ContextParallelConfig& config, const comm::GroupPtr& cp_group,
-                        comm::Group& timing) {
+// One layer the bench times: a schedule, with or without the documents.
+struct Variant {
+  cp::ContextParallelConfig config;
+  bool documents = false;
+  std::vector<double> steps, cpu, waits;
+  int64_t bytes = 0, wire = 0;
+  int64_t peak_rss = 0;  // this process's peak after the variant's warm-up
+};
+
+int64_t peak_rss_now() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+// Times the variants' steps in turn, iteration by iteration, so that the machine's drift hits
+// each alike. Each layer is built and warmed up in the variants' order.
+void time_variants(const comm::World& world, const CPBenchOptions& o,
+                   std::vector<Variant>& variants, const comm::GroupPtr& cp_group,
+                   comm::Group& timing) {
   const int64_t p = world.size();
-  CPLayerOptions lo;
-  lo.config = config;
-  lo.adapter = o.adapter;
-  lo.causal = o.causal;
-  lo.projections = o.projections;
-  lo.heads = o.heads;
-  lo.kv_heads = o.kv_heads;
-  lo.head_dim = o.head_dim;
-  if (o.documents > 0) lo.doc_ids = equal_documents(o.seq, o.documents);
   const int64_t s_local = o.seq / p;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + world.rank());
   at::Tensor q, k, v, dout, x, dy;
@@ -88,89 +96,74 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
     v = at::randn({o.batch, o.kv_heads, s_local, o.head_dim}, gen, at::kFloat);
     dout = at::randn({o.batch, o.heads, s_local, o.head_dim}, gen, at::kFloat);
   }
-  std::vector<double> steps, cpu, waits, plain_steps, speedups;
-  int64_t bytes = 0, wire = -1;
-  {
-    CPAttentionLayer layer(world, cp_group, lo);
-    auto run_layer = [&](CPAttentionLayer& l) {
-      if (o.projections) {
-        l.run_block(x, dy);
-      } else {
-        l.run(q, k, v, dout);
-      }
-    };
-    auto step = [&] { run_layer(layer); };
-    // The same batch without documents, for the paired speed-up.
-    std::unique_ptr<CPAttentionLayer> plain;
-    if (o.documents > 0) {
-      auto plain_options = lo;
-      plain_options.doc_ids = at::Tensor();
-      plain = std::make_unique<CPAttentionLayer>(world, cp_group, plain_options);
-      run_layer(*plain);  // warm-up
+  auto run_layer = [&](CPAttentionLayer& l) {
+    if (o.projections) {
+      l.run_block(x, dy);
+    } else {
+      l.run(q, k, v, dout);
     }
-    // The slowest rank's wall time of one synchronised call of `fn`.
-    auto slowest_time = [&](const std::function<void()>& fn) {
+  };
+  std::vector<std::unique_ptr<CPAttentionLayer>> layers;
+  for (auto& var : variants) {
+    CPLayerOptions lo;
+    lo.config = var.config;
+    lo.adapter = o.adapter;
+    lo.causal = o.causal;
+    lo.projections = o.projections;
+    lo.heads = o.heads;
+    lo.kv_heads = o.kv_heads;
+    lo.head_dim = o.head_dim;
+    if (var.documents) lo.doc_ids = equal_documents(o.seq, o.documents);
+    layers.push_back(std::make_unique<CPAttentionLayer>(world, cp_group, lo));
+    run_layer(*layers.back());  // warm-up
+    var.peak_rss = peak_rss_now();
+  }
+  auto& counters = world.context().counters;
+  const bool on_wire = emulated_link_rate().has_value();
+  for (int i = 0; i < o.iters; ++i) {
+    for (size_t n = 0; n < variants.size(); ++n) {
+      auto& var = variants[n];
+      if (on_wire) comm::barrier(timing);  // the bytes before are all delivered
+      const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
+      // The slowest rank's wall time of the step.
       comm::barrier(timing);
+      const int64_t before = counters.total_bytes();
+      const int64_t wait_before = counters.wait_us();
+      const double c0 = thread_cpu_s();
       auto t0 = std::chrono::steady_clock::now();
-      fn();
+      run_layer(*layers[n]);
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      var.cpu.push_back(thread_cpu_s() - c0);
+      var.bytes = counters.total_bytes() - before;
+      var.waits.push_back((counters.wait_us() - wait_before) * 1e-6);
       auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
-      return slowest.item<double>();
-    };
-    step();  // warm-up
-    auto& counters = world.context().counters;
-    const bool on_wire = emulated_link_rate().has_value();
-    if (on_wire) comm::barrier(timing);  // the warm-up's bytes are all delivered
-    const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
-    int64_t paired_wire = 0;
-    for (int i = 0; i < o.iters; ++i) {
-      steps.push_back(slowest_time([&] {
-        const int64_t before = counters.total_bytes();
-        const int64_t wait_before = counters.wait_us();
-        const double c0 = thread_cpu_s();
-        step();
-        cpu.push_back(thread_cpu_s() - c0);
-        bytes = counters.total_bytes() - before;
-        waits.push_back((counters.wait_us() - wait_before) * 1e-6);
-      }));
-      if (plain) {
-        if (on_wire) comm::barrier(timing);
-        const int64_t wire_pause = on_wire ? loopback_tx_bytes() : 0;
-        plain_steps.push_back(slowest_time([&] { run_layer(*plain); }));
-        speedups.push_back(plain_steps.back() / steps.back());
-        if (on_wire) {  // the paired step's bytes are not this layer's
-          comm::barrier(timing);
-          paired_wire += loopback_tx_bytes() - wire_pause;
-        }
+      var.steps.push_back(slowest.item<double>());
+      if (on_wire) {
+        comm::barrier(timing);
+        var.wire += loopback_tx_bytes() - wire_before;
       }
     }
-    if (on_wire) {
-      comm::barrier(timing);
-      wire = (loopback_tx_bytes() - wire_before - paired_wire) / p / o.iters;
-    }
   }
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  auto mine = at::tensor({static_cast<double>(u.ru_maxrss) * 1024.0, median(cpu), median(waits)},
+}
+
+// The variant's result; collective over `timing` (per-rank figures are gathered).
+CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
+                        comm::Group& timing) {
+  auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits)},
                          at::kDouble);
   auto all = comm::all_gather(timing, mine.view({1, 3}), 0);
-
   CPBenchResult r;
-  r.algorithm = cp::to_string(config.algorithm);
-  r.schedule = cp::to_string(config.schedule);
+  r.algorithm = cp::to_string(var.config.algorithm);
+  r.schedule = cp::to_string(var.config.schedule);
   r.cp = p;
-  r.ulysses_degree = cp::ulysses_degree_of(config, p);
+  r.ulysses_degree = cp::ulysses_degree_of(var.config, p);
   r.seq = o.seq;
-  r.step_time_s = median(steps);
-  if (!plain_steps.empty()) {
-    r.step_time_without_documents_s = median(plain_steps);
-    r.documents_speedup = median(speedups);
-  }
-  r.wire_bytes_per_rank = wire;
-  r.comm_bytes_per_rank = bytes;
+  r.step_time_s = median(var.steps);
+  r.wire_bytes_per_rank = emulated_link_rate() ? var.wire / p / o.iters : -1;
+  r.comm_bytes_per_rank = var.bytes;
   cp::AttentionShape shape{o.seq, o.heads, o.kv_heads, o.head_dim, o.batch, 4};
-  r.comm_bytes_theory = p > 1 ? cp::step_bytes_per_rank(config, p, shape) : 0;
+  r.comm_bytes_theory = p > 1 ? cp::step_bytes_per_rank(var.config, p, shape) : 0;
   for (int64_t i = 0; i < p; ++i) {
     r.peak_rss_per_rank.push_back(static_cast<int64_t>(all[i][0].item<double>()));
     r.attention_cpu_s_per_rank.push_back(all[i][1].item<double>());
@@ -178,6 +171,14 @@ CPBenchResult bench_one(const comm::World& world, const CPBenchOptions& o,
   }
   r.peak_rss_bytes = *std::max_element(r.peak_rss_per_rank.begin(), r.peak_rss_per_rank.end());
   return r;
+}
+
+// The median over iterations of a's step / b's step.
+double paired_ratio(const Variant& a, const Variant& b) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < a.steps.size(); ++i)
+    ratios.push_back(a.steps[i] / b.steps[i]);
+  return median(ratios);
 }
 
 }  // namespace
@@ -190,15 +191,34 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
   cp::check_heads(config, p, o.heads, o.kv_heads);
   comm::DeviceMesh mesh(world, {{"cp", p}});
   auto timing = world.new_group(world.group().world_ranks(), "bench_timing");
-  std::vector<CPBenchResult> out;
-  if (config.schedule == cp::CPSchedule::kAsync) {
+  // Each schedule (sync first), each followed by the same batch without documents if any.
+  std::vector<Variant> variants;
+  auto add = [&](const cp::ContextParallelConfig& c) {
+    variants.push_back({c, o.documents > 0});
+    if (o.documents > 0) variants.push_back({c, false});
+  };
+  const bool async = config.schedule == cp::CPSchedule::kAsync;
+  if (async) {
     auto sync = config;
     sync.schedule = cp::CPSchedule::kSync;
-    out.push_back(bench_one(world, o, sync, mesh.group_ptr({"cp"}), *timing));
+    add(sync);
   }
-  out.push_back(bench_one(world, o, config, mesh.group_ptr({"cp"}), *timing));
-  if (out.size() == 2 && out[0].exposed_comm_s > 0) {
-    out[1].overlap_fraction = std::max(0.0, 1.0 - out[1].exposed_comm_s / out[0].exposed_comm_s);
+  add(config);
+  time_variants(world, o, variants, mesh.group_ptr({"cp"}), *timing);
+  const size_t stride = o.documents > 0 ? 2 : 1;
+  std::vector<CPBenchResult> out;
+  for (size_t n = 0; n < variants.size(); n += stride) {
+    out.push_back(result_of(variants[n], o, p, *timing));
+    if (o.documents > 0) {
+      out.back().step_time_without_documents_s = median(variants[n + 1].steps);
+      out.back().documents_speedup = paired_ratio(variants[n + 1], variants[n]);
+    }
+  }
+  if (async) {
+    if (out[0].exposed_comm_s > 0) {
+      out[1].overlap_fraction = std::max(0.0, 1.0 - out[1].exposed_comm_s / out[0].exposed_comm_s);
+    }
+    out[1].async_speedup = paired_ratio(variants[0], variants[stride]);
   }
   return out;
 }

@@ -245,6 +245,33 @@ TEST(CPBench, DocumentsArePairedWithTheSameBatchWithout) {
   auto p = last_json(plain.out)["results"][0];
   EXPECT_EQ(p["step_time_without_documents_s"], 0.0) << plain.out;
   EXPECT_EQ(p["documents_speedup"], 0.0) << plain.out;
+  EXPECT_EQ(p["async_speedup"], 0.0) << plain.out;
+}
+
+// hp-bench cp --schedule async: the sync schedule's steps alternate with the async schedule's
+// in one run; each keeps its own figures (the async one gathers even where sync does not), the
+// async result carries the paired ratio, and with documents each schedule has its own pair.
+TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
+  const std::string cmd =
+      std::string(HP_BENCH_BINARY) +
+      " cp --seq 512 --heads 2 --kv-heads 2 --head-dim 8 --causal --cp 2 --iters 2 "
+      "--load-balance --schedule async --projections --json --documents 4";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  EXPECT_EQ(res[0]["schedule"], "sync");
+  EXPECT_EQ(res[1]["schedule"], "async");
+  EXPECT_EQ(res[0]["async_speedup"], 0.0) << r.out;
+  EXPECT_GT(res[1]["async_speedup"].get<double>(), 0) << r.out;
+  EXPECT_EQ(res[0]["comm_bytes_per_rank"], 0) << r.out;  // the documents hide the other rank
+  EXPECT_EQ(res[1]["comm_bytes_per_rank"], res[1]["comm_bytes_theory"]) << r.out;
+  for (const auto& x : res) {
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
+    EXPECT_GT(x["step_time_without_documents_s"].get<double>(), 0) << r.out;
+    EXPECT_GT(x["documents_speedup"].get<double>(), 0) << r.out;
+  }
+  EXPECT_GE(res[1]["peak_rss_bytes"].get<int64_t>(), res[0]["peak_rss_bytes"].get<int64_t>());
 }
 
 }  // namespace

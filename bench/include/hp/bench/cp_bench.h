@@ -35,7 +35,9 @@ struct CPBenchResult {
   int64_t comm_bytes_per_rank = 0;   // measured, one step (forward + backward), rank 0
   int64_t comm_bytes_theory = 0;     // cp::step_bytes_per_rank (forward + backward)
   int64_t wire_bytes_per_rank = -1;  // emulated link: loopback bytes per step / P (rank 0)
-  int64_t peak_rss_bytes = 0;        // max over ranks
+  // Max over ranks of the process's peak RSS after this layer's warm-up (which includes the
+  // layers warmed up before it: for async, the sync schedule's).
+  int64_t peak_rss_bytes = 0;
   std::vector<int64_t> peak_rss_per_rank;
   // CPU time of the rank's main thread during a step (median): the attention compute.
   std::vector<double> attention_cpu_s_per_rank;
@@ -50,12 +52,16 @@ struct CPBenchResult {
   // and the median over iterations of (step without / step with documents).
   double step_time_without_documents_s = 0;
   double documents_speedup = 0;
+  // Async: the median over iterations of (sync step / async step), each async step timed right
+  // after a sync step of the same batch; above 1 where async is faster.
+  double async_speedup = 0;
 };
 
 // Collective over the world; every rank returns the same results. With schedule = async the
 // sync schedule runs too (same layer, same data) and comes first in the result. With
-// documents, every timed step is followed by one of the same layer without documents (a second
-// layer, alive during the run: the peak RSS covers both).
+// documents, every timed step is followed by one of the same layer without documents. All
+// layers are alive during the run and their steps alternate: sync, [sync without documents,]
+// async, [async without documents,] sync, ...
 std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& options);
 
 }  // namespace hp::bench
