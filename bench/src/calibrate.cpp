@@ -105,6 +105,32 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
                           {"predicted_without_overhead_s", pred.step_s},
                           {"seconds_per_token", c.seconds_per_token}};
   }
+  // The async schedule's own cost: sync and async all_gather steps timed in pairs (S = 4096,
+  // P = 2, balanced, projections). What async lost against sync beyond the waits it removed,
+  // per local token at one core.
+  {
+    const std::string cmd = common::str_cat(
+        o.self_exe,
+        " cp --cp 2 --seq 4096 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo all_gather "
+        "--load-balance --schedule async --projections --causal --iters 5 --json");
+    std::printf("hp-bench calibrate: %s\n", cmd.c_str());
+    std::fflush(stdout);
+    auto j = nlohmann::json::parse(run_for_json(cmd));
+    const auto& sync = j["results"][0];
+    const auto& async = j["results"][1];
+    const double sync_s = sync["step_time_s"], ratio = async["async_speedup"];
+    const double hidden =
+        std::max(0.0, sync["exposed_comm_s"].get<double>() - async["exposed_comm_s"].get<double>());
+    const double lost = sync_s / ratio - sync_s + hidden;
+    const double share = std::min(1.0, static_cast<double>(c.cores) / 2.0);
+    c.async_seconds_per_token = std::max(0.0, lost) * share / (4096.0 / 2.0);
+    inputs["async_overhead"] = {{"command", cmd},
+                                {"sync_step_s", sync_s},
+                                {"sync_over_async_paired", ratio},
+                                {"hidden_wait_s", hidden},
+                                {"lost_s", lost},
+                                {"async_seconds_per_token", c.async_seconds_per_token}};
+  }
   c.inputs_json = inputs.dump();
   return c;
 }

@@ -38,6 +38,7 @@ std::string to_json(const Calibration& c) {
   j["matmul_gflops"] = c.matmul_gflops;
   j["overlap_budget"] = c.overlap_budget;
   j["seconds_per_token"] = c.seconds_per_token;
+  j["async_seconds_per_token"] = c.async_seconds_per_token;
   for (const auto& [kind, by_p] : c.collectives) {
     for (const auto& [p, f] : by_p) {
       j["collectives"][kind][std::to_string(p)] = {{"latency_s", f.latency_s},
@@ -57,6 +58,7 @@ Calibration calibration_from_json(const std::string& text) {
   c.matmul_gflops = j.at("matmul_gflops");
   c.overlap_budget = j.value("overlap_budget", 0.5);
   c.seconds_per_token = j.value("seconds_per_token", 0.0);
+  c.async_seconds_per_token = j.value("async_seconds_per_token", 0.0);
   for (const auto& [kind, by_p] : j.at("collectives").items()) {
     for (const auto& [p, f] : by_p.items()) {
       c.collectives[kind][std::stoll(p)] = {f.at("latency_s"), f.at("seconds_per_byte")};
@@ -259,6 +261,10 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).
   out.exposed_comm_s = out.comm_s - hidden_s - (ring ? late - ring_exposed - late_a2a : 0.0);
   out.compute_s += cal.seconds_per_token * b * local / share;
+  // What async costs on the rank's core where it launches collectives at the handoffs (the
+  // ring's async schedule is its sync one).
+  if (async && early + co_gathers > 0)
+    out.compute_s += cal.async_seconds_per_token * b * local / share;
   out.step_s = out.compute_s + out.exposed_comm_s;
   return out;
 }

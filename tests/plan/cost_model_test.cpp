@@ -115,6 +115,39 @@ TEST(CostModel, AsyncHybridHidesItsCoGroupGathersBehindTheCoBlock) {
   EXPECT_NEAR(sync.exposed_comm_s - async.exposed_comm_s, gathers, 1e-9 * gathers);
 }
 
+// The async schedule's own cost: async all_gather pays async_seconds_per_token per local token
+// on top of the sync compute, so on a fast link (little to hide) sync ranks first and on a slow
+// one async still does; the ring's async schedule is its sync one and pays nothing. Without
+// the overhead async never ranks below sync.
+TEST(CostModel, AsyncPaysItsOverheadAndSyncWinsWhereLittleIsHidden) {
+  auto w = workload();
+  w.load_balance = true;
+  auto async_cfg = config("all_gather", true);
+  async_cfg.schedule = cp::CPSchedule::kAsync;
+  auto fast = synthetic(1.0 / 100e9), slow = synthetic(1.0 / 125e6);
+  for (auto* cal : {&fast, &slow}) {
+    const auto sync = predict_cp_step(*cal, config("all_gather", true), 2, w);
+    const auto free_async = predict_cp_step(*cal, async_cfg, 2, w);
+    EXPECT_LE(free_async.step_s, sync.step_s);
+    cal->async_seconds_per_token = 5e-5;
+    const auto async = predict_cp_step(*cal, async_cfg, 2, w);
+    EXPECT_NEAR(async.compute_s - free_async.compute_s, 5e-5 * (w.seq / 2), 1e-9);
+    EXPECT_DOUBLE_EQ(async.exposed_comm_s, free_async.exposed_comm_s);
+    auto ring_async = config("ring", true);
+    ring_async.schedule = cp::CPSchedule::kAsync;
+    EXPECT_DOUBLE_EQ(predict_cp_step(*cal, ring_async, 2, w).step_s,
+                     predict_cp_step(*cal, config("ring", true), 2, w).step_s);
+  }
+  const auto choice = [&](const Calibration& cal) {
+    std::vector<std::string> names;
+    for (const auto& r : rank_cp_configs(cal, 2, w))
+      if (r.config.algorithm == cp::CPAlgorithm::kAllGather) names.push_back(r.name);
+    return names;
+  };
+  EXPECT_EQ(choice(fast), (std::vector<std::string>{"all_gather/sync", "all_gather/async"}));
+  EXPECT_EQ(choice(slow), (std::vector<std::string>{"all_gather/async", "all_gather/sync"}));
+}
+
 // A balanced workload gives head-tail balance to every strategy that has it (data-order shards
 // for all but all_gather) and none to ulysses; hybrid and usp are among the candidates.
 TEST(CostModel, BalancedWorkloadsBalanceEveryStrategyThatCan) {
@@ -155,10 +188,12 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
 TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   auto c = synthetic(2e-9);
   c.inputs_json = R"({"comm":[{"command":"hp-bench comm --nproc 2"}]})";
+  c.async_seconds_per_token = 3e-5;
   const std::string path = ::testing::TempDir() + "/hp_cal/calibration-test.json";
   save_calibration(path, c);
   auto back = load_calibration(path);
   EXPECT_EQ(back.link, "test");
+  EXPECT_DOUBLE_EQ(back.async_seconds_per_token, 3e-5);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 4).seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 8).seconds_per_byte, 2e-9);  // nearest measured P
   EXPECT_NE(back.inputs_json.find("hp-bench comm --nproc 2"), std::string::npos);

@@ -89,6 +89,14 @@ TEST(Report, CalibrateAutoAndReport) {
   EXPECT_GT(calibration["attention_gflops"].get<double>(), 0);
   EXPECT_GT(calibration["collectives"]["all_to_all"]["2"]["seconds_per_byte"].get<double>(), 0);
   EXPECT_EQ(calibration["inputs"]["comm"].size(), 4u);  // P in {2, 4} x two sizes
+  // The async schedule's cost, fitted from paired sync/async steps (recorded with its inputs).
+  const auto& fit = calibration["inputs"]["async_overhead"];
+  EXPECT_GT(fit["sync_over_async_paired"].get<double>(), 0) << fit;
+  EXPECT_GE(calibration["async_seconds_per_token"].get<double>(), 0);
+  // Two ranks on this machine's cores: the lost time over the 2048 local tokens at one core.
+  const double share = std::min(1.0, calibration["cores"].get<double>() / 2.0);
+  EXPECT_DOUBLE_EQ(calibration["async_seconds_per_token"].get<double>(),
+                   std::max(0.0, fit["lost_s"].get<double>()) * share / 2048.0);
 
   // auto: every legal candidate predicted (positive), the cheapest chosen, and that one runs.
   auto a = hp::testing::run_command(

@@ -13,6 +13,10 @@
 //     exposed = comm (sync); async: the collectives it launches early hide behind the
 //               projection work that follows them (up to `overlap_budget` of it) and behind
 //               attention on local data (all_gather: 1/P of it; ulysses: 1/P^2)
+//             (the ring's async schedule is its sync one)
+//     compute += async_seconds_per_token x local tokens / core share, for an async schedule
+//             that launches collectives at the handoffs (what it costs beyond sync: so that
+//             where there is little to hide, sync wins)
 //     step    = compute + exposed + seconds_per_token x local tokens / core share
 #pragma once
 
@@ -42,6 +46,11 @@ struct Calibration {
   // Per-token cost the flop counts miss (norms, copies, re-layouts, autograd), seconds per
   // local token at one core: fitted by hp-bench calibrate on a CP layer outside the grid.
   double seconds_per_token = 0;
+  // What the async schedule costs beyond sync on the rank's core (attention split into calls
+  // merged by lse, K/V slices and their gradients, the comm thread's copies), seconds per
+  // local token at one core: fitted by hp-bench calibrate from sync and async steps timed in
+  // pairs. Per token, not per flop: at S = 4096 and 16384 it was the same per token.
+  double async_seconds_per_token = 0;
   std::string inputs_json = "{}";  // what the calibration ran (commands, sizes, raw results)
 
   const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;
