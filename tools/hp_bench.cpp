@@ -307,8 +307,9 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
   if (c.cp_cmd->parsed()) {
     auto cp = c.cp;
     cp.algo_given = c.cp_cmd->count("--cp-algo") > 0;
-    for (const char* flag : {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter",
-                             "--causal", "--projections", "--documents", "--ulysses-head-groups"}) {
+    for (const char* flag :
+         {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter", "--causal", "--projections",
+          "--documents", "--ulysses-head-groups", "--always-local-first"}) {
       if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
     }
     return run_cp(cp, args);

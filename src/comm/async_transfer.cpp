@@ -13,6 +13,7 @@ namespace hp::comm {
 struct AsyncTransfer {
   std::string name;
   Pending forward;
+  std::function<bool()> forward_landed;  // null: the launch cannot tell
   TransferLaunch launch_inverse;
   Pending backward;
   bool backward_launched = false;
@@ -113,6 +114,28 @@ at::Tensor start_transfer(const at::Tensor& x, const std::string& name,
     transfer->forward = launch(x.detach());
   }
   return StartFn::apply(x, transfer);
+}
+
+at::Tensor start_handle_transfer(const at::Tensor& x, const std::string& name,
+                                 std::function<CommHandle(const at::Tensor&)> launch,
+                                 std::function<CommHandle(const at::Tensor&)> launch_inverse,
+                                 AsyncTransferPtr& transfer) {
+  // The forward handle, shared by the Pending that waits for it and the completion query.
+  auto cell = std::make_shared<std::shared_ptr<CommHandle>>();
+  TransferLaunch forward = [fn = std::move(launch), cell](const at::Tensor& a) -> Pending {
+    auto h = std::make_shared<CommHandle>(fn(a));
+    *cell = h;
+    return [h] { return h->wait(); };
+  };
+  auto y = start_transfer(x, name, forward, handle_launch(std::move(launch_inverse)), transfer);
+  transfer->forward_landed = [cell] { return *cell != nullptr && (*cell)->is_completed(); };
+  return y;
+}
+
+bool transfer_arrived(const AsyncTransferPtr& transfer) {
+  HP_CHECK(transfer != nullptr, "transfer_arrived: no transfer (start it first)");
+  if (transfer->forward == nullptr) return true;  // finished already
+  return transfer->forward_landed != nullptr && transfer->forward_landed();
 }
 
 at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& transfer) {

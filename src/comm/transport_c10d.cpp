@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <thread>
 
 #include "hp/comm/transport.h"
 #include "hp/common/check.h"
@@ -73,31 +74,56 @@ class C10dPending final : public PendingOp {
 };
 
 // Several works that complete together (the point-to-point legs of one collective).
+// Gloo's send/recv works report completion only once waited, so with `watch` the first
+// is_completed() that finds them pending starts a thread that waits for them; later queries
+// read its flag and wait() joins it.
 class MultiPending final : public PendingOp {
  public:
-  MultiPending(std::vector<compat::WorkPtr> works, int64_t bytes_sent) : works_(std::move(works)) {
+  MultiPending(std::vector<compat::WorkPtr> works, int64_t bytes_sent, bool watch)
+      : works_(std::move(works)), watch_(watch) {
     set_bytes_sent(bytes_sent);
   }
+  ~MultiPending() override {
+    if (watcher_.joinable()) watcher_.join();
+  }
   void wait() override {
-    std::exception_ptr first;
+    if (watcher_.joinable()) {
+      watcher_.join();
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    wait_all();
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() override {
+    if (watcher_.joinable()) return done_.load();
+    bool all = true;
+    for (auto& w : works_)
+      all = all && w->isCompleted();
+    if (!all && watch_) {
+      watcher_ = std::thread([this] {
+        wait_all();
+        done_.store(true);
+      });
+    }
+    return all;
+  }
+
+ private:
+  void wait_all() {
     for (auto& w : works_) {
       try {
         w->wait();
       } catch (...) {
-        if (!first) first = std::current_exception();
+        if (!error_) error_ = std::current_exception();
       }
     }
-    if (first) std::rethrow_exception(first);
   }
-  bool is_completed() override {
-    for (auto& w : works_) {
-      if (!w->isCompleted()) return false;
-    }
-    return true;
-  }
-
- private:
   std::vector<compat::WorkPtr> works_;
+  bool watch_ = false;
+  std::thread watcher_;
+  std::atomic<bool> done_{false};
+  std::exception_ptr error_;
 };
 
 // Over a c10d backend (what make_c10d_transport creates) or over a c10d::ProcessGroup someone
@@ -139,7 +165,7 @@ class C10dTransport final : public Transport {
       works.push_back(backend_->recv(r, from, tag));
     }
     out[me].copy_(in);
-    return std::make_unique<MultiPending>(std::move(works), sent);
+    return std::make_unique<MultiPending>(std::move(works), sent, name_ == "gloo");
   }
   std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) override {
     std::vector<int64_t> equal_splits;

@@ -26,14 +26,19 @@ at::Tensor CPRuntimeState::produce(
   }
   slot->role = role;
   slot->handoff = handoff;
-  auto y = comm::start_transfer(x, handoff, comm::handle_launch(launch),
-                                comm::handle_launch(launch_inverse), slot->transfer);
+  auto y = comm::start_handle_transfer(x, handoff, launch, launch_inverse, slot->transfer);
   slot->produced.emplace(y.getIntrusivePtr());
   slot->produced_sizes = y.sizes().vec();
   slot->produced_dtype = y.scalar_type();
   std::lock_guard<std::mutex> lock(mu_);
   fifo_[static_cast<int>(role)].push_back(slot);
   return y;
+}
+
+bool CPRuntimeState::arrived(QKVRole role) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& q = fifo_[static_cast<int>(role)];
+  return !q.empty() && comm::transfer_arrived(q.front()->transfer);
 }
 
 at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {

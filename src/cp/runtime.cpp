@@ -17,9 +17,10 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
                      std::shared_ptr<const CPTopology> topology, CPRuntimeOptions options)
     : adapter_(std::move(adapter)),
       strategy_(std::move(strategy)),
-      ctx_{std::move(topology),        options.layout,         options.load_balance,
-           options.load_balance_form,  options.kv_head_policy, 0,
-           options.ulysses_head_groups},
+      ctx_{std::move(topology),         options.layout,
+           options.load_balance,        options.load_balance_form,
+           options.kv_head_policy,      0,
+           options.ulysses_head_groups, options.async_always_local_first},
       module_path_(std::move(options.module_path)),
       async_(options.async),
       state_(std::make_shared<CPRuntimeState>(module_path_)) {
@@ -78,7 +79,9 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
   AttentionCall call(options, inner, *adapter_, *strategy_, ctx_);
   at::Tensor out;
   if (async_) {
-    auto arrived = [this](QKVRole role, const at::Tensor& x) { return state_->consume(role, x); };
+    ArrivedFn arrived(
+        [this](QKVRole role, const at::Tensor& x) { return state_->consume(role, x); },
+        [this](QKVRole role) { return state_->arrived(role); });
     out = strategy_->run_async(q, k, v, call, ctx_, arrived);
   } else {
     out = strategy_->run_sync(q, k, v, call, ctx_);

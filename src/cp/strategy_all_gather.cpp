@@ -16,6 +16,8 @@
 //     2. wait K, V (all_gather)                                   (they flew during step 1)
 //     3. for each query part: attention(Q_part, K[gap]) per visible gap outside L  -> (o, lse)
 //     4. out_part = Σ o_i · exp(lse_i − logsumexp_i lse_i)
+//   A part whose turn comes once the K/V have landed (nothing left to hide) skips 1 and attends
+//   all its visible keys in one call after 2, as sync (unless async_always_local_first).
 //   Backward runs 3 before 2's inverse (dK, dV reduce-scatter) and 1 after it, so the
 //   reduce-scatter flies while the local chunks' backward computes. Key blocks that packed
 //   documents hide entirely are skipped (attend_local_first, shared with hybrid).
@@ -95,7 +97,8 @@ CallState block_state(CallState base, int64_t q_begin, int64_t q_len, int64_t ke
 std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>& parts,
                                                    const at::Tensor& k, const at::Tensor& v,
                                                    int64_t total, const AttentionCall& call,
-                                                   const GatheredKV& gathered) {
+                                                   const GatheredKV& gathered,
+                                                   const std::function<bool()>& landed) {
   const int64_t seq = call.layout().seq_dim;
   // Part i's keys sit in k/v rows [local_offset[i], ..), at the part's own global positions.
   std::vector<Range> local;
@@ -115,8 +118,14 @@ std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>&
     return call.options().causal ? p.state.causal.q_offset + p.q.size(seq) : total;
   };
   std::vector<std::vector<attention::AttentionResult>> results(parts.size());
-  // 1. Local chunks, while the rest travels (a part's own chunk always: never empty).
+  // 1. Local chunks, while the rest travels (a part's own chunk always: never empty). Parts
+  //    from `whole` on attend everything in one call after the wait: the K/V had landed.
+  size_t whole = parts.size();
   for (size_t i = 0; i < parts.size(); ++i) {
+    if (gathered && landed && landed()) {
+      whole = i;
+      break;
+    }
     for (size_t c = 0; c < local.size(); ++c) {
       const int64_t end = std::min(local[c].end, visible_end(parts[i]));
       if (end <= local[c].begin) continue;
@@ -135,8 +144,15 @@ std::vector<at::Tensor> detail::attend_local_first(const std::vector<QueryPart>&
   }
   // 2. The whole K/V (natural order).
   auto [kg, vg] = gathered();
-  // 3. The visible key ranges outside the local chunks (blocks documents hide: skipped).
+  // 3. The visible key ranges outside the local chunks (blocks documents hide: skipped); a
+  //    part from `whole` on: all its visible keys.
   for (size_t i = 0; i < parts.size(); ++i) {
+    if (i >= whole) {
+      const int64_t end = visible_end(parts[i]);
+      auto kk = kg.narrow(seq, 0, end), vv = vg.narrow(seq, 0, end);
+      results[i].push_back(call(parts[i].q, kk, vv, state(parts[i], kk, 0)));
+      continue;
+    }
     for (const auto& g : gaps_outside(local, visible_end(parts[i]))) {
       auto kk = kg.narrow(seq, g.begin, g.end - g.begin);
       auto vv = vg.narrow(seq, g.begin, g.end - g.begin);
@@ -289,11 +305,19 @@ class AllGatherStrategy final : public CPStrategy {
     // Query parts with their global ranges; the local K/V chunks sit at the same positions.
     std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
                                                     : std::vector{local_part(q, ctx, total)};
-    auto outs = detail::attend_local_first(parts, k, v, total, call, [&] {
+    auto gathered = [&] {
       auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
       detail::natural_order_kv(kg, vg, ctx);  // runtime swap never reaches here
       return std::make_pair(kg, vg);
-    });
+    };
+    auto landed = [&] {
+      if (ctx.async_always_local_first) return false;
+      // Both asked every time: a first query may only start what tells (comm/transport.h).
+      const bool k_landed = arrived.landed(QKVRole::kK);
+      const bool v_landed = arrived.landed(QKVRole::kV);
+      return k_landed && v_landed;
+    };
+    auto outs = detail::attend_local_first(parts, k, v, total, call, gathered, landed);
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
   }
 };

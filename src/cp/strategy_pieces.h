@@ -35,10 +35,14 @@ comm::CommHandle gather_seq_grad_async(const at::Tensor& g, const comm::GroupPtr
 // reaches the gathered tensors (anchored), so every rank runs their inverse collectives.
 // An undefined `gathered` (nothing outside the local chunks is visible to any rank, see
 // remote_keys_hidden) attends the local chunks only: no wait, no anchor.
+// `landed` (optional), asked before each part: once it says the gathered K/V would not block,
+// that part and the rest attend all their visible keys in one call each after the wait (as
+// sync; split calls cost time and there is nothing left to hide).
 using GatheredKV = std::function<std::pair<at::Tensor, at::Tensor>()>;
 std::vector<at::Tensor> attend_local_first(const std::vector<QueryPart>& parts, const at::Tensor& k,
                                            const at::Tensor& v, int64_t total,
-                                           const AttentionCall& call, const GatheredKV& gathered);
+                                           const AttentionCall& call, const GatheredKV& gathered,
+                                           const std::function<bool()>& landed = {});
 // Whether the call's packed documents (and the causal rule) hide, from every one of the
 // group's `size` ranks, every key outside the chunks that rank holds: its queries and keys are
 // chunks `chunks(rank)` of the sequence cut into size * chunks(rank).size() equal chunks. All ranks

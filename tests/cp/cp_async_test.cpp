@@ -62,6 +62,9 @@ class BlockWithHandoffs {
     if (tracer_) tracer_->record({"v_proj", "compute", 0, t0, common::Tracer::now_us(), "", -1});
     if (transform_after_handoff_) k = k * 1.0;
     auto v = v_handoff(heads(vp, kNkv));
+    if (pause_before_attention_ms_ > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_before_attention_ms_));
+    }
     at::Tensor out;
     if (skip_attention_) {
       out = q;
@@ -84,6 +87,7 @@ class BlockWithHandoffs {
   }
   bool skip_attention_ = false;
   bool transform_after_handoff_ = false;
+  int pause_before_attention_ms_ = 0;  // after the handoffs: the collectives land meanwhile
   at::Tensor wq, wk, wv, wo;
   attention::HandoffPoint q_handoff{"q_handoff"}, k_handoff{"k_handoff"}, v_handoff{"v_handoff"};
 
@@ -368,9 +372,12 @@ struct OverlapTrace {
   int64_t first_attention_begin = -1, first_attention_end = -1;
 };
 
-// Rank 0's events of the forward (after its barrier) with rank `late` entering 300 ms late.
+// Rank 0's events of the forward (after its barrier) with rank `late` entering 300 ms late (-1:
+// none), every rank pausing `pause_ms` between its handoffs and attention.
 std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& algo, int p,
-                                                             int late, bool balanced = false) {
+                                                             int late, bool balanced = false,
+                                                             bool always_local_first = false,
+                                                             int pause_ms = 0) {
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions o;
   o.tracer = tracer;
@@ -381,9 +388,11 @@ std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& 
         comm::DeviceMesh mesh(w, {{"cp", p}});
         auto cfg = make(algo, p, CPSchedule::kAsync);
         cfg.load_balance = balanced;
+        cfg.async_always_local_first = always_local_first;
         cfg = *normalize(cfg, p);
         auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
         BlockWithHandoffs m(false, w.rank() == 0 ? tracer : nullptr);
+        m.pause_before_attention_ms_ = pause_ms;
         auto spec = spec_for("sdpa_hf");
         apply_context_parallel(m.host(), spec, cfg, topo, quiet());
         comm::barrier(w.group());
@@ -433,6 +442,25 @@ TEST(CPAsync, AttentionOnLocalDataRunsWhileTheCollectivesArePending) {
     EXPECT_LE(t.first_attention_end, t.wait_begin)
         << algo << ": attention on the local chunk must run before the first wait";
   }
+}
+
+// A query part whose turn comes after the K/V all-gather has landed attends all its keys in one
+// call, as sync; while the gather flies (a peer 300 ms late), or with async_always_local_first,
+// each part attends its local chunks first and the rest after. Balanced P = 2, rank 0 holds
+// chunks 0 and 3: landed, one call per part; local first, part 0 (chunk 0) sees only its own
+// chunk (1 call) and part 1 (chunk 3) chunk 0, chunk 3 and the gap [1, 3) (3 calls).
+TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
+  auto calls = [](int late, bool always_local_first, int pause_ms) {
+    int n = 0;
+    for (const auto& e :
+         rank0_forward_with_late_peer("all_gather", 2, late, true, always_local_first, pause_ms)) {
+      n += e.name == "attention";
+    }
+    return n;
+  };
+  EXPECT_EQ(calls(-1, false, 200), 2);
+  EXPECT_EQ(calls(-1, true, 200), 4);
+  EXPECT_EQ(calls(1, false, 0), 4);
 }
 
 TEST(CPAsync, HybridWaitsForItsAllToAllsBeforeItsFirstAttention) {

@@ -78,9 +78,11 @@ struct Case {
   LoadBalanceForm form = LoadBalanceForm::kDataOrder;
   int64_t kv_heads = kNkv;
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
-  int64_t head_groups = 0;  // async ulysses (0: automatic)
+  int64_t head_groups = 0;          // async ulysses (0: automatic)
+  bool always_local_first = false;  // async all_gather
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
+    if (always_local_first) n += " always_local_first";
     if (head_groups > 0) n += " head_groups=" + std::to_string(head_groups);
     if (load_balance) n += std::string("+lb:") + to_string(form);
     if (kv_policy == KVHeadPolicy::kRepeat)
@@ -98,6 +100,7 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   cfg.load_balance_form = c.form;
   cfg.kv_head_policy = c.kv_policy;
   if (schedule == CPSchedule::kAsync) cfg.ulysses_head_groups = c.head_groups;
+  cfg.async_always_local_first = c.always_local_first;
   return *normalize(cfg, p);
 }
 
@@ -154,6 +157,18 @@ TEST(CPFloat64, AllGather) {
 }
 TEST(CPFloat64, AllGatherHeadTailDataOrder) {
   run_grid({"all_gather", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
+}
+// Async all_gather attends each part in one call once the K/V have landed (threads-as-ranks:
+// mostly so); async_always_local_first keeps the local-first split for every part.
+TEST(CPFloat64, AllGatherAlwaysLocalFirst) {
+  for (bool lb : {false, true}) {
+    Case c{"all_gather", std::nullopt, lb};
+    c.always_local_first = true;
+    for (int p : {2, 3, 4}) {
+      for (bool causal : {true, false})
+        run_case(c, p, CPSchedule::kAsync, causal);
+    }
+  }
 }
 TEST(CPFloat64, AllGatherHeadTailRuntimeSwap) {
   run_grid({"all_gather", std::nullopt, true, LoadBalanceForm::kRuntimeSwap}, {2, 3, 4});
@@ -285,7 +300,13 @@ TEST(CPFloat64, HybridRepeatsKVHeads) {
 TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
   auto ids = at::cat({attention::document_ids_from_cu_seqlens({0, 3, 17, 18, 33}, kS),
                       attention::document_ids_from_cu_seqlens({0, 21, kS}, kS)});
+  auto local_first = [](Case c) {
+    c.always_local_first = true;
+    return c;
+  };
   const std::vector<std::pair<Case, std::vector<int>>> grid = {
+      {local_first({"all_gather", std::nullopt}), {3}},
+      {local_first({"all_gather", std::nullopt, true}), {2, 4}},
       {{"all_gather", std::nullopt}, {2, 3}},
       {{"all_gather", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 4}},
       {{"all_gather", std::nullopt, true, LoadBalanceForm::kRuntimeSwap}, {3}},

@@ -46,8 +46,18 @@ using AsyncTransferPtr = std::shared_ptr<AsyncTransfer>;
 at::Tensor start_transfer(const at::Tensor& x, const std::string& name,
                           const TransferLaunch& launch, const TransferLaunch& launch_inverse,
                           AsyncTransferPtr& transfer);
+// start_transfer for collectives that return a CommHandle: transfer_arrived can tell when the
+// forward one has landed.
+at::Tensor start_handle_transfer(const at::Tensor& x, const std::string& name,
+                                 std::function<CommHandle(const at::Tensor&)> launch,
+                                 std::function<CommHandle(const at::Tensor&)> launch_inverse,
+                                 AsyncTransferPtr& transfer);
 // Node B: waits for the transfer; `emitted` is what start_transfer returned.
 at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& transfer);
+// Whether finish_transfer would not block now: the forward collective has landed (or was
+// already finished). False while it flies, and always for a plain Pending launch, which cannot
+// tell.
+bool transfer_arrived(const AsyncTransferPtr& transfer);
 
 // start_transfer + finish_transfer held together.
 class InFlight {

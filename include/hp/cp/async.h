@@ -57,6 +57,9 @@ class CPRuntimeState {
   // tensor, differentiably. Errors: no slot (the handoff did not run), a different tensor than
   // the handoff emitted (not the last transform, or a mismatched invocation), shape/dtype.
   at::Tensor consume(QKVRole role, const at::Tensor& consumer);
+  // Whether the role's next slot has landed (consume would not block); false when none is
+  // pending.
+  bool arrived(QKVRole role) const;
 
   // Error listing the slots still queued (called at the end of a module forward); the queue is
   // emptied first, so a failed forward leaves nothing behind.

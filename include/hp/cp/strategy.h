@@ -31,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -70,6 +71,8 @@ struct CPRuntimeContext {
   int64_t kv_heads = 0;
   // Async ulysses: head groups (ContextParallelConfig::ulysses_head_groups; 0: automatic).
   int64_t ulysses_head_groups = 0;
+  // Async all_gather (ContextParallelConfig::async_always_local_first).
+  bool async_always_local_first = false;
 };
 
 // Per-call state a strategy hands from finish() to the attention calls and restore_output.
@@ -138,9 +141,24 @@ class AttentionCall {
   int rank_ = 0;
 };
 
-// Waits for the collective `role` started at its handoff point; returns the moved tensor
-// (differentiably). `x` is the tensor that reached attention for that role.
-using ArrivedFn = std::function<at::Tensor(QKVRole role, const at::Tensor& x)>;
+// arrived(role, x) waits for the collective `role` started at its handoff point and returns the
+// moved tensor (differentiably); `x` is the tensor that reached attention for that role.
+// arrived.landed(role): whether that wait would not block now (false when it cannot tell).
+class ArrivedFn {
+ public:
+  using Wait = std::function<at::Tensor(QKVRole role, const at::Tensor& x)>;
+  using Landed = std::function<bool(QKVRole role)>;
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ArrivedFn> &&
+                                              std::is_constructible_v<Wait, F>>>
+  ArrivedFn(F wait, Landed landed = nullptr)  // NOLINT: implicit from a wait function
+      : wait_(std::move(wait)), landed_(std::move(landed)) {}
+  at::Tensor operator()(QKVRole role, const at::Tensor& x) const { return wait_(role, x); }
+  bool landed(QKVRole role) const { return landed_ != nullptr && landed_(role); }
+
+ private:
+  Wait wait_;
+  Landed landed_;
+};
 
 class CPStrategy {
  public:
