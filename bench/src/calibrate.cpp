@@ -78,16 +78,20 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
                            {"gflops", c.attention_gflops},
                            {"matmul_gflops", c.matmul_gflops}};
   }
-  // The per-token overhead: one CP layer outside the report's grid (S = 2048, P = 2, ulysses,
-  // sync, causal, projections), measured minus what the flop and link terms predict.
-  {
-    const std::string cmd = common::str_cat(
-        o.self_exe,
-        " cp --cp 2 --seq 2048 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses "
-        "--schedule sync --projections --causal --iters 3 --json");
+  // `hp-bench cp` with `args` (logged): the command and its JSON.
+  auto run_cp = [&](const char* args) {
+    std::string cmd = common::str_cat(o.self_exe, " cp ", args, " --json");
     std::printf("hp-bench calibrate: %s\n", cmd.c_str());
     std::fflush(stdout);
     auto j = nlohmann::json::parse(run_for_json(cmd));
+    return std::make_pair(cmd, j);
+  };
+  // The per-token overhead: one CP layer outside the report's grid (S = 2048, P = 2, ulysses,
+  // sync, causal, projections), measured minus what the flop and link terms predict.
+  {
+    const auto [cmd, j] = run_cp(
+        "--cp 2 --seq 2048 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses "
+        "--schedule sync --projections --causal --iters 3");
     const double measured = j["results"][0]["step_time_s"];
     plan::CPWorkload w;
     w.seq = 2048;
@@ -109,13 +113,9 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   // P = 2, balanced, projections). What async lost against sync beyond the waits it removed,
   // per local token at one core.
   {
-    const std::string cmd = common::str_cat(
-        o.self_exe,
-        " cp --cp 2 --seq 4096 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo all_gather "
-        "--load-balance --schedule async --projections --causal --iters 5 --json");
-    std::printf("hp-bench calibrate: %s\n", cmd.c_str());
-    std::fflush(stdout);
-    auto j = nlohmann::json::parse(run_for_json(cmd));
+    const auto [cmd, j] = run_cp(
+        "--cp 2 --seq 4096 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo all_gather "
+        "--load-balance --schedule async --projections --causal --iters 5");
     const auto& sync = j["results"][0];
     const auto& async = j["results"][1];
     const double sync_s = sync["step_time_s"], ratio = async["async_speedup"];
