@@ -309,7 +309,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     cp.algo_given = c.cp_cmd->count("--cp-algo") > 0;
     for (const char* flag :
          {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter", "--causal", "--projections",
-          "--documents", "--ulysses-head-groups", "--always-local-first"}) {
+          "--documents", "--ulysses-head-groups", "--always-local-first", "--paired-with"}) {
       if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
     }
     return run_cp(cp, args);

@@ -52,6 +52,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_flag("--always-local-first", a.bench.config.async_always_local_first,
                 "async all_gather: attend the local K/V chunks first even where the gather has "
                 "landed (default: a part that starts after it runs as one call, as sync)");
+  cmd->add_option("--paired-with", a.bench.paired_with,
+                  "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
+                  "with the one under test; its result comes first");
   cmd->add_option("--documents", a.bench.documents,
                   "packed: N equal documents per sequence (attention stays inside each)")
       ->check(CLI::NonNegativeNumber);
@@ -116,6 +119,7 @@ void resolve_cp_config(CPArgs& a) {
   if (normalized) {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
+    hp::bench::paired_config(a.bench, *normalized, a.nproc);
   }
 }
 
@@ -133,7 +137,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"head_dim", a.bench.head_dim},
                     {"causal", a.bench.causal},
                     {"projections", a.bench.projections},
-                    {"load_balance", a.bench.config.load_balance},
+                    {"load_balance", r.load_balance},
                     {"documents", a.bench.documents},
                     {"ulysses_head_groups", a.bench.config.ulysses_head_groups},
                     {"always_local_first", a.bench.config.async_always_local_first},
@@ -152,7 +156,9 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"overlap_fraction", r.overlap_fraction},
                     {"step_time_without_documents_s", r.step_time_without_documents_s},
                     {"documents_speedup", r.documents_speedup},
-                    {"async_speedup", r.async_speedup}});
+                    {"async_speedup", r.async_speedup},
+                    {"paired_with", a.bench.paired_with},
+                    {"paired_speedup", r.paired_speedup}});
   }
   return {{"results", list}};
 }
@@ -189,6 +195,10 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
       std::printf(" %.3f", c);
     }
     std::printf("  (max/min %.2f)\n", lo > 0 ? hi / lo : 0.0);
+    if (r.paired_speedup > 0) {
+      std::printf("  %s step / this step, paired steps in this run: %.3fx (median)\n",
+                  a.bench.paired_with.c_str(), r.paired_speedup);
+    }
     if (a.bench.documents > 0) {
       const double with =
           hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents);

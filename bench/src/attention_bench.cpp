@@ -99,6 +99,7 @@ AttentionBenchResult run_attention_bench(const AttentionBenchOptions& o, const s
   res.primitive = name;
   res.fwd_s = median(fwd);
   res.fwd_bwd_s = median(fwd_bwd);
+  res.fwd_bwd_samples_s = fwd_bwd;
   const double flops = attention_fwd_flops(o);
   res.fwd_gflops = flops / res.fwd_s / 1e9;
   res.fwd_bwd_gflops = 3.5 * flops / res.fwd_bwd_s / 1e9;

@@ -1,5 +1,6 @@
 #include "hp/bench/calibrate.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include <ATen/Parallel.h>
@@ -63,23 +64,28 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     a.kv_heads = 8;
     a.head_dim = 64;
     a.causal = true;
-    a.iters = 2;
+    // The median of 5 steps (about 2.5 s each): a transient slowdown of the shared machine in
+    // one or two of them does not move the rate every prediction divides by (a median of 2,
+    // i.e. their mean, once read 17 GFLOP/s for a kernel that runs at 25).
+    a.iters = 5;
     std::printf("hp-bench calibrate: one-thread blockwise attention S=4096 and matmul\n");
     std::fflush(stdout);
     auto r = run_attention_bench(a, "blockwise");
     c.attention_gflops = r.fwd_bwd_gflops;
     c.matmul_gflops = measure_matmul_gflops();
     inputs["attention"] = {{"seq", a.seq},
+                           {"iters", a.iters},
                            {"heads", a.heads},
                            {"head_dim", a.head_dim},
                            {"causal", true},
                            {"threads", 1},
                            {"fwd_bwd_s", r.fwd_bwd_s},
+                           {"fwd_bwd_samples_s", r.fwd_bwd_samples_s},
                            {"gflops", c.attention_gflops},
                            {"matmul_gflops", c.matmul_gflops}};
   }
   // `hp-bench cp` with `args` (logged): the command and its JSON.
-  auto run_cp = [&](const char* args) {
+  auto run_cp = [&](const std::string& args) {
     std::string cmd = common::str_cat(o.self_exe, " cp ", args, " --json");
     std::printf("hp-bench calibrate: %s\n", cmd.c_str());
     std::fflush(stdout);
@@ -87,11 +93,12 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     return std::make_pair(cmd, j);
   };
   // The per-token overhead: one CP layer outside the report's grid (S = 2048, P = 2, ulysses,
-  // sync, causal, projections), measured minus what the flop and link terms predict.
+  // sync, causal, projections), measured (median of 5 steps) minus what the flop and link
+  // terms predict.
   {
     const auto [cmd, j] = run_cp(
         "--cp 2 --seq 2048 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses "
-        "--schedule sync --projections --causal --iters 3");
+        "--schedule sync --projections --causal --iters 5");
     const double measured = j["results"][0]["step_time_s"];
     plan::CPWorkload w;
     w.seq = 2048;
@@ -108,6 +115,62 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
                           {"measured_step_s", measured},
                           {"predicted_without_overhead_s", pred.step_s},
                           {"seconds_per_token", c.seconds_per_token}};
+  }
+  // The ring's cost per local token per step: sync ring steps (balanced, P = 4, so C - 1 = 3
+  // steps) timed in alternation with sync Ulysses steps (S = 4096, causal, projections), which
+  // do the same attention work per rank. Ulysses' compute (its step minus its exposed wait and
+  // the predicted projections and per-token term) is its attention; the ring's step is
+  // Ulysses' over the paired ratio (median of 5), so a slow spell of the machine hits both
+  // alike. What the ring's compute takes beyond that attention times its flop ratio (the
+  // recompute), per local token per step at one core.
+  {
+    constexpr int64_t p = 4, seq = 4096;
+    const auto [cmd, j] = run_cp(common::str_cat(
+        "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ring ",
+        "--load-balance --paired-with ulysses --schedule sync --projections --causal --iters 5"));
+    const auto& u = j["results"][0];
+    const auto& r = j["results"][1];
+    const double u_step = u["step_time_s"], ratio = r["paired_speedup"];
+    const double ring_step = u_step / ratio;
+    plan::CPWorkload w;
+    w.seq = seq;
+    w.heads = 8;
+    w.kv_heads = 8;
+    w.head_dim = 64;
+    w.load_balance = true;
+    w.ranks_on_node = static_cast<int>(p);
+    cp::ContextParallelConfig ucfg, rcfg;
+    ucfg.algorithm = cp::CPAlgorithm::kUlysses;
+    rcfg.algorithm = cp::CPAlgorithm::kRing;
+    rcfg.load_balance = true;
+    rcfg.load_balance_form = cp::LoadBalanceForm::kDataOrder;
+    plan::Calibration flops = c;  // flops only
+    flops.seconds_per_token = 0;
+    flops.ring_seconds_per_token_step = 0;
+    auto compute = [&](const cp::ContextParallelConfig& cfg, bool projections) {
+      plan::CPWorkload wp = w;
+      wp.projections = projections;
+      return plan::predict_cp_step(flops, *cp::normalize(cfg, p), p, wp).compute_s;
+    };
+    const double share = std::min(1.0, static_cast<double>(c.cores) / static_cast<double>(p));
+    const double local = static_cast<double>(seq / p);
+    // The projections and the per-token term: the same for both.
+    const double rest =
+        compute(ucfg, true) - compute(ucfg, false) + c.seconds_per_token * local / share;
+    const double u_attn = u_step - u["exposed_comm_s"].get<double>() - rest;
+    const double ring_attn = u_attn * compute(rcfg, false) / compute(ucfg, false);
+    const double beyond = ring_step - r["exposed_comm_s"].get<double>() - rest - ring_attn;
+    c.ring_seconds_per_token_step =
+        std::max(0.0, beyond) * share / (local * static_cast<double>(p - 1));
+    inputs["ring_steps"] = {{"command", cmd},
+                            {"ulysses_step_s", u_step},
+                            {"ulysses_exposed_comm_s", u["exposed_comm_s"]},
+                            {"ulysses_over_ring_paired", ratio},
+                            {"ring_exposed_comm_s", r["exposed_comm_s"]},
+                            {"projections_and_tokens_s", rest},
+                            {"ring_attention_s", ring_attn},
+                            {"beyond_s", beyond},
+                            {"ring_seconds_per_token_step", c.ring_seconds_per_token_step}};
   }
   // The async schedule's own cost: sync and async all_gather steps timed in pairs (S = 4096,
   // P = 2, balanced, projections). What async lost against sync beyond the waits it removed,

@@ -159,6 +159,7 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
   r.cp = p;
   r.ulysses_degree = cp::ulysses_degree_of(var.config, p);
   r.seq = o.seq;
+  r.load_balance = var.config.load_balance;
   r.step_time_s = median(var.steps);
   r.wire_bytes_per_rank = emulated_link_rate() ? var.wire / p / o.iters : -1;
   r.comm_bytes_per_rank = var.bytes;
@@ -183,12 +184,37 @@ double paired_ratio(const Variant& a, const Variant& b) {
 
 }  // namespace
 
+std::optional<cp::ContextParallelConfig> paired_config(const CPBenchOptions& o,
+                                                       const cp::ContextParallelConfig& config,
+                                                       int64_t p) {
+  if (o.paired_with.empty()) return std::nullopt;
+  HP_CHECK(o.paired_with == "all_gather" || o.paired_with == "ulysses" || o.paired_with == "ring",
+           "hp-bench cp: --paired-with=", o.paired_with,
+           " is not supported; use all_gather, ulysses or ring");
+  HP_CHECK(config.schedule == cp::CPSchedule::kSync && o.documents == 0,
+           "hp-bench cp: --paired-with pairs two sync layers without documents (got --schedule ",
+           cp::to_string(config.schedule), ", --documents ", o.documents,
+           "); use --schedule sync and no --documents");
+  cp::ContextParallelConfig c;
+  c.algorithm = cp::parse_algorithm(o.paired_with);
+  c.schedule = cp::CPSchedule::kSync;
+  // Balanced where this layer is and the algorithm can be (as the cost model's candidates).
+  c.load_balance = config.load_balance && c.algorithm != cp::CPAlgorithm::kUlysses;
+  if (c.algorithm != cp::CPAlgorithm::kAllGather)
+    c.load_balance_form = cp::LoadBalanceForm::kDataOrder;
+  auto n = cp::normalize(c, p).value_or(cp::ContextParallelConfig{});
+  cp::check_sequence(n, p, o.seq);
+  cp::check_heads(n, p, o.heads, o.kv_heads);
+  return n;
+}
+
 std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& o) {
   const int64_t p = world.size();
   HP_CHECK(o.iters >= 1, "hp-bench cp: --iters=", o.iters, " must be >= 1");
   auto config = cp::normalize(o.config, p).value_or(cp::ContextParallelConfig{});
   cp::check_sequence(config, p, o.seq);
   cp::check_heads(config, p, o.heads, o.kv_heads);
+  const auto paired = paired_config(o, config, p);
   comm::DeviceMesh mesh(world, {{"cp", p}});
   auto timing = world.new_group(world.group().world_ranks(), "bench_timing");
   // Each schedule (sync first), each followed by the same batch without documents if any.
@@ -198,6 +224,7 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
     if (o.documents > 0) variants.push_back({c, false});
   };
   const bool async = config.schedule == cp::CPSchedule::kAsync;
+  if (paired) variants.push_back({*paired, false});
   if (async) {
     auto sync = config;
     sync.schedule = cp::CPSchedule::kSync;
@@ -214,6 +241,7 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
       out.back().documents_speedup = paired_ratio(variants[n + 1], variants[n]);
     }
   }
+  if (paired) out[1].paired_speedup = paired_ratio(variants[0], variants[1]);
   if (async) {
     if (out[0].exposed_comm_s > 0) {
       out[1].overlap_fraction = std::max(0.0, 1.0 - out[1].exposed_comm_s / out[0].exposed_comm_s);

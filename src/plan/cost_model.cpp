@@ -39,6 +39,7 @@ std::string to_json(const Calibration& c) {
   j["overlap_budget"] = c.overlap_budget;
   j["seconds_per_token"] = c.seconds_per_token;
   j["async_seconds_per_token"] = c.async_seconds_per_token;
+  j["ring_seconds_per_token_step"] = c.ring_seconds_per_token_step;
   for (const auto& [kind, by_p] : c.collectives) {
     for (const auto& [p, f] : by_p) {
       j["collectives"][kind][std::to_string(p)] = {{"latency_s", f.latency_s},
@@ -59,6 +60,7 @@ Calibration calibration_from_json(const std::string& text) {
   c.overlap_budget = j.value("overlap_budget", 0.5);
   c.seconds_per_token = j.value("seconds_per_token", 0.0);
   c.async_seconds_per_token = j.value("async_seconds_per_token", 0.0);
+  c.ring_seconds_per_token_step = j.value("ring_seconds_per_token_step", 0.0);
   for (const auto& [kind, by_p] : j.at("collectives").items()) {
     for (const auto& [p, f] : by_p.items()) {
       c.collectives[kind][std::stoll(p)] = {f.at("latency_s"), f.at("seconds_per_byte")};
@@ -146,10 +148,6 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
 
 namespace {
 
-// Ring attention's compute relative to attention's fwd + bwd (3.5 forward units): its backward
-// recomputes every block's forward.
-constexpr double kRingRecompute = 4.5 / 3.5;
-
 // Share of the full problem's attention work on the slowest rank.
 double attention_share(int64_t p, int64_t u, bool causal, bool balanced) {
   const double c = static_cast<double>(p / u);
@@ -194,8 +192,10 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const double busy_cores = std::min<double>(cal.cores, ranks);
   double attn_s = std::max(full_attn / (cal.attention_gflops * 1e9 * busy_cores),
                            attn_flops / (cal.attention_gflops * 1e9));
-  // The ring's backward recomputes each block's forward (1 of the 3.5 forward units again).
-  if (ring) attn_s *= kRingRecompute;
+  // The ring's backward recomputes the forward of the C-1 blocks that travelled (1 of the 3.5
+  // forward units again on (C-1)/C of the work; cp/strategy_ring.cpp).
+  const double one_pass_s = attn_s;
+  if (ring) attn_s *= 1.0 + static_cast<double>(c - 1) / (3.5 * static_cast<double>(c));
   out.compute_s = attn_s + proj_s;
   // Communication, forward + backward, e = 4 bytes.
   const double e = 4.0 * b, local = s / static_cast<double>(p);
@@ -214,10 +214,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (c > 1 && ring) {
     // C-1 shifts of the [k | v] block forward; backward the blocks again and C-1 accumulators.
     // Each shift flies while a block is attended: exposed is what a step's transfers take
-    // beyond the step's attention (forward 1, backward 3.5 of the 4.5 units).
+    // beyond the step's attention (forward 1 unit; backward 3.5: the block's forward again and
+    // its 2.5 units of backward).
     const double block = local * 2 * hkv * e;
     const double shift = cal.fit("all_to_all", p).time(block);
-    const double unit = attn_s / 4.5 / static_cast<double>(c);  // one forward of one step
+    const double unit = one_pass_s / 3.5 / static_cast<double>(c);  // one forward of one step
     const double fwd_step = unit, bwd_step = 3.5 * unit;
     const double steps = static_cast<double>(c - 1);
     late += 3 * steps * shift;
@@ -261,6 +262,12 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).
   out.exposed_comm_s = out.comm_s - hidden_s - (ring ? late - ring_exposed - late_a2a : 0.0);
   out.compute_s += cal.seconds_per_token * b * local / share;
+  // The ring's C-1 steps beyond the own block, each over the rank's local tokens (usp: S U / P
+  // tokens of H / U heads, the same elements).
+  if (ring) {
+    out.compute_s +=
+        cal.ring_seconds_per_token_step * b * local * static_cast<double>(c - 1) / share;
+  }
   // What async costs on the rank's core where it launches collectives at the handoffs (the
   // ring's async schedule is its sync one).
   if (async && early + co_gathers > 0)

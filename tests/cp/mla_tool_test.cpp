@@ -3,6 +3,9 @@
 // equal the cp/mla.h formula; bad names and shapes refused before anything runs.
 #include <filesystem>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -280,6 +283,42 @@ TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
   EXPECT_NE(bad.out.find("--always-local-first applies to --cp-algo all_gather --schedule async"),
             std::string::npos)
       << bad.out;
+}
+
+// --paired-with: the named algorithm's layer (sync, balanced where it can be) timed in
+// alternation with the one under test; its result first, the ratio on the second; each keeps
+// its own bytes (the ring's 3 blocks of P-1 against Ulysses' all-to-alls) and balance.
+TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
+                          "--iters 2 --cp-algo ring --load-balance --paired-with ulysses --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  EXPECT_EQ(res[0]["algorithm"], "ulysses");
+  EXPECT_EQ(res[1]["algorithm"], "ring");
+  EXPECT_EQ(res[0]["load_balance"], false);
+  EXPECT_EQ(res[1]["load_balance"], true);
+  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << r.out;
+  EXPECT_GT(res[1]["paired_speedup"].get<double>(), 0) << r.out;
+  for (const auto& x : res) {
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
+    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << r.out;
+  }
+  EXPECT_NE(res[0]["comm_bytes_per_rank"], res[1]["comm_bytes_per_rank"]) << r.out;
+  // Refused before any rank starts: an algorithm it does not pair, an async or packed layer.
+  for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"--paired-with hybrid", "--paired-with=hybrid is not supported"},
+           {"--paired-with ulysses --schedule async",
+            "--paired-with pairs two sync layers without documents"},
+           {"--paired-with ulysses --documents 2",
+            "--paired-with pairs two sync layers without documents"}}) {
+    auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                        " cp --seq 512 --heads 2 --cp 2 --iters 1 " + flags);
+    EXPECT_NE(bad.rc, 0) << flags;
+    EXPECT_NE(bad.out.find(expect), std::string::npos) << bad.out;
+  }
 }
 
 }  // namespace

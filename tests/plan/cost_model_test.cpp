@@ -185,15 +185,48 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   EXPECT_NEAR(ring.comm_s, 9 * fit.time(block), 1e-9 * ring.comm_s);
 }
 
+// The ring's compute: one fwd + bwd of its blocks plus the forward of the C-1 blocks that
+// travelled again (1 of 3.5 units on (C-1)/C of the work), plus its measured cost per local
+// token per step over C-1 steps (usp at P = 4, U = 2 rings over C = 2); the shifts it hides
+// behind one block's forward do not change with that cost.
+TEST(CostModel, TheRingPaysItsRecomputeAndItsMeasuredCostPerStep) {
+  auto base = synthetic(1.0 / 10e6, /*cores=*/2);
+  auto w = workload();
+  w.load_balance = true;
+  w.projections = false;
+  const double local = w.seq / 4.0, share = 0.5;  // 4 ranks on 2 cores
+  const auto ag = predict_cp_step(base, config("all_gather", true), 4, w);
+  const auto r_base = predict_cp_step(base, config("ring", true), 4, w);
+  EXPECT_NEAR(r_base.compute_s, ag.compute_s * (1 + 3.0 / 14.0), 1e-9 * ag.compute_s);
+  const auto hybrid = predict_cp_step(base, config("hybrid", true, 2), 4, w);
+  EXPECT_NEAR(predict_cp_step(base, config("usp", true, 2), 4, w).compute_s,
+              hybrid.compute_s * (1 + 1.0 / 7.0), 1e-9 * hybrid.compute_s);
+  auto measured = base;
+  measured.ring_seconds_per_token_step = 1e-4;
+  const auto r = predict_cp_step(measured, config("ring", true), 4, w);
+  EXPECT_NEAR(r.compute_s - r_base.compute_s, 1e-4 * local * 3 / share, 1e-12);
+  EXPECT_NEAR(predict_cp_step(measured, config("usp", true, 2), 4, w).compute_s -
+                  predict_cp_step(base, config("usp", true, 2), 4, w).compute_s,
+              1e-4 * local * 1 / share, 1e-12);
+  EXPECT_GT(r_base.exposed_comm_s, 0);  // a slow link: the shifts outlast the forward blocks
+  EXPECT_DOUBLE_EQ(r.exposed_comm_s, r_base.exposed_comm_s);
+  for (const auto& other : {config("all_gather", true), config("ulysses")}) {  // unchanged
+    EXPECT_DOUBLE_EQ(predict_cp_step(measured, other, 4, w).step_s,
+                     predict_cp_step(base, other, 4, w).step_s);
+  }
+}
+
 TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   auto c = synthetic(2e-9);
   c.inputs_json = R"({"comm":[{"command":"hp-bench comm --nproc 2"}]})";
   c.async_seconds_per_token = 3e-5;
+  c.ring_seconds_per_token_step = 1.1e-4;
   const std::string path = ::testing::TempDir() + "/hp_cal/calibration-test.json";
   save_calibration(path, c);
   auto back = load_calibration(path);
   EXPECT_EQ(back.link, "test");
   EXPECT_DOUBLE_EQ(back.async_seconds_per_token, 3e-5);
+  EXPECT_DOUBLE_EQ(back.ring_seconds_per_token_step, 1.1e-4);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 4).seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 8).seconds_per_byte, 2e-9);  // nearest measured P
   EXPECT_NE(back.inputs_json.find("hp-bench comm --nproc 2"), std::string::npos);

@@ -89,6 +89,33 @@ TEST(Report, CalibrateAutoAndReport) {
   EXPECT_GT(calibration["attention_gflops"].get<double>(), 0);
   EXPECT_GT(calibration["collectives"]["all_to_all"]["2"]["seconds_per_byte"].get<double>(), 0);
   EXPECT_EQ(calibration["inputs"]["comm"].size(), 4u);  // P in {2, 4} x two sizes
+  // The attention rate is the median of 5 timed steps, so that one or two slow ones on a shared
+  // machine do not move it: 3.5 forward units of causal S=4096, H=8, D=64 over the median.
+  {
+    const auto& att = calibration["inputs"]["attention"];
+    auto samples = att["fwd_bwd_samples_s"].get<std::vector<double>>();
+    ASSERT_EQ(samples.size(), 5u) << att;
+    std::sort(samples.begin(), samples.end());
+    EXPECT_DOUBLE_EQ(att["fwd_bwd_s"].get<double>(), samples[2]);
+    const double fwd_flops = 2.0 * 8 * 4096.0 * 4096.0 * 64;  // causal: half of dense's 4
+    EXPECT_NEAR(calibration["attention_gflops"].get<double>(), 3.5 * fwd_flops / samples[2] / 1e9,
+                1e-9 * calibration["attention_gflops"].get<double>());
+  }
+  // The ring's cost per local token per step, fitted from ring steps paired with Ulysses steps
+  // at P = 4 (3 steps of 1024 local tokens, half a core each), recorded with its inputs.
+  {
+    const auto& ring = calibration["inputs"]["ring_steps"];
+    EXPECT_GT(ring["ulysses_over_ring_paired"].get<double>(), 0) << ring;
+    const double share = std::min(1.0, calibration["cores"].get<double>() / 4.0);
+    EXPECT_DOUBLE_EQ(calibration["ring_seconds_per_token_step"].get<double>(),
+                     std::max(0.0, ring["beyond_s"].get<double>()) * share / (1024.0 * 3));
+    EXPECT_NEAR(
+        ring["beyond_s"].get<double>(),
+        ring["ulysses_step_s"].get<double>() / ring["ulysses_over_ring_paired"].get<double>() -
+            ring["ring_exposed_comm_s"].get<double>() -
+            ring["projections_and_tokens_s"].get<double>() - ring["ring_attention_s"].get<double>(),
+        1e-9);
+  }
   // The async schedule's cost, fitted from paired sync/async steps (recorded with its inputs).
   const auto& fit = calibration["inputs"]["async_overhead"];
   EXPECT_GT(fit["sync_over_async_paired"].get<double>(), 0) << fit;

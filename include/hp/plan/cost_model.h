@@ -51,6 +51,12 @@ struct Calibration {
   // local token at one core: fitted by hp-bench calibrate from sync and async steps timed in
   // pairs. Per token, not per flop: at S = 4096 and 16384 it was the same per token.
   double async_seconds_per_token = 0;
+  // What each ring step costs beyond its flops (the call per block, the lse merge, the wait
+  // for the neighbour's block), seconds per local token per step at one core: fitted by
+  // hp-bench calibrate from sync ring steps timed in alternation with sync Ulysses steps (the
+  // same attention work per rank), so the machine's drift cancels. Per token, not per flop: at
+  // S = 4096, 8192 and 16384, P = 2 and 4, it came out at 0.6-1.3e-4 s, not growing with S.
+  double ring_seconds_per_token_step = 0;
   std::string inputs_json = "{}";  // what the calibration ran (commands, sizes, raw results)
 
   const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;

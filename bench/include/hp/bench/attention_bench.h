@@ -23,7 +23,8 @@ struct AttentionBenchOptions {
 struct AttentionBenchResult {
   std::string primitive;
   double fwd_s = 0;
-  double fwd_bwd_s = 0;
+  double fwd_bwd_s = 0;                   // median of fwd_bwd_samples_s
+  std::vector<double> fwd_bwd_samples_s;  // each timed forward + backward, in order
   double fwd_gflops = 0;       // visible work only: causal fwd = 2*B*H*S^2*D, dense twice that
   double fwd_bwd_gflops = 0;   // 3.5x the forward work
   int64_t peak_bytes = 0;      // peak RSS growth over the RSS before inputs were made

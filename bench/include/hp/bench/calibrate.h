@@ -4,7 +4,8 @@
 //   collectives: `hp-bench comm --nproc P --bytes B` for P in {2, 4} and two sizes; a line
 //                latency + bytes * seconds_per_byte through the two points, per kind and P
 //   compute:     one-thread blockwise attention (causal, S = 4096, H = 8, D = 64) and matmul
-//   overheads:   per local token (a sync CP layer, measured minus predicted) and the async
+//   overheads:   per local token (a sync CP layer, measured minus predicted), the ring's per
+//                token per step (ring steps paired with Ulysses steps, P = 4) and the async
 //                schedule's own cost (sync and async all_gather steps timed in pairs)
 #pragma once
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,10 @@ struct CPBenchOptions {
   int iters = 3;
   bool projections = false;  // Q/K/V/O projections around attention (what async overlaps)
   int64_t documents = 0;     // packed: this many equal documents per sequence (0: none)
+  // "all_gather" | "ulysses" | "ring" (sync, no documents): that algorithm's layer on the same
+  // shape (balanced where it can be when this one is) is timed in alternation with this one.
+  // What the cost model's calibration compares strategies with, free of the machine's drift.
+  std::string paired_with;
 };
 
 // The fraction of the [seq x seq] score tiles (tile x tile) attention computes: causal and/or
@@ -55,13 +60,24 @@ struct CPBenchResult {
   // Async: the median over iterations of (sync step / async step), each async step timed right
   // after a sync step of the same batch; above 1 where async is faster.
   double async_speedup = 0;
+  // --paired-with: the median over iterations of (the paired layer's step / this step), each
+  // step of this layer timed right after one of the paired layer.
+  double paired_speedup = 0;
+  bool load_balance = false;  // this layer's (the paired layer's can differ)
 };
 
 // Collective over the world; every rank returns the same results. With schedule = async the
 // sync schedule runs too (same layer, same data) and comes first in the result. With
 // documents, every timed step is followed by one of the same layer without documents. All
 // layers are alive during the run and their steps alternate: sync, [sync without documents,]
-// async, [async without documents,] sync, ...
+// async, [async without documents,] sync, ... With paired_with, that layer's result comes
+// first and its steps alternate with this one's.
 std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& options);
+
+// The layer `options.paired_with` names for `config` at P ranks, checked against the shape;
+// throws (naming the flag and the fix) where the pairing is not supported. Empty when none.
+std::optional<cp::ContextParallelConfig> paired_config(const CPBenchOptions& options,
+                                                       const cp::ContextParallelConfig& config,
+                                                       int64_t p);
 
 }  // namespace hp::bench
