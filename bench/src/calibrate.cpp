@@ -121,8 +121,10 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   // do the same attention work per rank. Ulysses' compute (its step minus its exposed wait and
   // the predicted projections and per-token term) is its attention; the ring's step is
   // Ulysses' over the paired ratio (median of 5), so a slow spell of the machine hits both
-  // alike. What the ring's compute takes beyond that attention times its flop ratio (the
-  // recompute), per local token per step at one core.
+  // alike. What the ring's step takes beyond that attention times its flop ratio (the
+  // recompute), the projections, the per-token term and the shifts the model leaves exposed,
+  // per local token per step at one core: the model's residual, as for seconds_per_token (the
+  // measured ring waits, recorded too, are not what the model adds back).
   {
     constexpr int64_t p = 4, seq = 4096;
     const auto [cmd, j] = run_cp(common::str_cat(
@@ -147,11 +149,15 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     plan::Calibration flops = c;  // flops only
     flops.seconds_per_token = 0;
     flops.ring_seconds_per_token_step = 0;
-    auto compute = [&](const cp::ContextParallelConfig& cfg, bool projections) {
+    auto predict = [&](const cp::ContextParallelConfig& cfg, bool projections) {
       plan::CPWorkload wp = w;
       wp.projections = projections;
-      return plan::predict_cp_step(flops, *cp::normalize(cfg, p), p, wp).compute_s;
+      return plan::predict_cp_step(flops, *cp::normalize(cfg, p), p, wp);
     };
+    auto compute = [&](const cp::ContextParallelConfig& cfg, bool projections) {
+      return predict(cfg, projections).compute_s;
+    };
+    const double ring_exposed = predict(rcfg, true).exposed_comm_s;
     const double share = std::min(1.0, static_cast<double>(c.cores) / static_cast<double>(p));
     const double local = static_cast<double>(seq / p);
     // The projections and the per-token term: the same for both.
@@ -159,7 +165,7 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
         compute(ucfg, true) - compute(ucfg, false) + c.seconds_per_token * local / share;
     const double u_attn = u_step - u["exposed_comm_s"].get<double>() - rest;
     const double ring_attn = u_attn * compute(rcfg, false) / compute(ucfg, false);
-    const double beyond = ring_step - r["exposed_comm_s"].get<double>() - rest - ring_attn;
+    const double beyond = ring_step - ring_exposed - rest - ring_attn;
     c.ring_seconds_per_token_step =
         std::max(0.0, beyond) * share / (local * static_cast<double>(p - 1));
     inputs["ring_steps"] = {{"command", cmd},
@@ -167,6 +173,7 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
                             {"ulysses_exposed_comm_s", u["exposed_comm_s"]},
                             {"ulysses_over_ring_paired", ratio},
                             {"ring_exposed_comm_s", r["exposed_comm_s"]},
+                            {"ring_exposed_predicted_s", ring_exposed},
                             {"projections_and_tokens_s", rest},
                             {"ring_attention_s", ring_attn},
                             {"beyond_s", beyond},

@@ -112,7 +112,7 @@ TEST(Report, CalibrateAutoAndReport) {
     EXPECT_NEAR(
         ring["beyond_s"].get<double>(),
         ring["ulysses_step_s"].get<double>() / ring["ulysses_over_ring_paired"].get<double>() -
-            ring["ring_exposed_comm_s"].get<double>() -
+            ring["ring_exposed_predicted_s"].get<double>() -
             ring["projections_and_tokens_s"].get<double>() - ring["ring_attention_s"].get<double>(),
         1e-9);
   }
