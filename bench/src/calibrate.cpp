@@ -28,6 +28,26 @@ std::string run_for_json(const std::string& cmd) {
   return out.substr(brace);
 }
 
+namespace {
+
+// The layer the calibration's CP runs time (H = H_kv = 8, D = 64, causal, projections) at S, P.
+plan::CPWorkload calibration_workload(int64_t seq, int64_t p) {
+  plan::CPWorkload w;
+  w.seq = seq;
+  w.heads = 8;
+  w.kv_heads = 8;
+  w.head_dim = 64;
+  w.ranks_on_node = static_cast<int>(p);
+  return w;
+}
+
+// The share of a core each of P ranks gets on the calibrated machine.
+double core_share(const plan::Calibration& c, int64_t p) {
+  return std::min(1.0, static_cast<double>(c.cores) / static_cast<double>(p));
+}
+
+}  // namespace
+
 plan::Calibration run_calibration(const CalibrateOptions& o) {
   plan::Calibration c;
   c.link = o.link;
@@ -100,17 +120,11 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
         "--cp 2 --seq 2048 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses "
         "--schedule sync --projections --causal --iters 5");
     const double measured = j["results"][0]["step_time_s"];
-    plan::CPWorkload w;
-    w.seq = 2048;
-    w.heads = 8;
-    w.kv_heads = 8;
-    w.head_dim = 64;
-    w.ranks_on_node = 2;
     cp::ContextParallelConfig cfg;
     cfg.algorithm = cp::CPAlgorithm::kUlysses;
-    auto pred = plan::predict_cp_step(c, *cp::normalize(cfg, 2), 2, w);
-    const double share = std::min(1.0, static_cast<double>(c.cores) / 2.0);
-    c.seconds_per_token = std::max(0.0, (measured - pred.step_s) * share / (2048.0 / 2.0));
+    auto pred = plan::predict_cp_step(c, *cp::normalize(cfg, 2), 2, calibration_workload(2048, 2));
+    c.seconds_per_token =
+        std::max(0.0, (measured - pred.step_s) * core_share(c, 2) / (2048.0 / 2.0));
     inputs["overhead"] = {{"command", cmd},
                           {"measured_step_s", measured},
                           {"predicted_without_overhead_s", pred.step_s},
@@ -134,13 +148,8 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     const auto& r = j["results"][1];
     const double u_step = u["step_time_s"], ratio = r["paired_speedup"];
     const double ring_step = u_step / ratio;
-    plan::CPWorkload w;
-    w.seq = seq;
-    w.heads = 8;
-    w.kv_heads = 8;
-    w.head_dim = 64;
+    plan::CPWorkload w = calibration_workload(seq, p);
     w.load_balance = true;
-    w.ranks_on_node = static_cast<int>(p);
     cp::ContextParallelConfig ucfg, rcfg;
     ucfg.algorithm = cp::CPAlgorithm::kUlysses;
     rcfg.algorithm = cp::CPAlgorithm::kRing;
@@ -158,7 +167,7 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
       return predict(cfg, projections).compute_s;
     };
     const double ring_exposed = predict(rcfg, true).exposed_comm_s;
-    const double share = std::min(1.0, static_cast<double>(c.cores) / static_cast<double>(p));
+    const double share = core_share(c, p);
     const double local = static_cast<double>(seq / p);
     // The projections and the per-token term: the same for both.
     const double rest =
@@ -192,7 +201,7 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     const double hidden =
         std::max(0.0, sync["exposed_comm_s"].get<double>() - async["exposed_comm_s"].get<double>());
     const double lost = sync_s / ratio - sync_s + hidden;
-    const double share = std::min(1.0, static_cast<double>(c.cores) / 2.0);
+    const double share = core_share(c, 2);
     c.async_seconds_per_token = std::max(0.0, lost) * share / (4096.0 / 2.0);
     inputs["async_overhead"] = {{"command", cmd},
                                 {"sync_step_s", sync_s},
