@@ -55,6 +55,10 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
                   "with the one under test; its result comes first");
+  cmd->add_flag("--reference-step", a.bench.reference_step,
+                "after each round of timed steps, time the reference step (blockwise attention "
+                "fwd+bwd, causal, S=2048, H=8, D=64, on every rank at once): the machine's "
+                "speed during the run");
   cmd->add_option("--documents", a.bench.documents,
                   "packed: N equal documents per sequence (attention stays inside each)")
       ->check(CLI::NonNegativeNumber);
@@ -158,7 +162,8 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"documents_speedup", r.documents_speedup},
                     {"async_speedup", r.async_speedup},
                     {"paired_with", a.bench.paired_with},
-                    {"paired_speedup", r.paired_speedup}});
+                    {"paired_speedup", r.paired_speedup},
+                    {"reference_step_s", r.reference_step_s}});
   }
   return {{"results", list}};
 }
@@ -195,6 +200,9 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
       std::printf(" %.3f", c);
     }
     std::printf("  (max/min %.2f)\n", lo > 0 ? hi / lo : 0.0);
+    if (r.reference_step_s > 0) {
+      std::printf("  reference step %.3f s (median, slowest rank)\n", r.reference_step_s);
+    }
     if (r.paired_speedup > 0) {
       std::printf("  %s step / this step, paired steps in this run: %.3fx (median)\n",
                   a.bench.paired_with.c_str(), r.paired_speedup);

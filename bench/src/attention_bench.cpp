@@ -53,6 +53,24 @@ double measure_matmul_gflops() {
   return 2.0 * 2048.0 * 2048.0 * 2048.0 / median(t) / 1e9;
 }
 
+std::function<double()> make_reference_step() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4321);
+  auto make = [&] { return at::randn({1, 8, kReferenceStepSeq, 64}, gen, at::kFloat); };
+  auto q = make(), k = make(), v = make(), dout = make();
+  return [q, k, v, dout] {
+    const auto& prim = attention::AttentionRegistry::builtin().get("blockwise");
+    attention::AttentionOptions ao;
+    ao.causal = true;
+    auto qq = q.detach().requires_grad_(true);
+    auto kk = k.detach().requires_grad_(true);
+    auto vv = v.detach().requires_grad_(true);
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = prim.forward(qq, kk, vv, ao);
+    torch::autograd::backward({r.out}, {dout});
+    return seconds_since(t0);
+  };
+}
+
 double attention_fwd_flops(const AttentionBenchOptions& o) {
   const double s = static_cast<double>(o.seq);
   const double dense = 4.0 * o.batch * o.heads * s * s * o.head_dim;

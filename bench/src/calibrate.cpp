@@ -48,6 +48,13 @@ double core_share(const plan::Calibration& c, int64_t p) {
 
 }  // namespace
 
+double calibrated_reference_step_s(const plan::Calibration& calibration, int64_t p) {
+  const auto inputs = nlohmann::json::parse(calibration.inputs_json);
+  const auto key = std::to_string(p);
+  if (!inputs.contains("reference_step") || !inputs["reference_step"].contains(key)) return -1;
+  return inputs["reference_step"][key].get<double>();
+}
+
 plan::Calibration run_calibration(const CalibrateOptions& o) {
   plan::Calibration c;
   c.link = o.link;
@@ -112,13 +119,19 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     auto j = nlohmann::json::parse(run_for_json(cmd));
     return std::make_pair(cmd, j);
   };
+  // The reference step of a run at P ranks (--reference-step), for the report's speed factor.
+  inputs["reference_step"] = {{"seq", kReferenceStepSeq}};
+  auto record_reference = [&](int64_t p, const nlohmann::json& j) {
+    inputs["reference_step"][std::to_string(p)] = j["results"][0]["reference_step_s"];
+  };
   // The per-token overhead: one CP layer outside the report's grid (S = 2048, P = 2, ulysses,
   // sync, causal, projections), measured (median of 5 steps) minus what the flop and link
   // terms predict.
   {
     const auto [cmd, j] = run_cp(
         "--cp 2 --seq 2048 --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses "
-        "--schedule sync --projections --causal --iters 5");
+        "--schedule sync --projections --causal --iters 5 --reference-step");
+    record_reference(2, j);
     const double measured = j["results"][0]["step_time_s"];
     cp::ContextParallelConfig cfg;
     cfg.algorithm = cp::CPAlgorithm::kUlysses;
@@ -143,7 +156,9 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     constexpr int64_t p = 4, seq = 4096;
     const auto [cmd, j] = run_cp(common::str_cat(
         "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ring ",
-        "--load-balance --paired-with ulysses --schedule sync --projections --causal --iters 5"));
+        "--load-balance --paired-with ulysses --schedule sync --projections --causal --iters 5 ",
+        "--reference-step"));
+    record_reference(p, j);
     const auto& u = j["results"][0];
     const auto& r = j["results"][1];
     const double u_step = u["step_time_s"], ratio = r["paired_speedup"];

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "hp/attention/masks.h"
+#include "hp/bench/attention_bench.h"
 #include "hp/bench/cp_layer.h"
 #include "hp/bench/link.h"
 #include "hp/comm/collectives.h"
@@ -79,10 +80,12 @@ int64_t peak_rss_now() {
 }
 
 // Times the variants' steps in turn, iteration by iteration, so that the machine's drift hits
-// each alike. Each layer is built and warmed up in the variants' order.
+// each alike. Each layer is built and warmed up in the variants' order. With
+// o.reference_step, each round ends with the reference step on every rank at once (its
+// slowest rank's times in `reference`).
 void time_variants(const comm::World& world, const CPBenchOptions& o,
                    std::vector<Variant>& variants, const comm::GroupPtr& cp_group,
-                   comm::Group& timing) {
+                   comm::Group& timing, std::vector<double>& reference) {
   const int64_t p = world.size();
   const int64_t s_local = o.seq / p;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + world.rank());
@@ -118,6 +121,15 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
     run_layer(*layers.back());  // warm-up
     var.peak_rss = peak_rss_now();
   }
+  std::function<double()> reference_step;
+  if (o.reference_step) {
+    reference_step = make_reference_step();
+    reference_step();  // warm-up
+  }
+  auto slowest = [&](double dt) {
+    return comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax)
+        .item<double>();
+  };
   auto& counters = world.context().counters;
   const bool on_wire = emulated_link_rate().has_value();
   for (int i = 0; i < o.iters; ++i) {
@@ -137,12 +149,15 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
       var.cpu.push_back(thread_cpu_s() - c0);
       var.bytes = counters.total_bytes() - before;
       var.waits.push_back((counters.wait_us() - wait_before) * 1e-6);
-      auto slowest = comm::all_reduce(timing, at::full({1}, dt, at::kDouble), comm::ReduceOp::kMax);
-      var.steps.push_back(slowest.item<double>());
+      var.steps.push_back(slowest(dt));
       if (on_wire) {
         comm::barrier(timing);
         var.wire += loopback_tx_bytes() - wire_before;
       }
+    }
+    if (reference_step) {
+      comm::barrier(timing);
+      reference.push_back(slowest(reference_step()));
     }
   }
 }
@@ -231,7 +246,8 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
     add(sync);
   }
   add(config);
-  time_variants(world, o, variants, mesh.group_ptr({"cp"}), *timing);
+  std::vector<double> reference;
+  time_variants(world, o, variants, mesh.group_ptr({"cp"}), *timing, reference);
   const size_t stride = o.documents > 0 ? 2 : 1;
   std::vector<CPBenchResult> out;
   for (size_t n = 0; n < variants.size(); n += stride) {
@@ -240,6 +256,10 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
       out.back().step_time_without_documents_s = median(variants[n + 1].steps);
       out.back().documents_speedup = paired_ratio(variants[n + 1], variants[n]);
     }
+  }
+  if (!reference.empty()) {
+    for (auto& r : out)
+      r.reference_step_s = median(reference);
   }
   if (paired) out[1].paired_speedup = paired_ratio(variants[0], variants[1]);
   if (async) {

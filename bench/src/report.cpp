@@ -78,7 +78,7 @@ std::string run_report(const ReportOptions& o) {
   results["commands"] = json::array();
   results["measurements"] = json::array();
   results["auto_selection"] = json::array();
-  double max_rel = 0;
+  double max_rel = 0, max_rel_at_speed = 0;
   std::vector<BarGroup> groups;
   const int64_t s_max = *std::max_element(o.seqs.begin(), o.seqs.end());
   auto run_cp = [&](const std::string& link, int64_t p, int64_t s, const Choice& c,
@@ -89,7 +89,7 @@ std::string run_report(const ReportOptions& o) {
         " --head-dim ", o.head_dim, " --cp ", p, " --cp-algo ", c.algo, " --schedule ", schedule,
         " --projections --causal --iters ", iters, c.load_balance ? " --load-balance" : "",
         c.degree > 0 ? common::str_cat(" --ulysses-degree ", c.degree) : std::string(),
-        link_flag(link), " --json");
+        cal != nullptr ? " --reference-step" : "", link_flag(link), " --json");
     progress(cmd, t0);
     results["commands"].push_back(cmd);
     auto j = json::parse(run_for_json(cmd));
@@ -115,6 +115,18 @@ std::string run_report(const ReportOptions& o) {
         m["predicted_exposed_comm_s"] = pred.exposed_comm_s;
         m["prediction_rel_error"] = rel;
         if (!contiguous) max_rel = std::max(max_rel, rel);
+        const double reference_cal = calibrated_reference_step_s(*cal, p);
+        if (reference_cal > 0) {
+          const double factor = m["reference_step_s"].get<double>() / reference_cal;
+          const double at_speed = pred.compute_s * factor + pred.exposed_comm_s;
+          const double rel_at_speed = std::abs(at_speed - meas) / meas;
+          m["reference_step_calibrated_s"] = reference_cal;
+          m["speed_factor"] = factor;
+          m["predicted_compute_s"] = pred.compute_s;
+          m["predicted_step_time_at_speed_s"] = at_speed;
+          m["prediction_rel_error_at_speed"] = rel_at_speed;
+          if (!contiguous) max_rel_at_speed = std::max(max_rel_at_speed, rel_at_speed);
+        }
       }
       results["measurements"].push_back(m);
       out.push_back(m);
@@ -125,7 +137,10 @@ std::string run_report(const ReportOptions& o) {
   for (size_t li = 0; li < o.links.size(); ++li) {
     const std::string& link = o.links[li];
     const auto cal_path = plan::default_calibration_path(link);
-    if (o.recalibrate || !fs::exists(cal_path)) {
+    const bool stale = fs::exists(cal_path) &&
+                       calibrated_reference_step_s(plan::load_calibration(cal_path), 2) <= 0;
+    if (stale) progress("the cached " + cal_path + " has no reference step: recalibrating", t0);
+    if (o.recalibrate || stale || !fs::exists(cal_path)) {
       const std::string cmd = o.self_exe + " calibrate" + link_flag(link);
       progress(cmd, t0);
       results["commands"].push_back(cmd);
@@ -176,8 +191,13 @@ std::string run_report(const ReportOptions& o) {
       }
     }
   }
-  results["cost_model"] = {{"max_rel_error", max_rel},
-                           {"over", "every grid measurement (contiguous all_gather excluded)"}};
+  results["cost_model"] = {
+      {"max_rel_error", max_rel},
+      {"max_rel_error_at_speed", max_rel_at_speed},
+      {"over", "every grid measurement (contiguous all_gather excluded)"},
+      {"at_speed",
+       "the prediction with its compute scaled by the measurement's speed_factor (the reference "
+       "step timed in its run over the calibration's at the same P)"}};
   // The honest contrast: the same async cases on plain loopback.
   if (std::find(o.links.begin(), o.links.end(), "loopback") == o.links.end()) {
     BarGroup g;
@@ -244,20 +264,31 @@ std::string run_report(const ReportOptions& o) {
      << o.heads << ", H_kv = " << o.kv_heads << ", D = " << o.head_dim << ", fp32. " << cores
      << " cores: P = 2 gives each rank one core, P = 4 half a core.\n\n"
      << "![chart](chart.svg)\n\n| link | P | S | choice | step s | predicted s | rel. error | "
-        "exposed comm s | hidden by async | comm bytes/rank | on the wire/rank |\n"
-     << "|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "speed factor | at that speed: predicted s | rel. error | exposed comm s | hidden by "
+        "async | comm bytes/rank | on the wire/rank |\n"
+     << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& m : results["measurements"]) {
     const int64_t wire = m["wire_bytes_per_rank"];
     md << "| " << m["link"].get<std::string>() << " | " << m["cp"] << " | " << m["seq"] << " | "
        << m["name"].get<std::string>() << " | " << fixed(m["step_time_s"]) << " | "
        << (m.contains("predicted_step_time_s") ? fixed(m["predicted_step_time_s"]) : "-") << " | "
        << (m.contains("prediction_rel_error") ? fixed(m["prediction_rel_error"], 2) : "-") << " | "
-       << fixed(m["exposed_comm_s"]) << " | "
+       << (m.contains("speed_factor") ? fixed(m["speed_factor"], 2) : "-") << " | "
+       << (m.contains("predicted_step_time_at_speed_s") ? fixed(m["predicted_step_time_at_speed_s"])
+                                                        : "-")
+       << " | "
+       << (m.contains("prediction_rel_error_at_speed")
+               ? fixed(m["prediction_rel_error_at_speed"], 2)
+               : "-")
+       << " | " << fixed(m["exposed_comm_s"]) << " | "
        << (m["schedule"] == "async" ? fixed(m["overlap_fraction"], 2) : "-") << " | "
        << m["comm_bytes_per_rank"] << " | " << (wire >= 0 ? std::to_string(wire) : "-") << " |\n";
   }
   md << "\nCost model: max relative error " << fixed(max_rel, 2)
-     << " over the grid.\n\n## --cp-algo auto\n\n"
+     << " over the grid; at the machine's speed during each run (speed factor: the reference "
+        "step timed in the run over the calibration's at the same P; the prediction's compute "
+        "scaled by it) "
+     << fixed(max_rel_at_speed, 2) << ".\n\n## --cp-algo auto\n\n"
      << "| case | auto choice | its step s | best measured | best s | auto / best |\n"
         "|---|---|---|---|---|---|\n";
   for (const auto& a : results["auto_selection"]) {

@@ -291,7 +291,8 @@ TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
 TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
   const std::string cmd = std::string(HP_BENCH_BINARY) +
                           " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
-                          "--iters 2 --cp-algo ring --load-balance --paired-with ulysses --json";
+                          "--iters 2 --cp-algo ring --load-balance --paired-with ulysses "
+                          "--reference-step --json";
   auto r = hp::testing::run_command(cmd);
   ASSERT_EQ(r.rc, 0) << r.out;
   auto res = last_json(r.out)["results"];
@@ -307,6 +308,9 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
     EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << r.out;
   }
   EXPECT_NE(res[0]["comm_bytes_per_rank"], res[1]["comm_bytes_per_rank"]) << r.out;
+  // --reference-step: one reference time per run, on every result.
+  EXPECT_GT(res[0]["reference_step_s"].get<double>(), 0) << r.out;
+  EXPECT_EQ(res[0]["reference_step_s"], res[1]["reference_step_s"]) << r.out;
   // Refused before any rank starts: an algorithm it does not pair, an async or packed layer.
   for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
            {"--paired-with hybrid", "--paired-with=hybrid is not supported"},

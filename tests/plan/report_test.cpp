@@ -116,6 +116,13 @@ TEST(Report, CalibrateAutoAndReport) {
             ring["projections_and_tokens_s"].get<double>() - ring["ring_attention_s"].get<double>(),
         1e-9);
   }
+  // The reference step the report times again beside each grid case.
+  {
+    const auto& ref = calibration["inputs"]["reference_step"];
+    EXPECT_EQ(ref["seq"], 2048) << ref;
+    EXPECT_GT(ref["2"].get<double>(), 0) << ref;  // from the P = 2 run
+    EXPECT_GT(ref["4"].get<double>(), 0) << ref;  // from the P = 4 run
+  }
   // The async schedule's cost, fitted from paired sync/async steps (recorded with its inputs).
   const auto& fit = calibration["inputs"]["async_overhead"];
   EXPECT_GT(fit["sync_over_async_paired"].get<double>(), 0) << fit;
@@ -165,7 +172,8 @@ TEST(Report, CalibrateAutoAndReport) {
                                          "ulysses/async",   "ring/sync",        "ring/async"};
   ASSERT_EQ(j["measurements"].size(), 7u);
   std::map<std::string, json> by_name;
-  double max_rel = 0;
+  double max_rel = 0, max_rel_at_speed = 0;
+  std::set<double> references;  // one per run: its sync and async results share it
   for (const auto& m : j["measurements"]) {
     for (const char* key : {"name",
                             "algorithm",
@@ -188,7 +196,13 @@ TEST(Report, CalibrateAutoAndReport) {
                             "wire_bytes_per_rank",
                             "predicted_step_time_s",
                             "predicted_exposed_comm_s",
-                            "prediction_rel_error"}) {
+                            "prediction_rel_error",
+                            "reference_step_s",
+                            "reference_step_calibrated_s",
+                            "speed_factor",
+                            "predicted_compute_s",
+                            "predicted_step_time_at_speed_s",
+                            "prediction_rel_error_at_speed"}) {
       ASSERT_TRUE(m.contains(key)) << key << " missing in " << m.dump();
     }
     const std::string name = m["name"];
@@ -215,6 +229,30 @@ TEST(Report, CalibrateAutoAndReport) {
     EXPECT_NEAR(m["prediction_rel_error"].get<double>(), std::abs(pred - meas) / meas, 1e-9)
         << name;
     if (!contiguous) max_rel = std::max(max_rel, m["prediction_rel_error"].get<double>());
+    // At the machine's speed during the run: its reference step over the calibration's at
+    // P = 2 scales the predicted compute; the exposed communication stays.
+    EXPECT_GT(m["reference_step_s"].get<double>(), 0) << name;
+    references.insert(m["reference_step_s"].get<double>());
+    EXPECT_DOUBLE_EQ(m["reference_step_calibrated_s"].get<double>(),
+                     calibration["inputs"]["reference_step"]["2"].get<double>());
+    const double factor =
+        m["reference_step_s"].get<double>() / m["reference_step_calibrated_s"].get<double>();
+    EXPECT_NEAR(m["speed_factor"].get<double>(), factor, 1e-12 * factor) << name;
+    EXPECT_NEAR(
+        pred, m["predicted_compute_s"].get<double>() + m["predicted_exposed_comm_s"].get<double>(),
+        1e-12 * pred)
+        << name;
+    const double at_speed = m["predicted_compute_s"].get<double>() * factor +
+                            m["predicted_exposed_comm_s"].get<double>();
+    EXPECT_NEAR(m["predicted_step_time_at_speed_s"].get<double>(), at_speed, 1e-12 * at_speed)
+        << name;
+    EXPECT_NEAR(m["prediction_rel_error_at_speed"].get<double>(), std::abs(at_speed - meas) / meas,
+                1e-9)
+        << name;
+    if (!contiguous) {
+      max_rel_at_speed =
+          std::max(max_rel_at_speed, m["prediction_rel_error_at_speed"].get<double>());
+    }
     // Bytes: counted by the comm layer = the formula, computed here and by the bench.
     EXPECT_EQ(m["comm_bytes_per_rank"].get<int64_t>(), cp_layer_bytes(m)) << name;
     EXPECT_EQ(m["comm_bytes_theory"].get<int64_t>(), cp_layer_bytes(m)) << name;
@@ -227,6 +265,8 @@ TEST(Report, CalibrateAutoAndReport) {
   grid.insert("all_gather(contiguous)/sync");
   EXPECT_EQ(measured, grid);
   EXPECT_DOUBLE_EQ(j["cost_model"]["max_rel_error"].get<double>(), max_rel);
+  EXPECT_DOUBLE_EQ(j["cost_model"]["max_rel_error_at_speed"].get<double>(), max_rel_at_speed);
+  EXPECT_EQ(references.size(), 4u);  // four runs (four distinct timings)
 
   // auto: predictions for exactly the candidates, ascending; the choice is the cheapest
   // prediction, its time is its measurement, the best is the fastest measured candidate.
@@ -278,8 +318,10 @@ TEST(Report, CalibrateAutoAndReport) {
                             fixed(m["prediction_rel_error"], 2) + " | ";
     EXPECT_NE(md.find(row), std::string::npos) << row << "\n" << md;
   }
-  EXPECT_NE(md.find("Cost model: max relative error " + fixed(max_rel, 2) + " over the grid."),
+  EXPECT_NE(md.find("Cost model: max relative error " + fixed(max_rel, 2) + " over the grid; "),
             std::string::npos)
+      << md;
+  EXPECT_NE(md.find(fixed(max_rel_at_speed, 2) + ".\n\n## --cp-algo auto"), std::string::npos)
       << md;
   const std::string auto_row = "| loopback P=2 S=512 | " + choice + " | " +
                                fixed(sel["auto_step_time_s"], 3) + " | " + best + " | ";

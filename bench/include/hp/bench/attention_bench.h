@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,14 @@ struct AttentionBenchResult {
 
 // GFLOP/s of a 2048^3 fp32 matmul (median of 5).
 double measure_matmul_gflops();
+
+// The reference step (`hp-bench cp --reference-step`): blockwise attention forward + backward,
+// causal, B = 1, H = H_kv = 8, S = kReferenceStepSeq, D = 64, on inputs made once; each call of
+// the returned function runs one step at the calling thread's intra-op thread count and returns
+// its wall time in seconds. A fixed amount of work, so its time says how fast the machine is
+// at that moment under the same ranks-per-core as the steps it is timed beside.
+inline constexpr int64_t kReferenceStepSeq = 2048;
+std::function<double()> make_reference_step();
 
 // The process's peak resident set (getrusage), bytes.
 int64_t process_peak_rss_bytes();

@@ -7,6 +7,9 @@
 //   overheads:   per local token (a sync CP layer, measured minus predicted), the ring's per
 //                token per step (ring steps paired with Ulysses steps, P = 4) and the async
 //                schedule's own cost (sync and async all_gather steps timed in pairs)
+//   reference:   the reference step (hp-bench cp --reference-step) of its CP runs at P = 2 and
+//                P = 4, so that a later run can tell how fast the machine is then against how
+//                fast it was during the calibration
 #pragma once
 
 #include <string>
@@ -23,6 +26,11 @@ struct CalibrateOptions {
 };
 
 plan::Calibration run_calibration(const CalibrateOptions& options);
+
+// The reference step (attention_bench.h) recorded in `calibration` for P ranks on the machine
+// (inputs.reference_step.P, from the calibration's CP runs at P = 2 and P = 4), in seconds, or
+// a negative value where the calibration has none (made before the reference step existed).
+double calibrated_reference_step_s(const plan::Calibration& calibration, int64_t p);
 
 // Runs `cmd` in a shell; its stdout parsed from the first '{' as one JSON object.
 std::string run_for_json(const std::string& cmd);

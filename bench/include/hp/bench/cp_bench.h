@@ -27,6 +27,10 @@ struct CPBenchOptions {
   // shape (balanced where it can be when this one is) is timed in alternation with this one.
   // What the cost model's calibration compares strategies with, free of the machine's drift.
   std::string paired_with;
+  // After each round of the layers' timed steps, every rank runs the reference step
+  // (attention_bench.h) at once; its slowest rank's time is recorded like a layer step. What the
+  // report reads the machine's speed during a run from, against the calibration's.
+  bool reference_step = false;
 };
 
 // The fraction of the [seq x seq] score tiles (tile x tile) attention computes: causal and/or
@@ -64,6 +68,9 @@ struct CPBenchResult {
   // step of this layer timed right after one of the paired layer.
   double paired_speedup = 0;
   bool load_balance = false;  // this layer's (the paired layer's can differ)
+  // --reference-step: the median over rounds of the slowest rank's reference step (the same in
+  // every result of the run); 0 without it.
+  double reference_step_s = 0;
 };
 
 // Collective over the world; every rank returns the same results. With schedule = async the

@@ -7,8 +7,13 @@
 //     contiguous all_gather at the largest S, P = 2,
 //   the loopback contrast of the async cases at the largest S, P = 2 (when a link is emulated),
 //   the attention bench (blockwise) at each S and the HSDP bench,
-// then writes results.json (every measurement with the cost model's prediction,
-// "cost_model": {"max_rel_error": ..}, "auto_selection": [...]), results.md, chart.svg (step
+//   each grid run with --reference-step, so each grid measurement carries the machine's speed
+//     during it against the calibrated speed (speed_factor: the run's reference step over the
+//     calibration's at the same P) and the prediction at that speed (its compute scaled by
+//     the factor; its exposed communication, which the link sets, not),
+// then writes results.json (every measurement with the cost model's prediction, raw and at the
+// measured speed, "cost_model": {"max_rel_error": .., "max_rel_error_at_speed": ..},
+// "auto_selection": [...]), results.md, chart.svg (step
 // time per algorithm and schedule, exposed communication shaded) and timeline.svg (one
 // hp-train run's per-rank collectives and waits, from its Chrome trace).
 #pragma once
