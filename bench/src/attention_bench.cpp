@@ -32,6 +32,20 @@ int64_t current_rss_bytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
+// One forward + backward of `prim` on fresh leaves of q, k, v (dout drives the backward):
+// its wall time in seconds.
+double time_fwd_bwd(const attention::AttentionPrimitive& prim, const at::Tensor& q,
+                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                    const attention::AttentionOptions& ao) {
+  auto qq = q.detach().requires_grad_(true);
+  auto kk = k.detach().requires_grad_(true);
+  auto vv = v.detach().requires_grad_(true);
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = prim.forward(qq, kk, vv, ao);
+  torch::autograd::backward({r.out}, {dout});
+  return seconds_since(t0);
+}
+
 }  // namespace
 
 int64_t process_peak_rss_bytes() {
@@ -58,16 +72,10 @@ std::function<double()> make_reference_step() {
   auto make = [&] { return at::randn({1, 8, kReferenceStepSeq, 64}, gen, at::kFloat); };
   auto q = make(), k = make(), v = make(), dout = make();
   return [q, k, v, dout] {
-    const auto& prim = attention::AttentionRegistry::builtin().get("blockwise");
     attention::AttentionOptions ao;
     ao.causal = true;
-    auto qq = q.detach().requires_grad_(true);
-    auto kk = k.detach().requires_grad_(true);
-    auto vv = v.detach().requires_grad_(true);
-    auto t0 = std::chrono::steady_clock::now();
-    auto r = prim.forward(qq, kk, vv, ao);
-    torch::autograd::backward({r.out}, {dout});
-    return seconds_since(t0);
+    return time_fwd_bwd(attention::AttentionRegistry::builtin().get("blockwise"), q, k, v, dout,
+                        ao);
   };
 }
 
@@ -105,13 +113,8 @@ AttentionBenchResult run_attention_bench(const AttentionBenchOptions& o, const s
     if (i > 0) fwd.push_back(seconds_since(t0));
   }
   for (int i = 0; i <= o.iters; ++i) {
-    auto qq = q.detach().requires_grad_(true);
-    auto kk = k.detach().requires_grad_(true);
-    auto vv = v.detach().requires_grad_(true);
-    auto t0 = std::chrono::steady_clock::now();
-    auto r = prim.forward(qq, kk, vv, ao);
-    torch::autograd::backward({r.out}, {dout});
-    if (i > 0) fwd_bwd.push_back(seconds_since(t0));
+    const double dt = time_fwd_bwd(prim, q, k, v, dout, ao);
+    if (i > 0) fwd_bwd.push_back(dt);
   }
   AttentionBenchResult res;
   res.primitive = name;
