@@ -39,7 +39,9 @@ double measure_matmul_gflops();
 // causal, B = 1, H = H_kv = 8, S = kReferenceStepSeq, D = 64, on inputs made once; each call of
 // the returned function runs one step at the calling thread's intra-op thread count and returns
 // its wall time in seconds. A fixed amount of work, so its time says how fast the machine is
-// at that moment under the same ranks-per-core as the steps it is timed beside.
+// at that moment under the same ranks-per-core as the steps it is timed beside. Known limit:
+// right after much larger steps (S = 16384 layers) it reads about 1.5x slower while those steps
+// are 1.0-1.3x slower (docs/benchmarks.md, "The machine's speed during each run").
 inline constexpr int64_t kReferenceStepSeq = 2048;
 std::function<double()> make_reference_step();
 
