@@ -54,6 +54,11 @@ std::string fixed(double v, int digits = 3) {
   return buf;
 }
 
+// A results.md cell: m[key] with `digits` decimals, "-" where the measurement has no such field.
+std::string cell(const json& m, const char* key, int digits = 3) {
+  return m.contains(key) ? fixed(m[key], digits) : "-";
+}
+
 std::string choice_name(const std::string& algo, int64_t u, const std::string& schedule,
                         bool contiguous_ag) {
   std::string n = algo;
@@ -93,6 +98,7 @@ std::string run_report(const ReportOptions& o) {
     progress(cmd, t0);
     results["commands"].push_back(cmd);
     auto j = json::parse(run_for_json(cmd));
+    const double reference_cal = cal != nullptr ? calibrated_reference_step_s(*cal, p) : -1;
     std::vector<json> out;
     for (auto& m : j["results"]) {
       const std::string sched = m["schedule"];
@@ -115,7 +121,6 @@ std::string run_report(const ReportOptions& o) {
         m["predicted_exposed_comm_s"] = pred.exposed_comm_s;
         m["prediction_rel_error"] = rel;
         if (!contiguous) max_rel = std::max(max_rel, rel);
-        const double reference_cal = calibrated_reference_step_s(*cal, p);
         if (reference_cal > 0) {
           const double factor = m["reference_step_s"].get<double>() / reference_cal;
           const double at_speed = pred.compute_s * factor + pred.exposed_comm_s;
@@ -137,10 +142,12 @@ std::string run_report(const ReportOptions& o) {
   for (size_t li = 0; li < o.links.size(); ++li) {
     const std::string& link = o.links[li];
     const auto cal_path = plan::default_calibration_path(link);
-    const bool stale = fs::exists(cal_path) &&
-                       calibrated_reference_step_s(plan::load_calibration(cal_path), 2) <= 0;
-    if (stale) progress("the cached " + cal_path + " has no reference step: recalibrating", t0);
-    if (o.recalibrate || stale || !fs::exists(cal_path)) {
+    bool calibrate = o.recalibrate || !fs::exists(cal_path);
+    if (!calibrate && calibrated_reference_step_s(plan::load_calibration(cal_path), 2) <= 0) {
+      progress("the cached " + cal_path + " has no reference step: recalibrating", t0);
+      calibrate = true;
+    }
+    if (calibrate) {
       const std::string cmd = o.self_exe + " calibrate" + link_flag(link);
       progress(cmd, t0);
       results["commands"].push_back(cmd);
@@ -271,17 +278,10 @@ std::string run_report(const ReportOptions& o) {
     const int64_t wire = m["wire_bytes_per_rank"];
     md << "| " << m["link"].get<std::string>() << " | " << m["cp"] << " | " << m["seq"] << " | "
        << m["name"].get<std::string>() << " | " << fixed(m["step_time_s"]) << " | "
-       << (m.contains("predicted_step_time_s") ? fixed(m["predicted_step_time_s"]) : "-") << " | "
-       << (m.contains("prediction_rel_error") ? fixed(m["prediction_rel_error"], 2) : "-") << " | "
-       << (m.contains("speed_factor") ? fixed(m["speed_factor"], 2) : "-") << " | "
-       << (m.contains("predicted_step_time_at_speed_s") ? fixed(m["predicted_step_time_at_speed_s"])
-                                                        : "-")
-       << " | "
-       << (m.contains("prediction_rel_error_at_speed")
-               ? fixed(m["prediction_rel_error_at_speed"], 2)
-               : "-")
-       << " | " << fixed(m["exposed_comm_s"]) << " | "
-       << (m["schedule"] == "async" ? fixed(m["overlap_fraction"], 2) : "-") << " | "
+       << cell(m, "predicted_step_time_s") << " | " << cell(m, "prediction_rel_error", 2) << " | "
+       << cell(m, "speed_factor", 2) << " | " << cell(m, "predicted_step_time_at_speed_s") << " | "
+       << cell(m, "prediction_rel_error_at_speed", 2) << " | " << fixed(m["exposed_comm_s"])
+       << " | " << (m["schedule"] == "async" ? fixed(m["overlap_fraction"], 2) : "-") << " | "
        << m["comm_bytes_per_rank"] << " | " << (wire >= 0 ? std::to_string(wire) : "-") << " |\n";
   }
   md << "\nCost model: max relative error " << fixed(max_rel, 2)
