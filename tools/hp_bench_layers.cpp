@@ -49,9 +49,10 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_option("--ulysses-head-groups", a.bench.config.ulysses_head_groups,
                   "async ulysses: head groups pipelined with their output all-to-alls (0: auto)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--always-local-first", a.bench.config.async_always_local_first,
-                "async all_gather: attend the local K/V chunks first even where the gather has "
-                "landed (default: a part that starts after it runs as one call, as sync)");
+  cmd->add_flag(
+      "--always-local-first", a.bench.config.async_always_local_first,
+      "async all_gather, hybrid: attend the local K/V chunks first even where the gather has "
+      "landed (default: a part that starts after it runs as one call, as sync)");
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
                   "with the one under test; its result comes first");
@@ -113,12 +114,13 @@ void resolve_cp_config(CPArgs& a) {
   a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
   a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
   if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
-  HP_CHECK(!a.bench.config.async_always_local_first ||
-               (a.bench.config.algorithm == "all_gather" &&
-                a.bench.config.schedule == hp::cp::CPSchedule::kAsync),
-           "hp-bench cp: --always-local-first applies to --cp-algo all_gather --schedule async "
-           "only (got ",
-           a.algo, ", ", a.schedule, "); drop it or change those");
+  HP_CHECK(
+      !a.bench.config.async_always_local_first ||
+          ((a.bench.config.algorithm == "all_gather" || a.bench.config.algorithm == "hybrid") &&
+           a.bench.config.schedule == hp::cp::CPSchedule::kAsync),
+      "hp-bench cp: --always-local-first applies to --cp-algo all_gather or hybrid with "
+      "--schedule async only (got ",
+      a.algo, ", ", a.schedule, "); drop it or change those");
   auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
   if (normalized) {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);

@@ -152,23 +152,19 @@ InFlight all_to_all_start(const at::Tensor& x, int64_t split_dim, int64_t concat
                           const GroupPtr& group) {
   checked(group, "all_to_all_start");
   AsyncTransferPtr t;
-  auto y = start_transfer(x, "all_to_all", handle_launch([=](const at::Tensor& a) {
-                            return all_to_all_async(*group, a, split_dim, concat_dim);
-                          }),
-                          handle_launch([=](const at::Tensor& g) {
-                            return all_to_all_async(*group, g, concat_dim, split_dim);
-                          }),
-                          t);
+  auto y = start_handle_transfer(
+      x, "all_to_all",
+      [=](const at::Tensor& a) { return all_to_all_async(*group, a, split_dim, concat_dim); },
+      [=](const at::Tensor& g) { return all_to_all_async(*group, g, concat_dim, split_dim); }, t);
   return {y, t};
 }
 
 InFlight all_gather_start(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   checked(group, "all_gather_start");
   AsyncTransferPtr t;
-  auto y = start_transfer(
-      x, "all_gather",
-      handle_launch([=](const at::Tensor& a) { return all_gather_async(*group, a, dim); }),
-      handle_launch([=](const at::Tensor& g) { return reduce_scatter_async(*group, g, dim); }), t);
+  auto y = start_handle_transfer(
+      x, "all_gather", [=](const at::Tensor& a) { return all_gather_async(*group, a, dim); },
+      [=](const at::Tensor& g) { return reduce_scatter_async(*group, g, dim); }, t);
   return {y, t};
 }
 

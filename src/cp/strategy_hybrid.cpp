@@ -22,6 +22,9 @@
 //     4. merge by lse, then the output A2A as in sync.
 //   Backward runs 3 before the reduce-scatters of the gathered gradients and 1 after them, so
 //   the reduce-scatters fly while the held chunks' backward computes.
+//   A query part whose turn comes once both gathers have landed (nothing left to hide) skips 1
+//   and attends all its visible keys in one call after the wait, as all_gather does
+//   (async_always_local_first keeps the split).
 #include <ATen/ATen.h>
 
 #include "hp/comm/async_transfer.h"
@@ -79,13 +82,20 @@ class HybridStrategy final : public detail::UlyssesMoves {
     auto v_flight = comm::all_gather_start(va, seq, t.co);
     auto qa = arrived(QKVRole::kQ, q);
     const int64_t total = qa.size(seq) * t.colossal_degree;
+    auto gathered = [&] {
+      auto kg = k_flight.wait(), vg = v_flight.wait();
+      detail::natural_order_kv(kg, vg, ctx);
+      return std::make_pair(kg, vg);
+    };
+    auto landed = [&] {
+      if (ctx.async_always_local_first) return false;
+      const bool k_landed = k_flight.landed();  // both asked: gloo's first query starts a watch
+      const bool v_landed = v_flight.landed();
+      return k_landed && v_landed;
+    };
     auto outs =
         detail::attend_local_first(held_parts(qa, q.size(seq), total, ctx), k_flight.emitted(),
-                                   v_flight.emitted(), total, call, [&] {
-                                     auto kg = k_flight.wait(), vg = v_flight.wait();
-                                     detail::natural_order_kv(kg, vg, ctx);
-                                     return std::make_pair(kg, vg);
-                                   });
+                                   v_flight.emitted(), total, call, gathered, landed);
     return restore_output(outs, PreparedQKV{}, ctx);
   }
 

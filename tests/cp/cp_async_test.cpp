@@ -463,6 +463,31 @@ TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
   EXPECT_EQ(calls(1, false, 0), 4);
 }
 
+// Hybrid likewise once its co-group gathers have landed. Balanced P = 4, U = 2 (data-order
+// shards: rank r holds chunks 2r and 2P-2r-1 of eight): rank 0 holds chunks 0, 7 (its own) and
+// 2, 5 (rank 1's), one query part each. Local first, part 0 sees only its own chunk (1 call),
+// part 7 the four held chunks and the gaps 1, 3-4 and 6 (7), part 2 chunks 0, 2 and the gap 1
+// (3), part 5 chunks 0, 2, 5 and the gaps 1 and 3-4 (5): 16. Once landed (at the latest after
+// part 0), one call per part: 4. How soon the gathers land after their launch is up to
+// the threads, so the landed case gets a few tries; the late co-peer (rank 2) and
+// async_always_local_first never land in time.
+TEST(CPAsync, HybridAttendsAPartInOneCallOnceItsCoGroupGathersHaveLanded) {
+  auto calls = [](int late, bool always_local_first, int pause_ms) {
+    int n = 0;
+    for (const auto& e :
+         rank0_forward_with_late_peer("hybrid", 4, late, true, always_local_first, pause_ms)) {
+      n += e.name == "attention";
+    }
+    return n;
+  };
+  EXPECT_EQ(calls(2, false, 0), 16);
+  EXPECT_EQ(calls(-1, true, 200), 16);
+  int fewest = 16;
+  for (int attempt = 0; attempt < 5 && fewest > 4; ++attempt)
+    fewest = std::min(fewest, calls(-1, false, 200));
+  EXPECT_EQ(fewest, 4);
+}
+
 TEST(CPAsync, HybridWaitsForItsAllToAllsBeforeItsFirstAttention) {
   // Hybrid attends nothing before its all-to-alls have arrived (its queries are other ranks'
   // heads): no attention before the first wait (the contrast that shows the test above can

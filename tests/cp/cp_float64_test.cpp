@@ -79,7 +79,7 @@ struct Case {
   int64_t kv_heads = kNkv;
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
   int64_t head_groups = 0;          // async ulysses (0: automatic)
-  bool always_local_first = false;  // async all_gather
+  bool always_local_first = false;  // async all_gather and hybrid
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
     if (always_local_first) n += " always_local_first";
@@ -187,6 +187,16 @@ TEST(CPFloat64, HybridU3) {
 TEST(CPFloat64, HybridHeadTailDataOrder) {
   run_grid({"hybrid", 2, true, LoadBalanceForm::kDataOrder}, {4, 6});
   run_grid({"hybrid", 3, true, LoadBalanceForm::kDataOrder}, {6});
+}
+// Async hybrid's local-first split for every part (the default drops it once the co-group
+// gathers have landed, which threads-as-ranks mostly reach after the first part).
+TEST(CPFloat64, HybridAlwaysLocalFirst) {
+  for (bool lb : {false, true}) {
+    Case c{"hybrid", 2, lb, LoadBalanceForm::kDataOrder};
+    c.always_local_first = true;
+    for (bool causal : {true, false})
+      run_case(c, 4, CPSchedule::kAsync, causal);
+  }
 }
 TEST(CPFloat64, Ring) {
   run_grid({"ring", std::nullopt}, {2, 3, 4});
@@ -313,6 +323,7 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
       {{"ulysses", std::nullopt}, {2, 3}},
       {{"hybrid", 2}, {4}},
       {{"hybrid", 2, true, LoadBalanceForm::kDataOrder}, {4}},
+      {local_first({"hybrid", 2, true, LoadBalanceForm::kDataOrder}), {4}},
       {{"ring", std::nullopt}, {2, 3, 4}},
       {{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3}},
       {{"usp", 2}, {4}},

@@ -65,6 +65,8 @@ class InFlight {
   InFlight(at::Tensor emitted, AsyncTransferPtr transfer)
       : emitted_(std::move(emitted)), transfer_(std::move(transfer)) {}
   at::Tensor wait();  // once
+  // Whether wait() would not block now (transfer_arrived).
+  bool landed() const { return transfer_arrived(transfer_); }
   // What start returned: compute that should run while the transfer flies (and whose backward
   // should overlap the inverse) consumes this tensor, not the one that was started.
   const at::Tensor& emitted() const { return emitted_; }

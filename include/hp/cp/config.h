@@ -59,10 +59,10 @@ struct ContextParallelConfig {
   // 0: automatic (the largest of 4, 3, 2 that divides the rank's query and K/V heads, else 1);
   // 1: one group (the output all-to-all after all of attention).
   int64_t ulysses_head_groups = 0;
-  // Async all_gather: a query part whose turn comes after the K/V all-gather has landed attends
-  // all its keys in one call, as sync does (false, the default: the split into local and
-  // remote calls merged by log-sum-exp only pays while there is something to hide), or still
-  // attends the local chunks first and the rest after (true).
+  // Async all_gather and hybrid: a query part whose turn comes after the K/V all-gather (hybrid:
+  // the co-group gather) has landed attends all its keys in one call, as sync does (false, the
+  // default: the split into local and remote calls merged by log-sum-exp only pays while there
+  // is something to hide), or still attends the local chunks first and the rest after (true).
   bool async_always_local_first = false;
 };
 
