@@ -71,8 +71,9 @@ void add_options(CLI::App& app, Args& a) {
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
   app.add_option("--primitive", a.primitive, "math | blockwise");
-  app.add_option("--ulysses-head-groups", a.head_groups,
-                 "async ulysses: head groups pipelined with their output all-to-alls (0: auto)")
+  app.add_option(
+         "--ulysses-head-groups", a.head_groups,
+         "async ulysses, usp: head groups pipelined with their output all-to-alls (0: auto)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--cu-seqlens", a.cu_seqlens,
                  "packed documents: global boundaries 0,L1,L1+L2,... (the same for every row)")

@@ -93,9 +93,10 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--kv-head-policy", a.kv_head_policy,
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
-  app.add_option("--ulysses-head-groups", a.head_groups,
-                 "async ulysses: head groups whose output all-to-alls fly while the next group "
-                 "is attended (0: automatic, 1: none)")
+  app.add_option(
+         "--ulysses-head-groups", a.head_groups,
+         "async ulysses, usp: head groups whose output all-to-alls fly while the next group "
+         "is attended (0: automatic, 1: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
   app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");

@@ -90,13 +90,12 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
   const auto strategy = registry.get(c.algorithm.name());
   HP_CHECK(c.ulysses_head_groups >= 0, "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
            " must be >= 0 (0: automatic, 1: no head groups)");
-  HP_CHECK(c.ulysses_head_groups == 0 ||
-               (c.algorithm.name() == CPAlgorithm::kUlysses && c.schedule == CPSchedule::kAsync),
+  HP_CHECK(c.ulysses_head_groups == 0 || ((c.algorithm.name() == CPAlgorithm::kUlysses ||
+                                           c.algorithm.name() == CPAlgorithm::kUsp) &&
+                                          c.schedule == CPSchedule::kAsync),
            "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
-           " applies to algorithm=ulysses "
-           "with schedule=async (got ",
-           c.algorithm.name(), ", ", to_string(c.schedule),
-           "); drop it or use the async ulysses schedule");
+           " applies to algorithm=ulysses or usp with schedule=async (got ", c.algorithm.name(),
+           ", ", to_string(c.schedule), "); drop it or use the async ulysses or usp schedule");
   strategy->normalize(c, cp_size);
   HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
                      strategy->name(), "' left an invalid ulysses_degree");
@@ -116,6 +115,7 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
 
 int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv) {
   if (c.ulysses_head_groups > 0) return c.ulysses_head_groups;
+  if (c.algorithm.name() == CPAlgorithm::kUsp) return 1;  // a ring per group: only when asked
   for (int64_t g : {4, 3, 2}) {
     if (nq % g == 0 && nkv % g == 0) return g;
   }

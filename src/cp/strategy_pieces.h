@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "hp/attention/attention.h"
+#include "hp/comm/async_transfer.h"
 #include "hp/comm/group.h"
 #include "hp/cp/strategy.h"
 
@@ -80,6 +81,16 @@ std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tenso
 // [B, T/P, P*n, X] (this rank's tokens, every head, in rank order).
 at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group);
 
+// Async head groups (ulysses, usp): the number G of groups this rank's nq query and nkv K/V
+// heads (after the all-to-all) run in (ctx.ulysses_head_groups, 0: Ulysses' automatic count;
+// it divides both),
+// and the groups' outputs put back together. moving[g] is group g's output [.., U*S_l, .., gq,
+// ..] started on its head->seq all-to-all in the Ulysses group of `degree` ranks; waited in
+// order, (rank j, group g, head i) is global head j*G*gq + g*gq + i: [.., S_l, .., N, ..].
+int64_t head_groups(const CPRuntimeContext& ctx, int64_t nq, int64_t nkv);
+at::Tensor heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
+                             int64_t group_heads, const QKVLayout& l);
+
 // Strategies of Ulysses sub-groups x something across them (hybrid, usp): ulysses_degree set,
 // strictly between 1 and cp_size (degree 1 is `degree_one`, cp_size is ulysses), dividing it.
 void check_sub_group_degree(const ContextParallelConfig& c, int64_t cp_size,
@@ -102,7 +113,8 @@ class UlyssesMoves : public CPStrategy {
   void check_options(const attention::AttentionOptions& options,
                      const std::string& who) const override;
   // Heads divisible by the Ulysses degree, before the all-to-all (K/V fewer than U: only with
-  // kv_head_policy=repeat); balanced shards (hybrid, usp) of an even length.
+  // kv_head_policy=repeat); balanced shards (hybrid, usp) of an even length; a configured
+  // head-group count (async ulysses, usp) dividing the heads per rank.
   void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
                     const std::string& who) const override;
 

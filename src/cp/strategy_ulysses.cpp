@@ -178,6 +178,34 @@ void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeCont
   HP_CHECK(heads % u == 0, who, " has ", heads, " heads, not divisible by the Ulysses degree ", u,
            "; use algorithm=all_gather or a smaller ulysses_degree (K/V heads: or "
            "kv_head_policy=repeat)");
+  const int64_t g = ctx.ulysses_head_groups, per_rank = heads / u;
+  HP_CHECK(g == 0 || per_rank % g == 0, who, ": cp_config.ulysses_head_groups=", g,
+           " does not divide the ", per_rank, " heads of ", common::shape_str(x.sizes()),
+           " each rank attends after the all-to-all; choose a "
+           "common divisor of the query and key/value heads per rank, or 0 (automatic)");
+}
+
+int64_t detail::head_groups(const CPRuntimeContext& ctx, int64_t nq, int64_t nkv) {
+  ContextParallelConfig c;
+  c.ulysses_head_groups = ctx.ulysses_head_groups;
+  const int64_t g = ulysses_head_groups_of(c, nq, nkv);
+  HP_INTERNAL_ASSERT(nq % g == 0 && nkv % g == 0, "head groups: ", g, " for ", nq, " and ", nkv,
+                     " heads");
+  return g;
+}
+
+at::Tensor detail::heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
+                                     int64_t group_heads, const QKVLayout& l) {
+  const int64_t hd = l.heads_dim;
+  std::vector<at::Tensor> back;
+  for (auto& m : moving) {
+    auto y = m.wait();
+    auto shape = y.sizes().vec();
+    shape[hd] = group_heads;
+    shape.insert(shape.begin() + hd, degree);
+    back.push_back(y.view(shape));  // [.., U, gq, ..]
+  }
+  return at::stack(back, hd + 1).flatten(hd, hd + 2);  // [.., U, G, gq, ..] -> N heads
 }
 
 namespace {
@@ -199,17 +227,6 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
              "; use algorithm=hybrid for a smaller degree");
   }
   std::vector<comm::OpKind> required_ops() const override { return {comm::OpKind::kAllToAll}; }
-  // The base checks, and a configured head-group count against this tensor's heads per rank.
-  void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
-                    const std::string& who) const override {
-    UlyssesMoves::check_inputs(x, ctx, who);
-    const int64_t g = ctx.ulysses_head_groups, u = ctx.topology->ulysses_degree;
-    const int64_t per_rank = x.size(ctx.layout.heads_dim) / u;
-    HP_CHECK(g == 0 || per_rank % g == 0, who, ": cp_config.ulysses_head_groups=", g,
-             " does not divide the ", per_rank, " heads of ", common::shape_str(x.sizes()),
-             " each rank attends after the all-to-all; choose a "
-             "common divisor of the query and key/value heads per rank, or 0 (automatic)");
-  }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k_moved,
                      const at::Tensor& v_moved, const CPRuntimeContext& ctx) const override {
@@ -233,17 +250,6 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   }
 
  private:
-  // Head groups of this rank's nq query / nkv K/V heads (ulysses_head_groups_of; a configured
-  // count was checked against each tensor by check_inputs).
-  static int64_t head_groups(const CPRuntimeContext& ctx, int64_t nq, int64_t nkv) {
-    ContextParallelConfig c;
-    c.ulysses_head_groups = ctx.ulysses_head_groups;
-    const int64_t g = ulysses_head_groups_of(c, nq, nkv);
-    HP_INTERNAL_ASSERT(nq % g == 0 && nkv % g == 0, "ulysses: ", g, " head groups for ", nq,
-                       " and ", nkv, " heads");
-    return g;
-  }
-
   at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const AttentionCall& call, const CPRuntimeContext& ctx,
                         const ArrivedFn& arrived) const {
@@ -252,7 +258,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     const int64_t r = ctx.topology->ulysses_rank;
     const int64_t s = q.size(seq), total = s * p;
     const int64_t nq = q.size(hd) / p, nkv = k.size(hd) / p;
-    const int64_t groups = head_groups(ctx, nq, nkv), gq = nq / groups, gkv = nkv / groups;
+    const int64_t groups = detail::head_groups(ctx, nq, nkv), gq = nq / groups, gkv = nkv / groups;
     const bool causal = call.options().causal;
     const int64_t own = r * s, own_end = own + s;
     // Queries at global [q_begin, ..) against keys at [key_begin, ..), heads of group g.
@@ -317,16 +323,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
       return restore_output({anchored(single, {qa, ka, va})}, PreparedQKV{}, ctx);
     }
     // 4. Group g came back as heads (rank j, head i) -> global head j*nq + g*gq + i.
-    std::vector<at::Tensor> back;
-    for (auto& m : moving) {
-      auto y = m.wait();
-      auto shape = y.sizes().vec();
-      shape[hd] = gq;
-      shape.insert(shape.begin() + hd, p);
-      back.push_back(y.view(shape));  // [.., P, gq, ..]
-    }
-    auto out = at::stack(back, hd + 1).flatten(hd, hd + 2);  // [.., P, G, gq, ..] -> N heads
-    return anchored(out, {qa, ka, va});
+    return anchored(detail::heads_from_groups(moving, p, gq, l), {qa, ka, va});
   }
 };
 

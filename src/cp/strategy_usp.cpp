@@ -12,7 +12,11 @@
 //   out [B, N/U, S/C, Dv] -- A2A in cp_ulysses --> [B, N, S/P, Dv]
 //   backward: the ring's backward (blocks again, each with its dK/dV accumulator), then the
 //   inverse all-to-alls.
-//   Async: the all-to-alls start at the handoff points; the ring overlaps itself.
+//   Async: the all-to-alls start at the handoff points; the ring overlaps itself. With
+//   cp_config.ulysses_head_groups = G > 1 (default 1 for usp) the heads run in G groups: a ring
+//   per group, whose output all-to-all starts as soon as it is done and flies while the next
+//   group's ring runs; in backward the later groups' inverse all-to-alls fly while the earlier
+//   rings run back.
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
@@ -59,12 +63,13 @@ class UspStrategy final : public detail::UlyssesMoves {
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
     return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k), arrived(QKVRole::kV, v),
-                        call, ctx);
+                        call, ctx, /*grouped=*/true);
   }
 
  private:
   at::Tensor attend_moved(const at::Tensor& q, at::Tensor k, at::Tensor v,
-                          const AttentionCall& call, const CPRuntimeContext& ctx) const {
+                          const AttentionCall& call, const CPRuntimeContext& ctx,
+                          bool grouped = false) const {
     const auto& t = *ctx.topology;
     select_repeated_kv(k, v, ctx);
     detail::RingGroup ring{
@@ -81,8 +86,27 @@ class UspStrategy final : public detail::UlyssesMoves {
       ring.chunks.push_back(ctx.load_balance ? ids : std::vector{c});
     }
     ring.chunk_len = ctx.load_balance ? s / (2 * u) : s;
-    auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);
-    return restore_output({out}, PreparedQKV{}, ctx);
+    const int64_t hd = ctx.layout.heads_dim, nq = q.size(hd), nkv = k.size(hd);
+    // Groups only when configured: each costs a ring of its own (measured at P = 4, U = 2 on
+    // the 1 Gbit/s link: async 5-18% slower than sync at S = 4096, 12-24% faster at S = 16384;
+    // docs/benchmarks.md).
+    const int64_t groups = grouped && ctx.ulysses_head_groups > 0 && !repeated_kv(ctx)
+                               ? detail::head_groups(ctx, nq, nkv)
+                               : 1;
+    if (groups == 1) {
+      auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);
+      return restore_output({out}, PreparedQKV{}, ctx);
+    }
+    const int64_t gq = nq / groups, gkv = nkv / groups;
+    std::vector<comm::InFlight> moving;
+    for (int64_t g = 0; g < groups; ++g) {
+      auto group_ring = ring;
+      group_ring.head_offset += g * gq;
+      auto out = detail::ring_attend(q.narrow(hd, g * gq, gq), k.narrow(hd, g * gkv, gkv),
+                                     v.narrow(hd, g * gkv, gkv), call, ctx.layout, group_ring);
+      moving.push_back(comm::all_to_all_start(out.contiguous(), ctx.layout.seq_dim, hd, t.ulysses));
+    }
+    return anchored(detail::heads_from_groups(moving, u, gq, ctx.layout), {q, k, v});
   }
 };
 

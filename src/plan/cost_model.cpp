@@ -252,9 +252,10 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {
     hidden_s += std::min(co_gathers, attn_s / static_cast<double>(c));
   }
-  // Async ulysses in G head groups: the output all-to-alls of all groups but the last (and in
-  // backward all but the first) fly while another group is attended.
-  if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {
+  // Async ulysses and usp in G head groups: the output all-to-alls of all groups but the last
+  // (and in backward all but the first) fly while another group is attended.
+  if (async && (config.algorithm == cp::CPAlgorithm::kUlysses ||
+                config.algorithm == cp::CPAlgorithm::kUsp)) {
     const double groups =
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
     hidden_s += std::min(late_a2a * (groups - 1) / groups, attn_s * (groups - 1) / groups);

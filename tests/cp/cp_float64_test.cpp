@@ -78,7 +78,7 @@ struct Case {
   LoadBalanceForm form = LoadBalanceForm::kDataOrder;
   int64_t kv_heads = kNkv;
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
-  int64_t head_groups = 0;          // async ulysses (0: automatic)
+  int64_t head_groups = 0;          // async ulysses, usp (0: automatic)
   bool always_local_first = false;  // async all_gather and hybrid
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
@@ -283,7 +283,76 @@ TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
   cfg.schedule = CPSchedule::kSync;
   HP_EXPECT_ERROR(normalize(cfg, p),
                   "cp_config.ulysses_head_groups=4 applies to "
-                  "algorithm=ulysses with schedule=async (got ulysses, sync)");
+                  "algorithm=ulysses or usp with schedule=async (got ulysses, sync)");
+  cfg.algorithm = "hybrid";
+  cfg.ulysses_degree = 2;
+  cfg.schedule = CPSchedule::kAsync;
+  HP_EXPECT_ERROR(normalize(cfg, 4),
+                  "applies to algorithm=ulysses or usp with schedule=async "
+                  "(got hybrid, async)");
+}
+
+// Async usp in head groups (P=4, U=2: 6 query and 3 K/V heads per rank; automatic = 3
+// groups, a ring each), against the reference, balanced and not.
+TEST(CPFloat64, UspHeadGroups) {
+  for (int64_t g : {1, 3}) {
+    for (bool lb : {false, true}) {
+      Case c{"usp", 2, lb, LoadBalanceForm::kDataOrder};
+      c.head_groups = g;
+      for (bool causal : {true, false})
+        run_case(c, 4, CPSchedule::kAsync, causal);
+    }
+  }
+}
+
+// Async usp: each head group's ring runs on its own and the group's output all-to-all starts
+// as soon as it is done: rank 0 (P=4, U=2, 3 groups) records three output all-to-alls of 2
+// heads and S/C = 24 positions after the Q/K/V ones, and launches the first before its last
+// attention call begins.
+TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
+  const int p = 4;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "usp";
+  cfg.ulysses_degree = 2;
+  cfg.schedule = CPSchedule::kAsync;
+  cfg.ulysses_head_groups = 3;
+  const auto norm = *normalize(cfg, p);
+  auto tracer = std::make_shared<common::Tracer>();
+  hp::testing::RankOptions ro;
+  ro.tracer = tracer;
+  run_ranks(
+      p,
+      [&](comm::World& w) {
+        Direct m(true);
+        apply_cp(m, w, norm);
+        auto mine = [&](const at::Tensor& full) {
+          return shard_sequence(full, 2, w.rank(), p, false);
+        };
+        auto& rec = *w.context().recorder;
+        rec.clear();
+        m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
+                  mine(f64(3, {1, kNkv, kS, kDv})));
+        std::vector<std::string> a2a;
+        for (const auto& op : rec.schedule()) {
+          if (op.rfind("all_to_all(", 0) == 0) a2a.push_back(op);
+        }
+        ASSERT_EQ(a2a.size(), 6u) << ::testing::PrintToString(rec.schedule());
+        for (size_t i = 3; i < 6; ++i)
+          EXPECT_NE(a2a[i].find("[1,2,24,6]"), std::string::npos) << a2a[i];
+      },
+      ro);
+  std::vector<int64_t> a2a_launch, attention_begin;
+  for (const auto& e : tracer->events()) {
+    if (e.rank != 0) continue;
+    if (e.category == "comm" && e.name == "all_to_all") a2a_launch.push_back(e.begin_us);
+    if (e.name == "attention") attention_begin.push_back(e.begin_us);
+  }
+  std::sort(a2a_launch.begin(), a2a_launch.end());
+  std::sort(attention_begin.begin(), attention_begin.end());
+  ASSERT_EQ(a2a_launch.size(), 6u);
+  ASSERT_FALSE(attention_begin.empty());
+  EXPECT_LT(a2a_launch[3], attention_begin.back())
+      << "the first group's output all-to-all must fly while a later group's ring runs";
 }
 
 // kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is sent once (gathered

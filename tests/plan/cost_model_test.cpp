@@ -115,6 +115,34 @@ TEST(CostModel, AsyncHybridHidesItsCoGroupGathersBehindTheCoBlock) {
   EXPECT_NEAR(sync.exposed_comm_s - async.exposed_comm_s, gathers, 1e-9 * gathers);
 }
 
+// Async usp in G head groups (P = 4, U = 2: 4 query and K/V heads per rank, G = 4 asked):
+// the output all-to-alls of G - 1 groups and their inverses fly while another group's ring
+// runs, as async Ulysses' do; one group (usp's automatic count) hides none of them, and sync
+// usp none either.
+TEST(CostModel, AsyncUspHidesTheOutputAllToAllsOfAllGroupsButOne) {
+  auto slow = synthetic(1.0 / 125e6);
+  auto w = workload();
+  auto grouped = config("usp", false, 2), single = config("usp", false, 2);
+  grouped.schedule = single.schedule = cp::CPSchedule::kAsync;
+  grouped.ulysses_head_groups = 4;
+  EXPECT_EQ(cp::ulysses_head_groups_of(single, 4, 4), 1);
+  EXPECT_EQ(predict_cp_step(slow, single, 4, w).step_s, [&] {
+    auto one = single;
+    one.ulysses_head_groups = 1;
+    return predict_cp_step(slow, one, 4, w).step_s;
+  }());
+  const auto a = predict_cp_step(slow, grouped, 4, w), one = predict_cp_step(slow, single, 4, w);
+  // The output [S/P positions x all heads] per rank, (U-1)/U of it moved, forward + backward.
+  const double out_bytes = 4.0 * (w.seq / 4) * w.heads * w.head_dim / 2;
+  const double late = 2 * slow.fit("all_to_all", 4).time(out_bytes);
+  ASSERT_LT(late, a.compute_s / 4);
+  EXPECT_NEAR(one.exposed_comm_s - a.exposed_comm_s, late * 3 / 4, 1e-9 * late);
+  EXPECT_DOUBLE_EQ(a.comm_s, one.comm_s);
+  EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
+  EXPECT_GE(predict_cp_step(slow, config("usp", false, 2), 4, w).exposed_comm_s,
+            one.exposed_comm_s);
+}
+
 // The async schedule's own cost: async all_gather pays async_seconds_per_token per local token
 // on top of the sync compute, so on a fast link (little to hide) sync ranks first and on a slow
 // one async still does; the ring's async schedule is its sync one and pays nothing. Without

@@ -69,7 +69,7 @@ struct CPRuntimeContext {
   // The module's K/V heads (this rank's, after TP) as they reach CP; set by the runtime before
   // any K/V is moved. With kv_head_policy=repeat and kv_heads % U != 0, K/V take the repeat path.
   int64_t kv_heads = 0;
-  // Async ulysses: head groups (ContextParallelConfig::ulysses_head_groups; 0: automatic).
+  // Async ulysses and usp: head groups (ContextParallelConfig::ulysses_head_groups; 0: auto).
   int64_t ulysses_head_groups = 0;
   // Async all_gather (ContextParallelConfig::async_always_local_first).
   bool async_always_local_first = false;
