@@ -449,14 +449,20 @@ TEST(CPAsync, AttentionOnLocalDataRunsWhileTheCollectivesArePending) {
 // each part attends its local chunks first and the rest after. Balanced P = 2, rank 0 holds
 // chunks 0 and 3: landed, one call per part; local first, part 0 (chunk 0) sees only its own
 // chunk (1 call) and part 1 (chunk 3) chunk 0, chunk 3 and the gap [1, 3) (3 calls).
+// Rank 0's attention calls in one balanced async forward (rank0_forward_with_late_peer).
+int attention_calls(const std::string& algo, int p, int late, bool always_local_first,
+                    int pause_ms) {
+  int n = 0;
+  for (const auto& e :
+       rank0_forward_with_late_peer(algo, p, late, true, always_local_first, pause_ms)) {
+    n += e.name == "attention";
+  }
+  return n;
+}
+
 TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
   auto calls = [](int late, bool always_local_first, int pause_ms) {
-    int n = 0;
-    for (const auto& e :
-         rank0_forward_with_late_peer("all_gather", 2, late, true, always_local_first, pause_ms)) {
-      n += e.name == "attention";
-    }
-    return n;
+    return attention_calls("all_gather", 2, late, always_local_first, pause_ms);
   };
   EXPECT_EQ(calls(-1, false, 200), 2);
   EXPECT_EQ(calls(-1, true, 200), 4);
@@ -467,25 +473,25 @@ TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
 // shards: rank r holds chunks 2r and 2P-2r-1 of eight): rank 0 holds chunks 0, 7 (its own) and
 // 2, 5 (rank 1's), one query part each. Local first, part 0 sees only its own chunk (1 call),
 // part 7 the four held chunks and the gaps 1, 3-4 and 6 (7), part 2 chunks 0, 2 and the gap 1
-// (3), part 5 chunks 0, 2, 5 and the gaps 1 and 3-4 (5): 16. Once landed (at the latest after
-// part 0), one call per part: 4. How soon the gathers land after their launch is up to
-// the threads, so the landed case gets a few tries; the late co-peer (rank 2) and
-// async_always_local_first never land in time.
+// (3), part 5 chunks 0, 2, 5 and the gaps 1 and 3-4 (5): 16. A part whose turn comes once the
+// gathers have landed takes one call: 4 when they land during part 0, 10 during part 7, 12
+// during part 2. How soon they land after their launch is up to the threads (on an idle
+// machine during part 0; on a loaded one later), so the landed case gets a few tries and must
+// come below 16 on one of them; the late co-peer (rank 2) and async_always_local_first never
+// land in time.
 TEST(CPAsync, HybridAttendsAPartInOneCallOnceItsCoGroupGathersHaveLanded) {
   auto calls = [](int late, bool always_local_first, int pause_ms) {
-    int n = 0;
-    for (const auto& e :
-         rank0_forward_with_late_peer("hybrid", 4, late, true, always_local_first, pause_ms)) {
-      n += e.name == "attention";
-    }
-    return n;
+    return attention_calls("hybrid", 4, late, always_local_first, pause_ms);
   };
   EXPECT_EQ(calls(2, false, 0), 16);
   EXPECT_EQ(calls(-1, true, 200), 16);
   int fewest = 16;
-  for (int attempt = 0; attempt < 5 && fewest > 4; ++attempt)
-    fewest = std::min(fewest, calls(-1, false, 200));
-  EXPECT_EQ(fewest, 4);
+  for (int attempt = 0; attempt < 10 && fewest > 4; ++attempt) {
+    const int n = calls(-1, false, 200);
+    EXPECT_TRUE(n == 4 || n == 10 || n == 12 || n == 16) << n;
+    fewest = std::min(fewest, n);
+  }
+  EXPECT_LT(fewest, 16) << "no part ever ran as one call after the gathers had landed";
 }
 
 TEST(CPAsync, HybridWaitsForItsAllToAllsBeforeItsFirstAttention) {

@@ -230,18 +230,15 @@ TEST(CPFloat64, UlyssesHeadGroups) {
   }
 }
 
-// Each head group's output all-to-all starts as soon as the group is attended: in rank 0's
-// timeline the first group's output all-to-all is launched before the last attention call
-// begins, and the forward records one output all-to-all per group ([1, 2, 48, 6]: 2 heads of
-// the group, the whole sequence). A count that does not divide the heads per rank, or one given
-// to another schedule or strategy, is refused before any collective.
-TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
-  const int p = 2;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "ulysses";
-  cfg.schedule = CPSchedule::kAsync;
-  cfg.ulysses_head_groups = 3;
-  const auto norm = *normalize(cfg, p);
+// One async forward of `norm` over p ranks (causal, contiguous shards): every rank's recorded
+// collectives in order, and rank 0's all-to-all launches and attention starts (sorted).
+struct GroupedForward {
+  std::vector<std::vector<std::string>> schedules;  // [rank]
+  std::vector<int64_t> a2a_launch, attention_begin;
+};
+GroupedForward grouped_forward(const ContextParallelConfig& norm, int p) {
+  GroupedForward f;
+  f.schedules.resize(p);
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions ro;
   ro.tracer = tracer;
@@ -257,23 +254,39 @@ TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
         rec.clear();
         m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
                   mine(f64(3, {1, kNkv, kS, kDv})));
-        auto sched = rec.schedule();
-        ASSERT_EQ(sched.size(), 6u) << ::testing::PrintToString(sched);
-        for (size_t i = 3; i < 6; ++i)
-          EXPECT_EQ(sched[i], "all_to_all(cp)[1,2,48,6]");
+        f.schedules[w.rank()] = rec.schedule();
       },
       ro);
-  std::vector<int64_t> a2a_launch, attention_begin;
   for (const auto& e : tracer->events()) {
     if (e.rank != 0) continue;
-    if (e.category == "comm" && e.name == "all_to_all") a2a_launch.push_back(e.begin_us);
-    if (e.name == "attention") attention_begin.push_back(e.begin_us);
+    if (e.category == "comm" && e.name == "all_to_all") f.a2a_launch.push_back(e.begin_us);
+    if (e.name == "attention") f.attention_begin.push_back(e.begin_us);
   }
-  std::sort(a2a_launch.begin(), a2a_launch.end());
-  std::sort(attention_begin.begin(), attention_begin.end());
-  ASSERT_EQ(a2a_launch.size(), 6u);
-  ASSERT_FALSE(attention_begin.empty());
-  EXPECT_LT(a2a_launch[3], attention_begin.back())
+  std::sort(f.a2a_launch.begin(), f.a2a_launch.end());
+  std::sort(f.attention_begin.begin(), f.attention_begin.end());
+  return f;
+}
+
+// Each head group's output all-to-all starts as soon as the group is attended: in rank 0's
+// timeline the first group's output all-to-all is launched before the last attention call
+// begins, and the forward records one output all-to-all per group ([1, 2, 48, 6]: 2 heads of
+// the group, the whole sequence). A count that does not divide the heads per rank, or one given
+// to another schedule or strategy, is refused before any collective.
+TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
+  const int p = 2;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "ulysses";
+  cfg.schedule = CPSchedule::kAsync;
+  cfg.ulysses_head_groups = 3;
+  const auto f = grouped_forward(*normalize(cfg, p), p);
+  for (const auto& sched : f.schedules) {
+    ASSERT_EQ(sched.size(), 6u) << ::testing::PrintToString(sched);
+    for (size_t i = 3; i < 6; ++i)
+      EXPECT_EQ(sched[i], "all_to_all(cp)[1,2,48,6]");
+  }
+  ASSERT_EQ(f.a2a_launch.size(), 6u);
+  ASSERT_FALSE(f.attention_begin.empty());
+  EXPECT_LT(f.a2a_launch[3], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group is attended";
 
   cfg.ulysses_head_groups = 4;
@@ -306,9 +319,9 @@ TEST(CPFloat64, UspHeadGroups) {
 }
 
 // Async usp: each head group's ring runs on its own and the group's output all-to-all starts
-// as soon as it is done: rank 0 (P=4, U=2, 3 groups) records three output all-to-alls of 2
-// heads and S/C = 24 positions after the Q/K/V ones, and launches the first before its last
-// attention call begins.
+// as soon as it is done: every rank (P=4, U=2, 3 groups) records three output all-to-alls of
+// 2 heads and S/C = 24 positions after the Q/K/V ones, and rank 0 launches the first before its
+// last attention call begins.
 TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   const int p = 4;
   ContextParallelConfig cfg;
@@ -316,42 +329,19 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   cfg.ulysses_degree = 2;
   cfg.schedule = CPSchedule::kAsync;
   cfg.ulysses_head_groups = 3;
-  const auto norm = *normalize(cfg, p);
-  auto tracer = std::make_shared<common::Tracer>();
-  hp::testing::RankOptions ro;
-  ro.tracer = tracer;
-  run_ranks(
-      p,
-      [&](comm::World& w) {
-        Direct m(true);
-        apply_cp(m, w, norm);
-        auto mine = [&](const at::Tensor& full) {
-          return shard_sequence(full, 2, w.rank(), p, false);
-        };
-        auto& rec = *w.context().recorder;
-        rec.clear();
-        m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
-                  mine(f64(3, {1, kNkv, kS, kDv})));
-        std::vector<std::string> a2a;
-        for (const auto& op : rec.schedule()) {
-          if (op.rfind("all_to_all(", 0) == 0) a2a.push_back(op);
-        }
-        ASSERT_EQ(a2a.size(), 6u) << ::testing::PrintToString(rec.schedule());
-        for (size_t i = 3; i < 6; ++i)
-          EXPECT_NE(a2a[i].find("[1,2,24,6]"), std::string::npos) << a2a[i];
-      },
-      ro);
-  std::vector<int64_t> a2a_launch, attention_begin;
-  for (const auto& e : tracer->events()) {
-    if (e.rank != 0) continue;
-    if (e.category == "comm" && e.name == "all_to_all") a2a_launch.push_back(e.begin_us);
-    if (e.name == "attention") attention_begin.push_back(e.begin_us);
+  const auto f = grouped_forward(*normalize(cfg, p), p);
+  for (const auto& sched : f.schedules) {
+    std::vector<std::string> a2a;
+    for (const auto& op : sched) {
+      if (op.rfind("all_to_all(", 0) == 0) a2a.push_back(op);
+    }
+    ASSERT_EQ(a2a.size(), 6u) << ::testing::PrintToString(sched);
+    for (size_t i = 3; i < 6; ++i)
+      EXPECT_NE(a2a[i].find("[1,2,24,6]"), std::string::npos) << a2a[i];
   }
-  std::sort(a2a_launch.begin(), a2a_launch.end());
-  std::sort(attention_begin.begin(), attention_begin.end());
-  ASSERT_EQ(a2a_launch.size(), 6u);
-  ASSERT_FALSE(attention_begin.empty());
-  EXPECT_LT(a2a_launch[3], attention_begin.back())
+  ASSERT_EQ(f.a2a_launch.size(), 6u);
+  ASSERT_FALSE(f.attention_begin.empty());
+  EXPECT_LT(f.a2a_launch[3], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group's ring runs";
 }
 
