@@ -123,6 +123,8 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     mask: None, or packed documents: the document id of every token of the global sequence
     ([S] or [B, S] integers) or cu_seqlens ([0, L1, L1+L2, ..., S]); attention never crosses a
     document. kv_head_policy: error | repeat (K/V heads fewer than the Ulysses degree).
+    head_groups: async ulysses or usp, this rank's heads in that many groups whose output
+    all-to-alls fly while the next group is attended (0: automatic; usp's automatic count is 1).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)

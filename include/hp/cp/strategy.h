@@ -71,7 +71,7 @@ struct CPRuntimeContext {
   int64_t kv_heads = 0;
   // Async ulysses and usp: head groups (ContextParallelConfig::ulysses_head_groups; 0: auto).
   int64_t ulysses_head_groups = 0;
-  // Async all_gather (ContextParallelConfig::async_always_local_first).
+  // Async all_gather and hybrid (ContextParallelConfig::async_always_local_first).
   bool async_always_local_first = false;
 };
 
