@@ -81,13 +81,14 @@ std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tenso
 // [B, T/P, P*n, X] (this rank's tokens, every head, in rank order).
 at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group);
 
-// Async head groups (ulysses, usp): the number G of groups this rank's nq query and nkv K/V
-// heads (after the all-to-all) run in (ctx.ulysses_head_groups, 0: Ulysses' automatic count;
-// it divides both),
-// and the groups' outputs put back together. moving[g] is group g's output [.., U*S_l, .., gq,
-// ..] started on its head->seq all-to-all in the Ulysses group of `degree` ranks; waited in
-// order, (rank j, group g, head i) is global head j*G*gq + g*gq + i: [.., S_l, .., N, ..].
-int64_t head_groups(const CPRuntimeContext& ctx, int64_t nq, int64_t nkv);
+// Async head groups (ulysses, usp): the number G of groups `algorithm` runs this rank's nq
+// query and nkv K/V heads (after the all-to-all) in (ulysses_head_groups_of with
+// ctx.ulysses_head_groups; it divides both), and the groups' outputs put back together.
+// moving[g] is group g's output [.., U*S_l, .., gq, ..] started on its head->seq all-to-all in
+// the Ulysses group of `degree` ranks; waited in order, (rank j, group g, head i) is global head
+// j*G*gq + g*gq + i: [.., S_l, .., N, ..].
+int64_t head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
+                    int64_t nkv);
 at::Tensor heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
                              int64_t group_heads, const QKVLayout& l);
 

@@ -185,8 +185,10 @@ void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeCont
            "common divisor of the query and key/value heads per rank, or 0 (automatic)");
 }
 
-int64_t detail::head_groups(const CPRuntimeContext& ctx, int64_t nq, int64_t nkv) {
+int64_t detail::head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
+                            int64_t nkv) {
   ContextParallelConfig c;
+  c.algorithm = algorithm;
   c.ulysses_head_groups = ctx.ulysses_head_groups;
   const int64_t g = ulysses_head_groups_of(c, nq, nkv);
   HP_INTERNAL_ASSERT(nq % g == 0 && nkv % g == 0, "head groups: ", g, " for ", nq, " and ", nkv,
@@ -258,7 +260,8 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     const int64_t r = ctx.topology->ulysses_rank;
     const int64_t s = q.size(seq), total = s * p;
     const int64_t nq = q.size(hd) / p, nkv = k.size(hd) / p;
-    const int64_t groups = detail::head_groups(ctx, nq, nkv), gq = nq / groups, gkv = nkv / groups;
+    const int64_t groups = detail::head_groups(ctx, CPAlgorithm::kUlysses, nq, nkv),
+                  gq = nq / groups, gkv = nkv / groups;
     const bool causal = call.options().causal;
     const int64_t own = r * s, own_end = own + s;
     // Queries at global [q_begin, ..) against keys at [key_begin, ..), heads of group g.

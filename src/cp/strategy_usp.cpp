@@ -87,12 +87,9 @@ class UspStrategy final : public detail::UlyssesMoves {
     }
     ring.chunk_len = ctx.load_balance ? s / (2 * u) : s;
     const int64_t hd = ctx.layout.heads_dim, nq = q.size(hd), nkv = k.size(hd);
-    // Groups only when configured: each costs a ring of its own (measured at P = 4, U = 2 on
-    // the 1 Gbit/s link: async 5-18% slower than sync at S = 4096, 12-24% faster at S = 16384;
-    // docs/benchmarks.md).
-    const int64_t groups = grouped && ctx.ulysses_head_groups > 0 && !repeated_kv(ctx)
-                               ? detail::head_groups(ctx, nq, nkv)
-                               : 1;
+    // usp's automatic count is 1 (ulysses_head_groups_of): each group costs a ring of its own.
+    const int64_t groups =
+        grouped && !repeated_kv(ctx) ? detail::head_groups(ctx, CPAlgorithm::kUsp, nq, nkv) : 1;
     if (groups == 1) {
       auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);
       return restore_output({out}, PreparedQKV{}, ctx);
