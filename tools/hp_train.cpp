@@ -9,7 +9,7 @@
 //     [--attention softmax|mla] [--mla-cp latent_all_gather|ulysses|all_gather] [--kv-rank R]
 //     [--arch qwen3|qwen3-moe|qwen3.5|kimi-linear] [--layer-pattern LLLG] [--experts E]
 //     [--top-k K] [--ep EP] [--aux-loss-coef C] [--capacity-factor F] [--linear-cp-mode M]
-//     [--init-from HF_DIR] [--export-hf DIR]
+//     [--init-from HF_DIR] [--export-hf DIR] [--init-weights CHECKPOINT]
 //     [--metrics-json FILE] [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 //     [--resume-if-exists] [--nan-policy error|skip-step] [--memory-limit SIZE]
 //     [--timeout SECONDS] [--max-restarts N] [--config FILE.json]
@@ -155,6 +155,9 @@ void add_task_options(CLI::App& app, Args& a) {
   app.add_flag("--pack-documents", o.pack_documents,
                "packed documents: attention stays inside each document, positions restart "
                "(--data: documents end after --eod-id; copy task: several copy documents)");
+  app.add_option("--copy-min-block", o.copy_min_block,
+                 "copy task: each row copies a block of a random length in [this, S/2] after "
+                 "unlabeled random tokens, so the copy distance varies (default 0: S/2)");
   app.add_option("--eod-id", o.eod_id, "end-of-document token id (--data with --pack-documents)");
   app.add_option("--seed", o.seed, "data seed");
 }
@@ -193,19 +196,24 @@ void add_family_options(CLI::App& app, Args& a) {
   app.add_option("--init-from", o.init_from,
                  "a Hugging Face qwen3 / qwen3-moe directory (config.json + *.safetensors): the "
                  "model's sizes and weights; each rank reads only its slices");
+  app.add_option("--init-weights", o.init_weights,
+                 "an hp-train checkpoint (step_* directory, or a --checkpoint-dir: its newest "
+                 "step) of the same layout and model: its weights start this run, with a fresh "
+                 "optimizer at step 1 (--seq-len, --seed, --lr may differ)");
   app.add_option("--export-hf", o.export_hf,
                  "write the trained model here in the Hugging Face format (config.json + "
                  "model.safetensors)");
 }
 
 // --init-from: the model's sizes (and family) come from the checkpoint's config.json; a size
-// flag given beside it is refused rather than silently overridden.
+// flag (or --init-weights, which would replace the weights) given beside it is refused rather
+// than silently overridden.
 void model_from_checkpoint(const CLI::App& app, Args& a) {
   auto& o = a.train;
   if (o.init_from.empty()) return;
   for (const char* flag : {"--vocab", "--layers", "--hidden", "--heads", "--kv-heads", "--head-dim",
                            "--ffn", "--experts", "--top-k", "--moe-ffn", "--arch", "--mixer",
-                           "--attention", "--layer-pattern"}) {
+                           "--attention", "--layer-pattern", "--init-weights"}) {
     HP_CHECK(app.count(flag) == 0, "hp-train: ", flag, " and --init-from both set the model; ",
              "its sizes come from ", o.init_from, "/config.json: drop ", flag);
   }
@@ -436,6 +444,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"top_k", o.model.moe_top_k},
                         {"ep", o.ep},
                         {"init_from", o.init_from},
+                        {"init_weights", o.init_weights},
                         {"export_hf", o.export_hf},
                         {"value_heads", o.model.value_heads},
                         {"cp_mode", o.linear.mode},
@@ -445,6 +454,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"index_loss", o.model.index_loss},
                         {"data", o.data},
                         {"pack_documents", o.pack_documents},
+                        {"copy_min_block", o.copy_min_block},
                         {"seed", o.seed},
                         {"plan", r.plan}}},
                       {"steps", steps},

@@ -171,11 +171,22 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
           {"ranks", records}};
 }
 
-// The manifest of checkpoint `dir`, checked against the resuming run: world size, layout, model,
-// sequence length and seed (errors); learning rate (a warning on rank 0). Returns this rank's
-// record; nullopt for a checkpoint written before manifests recorded files.
+// How a checkpoint is read: by --resume (everything; the run continues) or by --init-weights (the
+// model tensors only; a new run starts from them). `who` prefixes every message.
+struct Reading {
+  std::string who;
+  bool weights_only = false;
+};
+const Reading kResume{"hp-train --resume", false};
+const Reading kInitWeights{"hp-train --init-weights", true};
+
+// The manifest of checkpoint `dir`, checked against this run: world size, layout and model
+// (errors); for --resume also the sequence length and seed (errors) and the learning rate (a
+// warning on rank 0). Returns this rank's record; nullopt for a checkpoint written before
+// manifests recorded files.
 std::optional<RankRecord> check_manifest(const std::string& dir, int world_size, int rank,
-                                         const TrainOptions& o) {
+                                         const TrainOptions& o, const Reading& how) {
+  const std::string& who = how.who;
   const auto path = (fs::path(dir) / "manifest.json").string();
   nlohmann::json m;
   try {
@@ -189,34 +200,36 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
                  model.at("layers") == o.model.layers && model.at("hidden") == o.model.hidden &&
                  model.value("experts", 0) == o.model.experts &&
                  model.value("layer_pattern", "") == o.model.layer_pattern,
-             "hp-train --resume: checkpoint '", dir, "' was written by another layout or model (",
+             who, ": checkpoint '", dir, "' was written by another layout or model (",
              m.at("plan").get<std::string>(),
-             "); resume with the same --nproc/--tp/--cp/--dp-shard/--dp-replicate/--ep and model "
-             "sizes (--arch, --experts)");
-    const auto& train = m.at("train");
-    const int64_t seq_len = train.at("seq_len").get<int64_t>();
-    HP_CHECK(seq_len == o.seq_len, "hp-train --resume: checkpoint '", dir,
-             "' was written with --seq-len ", seq_len, ", this run has --seq-len ", o.seq_len,
-             "; resume with the same --seq-len (the batches depend on it)");
-    const auto seed = m.at("rng").at("data_seed").get<uint64_t>();
-    HP_CHECK(seed == o.seed, "hp-train --resume: checkpoint '", dir, "' was written with --seed ",
-             seed, ", this run has --seed ", o.seed,
-             "; resume with the same --seed (the batches are a function of seed and step)");
-    const double lr = train.at("lr").get<double>();
-    if (lr != o.lr && rank == 0) {
-      std::printf(
-          "hp-train --resume: warning: checkpoint '%s' was written with --lr %s, this run has "
-          "--lr %s; the run continues with the new rate, so it will not follow the original "
-          "trajectory\n",
-          dir.c_str(), common::str_cat(lr).c_str(), common::str_cat(o.lr).c_str());
-      std::fflush(stdout);
+             "); use the --nproc/--tp/--cp/--dp-shard/--dp-replicate/--ep and model sizes (--arch, "
+             "--experts) of the run that wrote it");
+    if (!how.weights_only) {
+      const auto& train = m.at("train");
+      const int64_t seq_len = train.at("seq_len").get<int64_t>();
+      HP_CHECK(seq_len == o.seq_len, who, ": checkpoint '", dir, "' was written with --seq-len ",
+               seq_len, ", this run has --seq-len ", o.seq_len,
+               "; resume with the same --seq-len (the batches depend on it), or start a new run "
+               "at this length from its weights with --init-weights");
+      const auto seed = m.at("rng").at("data_seed").get<uint64_t>();
+      HP_CHECK(seed == o.seed, who, ": checkpoint '", dir, "' was written with --seed ", seed,
+               ", this run has --seed ", o.seed,
+               "; resume with the same --seed (the batches are a function of seed and step)");
+      const double lr = train.at("lr").get<double>();
+      if (lr != o.lr && rank == 0) {
+        std::printf(
+            "%s: warning: checkpoint '%s' was written with --lr %s, this run has --lr %s; the run "
+            "continues with the new rate, so it will not follow the original trajectory\n",
+            who.c_str(), dir.c_str(), common::str_cat(lr).c_str(), common::str_cat(o.lr).c_str());
+        std::fflush(stdout);
+      }
     }
     if (!m.contains("ranks")) {
       if (rank == 0) {
         std::printf(
-            "hp-train --resume: warning: the manifest '%s' records no file checksums (written by "
-            "an older hp-train); its files are loaded unverified\n",
-            path.c_str());
+            "%s: warning: the manifest '%s' records no file checksums (written by an older "
+            "hp-train); its files are loaded unverified\n",
+            who.c_str(), path.c_str());
         std::fflush(stdout);
       }
       return std::nullopt;
@@ -224,85 +237,120 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
     for (const auto& r : m.at("ranks")) {
       if (r.at("rank").get<int>() == rank) return rank_record(r);
     }
-    HP_CHECK(false, "hp-train --resume: the manifest '", path, "' has no entry for rank ", rank);
+    HP_CHECK(false, who, ": the manifest '", path, "' has no entry for rank ", rank);
   } catch (const nlohmann::json::exception& e) {
-    HP_CHECK(false, "hp-train --resume: cannot read the manifest '", path, "': ", e.what());
+    HP_CHECK(false, who, ": cannot read the manifest '", path, "': ", e.what());
   } catch (const hp::Error& e) {
     const std::string what = e.what();
-    if (what.rfind("hp-train --resume:", 0) == 0) throw;
-    HP_CHECK(false, "hp-train --resume: cannot read the manifest '", path, "': ", what);
+    if (what.rfind(who + ":", 0) == 0) throw;
+    HP_CHECK(false, who, ": cannot read the manifest '", path, "': ", what);
   }
   return std::nullopt;  // not reached
 }
 
+// Runs `load` (which reads `path`), turning a LibTorch error into one that names the file.
+void load_guarded(const std::string& path, int rank, const std::string& who,
+                  const std::function<void()>& load) {
+  try {
+    load();
+  } catch (const hp::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    HP_CHECK(false, who, ": rank ", rank, " cannot load '", path, "': ", error_text(e));
+  }
+}
+
 // `tensors` against the manifest's record of rank `rank`'s model file `path`: the same names,
 // shapes and dtypes.
-void check_tensors(const NamedTensors& tensors, const RankRecord& record, const std::string& path) {
+void check_tensors(const NamedTensors& tensors, const RankRecord& record, const std::string& path,
+                   const std::string& who) {
   const int rank = record.rank;
   std::map<std::string, const TensorRecord*> saved;
   for (const auto& t : record.tensors)
     saved[t.name] = &t;
   for (const auto& [name, t] : tensors) {
     auto it = saved.find(name);
-    HP_CHECK(it != saved.end(), "hp-train --resume: rank ", rank, ": '", path, "' has no tensor '",
-             name,
-             "' (by its manifest), which this run needs; resume with the model and layout "
+    HP_CHECK(it != saved.end(), who, ": rank ", rank, ": '", path, "' has no tensor '", name,
+             "' (by its manifest), which this run needs; use the model and layout "
              "that wrote the checkpoint");
     const auto& rec = *it->second;
     const std::vector<int64_t> shape = t.sizes().vec();
     const auto dtype = dtype_name(t.scalar_type());
-    HP_CHECK(rec.shape == shape && rec.dtype == dtype, "hp-train --resume: rank ", rank,
-             ": tensor '", name, "' has shape ", describe_shape(rec.shape, rec.dtype), " in '",
-             path, "' (by its manifest), but this run expects ", describe_shape(shape, dtype),
-             "; resume with the model and layout that wrote the checkpoint");
+    HP_CHECK(rec.shape == shape && rec.dtype == dtype, who, ": rank ", rank, ": tensor '", name,
+             "' has shape ", describe_shape(rec.shape, rec.dtype), " in '", path,
+             "' (by its manifest), but this run expects ", describe_shape(shape, dtype),
+             "; use the model and layout that wrote the checkpoint");
     saved.erase(it);
   }
-  HP_CHECK(saved.empty(), "hp-train --resume: rank ", rank, ": '", path, "' holds tensor '",
+  HP_CHECK(saved.empty(), who, ": rank ", rank, ": '", path, "' holds tensor '",
            saved.empty() ? "" : saved.begin()->first,
            "' (by its manifest), which this run's model does not have; resume with the model "
            "and layout that wrote the checkpoint");
 }
 
 // The bytes of rank `rank`'s recorded file, checked against its size and CRC-32.
-std::string read_verified(const std::string& dir, int rank, const FileRecord& f) {
+std::string read_verified(const std::string& dir, int rank, const FileRecord& f,
+                          const std::string& who) {
   const auto path = (fs::path(dir) / f.name).string();
-  HP_CHECK(fs::exists(path), "hp-train --resume: rank ", rank, "'s file '", path,
+  HP_CHECK(fs::exists(path), who, ": rank ", rank, "'s file '", path,
            "' is missing (the manifest records ", f.bytes, " bytes)");
-  HP_CHECK(fs::is_regular_file(path), "hp-train --resume: rank ", rank, "'s file '", path,
+  HP_CHECK(fs::is_regular_file(path), who, ": rank ", rank, "'s file '", path,
            "' is not a regular file");
   std::string bytes;
   try {
     bytes = read_file(path);
   } catch (const std::exception& e) {
-    HP_CHECK(false, "hp-train --resume: rank ", rank, "'s file '", path,
-             "' cannot be read: ", e.what());
+    HP_CHECK(false, who, ": rank ", rank, "'s file '", path, "' cannot be read: ", e.what());
   }
-  HP_CHECK(static_cast<int64_t>(bytes.size()) == f.bytes, "hp-train --resume: rank ", rank,
-           "'s file '", path, "' has ", bytes.size(), " bytes but the manifest records ", f.bytes,
+  HP_CHECK(static_cast<int64_t>(bytes.size()) == f.bytes, who, ": rank ", rank, "'s file '", path,
+           "' has ", bytes.size(), " bytes but the manifest records ", f.bytes,
            ": it was truncated or replaced");
   const uint32_t crc = common::crc32(bytes.data(), bytes.size());
-  HP_CHECK(crc == f.crc32, "hp-train --resume: rank ", rank, "'s file '", path,
-           "' is damaged: its CRC-32 is ", common::crc32_hex(crc), " but the manifest records ",
-           common::crc32_hex(f.crc32));
+  HP_CHECK(crc == f.crc32, who, ": rank ", rank, "'s file '", path, "' is damaged: its CRC-32 is ",
+           common::crc32_hex(crc), " but the manifest records ", common::crc32_hex(f.crc32));
   return bytes;
 }
 
 // The bytes of rank `rank`'s file `name` of `dir`: verified against `record` when there is one.
-std::string read_part(const std::string& dir, int rank, const char* what,
-                      const RankRecord* record) {
+std::string read_part(const std::string& dir, int rank, const char* what, const RankRecord* record,
+                      const std::string& who) {
   const auto name = file_name(rank, what);
   if (record == nullptr) {
     const auto path = file(dir, rank, what);
-    HP_CHECK(fs::is_regular_file(path), "hp-train --resume: rank ", rank, "'s file '", path,
-             "' is missing; resume with the layout that wrote the checkpoint");
+    HP_CHECK(fs::is_regular_file(path), who, ": rank ", rank, "'s file '", path,
+             "' is missing; use the layout that wrote the checkpoint");
     return read_file(path);
   }
   for (const auto& f : record->files) {
-    if (f.name == name) return read_verified(dir, rank, f);
+    if (f.name == name) return read_verified(dir, rank, f, who);
   }
-  HP_CHECK(false, "hp-train --resume: the manifest of '", dir, "' lists no file '", name,
-           "' for rank ", rank);
+  HP_CHECK(false, who, ": the manifest of '", dir, "' lists no file '", name, "' for rank ", rank);
   return {};  // not reached
+}
+
+// Copies rank `rank`'s saved model tensors of `dir` into `tensors` (checked against `record`
+// first when there is one); the optimizer file's bytes are verified too when `optimizer_bytes` is
+// given, before anything is loaded.
+void load_model_part(const std::string& dir, int rank, const NamedTensors& tensors,
+                     const RankRecord* record, const std::string& who,
+                     std::string* optimizer_bytes = nullptr) {
+  const auto model_path = file(dir, rank, "model");
+  if (record != nullptr) check_tensors(tensors, *record, model_path, who);
+  const auto model_bytes = read_part(dir, rank, "model", record, who);
+  if (optimizer_bytes != nullptr) *optimizer_bytes = read_part(dir, rank, "optim", record, who);
+  load_guarded(model_path, rank, who, [&] {
+    torch::serialize::InputArchive archive;
+    archive.load_from(model_bytes.data(), model_bytes.size());
+    at::NoGradGuard no_grad;
+    for (const auto& [name, t] : tensors) {
+      at::Tensor saved;
+      HP_CHECK(archive.try_read(name, saved), who, ": rank ", rank, ": '", model_path,
+               "' has no tensor '", name, "'; it was written by another model or layout");
+      HP_CHECK(saved.sizes() == t.sizes(), who, ": rank ", rank, ": '", name, "' in '", model_path,
+               "' has shape ", saved.sizes(), " but this layout expects ", t.sizes());
+      t.detach().copy_(saved);
+    }
+  });
 }
 
 }  // namespace
@@ -326,36 +374,11 @@ RankRecord save_rank(const std::string& dir, int rank, const NamedTensors& tenso
 
 void load_rank(const std::string& dir, int rank, const NamedTensors& tensors,
                torch::optim::Optimizer& optimizer, const RankRecord* record) {
-  const auto model_path = file(dir, rank, "model");
-  if (record != nullptr) check_tensors(tensors, *record, model_path);
   // Both files are verified before either is loaded.
-  const auto model_bytes = read_part(dir, rank, "model", record);
-  const auto optim_bytes = read_part(dir, rank, "optim", record);
-  auto load = [&](const std::string& path, const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const hp::Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      HP_CHECK(false, "hp-train --resume: rank ", rank, " cannot load '", path,
-               "': ", error_text(e));
-    }
-  };
-  load(model_path, [&] {
-    torch::serialize::InputArchive archive;
-    archive.load_from(model_bytes.data(), model_bytes.size());
-    at::NoGradGuard no_grad;
-    for (const auto& [name, t] : tensors) {
-      at::Tensor saved;
-      HP_CHECK(archive.try_read(name, saved), "hp-train --resume: rank ", rank, ": '", model_path,
-               "' has no tensor '", name, "'; it was written by another model or layout");
-      HP_CHECK(saved.sizes() == t.sizes(), "hp-train --resume: rank ", rank, ": '", name, "' in '",
-               model_path, "' has shape ", saved.sizes(), " but this layout expects ", t.sizes());
-      t.detach().copy_(saved);
-    }
-  });
-  load(file(dir, rank, "optim"),
-       [&] { torch::load(optimizer, optim_bytes.data(), optim_bytes.size()); });
+  std::string optim_bytes;
+  load_model_part(dir, rank, tensors, record, kResume.who, &optim_bytes);
+  load_guarded(file(dir, rank, "optim"), rank, kResume.who,
+               [&] { torch::load(optimizer, optim_bytes.data(), optim_bytes.size()); });
 }
 
 void save_step(const comm::World& world, const TrainOptions& o, const std::string& plan,
@@ -410,12 +433,31 @@ int64_t restore_latest(const comm::World& world, const TrainOptions& o, const Na
     return 0;
   }
   const auto dir = step_dir(o.checkpoint_dir, last);
-  const auto record = check_manifest(dir, world.size(), world.rank(), o);
+  const auto record = check_manifest(dir, world.size(), world.rank(), o, kResume);
   // Every rank learns whether all could restore their part (and the first failed rank's reason).
   run_agreed(world, [&] {
     load_rank(dir, world.rank(), tensors, optimizer, record ? &*record : nullptr);
   });
   return last;
+}
+
+std::string load_weights(const comm::World& world, const TrainOptions& o,
+                         const NamedTensors& tensors) {
+  const std::string& from = o.init_weights;
+  const std::string& who = kInitWeights.who;
+  std::string dir = from;
+  if (!fs::exists(fs::path(from) / "manifest.json")) {
+    const int64_t last = latest_checkpoint(from);
+    HP_CHECK(last > 0, who, ": '", from,
+             "' is neither a checkpoint step (a directory with a manifest.json) nor a "
+             "--checkpoint-dir holding one; give a step_* directory or the directory above it");
+    dir = step_dir(from, last);
+  }
+  const auto record = check_manifest(dir, world.size(), world.rank(), o, kInitWeights);
+  run_agreed(world, [&] {
+    load_model_part(dir, world.rank(), tensors, record ? &*record : nullptr, who);
+  });
+  return dir;
 }
 
 }  // namespace hp::train

@@ -53,12 +53,13 @@ at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
   return t.to(at::kLong);  // byte-level tokens
 }
 
-// One copy document of `len` (even) tokens at [begin, begin + len) of every row: a random block,
-// then the same block again; predict token t+1 from position t only inside the second copy.
-void copy_document(const TrainOptions& o, at::Generator& gen, at::Tensor& ids, at::Tensor& labels,
+// One copy document of `len` (even) tokens at [begin, begin + len) of every row of `ids`: a random
+// block, then the same block again; predict token t+1 from position t only inside the second
+// copy.
+void copy_document(const TrainOptions& o, at::Generator& gen, at::Tensor ids, at::Tensor labels,
                    int64_t begin, int64_t len) {
   const int64_t half = len / 2;
-  auto block = at::randint(1, o.model.vocab, {o.batch, half}, gen, at::kLong);
+  auto block = at::randint(1, o.model.vocab, {ids.size(0), half}, gen, at::kLong);
   auto tokens = at::cat({block, block}, 1);
   ids.narrow(1, begin, len).copy_(tokens);
   auto lab = labels.narrow(1, begin, len);
@@ -66,15 +67,26 @@ void copy_document(const TrainOptions& o, at::Generator& gen, at::Tensor& ids, a
   lab.narrow(1, half - 1, 1).copy_(tokens.narrow(1, half, 1));
 }
 
-// The copy task: one document per row, or packed documents of random even lengths >= 8 (the
-// same cuts for every row of the batch).
+// The copy task: one document per row (after unlabeled random tokens when the copied block's
+// length varies, o.copy_min_block), or packed documents of random even lengths >= 8 (the same
+// cuts for every row of the batch).
 void copy_task_batch(const TrainOptions& o, at::Generator& gen, Batch& b) {
   const int64_t s = o.seq_len;
   HP_CHECK(s % 2 == 0, "hp-train: --seq-len ", s, " must be even for the copy task");
   b.ids = at::empty({o.batch, s}, at::kLong);
   b.labels = at::full({o.batch, s}, -100, at::kLong);
   if (!o.pack_documents) {
-    copy_document(o, gen, b.ids, b.labels, 0, s);
+    if (o.copy_min_block == 0 || o.copy_min_block == s / 2) {
+      copy_document(o, gen, b.ids, b.labels, 0, s);
+      return;
+    }
+    for (int64_t r = 0; r < o.batch; ++r) {
+      const int64_t half =
+          at::randint(o.copy_min_block, s / 2 + 1, {1}, gen, at::kLong).item<int64_t>();
+      auto ids = b.ids.narrow(0, r, 1), labels = b.labels.narrow(0, r, 1);
+      ids.narrow(1, 0, s - 2 * half).random_(1, o.model.vocab, gen);
+      copy_document(o, gen, ids, labels, s - 2 * half, 2 * half);
+    }
     return;
   }
   HP_CHECK(s >= 16,

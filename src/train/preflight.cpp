@@ -50,6 +50,12 @@ void check_options(const TrainOptions& o) {
     HP_CHECK(value >= 1, "hp-train: ", flag, " ", value, " must be >= 1");
   }
   HP_CHECK(o.seq_len >= 2, "hp-train: --seq-len ", o.seq_len, " must be >= 2");
+  HP_CHECK(o.init_from.empty() || o.init_weights.empty(), "hp-train: --init-from '", o.init_from,
+           "' and --init-weights '", o.init_weights, "' both give the starting weights; keep one");
+  HP_CHECK(o.init_weights.empty() || !o.validate,
+           "hp-train: --validate compares against a "
+           "single-process run from the same weights, which --init-weights '",
+           o.init_weights, "' holds only as this layout's shards; drop --validate");
   HP_CHECK(std::isfinite(o.lr) && o.lr > 0, "hp-train: --lr ", o.lr,
            " must be a finite number > 0 (the peak learning rate, e.g. 3e-3)");
   HP_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "hp-train: weight_decay ",
@@ -68,6 +74,14 @@ void check_options(const TrainOptions& o) {
            o.model.capacity_factor,
            " drops tokens per rank (each rank's tokens form one capacity group), so the runs "
            "differ by design; drop --capacity-factor or --validate");
+  HP_CHECK(o.copy_min_block == 0 || (o.copy_min_block >= 2 && o.copy_min_block <= o.seq_len / 2),
+           "hp-train: --copy-min-block ", o.copy_min_block,
+           " must be in [2, --seq-len / 2 = ", o.seq_len / 2,
+           "] (0: the whole row, --seq-len / 2)");
+  HP_CHECK(o.copy_min_block == 0 || (o.data.empty() && !o.pack_documents),
+           "hp-train: --copy-min-block ", o.copy_min_block,
+           " varies the copy task's block in one document per row; drop it with --data or "
+           "--pack-documents");
   if (o.pack_documents) {
     for (int64_t i = 0; i < o.model.layers; ++i) {
       const auto kind = model::layer_mixer(o.model, i);

@@ -223,6 +223,10 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     load_hf_checkpoint(run, &plan, o.init_from);  // a --resume checkpoint then replaces it
     if (world.rank() == 0) std::printf("hp-train: initialised from %s\n", o.init_from.c_str());
   }
+  if (!o.init_weights.empty()) {
+    const auto dir = load_weights(world, o, run.params);  // a --resume checkpoint replaces them
+    if (world.rank() == 0) std::printf("hp-train: weights from %s\n", dir.c_str());
+  }
   const int64_t first = first_step(world, run);
   if (first > o.steps && o.steps > 0) {
     result.already_finished = true;

@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/serialize/input-archive.h>
 #include <nlohmann/json.hpp>
 
 #include "rank_harness.h"
@@ -303,6 +305,79 @@ TEST(HpTrainReliability, ResumeRefusesAChangedSeqLenOrSeedAndWarnsOnLr) {
                                    "' was written with --lr 0.01, this run has --lr 0.02"))
       << lr.out;
   EXPECT_TRUE(contains(lr.out, "resumed from " + step)) << lr.out;
+}
+
+// Rank `rank`'s model tensors of checkpoint step `step`, by name (read as --resume reads them).
+std::vector<std::pair<std::string, at::Tensor>> saved_model(const std::string& step, int rank) {
+  const auto manifest = read_json(step + "/manifest.json");
+  torch::serialize::InputArchive archive;
+  archive.load_from(step + "/rank" + std::to_string(rank) + ".model.pt");
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& t : manifest["ranks"][rank]["tensors"]) {
+    at::Tensor v;
+    archive.read(t["name"].get<std::string>(), v);
+    out.emplace_back(t["name"].get<std::string>(), v);
+  }
+  return out;
+}
+
+// The largest elementwise difference between two ranks' saved models (the same names in order).
+double max_difference(const std::vector<std::pair<std::string, at::Tensor>>& a,
+                      const std::vector<std::pair<std::string, at::Tensor>>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    worst = std::max(worst, (a[i].second - b[i].second).abs().max().item<double>());
+  }
+  return worst;
+}
+
+// --init-weights starts a run at another --seq-len and --seed from a checkpoint's weights with a
+// fresh optimizer: with a vanishing learning rate its first saved step holds the same weights
+// (a fresh run's does not), and its steps count from 1. A checkpoint of another layout, or a
+// path without one, is refused before step 1.
+TEST(HpTrainReliability, InitWeightsStartsALongerRunFromACheckpointsWeights) {
+  const std::string src = fresh("ckpt_init_src"), dst = fresh("ckpt_init_dst"),
+                    cold = fresh("ckpt_init_cold");
+  ASSERT_EQ(run(kTiny + "--steps 3 --checkpoint-dir " + src).rc, 0);
+  const std::string from = src + "/step_00000003";
+  const std::string longer = "--nproc 2 --cp 2 --seq-len 64 --seed 5 --lr 1e-12 --steps 1 ";
+  auto r = run(longer + "--init-weights " + src + " --checkpoint-dir " + dst);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hp-train: weights from " + from)) << r.out;
+  ASSERT_EQ(step_dirs(dst), std::vector<std::string>{"step_00000001"});
+  ASSERT_EQ(run(longer + "--checkpoint-dir " + cold).rc, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto trained = saved_model(from, rank);
+    EXPECT_LT(max_difference(saved_model(dst + "/step_00000001", rank), trained), 1e-6);
+    EXPECT_GT(max_difference(saved_model(cold + "/step_00000001", rank), trained), 1e-3);
+  }
+  // A step directory works as well as the root above it.
+  auto step = run(longer + "--init-weights " + from);
+  EXPECT_EQ(step.rc, 0) << step.out;
+  EXPECT_TRUE(contains(step.out, "hp-train: weights from " + from)) << step.out;
+
+  auto layout = run("--nproc 2 --tp 2 --seq-len 64 --steps 1 --init-weights " + src);
+  EXPECT_NE(layout.rc, 0);
+  EXPECT_TRUE(contains(layout.out, "hp-train --init-weights: checkpoint '" + from +
+                                       "' was written by another layout or model"))
+      << layout.out;
+  auto none = run(longer + "--init-weights " + cold + "/nothing");
+  EXPECT_NE(none.rc, 0);
+  EXPECT_TRUE(contains(
+      none.out, "hp-train --init-weights: '" + cold + "/nothing' is neither a checkpoint step"))
+      << none.out;
+  for (const auto* out : {&layout.out, &none.out})
+    EXPECT_FALSE(contains(*out, "  step 1/")) << *out;
+  auto both = run(longer + "--init-weights " + src + " --init-from " + src);
+  EXPECT_NE(both.rc, 0);
+  EXPECT_TRUE(contains(both.out, "hp-train: --init-weights and --init-from both set the model"))
+      << both.out;
+  auto validate = run(longer + "--init-weights " + src + " --validate");
+  EXPECT_NE(validate.rc, 0);
+  EXPECT_TRUE(contains(validate.out, "holds only as this layout's shards; drop --validate"))
+      << validate.out;
 }
 
 // ---- 10. options and sizes checked up front ----

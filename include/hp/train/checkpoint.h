@@ -78,4 +78,14 @@ void save_step(const comm::World& world, const TrainOptions& options, const std:
 int64_t restore_latest(const comm::World& world, const TrainOptions& options,
                        const NamedTensors& tensors, torch::optim::Optimizer& optimizer);
 
+// --init-weights: copies this rank's model tensors of the checkpoint options.init_weights (a
+// step_* directory, or a --checkpoint-dir whose newest complete step is taken) into `tensors`.
+// The manifest must have this run's world size, layout and model sizes, and the files are
+// verified as for --resume; --seq-len, --seed and --lr may differ. Nothing else is restored: the
+// optimizer state, the step count and the data start fresh (a run at a longer --seq-len starts
+// from the weights of a shorter one). Collective, like restore_latest. Returns the step
+// directory read.
+std::string load_weights(const comm::World& world, const TrainOptions& options,
+                         const NamedTensors& tensors);
+
 }  // namespace hp::train

@@ -51,7 +51,12 @@ struct TrainOptions {
   // and no token is predicted across a boundary. With --data a document ends after each eod_id
   // token; the copy task packs several copy documents into every sequence.
   bool pack_documents = false;
-  int64_t eod_id = -1;         // the end-of-document token id (--data with pack_documents)
+  int64_t eod_id = -1;  // the end-of-document token id (--data with pack_documents)
+  // The copy task's shortest copied block (0: seq_len / 2, the whole row). Below seq_len / 2 each
+  // row copies a block of a random length L in [copy_min_block, seq_len / 2] after
+  // seq_len - 2L unlabeled random tokens: the copy distance varies, so only matching the
+  // content (not a fixed offset) solves it.
+  int64_t copy_min_block = 0;
   bool validate = false;       // also run single-process and compare
   bool validate_mode = false;  // apply in plan::Mode::kValidate (layouts checked at boundaries)
   std::string metrics_json;
@@ -61,6 +66,11 @@ struct TrainOptions {
   // model is written at the end.
   std::string init_from;
   std::string export_hf;
+  // An hp-train checkpoint (a step_* directory, or a checkpoint_dir: its newest step) whose model
+  // weights start this run, of the same layout and model; the optimizer, the step count and the
+  // data start fresh, and seq_len, seed and lr may differ (a longer run from a shorter one's
+  // weights). A --resume checkpoint, when there is one, replaces it.
+  std::string init_weights;
   std::string checkpoint_dir;
   // Steps between checkpoints (>= 0); the last step is always saved when checkpoint_dir is set.
   int64_t checkpoint_every = 0;
