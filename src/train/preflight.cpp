@@ -53,8 +53,8 @@ void check_options(const TrainOptions& o) {
   HP_CHECK(o.init_from.empty() || o.init_weights.empty(), "hp-train: --init-from '", o.init_from,
            "' and --init-weights '", o.init_weights, "' both give the starting weights; keep one");
   HP_CHECK(o.init_weights.empty() || !o.validate,
-           "hp-train: --validate compares against a "
-           "single-process run from the same weights, which --init-weights '",
+           "hp-train: --validate compares against a single-process run from the same weights, "
+           "which --init-weights '",
            o.init_weights, "' holds only as this layout's shards; drop --validate");
   HP_CHECK(std::isfinite(o.lr) && o.lr > 0, "hp-train: --lr ", o.lr,
            " must be a finite number > 0 (the peak learning rate, e.g. 3e-3)");

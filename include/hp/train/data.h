@@ -40,7 +40,9 @@ struct Batch {
 
 // One global batch of `options.batch` rows. Without --data, the embedded long-range task: a
 // random block of tokens, then the same block again; the loss counts only the second half, so
-// it can fall only if attention reaches S/2 tokens back (across CP shards). With --data, random
+// it can fall only if attention reaches S/2 tokens back (across CP shards); with
+// copy_min_block each row's block has its own length in [copy_min_block, S/2] and follows
+// unlabeled random tokens, so the copy distance varies by row. With --data, random
 // windows of `corpus` (which must be the Corpus::load of these options) and their next tokens.
 // With pack_documents: the copy task packs documents of random even lengths (>= 8), each a copy
 // task of its own; --data windows are cut into documents after every eod_id token, and the
