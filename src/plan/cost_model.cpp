@@ -30,6 +30,18 @@ const CollectiveFit& Calibration::fit(const std::string& kind, int64_t world_siz
   return *best;
 }
 
+CollectiveFit fit_collective_line(double small_bytes, double small_s, double large_bytes,
+                                  double large_s, bool* through_origin) {
+  HP_CHECK(large_bytes > small_bytes && small_bytes > 0,
+           "fit_collective_line: the sizes must be 0 < small < large (got small_bytes ",
+           small_bytes, ", large_bytes ", large_bytes, "); time two different positive sizes");
+  const double slope = (large_s - small_s) / (large_bytes - small_bytes);
+  const bool origin = !(slope > 0);
+  if (through_origin != nullptr) *through_origin = origin;
+  if (origin) return {0.0, std::max(0.0, large_s) / large_bytes};
+  return {std::max(0.0, small_s - slope * small_bytes), slope};
+}
+
 std::string to_json(const Calibration& c) {
   nlohmann::json j;
   j["link"] = c.link;

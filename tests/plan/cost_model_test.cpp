@@ -45,6 +45,29 @@ cp::ContextParallelConfig config(const char* algo, bool lb = false, int64_t u = 
   return c;
 }
 
+TEST(CostModel, CollectiveLinesGoThroughTwoSizesOrThroughTheOriginWhenNoiseFlipsThem) {
+  bool origin = true;
+  // 1 MiB in 1.5 ms, 8 MiB in 8.5 ms: 1 ms per MiB, 0.5 ms latency.
+  const double mib = 1 << 20;
+  auto two = fit_collective_line(mib, 1.5e-3, 8 * mib, 8.5e-3, &origin);
+  EXPECT_FALSE(origin);
+  EXPECT_NEAR(two.seconds_per_byte, 1e-3 / mib, 1e-15);
+  EXPECT_NEAR(two.latency_s, 0.5e-3, 1e-12);
+  // The small size timed slower than the large one (a loaded machine): a zero slope would make
+  // every byte free, so the line runs through the origin and the large point.
+  auto flipped = fit_collective_line(mib, 9e-3, 8 * mib, 8e-3, &origin);
+  EXPECT_TRUE(origin);
+  EXPECT_EQ(flipped.latency_s, 0);
+  EXPECT_NEAR(flipped.seconds_per_byte, 8e-3 / (8 * mib), 1e-15);
+  EXPECT_GT(flipped.seconds_per_byte, 0);
+  // Equal times are the same case; a steep small point clamps the latency at 0, not below.
+  EXPECT_GT(fit_collective_line(mib, 8e-3, 8 * mib, 8e-3).seconds_per_byte, 0);
+  auto steep = fit_collective_line(mib, 1e-4, 8 * mib, 16e-3, &origin);
+  EXPECT_FALSE(origin);
+  EXPECT_EQ(steep.latency_s, 0);
+  EXPECT_THROW(fit_collective_line(8 * mib, 1e-3, mib, 2e-3), std::exception);
+}
+
 TEST(CostModel, LegalCandidatesFollowTheHeadChecks) {
   auto names = [](int64_t p, const CPWorkload& w) {
     std::vector<std::string> out;

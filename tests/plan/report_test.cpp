@@ -88,6 +88,14 @@ TEST(Report, CalibrateAutoAndReport) {
   EXPECT_EQ(calibration["link"], "loopback");
   EXPECT_GT(calibration["attention_gflops"].get<double>(), 0);
   EXPECT_GT(calibration["collectives"]["all_to_all"]["2"]["seconds_per_byte"].get<double>(), 0);
+  // Which line each collective took (two points, or the origin where noise flipped the sizes).
+  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}) {
+    for (const char* p : {"2", "4"}) {
+      const auto how = calibration["inputs"]["comm_fit"][kind][p].get<std::string>();
+      EXPECT_TRUE(how == "two_points" || how == "through_origin_and_large") << kind << p << how;
+      EXPECT_GT(calibration["collectives"][kind][p]["seconds_per_byte"].get<double>(), 0) << kind;
+    }
+  }
   EXPECT_EQ(calibration["inputs"]["comm"].size(), 4u);  // P in {2, 4} x two sizes
   // The attention rate is the median of 5 timed steps, so that one or two slow ones on a shared
   // machine do not move it: 3.5 forward units of causal S=4096, H=8, D=64 over the median.

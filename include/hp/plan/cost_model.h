@@ -35,6 +35,14 @@ struct CollectiveFit {
   double time(double bytes) const { return latency_s + bytes * seconds_per_byte; }
 };
 
+// The line latency + bytes * seconds_per_byte through two timed sizes (small, then large; bytes
+// and seconds). Where noise on a shared machine made the small size no faster than the large
+// one, the slope is not a free link: the line goes through the origin and the large point
+// instead (all of its time counted as bandwidth), so seconds_per_byte is never 0 for a
+// positive timing. `through_origin`, if given, says which line was taken.
+CollectiveFit fit_collective_line(double small_bytes, double small_s, double large_bytes,
+                                  double large_s, bool* through_origin = nullptr);
+
 struct Calibration {
   std::string link = "loopback";  // or the emulated rate, e.g. "1gbit"
   int cores = 1;                  // cores of the machine the ranks share

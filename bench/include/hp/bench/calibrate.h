@@ -3,6 +3,9 @@
 // network namespace, so under --link-rate the collectives see the emulated link.
 //   collectives: `hp-bench comm --nproc P --bytes B` for P in {2, 4} and two sizes; a line
 //                latency + bytes * seconds_per_byte through the two points, per kind and P
+//                (plan::fit_collective_line; inputs.comm_fit says which line each took)
+//                (through the origin and the large point where noise made the slope <= 0;
+//                inputs.comm_fit says which, so seconds_per_byte is never 0)
 //   compute:     one-thread blockwise attention (causal, S = 4096, H = 8, D = 64) and matmul
 //   overheads:   per local token (a sync CP layer, measured minus predicted), the ring's per
 //                token per step (ring steps paired with Ulysses steps, P = 4) and the async
