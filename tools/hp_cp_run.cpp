@@ -14,7 +14,7 @@
 // flags do not apply):
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --mixer gdn|kda
 //     [--cp-mode ulysses|state_passing] [--state-exchange all_gather|p2p] [--scale S]
-//     [--chunk-size C]
+//     [--chunk-size C] [--cu-seqlens 0,L1,L1+L2,...]   (the state restarts at each document)
 //
 // MLA's core under CP instead (hp_cp_run_mla.h):
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --attention mla
@@ -302,9 +302,7 @@ int main(int argc, char** argv) {
       return hp_cp_run::run_mla(mla);
     }
     if (hp_cp_run::mixer_requested(app, m)) {
-      HP_CHECK(app.count("--cu-seqlens") == 0,
-               "hp-cp-run: --cu-seqlens does not apply to the linear-attention mixers (packed "
-               "documents reach softmax attention only); drop it");
+      m.cu_seqlens = a.cu_seqlens;
       m.input = a.input;
       m.output = a.output;
       m.cp_size = a.cp_size;

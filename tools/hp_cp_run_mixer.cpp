@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/attention/delta_rule.h"
+#include "hp/attention/linear_host.h"
+#include "hp/attention/masks.h"
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 #include "hp/cp/linear_mixer.h"
@@ -66,6 +68,12 @@ MixerFile load_mixer_file(const MixerArgs& m) {
   hp::attention::MixerOptions o;
   o.scale = m.scale;
   o.chunk_size = m.chunk_size;
+  if (!m.cu_seqlens.empty()) {  // document starts from the boundaries (checked there)
+    auto ids = hp::attention::document_ids_from_cu_seqlens(m.cu_seqlens, f.in.q.size(1));
+    f.in.resets = hp::attention::linear_documents(ids, 0, ids.size(1), 1)
+                      .resets.expand({f.in.q.size(0), ids.size(1)})
+                      .contiguous();
+  }
   f.shape = hp::attention::validate_mixer_inputs(f.in, o, f.gate, true, who);
   const auto& s = f.shape;
   if (f.dout.defined()) {
@@ -110,6 +118,7 @@ std::vector<RankOut> run_ranks(const MixerArgs& m, const MixerFile& f) {
     if (shard.initial_state.defined()) {
       shard.initial_state = shard.initial_state.clone().requires_grad_(backward);
     }
+    if (shard.resets.defined()) shard.resets = shard.resets.narrow(1, r * len, len);
     hp::attention::MixerOptions o;
     o.scale = m.scale;
     o.chunk_size = m.chunk_size;
@@ -172,9 +181,13 @@ nlohmann::json summary(const MixerArgs& m, const MixerFile& f, const std::vector
   cp.mode = m.mode;
   cp.state_exchange = m.exchange;
   const bool backward = f.dout.defined();
-  const int64_t theory = (backward ? 2 : 1) * hp::cp::linear_mixer_forward_bytes_per_rank(
-                                                  s, f.gate, cp, m.cp_size,
-                                                  hp::cp::LinearMixerElementSizes::of(f.in), true);
+  const auto sizes = hp::cp::LinearMixerElementSizes::of(f.in);
+  // The resets' all-gather (ulysses) is in the forward only.
+  const int64_t theory =
+      hp::cp::linear_mixer_forward_bytes_per_rank(s, f.gate, cp, m.cp_size, sizes, true,
+                                                  f.in.resets.defined()) +
+      (backward ? hp::cp::linear_mixer_forward_bytes_per_rank(s, f.gate, cp, m.cp_size, sizes, true)
+                : 0);
   std::vector<int64_t> bytes;
   bytes.reserve(outs.size());
   for (const auto& o : outs)
@@ -191,6 +204,7 @@ nlohmann::json summary(const MixerArgs& m, const MixerFile& f, const std::vector
                       {"scale", s.scale},
                       {"chunk_size", m.chunk_size},
                       {"initial_state", f.in.initial_state.defined()},
+                      {"documents", m.cu_seqlens.empty() ? 0 : m.cu_seqlens.size() - 1},
                       {"backward", backward},
                       {"comm_bytes_per_rank", bytes},
                       {"comm_bytes_theory", theory},

@@ -6,6 +6,8 @@
 //   q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] (gdn) or [B, T, HV, K] (kda) natural-log
 //   gates; beta [B, T, HV]; optional: initial_state [B, HV, K, V], dout like v (then gradients),
 //   dfinal_state like initial_state (with dout).
+// --cu-seqlens 0,L1,L1+L2,...: packed documents, global boundaries shared by every batch row;
+// the state restarts at each (MixerInputs::resets, sharded with the tokens).
 // OUT.pt: out, final_state; with dout also dq, dk, dv, dg, dbeta, and dinitial_state when an
 // initial_state was given (the sum of the ranks' parts: the whole gradient).
 // stdout: one JSON line: the configuration, comm_bytes_per_rank (counted from the transport),
@@ -15,6 +17,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace CLI {  // NOLINT(readability-identifier-naming): CLI11's namespace
 class App;
@@ -29,6 +32,7 @@ struct MixerArgs {
   std::string mode = "state_passing", exchange = "all_gather";
   std::optional<double> scale;
   int64_t chunk_size = 64;
+  std::vector<int64_t> cu_seqlens;  // packed documents (hp-cp-run --cu-seqlens); empty: none
 };
 
 void add_mixer_options(CLI::App& app, MixerArgs& m);

@@ -172,11 +172,14 @@ class LinearAttentionCP(torch.nn.Module):
     context parallelism. mode: state_passing (each rank keeps its shard; the initial states
     travel, state_exchange all_gather | p2p) or ulysses (heads all-to-all; heads % P == 0).
 
-    forward(q, k, v, g, beta, initial_state=None, output_final_state=False) -> (out,
+    forward(q, k, v, g, beta, initial_state=None, output_final_state=False, mask=None) -> (out,
     final_state or None) on this rank's contiguous shard, BSHD: q, k [B, T/P, H, K];
     v [B, T/P, HV, V]; g [B, T/P, HV] (gdn) or [B, T/P, HV, K] (kda); beta [B, T/P, HV];
-    initial_state [B, HV, K, V] (the same tensor on every rank). Outputs and every gradient equal
-    the single-process kernel on the whole sequence.
+    initial_state [B, HV, K, V] (the same tensor on every rank). mask: None, or packed
+    documents as for context_parallel_attention (document ids of the whole sequence, [S] or
+    [B, S], or cu_seqlens): the state restarts at every document, and the initial state reaches
+    only the first. Outputs and every gradient equal the single-process kernel on the whole
+    sequence.
     """
 
     def __init__(self, kind="gdn", mode="state_passing", *, group=None,
@@ -190,15 +193,18 @@ class LinearAttentionCP(torch.nn.Module):
         self.state_exchange, self.kernel = state_exchange, kernel
         self.scale, self.chunk_size = scale, int(chunk_size)
 
-    def forward(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
+    def forward(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+                mask=None):
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             _check_tensor(name, t)
         if initial_state is not None:
             _check_tensor("initial_state", initial_state)
+        group = _group(self.group)
+        docs = _document_ids(mask, q, "bshd", group.size)
         return _C.linear_attention_cp(
-            _group(self.group), self.kind, self.mode, self.state_exchange, self.kernel, q, k, v,
+            group, self.kind, self.mode, self.state_exchange, self.kernel, q, k, v,
             g, beta, initial_state, bool(output_final_state),
-            None if self.scale is None else float(self.scale), self.chunk_size)
+            None if self.scale is None else float(self.scale), self.chunk_size, docs)
 
 
 def shard_sequence(x, dim, group=None, load_balance=False):

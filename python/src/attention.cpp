@@ -14,6 +14,7 @@
 #include "hp/attention/core_attention.h"
 #include "hp/attention/delta_rule.h"
 #include "hp/attention/handoff.h"
+#include "hp/attention/linear_host.h"
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
@@ -178,11 +179,18 @@ py::tuple linear_attention(TorchGroup& g, const std::string& kind, const std::st
                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& gate, const at::Tensor& beta,
                            const std::optional<at::Tensor>& initial_state, bool output_final_state,
-                           std::optional<double> scale, int64_t chunk_size) {
+                           std::optional<double> scale, int64_t chunk_size,
+                           const std::optional<at::Tensor>& doc_ids) {
   HP_CHECK(kind == "gdn" || kind == "kda", "kind='", kind,
            "' is not valid; valid: gdn (Gated DeltaNet, g [B, T, HV]), kda (Kimi Delta "
            "Attention, g [B, T, HV, K])");
-  attention::MixerInputs in{q, k, v, gate, beta, initial_state.value_or(at::Tensor())};
+  attention::MixerInputs in{q, k, v, gate, beta, initial_state.value_or(at::Tensor()), {}};
+  if (doc_ids) {  // this rank's contiguous shard of the whole sequence's document starts
+    const int64_t t = q.size(1);
+    in.resets = attention::linear_documents(*doc_ids, g.group()->rank() * t, t, 1)
+                    .resets.expand({q.size(0), t})
+                    .contiguous();
+  }
   attention::MixerOptions options;
   options.scale = scale;
   options.output_final_state = output_final_state;
@@ -236,7 +244,8 @@ void bind_attention(py::module_& m) {
   m.def("linear_attention_cp", &linear_attention, py::arg("group"), py::arg("kind"),
         py::arg("mode"), py::arg("state_exchange"), py::arg("kernel"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("initial_state"),
-        py::arg("output_final_state"), py::arg("scale"), py::arg("chunk_size"));
+        py::arg("output_final_state"), py::arg("scale"), py::arg("chunk_size"),
+        py::arg("doc_ids") = py::none());
   m.def("document_ids", &attention::document_ids_from_cu_seqlens, py::arg("cu_seqlens"),
         py::arg("total"));
 }

@@ -64,6 +64,12 @@ at::Tensor chunked_view(const at::Tensor& x, int64_t n, int64_t c) {
 }  // namespace
 
 MixerResult delta_rule_recurrent(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
+  if (in.resets.defined()) {
+    validate_mixer_inputs(in, o, gate, /*uses_beta=*/true, "delta rule (recurrent)");
+    return run_by_documents(in, o, [gate](const MixerInputs& i, const MixerOptions& io) {
+      return delta_rule_recurrent(i, io, gate);
+    });
+  }
   auto p = prepare(in, o, gate, "delta rule (recurrent)");
   auto h = p.h0;
   std::vector<at::Tensor> outs;
@@ -112,6 +118,12 @@ Chunks chunk_terms(const Prepared& p, const MixerOptions& o) {
 }  // namespace
 
 MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, GateKind gate) {
+  if (in.resets.defined()) {
+    validate_mixer_inputs(in, o, gate, /*uses_beta=*/true, "delta rule (chunked)");
+    return run_by_documents(in, o, [gate](const MixerInputs& i, const MixerOptions& io) {
+      return delta_rule_chunked(i, io, gate);
+    });
+  }
   auto p = prepare(in, o, gate, "delta rule (chunked)");
   const auto& sh = p.shape;
   const int64_t bh = sh.batch * sh.value_heads;
@@ -127,6 +139,23 @@ MixerResult delta_rule_chunked(const MixerInputs& in, const MixerOptions& o, Gat
 
 void delta_rule_state_summary(const MixerInputs& in, const MixerOptions& o, GateKind gate,
                               at::Tensor& m, at::Tensor& s) {
+  if (in.resets.defined()) {
+    // A row with a reset forgets its initial state: m = 0, s = its final state from zeros.
+    validate_mixer_inputs(in, o, gate, /*uses_beta=*/true, "delta rule (state summary)");
+    auto plain = in;
+    plain.resets = at::Tensor();
+    plain.initial_state = at::Tensor();
+    delta_rule_state_summary(plain, o, gate, m, s);
+    auto from_zero = plain;
+    from_zero.resets = in.resets;
+    auto fo = o;
+    fo.output_final_state = true;
+    auto final_state = delta_rule_chunked(from_zero, fo, gate).final_state;
+    auto forgets = in.resets.any(1).view({-1, 1, 1, 1}).to(m.device());
+    m = at::where(forgets, at::zeros_like(m), m);
+    s = at::where(forgets, final_state.to(s.scalar_type()), s);
+    return;
+  }
   auto p = prepare(in, o, gate, "delta rule (state summary)");
   auto ch = chunk_terms(p, o);
   const int64_t kd = p.shape.key_dim;

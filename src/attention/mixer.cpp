@@ -71,6 +71,14 @@ MixerShape validate_mixer_inputs(const MixerInputs& in, const MixerOptions& o, G
     expect_shape(who, "initial_state", in.initial_state,
                  {s.batch, s.value_heads, s.key_dim, s.value_dim}, "[B, HV, K, V]");
   }
+  if (in.resets.defined()) {
+    expect_shape(who, "resets", in.resets, {s.batch, s.tokens},
+                 "one document-start flag per token");
+    HP_CHECK(in.resets.scalar_type() == at::kBool, who, ": resets has dtype ",
+             c10::toString(in.resets.scalar_type()),
+             "; it must be bool (true where a document "
+             "starts)");
+  }
   HP_CHECK(o.chunk_size >= 1, who, ": chunk_size=", o.chunk_size, " must be >= 1");
   s.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(s.key_dim)));
   HP_CHECK(std::isfinite(s.scale), who, ": scale=", s.scale, " must be finite");

@@ -77,7 +77,7 @@ int64_t linear_mixer_forward_bytes_per_rank(const attention::MixerShape& s,
                                             attention::GateKind gate,
                                             const LinearMixerCPOptions& cp, int64_t cp_size,
                                             const LinearMixerElementSizes& e,
-                                            bool output_final_state) {
+                                            bool output_final_state, bool with_resets) {
   const int64_t p = cp_size;
   if (p <= 1) return 0;
   const int64_t gw = gate == attention::GateKind::kPerChannel ? s.key_dim : 1;
@@ -87,7 +87,8 @@ int64_t linear_mixer_forward_bytes_per_rank(const attention::MixerShape& s,
     const int64_t in = s.batch * (s.tokens / p) * channels * e.inputs;
     const int64_t out = s.batch * s.tokens * (s.value_heads / p) * s.value_dim * e.out;
     const int64_t final_state = output_final_state ? (p - 1) * state / p : 0;
-    return in * (p - 1) / p + out * (p - 1) / p + final_state;
+    const int64_t resets = with_resets ? (p - 1) * s.batch * (s.tokens / p) : 0;
+    return in * (p - 1) / p + out * (p - 1) / p + final_state + resets;
   }
   if (cp.state_exchange == "p2p") return (p - 1) * state * (output_final_state ? 2 : 1);
   return (p - 1) * s.batch * s.value_heads * s.key_dim * (s.value_dim + s.key_dim) * e.state;

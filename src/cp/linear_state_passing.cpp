@@ -5,6 +5,9 @@
 //   layer only: x [B, S/P, hidden] --project--> qkv [B, S/P, C], beta, gate
 //     conv halo: qkv's last w-1 rows --ring shift +1--> the next rank (rank 0: zeros)
 //     convolve [halo | qkv] -> q, k, v, g, beta of the shard; after the mixer: output
+//     packed documents: the shard's resets and conv taps from the global doc ids; a reset in
+//     the shard zeroes the transport after it and M (the mixer's run_by_documents), so the
+//     state from the ranks before reaches only the shard's first document
 //   state_passing_mix (q, k, v, g, beta of the shard):
 //     one run of the kernel over the shard from a symbolic initial state, before any exchange:
 //       values [v | 0_K], initial state [0 | I_K]  (state columns evolve independently)
@@ -155,13 +158,16 @@ class LinearStatePassing final : public attention::LinearInterceptor {
            topology_->id();
   }
 
-  at::Tensor forward(const at::Tensor& x, const attention::LinearLayerStages& stages) override {
+  at::Tensor forward(const at::Tensor& x, const attention::LinearLayerStages& stages,
+                     const at::Tensor& doc_ids) override {
     const auto shape = stages.shape();
-    const int64_t r = topology_->cp_rank, w = shape.conv_width;
-    HP_CHECK(x.size(1) >= w - 1, "linear attention CP (state_passing) on module '",
-             options_.module_path, "': the local shard has ", x.size(1),
-             " tokens, fewer than the conv halo of ", w - 1,
+    const int64_t r = topology_->cp_rank, w = shape.conv_width, n = x.size(1);
+    HP_CHECK(n >= w - 1, "linear attention CP (state_passing) on module '", options_.module_path,
+             "': the local shard has ", n, " tokens, fewer than the conv halo of ", w - 1,
              "; use fewer CP ranks or a longer sequence");
+    // This rank's contiguous tokens [r n, (r+1) n): its resets (a reset drops the state that
+    // arrives from the ranks before) and conv taps (the halo rows of another document dropped).
+    const auto docs = attention::linear_documents(doc_ids, r * n, n, w, n * topology_->cp_size);
     auto t = stages.project(x);
     at::Tensor out_gate;
     std::function<void()> while_in_flight;
@@ -176,8 +182,9 @@ class LinearStatePassing final : public attention::LinearInterceptor {
       auto shifted = comm::ring_shift(tail, 1, topology_->cp);
       halo = replace_on_first(shifted, at::zeros_like(shifted), r);
     }
-    auto conv = stages.convolve(t.qkv, halo, at::Tensor());
+    auto conv = stages.convolve(t.qkv, halo, at::Tensor(), docs.taps);
     auto in = stages.mixer_inputs(conv, t.beta_logit, t.gate_in, 0, shape.heads);
+    if (docs.resets.defined()) in.resets = docs.resets.expand({x.size(0), n});
     MixerKernel kernel;
     kernel.mix = [&stages](const attention::MixerInputs& i, bool f) { return stages.mix(i, f); };
     auto o =

@@ -104,7 +104,7 @@ at::Tensor LinearAttentionImpl::project_out_gate(const at::Tensor& x) const {
 }
 
 at::Tensor LinearAttentionImpl::convolve(const at::Tensor& qkv, const at::Tensor& halo,
-                                         const at::Tensor& channels) const {
+                                         const at::Tensor& channels, const at::Tensor& taps) const {
   const int64_t w = config_.conv_width, ch = qkv.size(2);
   auto weight = channels.defined() ? conv_weight.index_select(0, channels) : conv_weight;
   HP_CHECK(weight.size(0) == ch, "linear attention: qkv has ", ch, " channels, the conv ",
@@ -114,6 +114,15 @@ at::Tensor LinearAttentionImpl::convolve(const at::Tensor& qkv, const at::Tensor
   HP_CHECK(before.dim() == 3 && before.size(1) == w - 1 && before.size(2) == ch,
            "linear attention: the conv halo ", before.sizes(), " must be [B, ", w - 1, ", ", ch,
            "]");
+  if (taps.defined()) {  // packed documents: each row reads only its own document's inputs
+    HP_CHECK(taps.dim() == 3 && taps.size(1) == qkv.size(1) && taps.size(2) == w &&
+                 (taps.size(0) == 1 || taps.size(0) == qkv.size(0)),
+             "linear attention: the conv taps ", taps.sizes(), " must be [B|1, ", qkv.size(1), ", ",
+             w, "] (LinearDocuments::taps of these rows)");
+    auto windows = at::cat({before, qkv}, 1).unfold(1, w, 1);  // [B, S, C, w], oldest first
+    auto kept = taps.unsqueeze(2).to(windows.scalar_type());   // [B|1, S, 1, w]
+    return at::silu((windows * kept * weight.unsqueeze(0).unsqueeze(0)).sum(-1));
+  }
   auto seq = at::cat({before, qkv}, 1).transpose(1, 2);  // [B, C, w-1 + S]
   auto out = at::conv1d(seq, weight.unsqueeze(1), at::Tensor(), at::IntArrayRef{1},
                         at::IntArrayRef{0}, at::IntArrayRef{1}, ch);
@@ -172,8 +181,8 @@ at::Tensor LinearAttentionImpl::output(const at::Tensor& mixed, const at::Tensor
   return at::matmul(flat, w_out.t());
 }
 
-at::Tensor LinearAttentionImpl::forward(const at::Tensor& x) {
-  return host_.forward(x, *this);
+at::Tensor LinearAttentionImpl::forward(const at::Tensor& x, const at::Tensor& doc_ids) {
+  return host_.forward(x, *this, doc_ids);
 }
 
 }  // namespace hp::model

@@ -85,13 +85,26 @@ struct Case {
   bool initial_state = true;
   bool final_state = true;
   std::vector<int64_t> lengths = {};  // state_passing: unequal shards (sum T); empty: T/P each
+  bool documents = false;             // packed documents: resets sharded with the tokens
 };
+
+// Document starts of the whole [2, 24] batch: row 0 at 3, 4 (a one-token document), 8 (a rank
+// boundary for P = 3), 13 and 20; row 1 at token 0 (the initial state dropped) and 12.
+at::Tensor resets_of_the_batch() {
+  auto r = at::zeros({2, 24}, at::kBool);
+  for (int64_t t : {3, 4, 8, 13, 20})
+    r[0][t] = true;
+  r[1][0] = true;
+  r[1][12] = true;
+  return r;
+}
 
 void run_case(const Case& c) {
   const Sizes s;
   const auto gate = c.mixer == "kda" ? GateKind::kPerChannel : GateKind::kPerHead;
   auto w = whole(gate, s);
   if (!c.initial_state) w.initial_state = at::Tensor();
+  if (c.documents) w.resets = resets_of_the_batch();
   auto dout = rnd(7, {s.batch, s.tokens, s.value_heads, s.value_dim});
   auto dfinal = rnd(8, {s.batch, s.value_heads, s.key_dim, s.value_dim});
   if (!c.final_state) dfinal.zero_();
@@ -101,8 +114,8 @@ void run_case(const Case& c) {
   if (lengths.empty()) lengths.assign(c.p, s.tokens / c.p);
   for (int64_t l : lengths)
     starts.push_back(starts.back() + l);
-  const std::string what =
-      c.mixer + " " + c.mode + "/" + c.exchange + " " + c.kernel + " P=" + std::to_string(c.p);
+  const std::string what = c.mixer + " " + c.mode + "/" + c.exchange + " " + c.kernel +
+                           " P=" + std::to_string(c.p) + (c.documents ? " packed" : "");
   run_ranks(c.p, [&](comm::World& world) {
     comm::DeviceMesh mesh(world, {{"cp", c.p}});
     auto topo = CPTopology::build(world, mesh.group_ptr({"cp"}), *normalize(std::nullopt, c.p));
@@ -112,6 +125,7 @@ void run_case(const Case& c) {
       if (!t->defined()) continue;
       *t = (t == &shard.initial_state ? *t : t->narrow(1, t0, len)).clone().requires_grad_(true);
     }
+    if (c.documents) shard.resets = w.resets.narrow(1, t0, len);
     attention::MixerOptions o;
     o.output_final_state = c.final_state;
     o.chunk_size = s.chunk;
@@ -154,10 +168,16 @@ void run_case(const Case& c) {
       }
     }
     attention::MixerShape global{s.batch, s.tokens, s.heads, s.value_heads, s.key_dim, s.value_dim};
-    const int64_t formula = linear_mixer_forward_bytes_per_rank(
-        global, gate, cp, c.p, LinearMixerElementSizes::of(shard), c.final_state);
+    const auto sizes = LinearMixerElementSizes::of(shard);
+    const int64_t formula =
+        linear_mixer_forward_bytes_per_rank(global, gate, cp, c.p, sizes, c.final_state);
+    const int64_t forward = linear_mixer_forward_bytes_per_rank(global, gate, cp, c.p, sizes,
+                                                                c.final_state, c.documents);
     EXPECT_GT(formula, 0) << who;
-    EXPECT_EQ(sent, 2 * formula) << who << ": bytes sent in forward + backward";
+    EXPECT_EQ(forward - formula,
+              c.documents && c.mode == "ulysses" ? (c.p - 1) * s.batch * (s.tokens / c.p) : 0)
+        << who;
+    EXPECT_EQ(sent, forward + formula) << who << ": bytes sent in forward + backward";
   });
 }
 
@@ -191,6 +211,24 @@ TEST(LinearMixerCP, WithoutInitialOrFinalStateAndWithTheRecurrentKernel) {
 TEST(LinearMixerCP, StatePassingTakesUnequalShards) {
   run_case({"gdn", "state_passing", "all_gather", 3, "chunked", true, true, {5, 12, 7}});
   run_case({"kda", "state_passing", "p2p", 2, "chunked", true, true, {17, 7}});
+}
+
+TEST(LinearMixerCP, PackedDocumentsEqualTheSingleProcessKernel) {
+  for (const std::string mixer : {"gdn", "kda"}) {
+    for (int p : {2, 3, 4}) {
+      Case ulysses{mixer, "ulysses", "all_gather", p};
+      ulysses.documents = true;
+      run_case(ulysses);
+      for (const std::string exchange : {"all_gather", "p2p"}) {
+        Case sp{mixer, "state_passing", exchange, p};
+        sp.documents = true;
+        run_case(sp);
+      }
+    }
+  }
+  Case unequal{"kda", "state_passing", "p2p", 3, "chunked", true, true, {5, 12, 7}};
+  unequal.documents = true;
+  run_case(unequal);
 }
 
 TEST(LinearMixerCP, RefusesBadInputBeforeAnyCollective) {

@@ -49,9 +49,12 @@ c10::Dict<std::string, at::Tensor> mixer_file(const std::string& mixer) {
 }
 
 // The single-process chunked kernel on the file: out, final_state and the six gradients.
+// resets: packed documents (undefined: none).
 std::map<std::string, at::Tensor> reference(const c10::Dict<std::string, at::Tensor>& d,
-                                            const std::string& mixer) {
+                                            const std::string& mixer,
+                                            const at::Tensor& resets = {}) {
   hp::attention::MixerInputs in;
+  in.resets = resets;
   auto leaf = [&](const char* n) { return d.at(n).clone().requires_grad_(true); };
   in.q = leaf("q");
   in.k = leaf("k");
@@ -117,6 +120,40 @@ TEST(HpCpRun, MixerMatchesTheSingleProcessKernel) {
   }
 }
 
+TEST(HpCpRun, MixerTakesPackedDocuments) {
+  // Documents [0, 5) [5, 6) [6, 17) [17, 24): across the rank boundaries of P = 2, 3 and 4.
+  auto resets = at::zeros({kB, kT}, at::kBool);
+  for (int64_t t : {5, 6, 17})
+    resets[0][t] = true;
+  const std::string& dir = hp::testing::scratch_dir();
+  for (const std::string mode : {"ulysses", "state_passing"}) {
+    for (int p : {2, 4}) {
+      const auto file = mixer_file("kda");
+      const auto ref = reference(file, "kda", resets);
+      const std::string in = dir + "/mixer_docs_in.pt", out = dir + "/mixer_docs_out.pt";
+      save_dict(in, file);
+      const std::string cmd = hp::common::str_cat(HP_CP_RUN_BINARY, " --input ", in, " --output ",
+                                                  out, " --cp ", p, " --mixer kda --cp-mode ", mode,
+                                                  " --chunk-size 4", " --cu-seqlens 0,5,6,17,24");
+      auto r = hp::testing::run_command(cmd);
+      ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+      auto res = load_dict(out);
+      for (const auto& [name, want] : ref) {
+        expect_close(res.at(name).toTensor(), want,
+                     hp::common::str_cat(mode, " P=", p, " packed ", name), 1e-9, 1e-9);
+      }
+      auto j = last_json(r.out);
+      EXPECT_EQ(j["documents"], 4);
+      EXPECT_EQ(j["comm_bytes_per_rank"], j["comm_bytes_theory_per_rank"]) << r.out;
+    }
+  }
+  // The documents change the result: the same file without them differs after token 5.
+  auto plain = reference(mixer_file("kda"), "kda");
+  auto packed = reference(mixer_file("kda"), "kda", resets);
+  EXPECT_GT((plain.at("out") - packed.at("out")).narrow(1, 5, kT - 5).abs().max().item<double>(),
+            1e-3);
+}
+
 TEST(HpCpRun, MixerRefusesBadNamesAndShapesBeforeAnyRun) {
   namespace fs = std::filesystem;
   const std::string dir = hp::testing::scratch_dir() + "/mixer_bad";
@@ -146,6 +183,7 @@ TEST(HpCpRun, MixerRefusesBadNamesAndShapesBeforeAnyRun) {
                  "the sequence length T=24 (q.size(1)) is not divisible by --cp 5");
   expect_refused(gdn + " --mixer gdn --causal", "--causal applies to attention, not to --mixer");
   expect_refused(gdn + " --cp-mode ulysses", "--cp-mode applies to a linear-attention mixer only");
+  expect_refused(gdn + " --mixer gdn --cu-seqlens 0,5,30", "cu_seqlens");
   file.insert_or_assign("dfinal", at::zeros({1}));
   save_dict(dir + "/typo.pt", file);
   expect_refused(dir + "/typo.pt --cp 2 --mixer gdn",

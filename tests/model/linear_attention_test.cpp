@@ -95,6 +95,66 @@ TEST(LinearAttentionLayer, TwoHalvesWithHaloAndStateEqualTheWhole) {
   }
 }
 
+TEST(LinearAttentionLayer, PackedDocumentsEqualEachDocumentAlone) {
+  // Row 0: documents [0, 2) [2, 15) [15, 16) [16, 40) (one shorter than the conv, one token
+  // long); row 1: one document. Both kernels; output, dx and every parameter gradient.
+  auto ids = at::zeros({2, 40}, at::kLong);
+  ids[0].narrow(0, 2, 38).fill_(1);
+  ids[0].narrow(0, 15, 25).fill_(2);
+  ids[0].narrow(0, 16, 24).fill_(3);
+  const std::vector<std::pair<int64_t, int64_t>> row0{{0, 2}, {2, 13}, {15, 1}, {16, 24}};
+  for (const std::string kernel : {"chunked", "recurrent"}) {
+    for (const std::string mixer : {"gdn", "kda"}) {
+      LinearAttention packed(config(mixer, kernel));
+      packed->to(at::kDouble);
+      auto x = input(40).requires_grad_(true);
+      auto got = collect(packed, packed->forward(x, ids), x);
+      // The same layer on each document alone (a fresh sequence each), concatenated.
+      LinearAttention alone(config(mixer, kernel));
+      alone->to(at::kDouble);
+      auto xa = input(40).requires_grad_(true);
+      std::vector<at::Tensor> parts;
+      for (const auto& [start, len] : row0)
+        parts.push_back(alone->forward(xa.narrow(0, 0, 1).narrow(1, start, len)));
+      auto y = at::cat({at::cat(parts, 1), alone->forward(xa.narrow(0, 1, 1))}, 0);
+      const std::string what = mixer + " " + kernel + " packed";
+      expect_same(got, collect(alone, y, xa), what, 1e-9);
+      // Documents matter: the packed row 0 differs from the unpacked layer after token 2.
+      auto plain = packed->forward(input(40));
+      EXPECT_GT((plain - got.y).select(0, 0).narrow(0, 2, 38).abs().max().item<double>(), 1e-4)
+          << what;
+    }
+  }
+}
+
+TEST(LinearAttentionLayer, DocumentViewsOfAShard) {
+  // Tokens [4, 10) of a sequence with documents starting at 0, 5 and 6 (conv width 4).
+  auto ids = at::tensor({0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2}, at::kLong).unsqueeze(0);
+  auto d = attention::linear_documents(ids, 4, 6, 4);
+  EXPECT_TRUE(
+      at::equal(d.resets, at::tensor({0, 1, 1, 0, 0, 0}, at::kLong).to(at::kBool).view({1, 6})));
+  // Row t's taps read tokens 4+t-3 .. 4+t (oldest first).
+  auto want = at::tensor({1, 1, 1, 1,   // token 4 (doc 0): tokens 1..4
+                          0, 0, 0, 1,   // token 5 (doc 1): 2..5
+                          0, 0, 0, 1,   // token 6 (doc 2): 3..6
+                          0, 0, 1, 1,   // token 7: 4..7
+                          0, 1, 1, 1,   // token 8: 5..8
+                          1, 1, 1, 1},  // token 9: 6..9
+                         at::kLong);
+  EXPECT_TRUE(at::equal(d.taps, want.to(at::kBool).view({1, 6, 4}))) << d.taps;
+  // At the start of the sequence: no reset at token 0, the taps before it (the zero halo) kept.
+  auto first = attention::linear_documents(ids, 0, 2, 4);
+  EXPECT_FALSE(first.resets.any().item<bool>());
+  EXPECT_TRUE(first.taps.all().item<bool>());
+  HP_EXPECT_ERROR(attention::linear_documents(ids, 8, 6, 4),
+                  "tokens [8, 14) are not inside the 12-token sequence doc_ids describes");
+  HP_EXPECT_ERROR(attention::linear_documents(ids, 0, 2, 4, 16),
+                  "doc_ids describe 12 tokens but the global sequence has 16");
+  HP_EXPECT_ERROR(attention::linear_documents(ids.to(at::kInt), 0, 2, 4),
+                  "doc_ids must be int64 [B|1, S]");
+  EXPECT_FALSE(attention::linear_documents(at::Tensor(), 0, 2, 4).resets.defined());
+}
+
 TEST(LinearAttentionLayer, BadConfigsFailClearly) {
   auto c = config("gdn", "chunked");
   c.value_heads = 3;

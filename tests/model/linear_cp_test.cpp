@@ -1,6 +1,7 @@
 // Linear-attention CP (GDN, KDA): ulysses and state_passing (all_gather and p2p state
 // exchange), P in {2, 3, 4}: the layer's output, dx and every parameter gradient (summed over
-// CP) equal the single-process layer — conv halos at every rank boundary included.
+// CP) equal the single-process layer — conv halos at every rank boundary included — with and
+// without packed documents.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -37,11 +38,12 @@ struct Reference {
   std::map<std::string, at::Tensor> grads;
 };
 
-Reference reference(const std::string& mixer, const at::Tensor& x, const at::Tensor& dy) {
+Reference reference(const std::string& mixer, const at::Tensor& x, const at::Tensor& dy,
+                    const at::Tensor& doc_ids) {
   LinearAttention m(config(mixer));
   m->to(at::kDouble);
   auto xx = x.clone().requires_grad_(true);
-  auto y = m->forward(xx);
+  auto y = m->forward(xx, doc_ids);
   y.backward(dy);
   Reference r{y.detach(), xx.grad(), {}};
   for (const auto& p : m->named_parameters())
@@ -49,12 +51,14 @@ Reference reference(const std::string& mixer, const at::Tensor& x, const at::Ten
   return r;
 }
 
+// doc_ids: packed documents of the whole sequence (undefined: none); the reference is the
+// single-process layer with the same documents.
 void run_mode(const std::string& mixer, const std::string& mode, const std::string& exchange, int p,
-              cp::CPSchedule schedule) {
+              cp::CPSchedule schedule, const at::Tensor& doc_ids = {}) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
   auto x = at::randn({2, kS, kHidden}, gen, at::kDouble);
   auto dy = at::randn({2, kS, kHidden}, gen, at::kDouble);
-  auto ref = reference(mixer, x, dy);
+  auto ref = reference(mixer, x, dy, doc_ids);
   run_ranks(p, [&](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"cp", p}});
     auto topo = cp::CPTopology::build(w, mesh.group_ptr({"cp"}), *cp::normalize(std::nullopt, p));
@@ -71,10 +75,11 @@ void run_mode(const std::string& mixer, const std::string& mode, const std::stri
         << line;
     const int64_t r = w.rank(), s = kS / p;
     auto xs = x.narrow(1, r * s, s).clone().requires_grad_(true);
-    auto y = m->forward(xs);
+    auto y = m->forward(xs, doc_ids);
     y.backward(dy.narrow(1, r * s, s));
     const std::string what = mixer + " " + mode + "/" + exchange + " " + cp::to_string(schedule) +
-                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
+                             " P=" + std::to_string(p) + " rank " + std::to_string(r) +
+                             (doc_ids.defined() ? " packed" : "");
     expect_close(y, ref.y.narrow(1, r * s, s), what + " y", 1e-9, 1e-9);
     expect_close(xs.grad(), ref.dx.narrow(1, r * s, s), what + " dx", 1e-9, 1e-9);
     for (const auto& par : m->named_parameters()) {
@@ -105,6 +110,28 @@ TEST(LinearCP, StatePassingP2PEqualsTheSingleProcessLayer) {
         run_mode(mixer, "state_passing", "p2p", p, schedule);
 }
 
+TEST(LinearCP, PackedDocumentsEqualTheSingleProcessLayer) {
+  // Row 0: documents [0, 5) [5, 6) [6, 20) [20, 33) [33, 48): they span the rank boundaries of
+  // P = 2, 3 and 4 (24; 16, 32; 12, 36), and [5, 6) is shorter than the conv halo. Row 1:
+  // documents that start exactly at rank boundaries (12, 24) and one at 40.
+  auto ids = at::zeros({2, kS}, at::kLong);
+  for (int64_t start : {5, 6, 20, 33})
+    ids[0].narrow(0, start, kS - start).add_(1);
+  for (int64_t start : {12, 24, 40})
+    ids[1].narrow(0, start, kS - start).add_(1);
+  for (auto schedule : {cp::CPSchedule::kSync, cp::CPSchedule::kAsync}) {
+    for (const std::string mixer : {"gdn", "kda"}) {
+      for (int p : {2, 3, 4}) {
+        run_mode(mixer, "ulysses", "all_gather", p, schedule, ids);
+        run_mode(mixer, "state_passing", "all_gather", p, schedule, ids);
+        run_mode(mixer, "state_passing", "p2p", p, schedule, ids);
+      }
+    }
+  }
+  // One row of ids for every batch row ([1, S]) is the same documents broadcast.
+  run_mode("gdn", "state_passing", "p2p", 4, cp::CPSchedule::kSync, ids.narrow(0, 0, 1));
+}
+
 // The stages as a CP mode calls them, each call logged; project_out_gate also logs the
 // collectives launched so far ("project_out_gate after N").
 class LoggedStages final : public attention::LinearLayerStages {
@@ -125,10 +152,10 @@ class LoggedStages final : public attention::LinearLayerStages {
   at::Tensor head_channels(int64_t h0, int64_t n) const override {
     return inner_.head_channels(h0, n);
   }
-  at::Tensor convolve(const at::Tensor& qkv, const at::Tensor& halo,
-                      const at::Tensor& channels) const override {
+  at::Tensor convolve(const at::Tensor& qkv, const at::Tensor& halo, const at::Tensor& channels,
+                      const at::Tensor& taps) const override {
     note("convolve");
-    return inner_.convolve(qkv, halo, channels);
+    return inner_.convolve(qkv, halo, channels, taps);
   }
   attention::MixerInputs mixer_inputs(const at::Tensor& conv, const at::Tensor& beta,
                                       const at::Tensor& gate, int64_t h0,
@@ -175,7 +202,7 @@ TEST(LinearCP, AsyncProjectsTheOutputGateWhileTheExchangeTravels) {
       rec.clear();
       LoggedStages stages(*m, rec);
       auto x = at::randn({1, kS / 2, kHidden}).requires_grad_(true);
-      auto y = m->host().installed()->forward(x, stages);
+      auto y = m->host().installed()->forward(x, stages, at::Tensor());
       y.sum().backward();  // the backward of the split transfer completes
       EXPECT_TRUE(x.grad().defined());
       return stages.log;
@@ -229,6 +256,9 @@ TEST(LinearCP, FailFast) {
     // A shard shorter than the conv halo (w - 1 = 3 rows) is refused before any collective.
     auto x = at::randn({1, 2, c.hidden});
     HP_EXPECT_ERROR(m->forward(x), "the local shard has 2 tokens, fewer than the conv halo of 3");
+    // Document ids that do not describe the whole sequence (2 ranks x 8 tokens) are refused too.
+    HP_EXPECT_ERROR(m->forward(at::randn({1, 8, c.hidden}), at::zeros({1, 12}, at::kLong)),
+                    "doc_ids describe 12 tokens but the global sequence has 16");
   });
 }
 

@@ -26,9 +26,10 @@ def attention(q, k, v, causal=False, scale=None, doc_ids=None):
     return torch.einsum("bhqk,bkhd->bqhd", p, v2)
 
 
-def delta_rule(q, k, v, g, beta, initial_state=None, scale=None):
+def delta_rule(q, k, v, g, beta, initial_state=None, scale=None, resets=None):
     """Gated delta rule token by token (GDN: g [B, T, HV]; KDA: g [B, T, HV, K]), BSHD; value
-    head h reads q/k head h // (HV / H). Returns (out [B, T, HV, V], final state [B, HV, K, V])."""
+    head h reads q/k head h // (HV / H); resets [B, T] bool: the state is zeroed before each
+    marked token (a document start). Returns (out [B, T, HV, V], final state [B, HV, K, V])."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     rep = hv // h
@@ -37,6 +38,8 @@ def delta_rule(q, k, v, g, beta, initial_state=None, scale=None):
              else initial_state.clone())
     outs = []
     for i in range(t):
+        if resets is not None:
+            state = state * (~resets[:, i]).to(state.dtype)[:, None, None, None]
         qi = q[:, i].repeat_interleave(rep, dim=1) * scale  # [B, HV, K]
         ki = k[:, i].repeat_interleave(rep, dim=1)
         vi = v[:, i]  # [B, HV, V]

@@ -78,7 +78,7 @@ def test_shard_and_unshard_round_trip_with_gradients():
         assert all(res.values()), res
 
 
-def linear_case(rank, p):
+def linear_case(rank, p, packed=False):
     results = {}
     for kind in ("gdn", "kda"):
         g = torch.Generator().manual_seed(5)
@@ -93,14 +93,21 @@ def linear_case(rank, p):
         h0 = torch.randn(b, hv, kd, vd, generator=g, dtype=torch.float64)
         dout = torch.randn(b, t, hv, vd, generator=g, dtype=torch.float64)
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gate, beta, h0)]
-        ref, ref_final = reference.delta_rule(*leaves[:5], initial_state=leaves[5])
+        # Packed: documents [0, 3) [3, 11) [11, 16), the middle one across the rank boundary.
+        cu = [0, 3, 11, 16] if packed else None
+        resets = None
+        if packed:
+            resets = torch.zeros(b, t, dtype=torch.bool)
+            resets[:, [3, 11]] = True
+        ref, ref_final = reference.delta_rule(*leaves[:5], initial_state=leaves[5],
+                                              resets=resets)
         ref.backward(dout)
         for mode in ("state_passing", "ulysses"):
             mixer = hp.LinearAttentionCP(kind, mode)
             shards = [hp.shard_sequence(x, 1).detach().requires_grad_(True)
                       for x in (q, k, v, gate, beta)]
             state = h0.clone().requires_grad_(True)
-            out, final = mixer(*shards, initial_state=state, output_final_state=True)
+            out, final = mixer(*shards, initial_state=state, output_final_state=True, mask=cu)
             out.backward(hp.shard_sequence(dout, 1))
             errs = [(out - hp.shard_sequence(ref.detach(), 1)).abs().max().item(),
                     (final - ref_final.detach()).abs().max().item()]
@@ -117,6 +124,13 @@ def linear_case(rank, p):
 
 def test_linear_attention_cp_equals_the_token_recurrence():
     for res in run_ranks(2, linear_case):
+        assert len(res) == 4
+        for key, err in res.items():
+            assert err < 1e-9, (key, err)
+
+
+def test_linear_attention_cp_takes_packed_documents():
+    for res in run_ranks(2, linear_case, True):
         assert len(res) == 4
         for key, err in res.items():
             assert err < 1e-9, (key, err)

@@ -76,6 +76,14 @@ INSTANTIATE_TEST_SUITE_P(
                "--schedule async " +
                    kMoE + "--ep 2",
                "qwen3.5", "linear: mode=ulysses ep=2"},
+        // Packed documents reach the linear layers too: their state and conv restart per document.
+        Layout{"qwen35_packed_state_passing_p2p",
+               "--nproc 2 --cp 2 --arch qwen3.5 --layers 4 --pack-documents --state-exchange p2p",
+               "qwen3.5", "linear: mode=state_passing state_exchange=p2p"},
+        Layout{"qwen35_packed_ulysses_async",
+               "--nproc 2 --cp 2 --arch qwen3.5 --layers 4 --pack-documents --cp-mode ulysses "
+               "--cp-algo ulysses --schedule async",
+               "qwen3.5", "linear: mode=ulysses"},
         Layout{"qwen35_hsdp", "--nproc 4 --cp 2 --dp-shard 2 --arch qwen3.5 --layers 4", "qwen3.5",
                "hsdp: R=1 x Sd=4"},
         Layout{"kimi_mla_ulysses_ep2",

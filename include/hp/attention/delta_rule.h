@@ -37,13 +37,15 @@ namespace hp::attention {
 // The log-gate range the chunked kernel is exact in (per token): g in [kMinLogGate, 0].
 inline constexpr double kMinLogGate = -10.0;
 
+// Both honour in.resets (packed documents, mixer.h) through run_by_documents.
 MixerResult delta_rule_recurrent(const MixerInputs& inputs, const MixerOptions& options,
                                  GateKind gate);
 MixerResult delta_rule_chunked(const MixerInputs& inputs, const MixerOptions& options,
                                GateKind gate);
 
 // The affine summary of a sequence: its final state is m * initial_state + s for every initial
-// state (m [B, HV, K, K], s [B, HV, K, V]; in.initial_state is ignored). Differentiable. What
+// state (m [B, HV, K, K], s [B, HV, K, V]; in.initial_state is ignored; a row with a reset in
+// in.resets has m = 0 and s its last document's final state). Differentiable. What
 // state-passing CP exchanges: a rank's initial state is the fold of the summaries before it.
 void delta_rule_state_summary(const MixerInputs& inputs, const MixerOptions& options, GateKind gate,
                               at::Tensor& m, at::Tensor& s);

@@ -18,6 +18,10 @@
 //                   undefined for a mixer without gates (GateKind::kNone)
 //   beta            [B, T, HV] write strengths (mixers with uses_beta())
 //   initial_state   [B, HV, K, V] or undefined
+//   resets          packed documents: [B, T] bool, true where a token starts a new document;
+//                   the state is zeroed before that token's update, so nothing crosses a
+//                   document boundary and the initial state reaches only the tokens before the
+//                   row's first reset (a reset at token 0 drops it). Undefined: one document.
 // Result: out [B, T, HV, V] in q's dtype; final_state [B, HV, K, V] when
 // options.output_final_state (state math in float32 at least, float64 for double inputs).
 //
@@ -29,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -43,6 +48,7 @@ struct MixerInputs {
   at::Tensor g;              // see GateKind
   at::Tensor beta;           // mixers with uses_beta()
   at::Tensor initial_state;  // optional
+  at::Tensor resets;         // optional [B, T] bool: document starts (see above)
 };
 
 struct MixerOptions {
@@ -71,6 +77,18 @@ class StatefulMixer {
   // Validates (validate_mixer_inputs) before any work, then runs the recurrence.
   virtual MixerResult forward(const MixerInputs& inputs, const MixerOptions& options) const = 0;
 };
+
+// A mixer kernel without document resets.
+using MixerRun = std::function<MixerResult(const MixerInputs&, const MixerOptions&)>;
+
+// Runs `run` with in.resets honoured: every row is cut into its documents (at its resets), the
+// documents run as the rows of one padded batch (zeros after a document's last token leave its
+// state alone), the row's initial state enters its first document only (unless that starts
+// with a reset), and the outputs go back in place; the final state is the row's last
+// document's. Differentiable (slices, pads and concatenations around one `run`). Without resets
+// (or none set), `run` on `in` as it is.
+MixerResult run_by_documents(const MixerInputs& in, const MixerOptions& options,
+                             const MixerRun& run);
 
 // Checks every shape and dtype of the contract above for a mixer with `gate` and `uses_beta`
 // and returns the sizes; throws hp::Error naming `who`, the tensor, its shape and the expected

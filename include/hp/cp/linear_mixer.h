@@ -31,6 +31,12 @@
 //                  which each rank keeps rank P-1's. As for every output of a CP call, the loss
 //                  is the sum of the ranks' losses: a gradient of final_state given on several
 //                  ranks is summed, so give it on one rank (zeros on the others).
+//   resets         (packed documents) this rank's shard of the whole sequence's document starts
+//                  [B, T_local] bool (MixerInputs::resets); a shard whose first token starts a
+//                  document has it set there. state_passing: a reset in the shard zeroes M and
+//                  the transport after it, so the state from the ranks before reaches only the
+//                  shard's first document (no extra bytes). ulysses: one all-gather of the
+//                  resets (one byte a token) gives every rank the whole sequence's.
 // Outputs and every gradient (q, k, v, g, beta, the initial state) equal the single-process
 // kernel on the whole sequence: every exchange is a differentiable collective (comm/).
 #pragma once
@@ -85,13 +91,15 @@ struct LinearMixerElementSizes {
 //   state_passing all_gather  (P-1) * B * HV * K * (V + K) * e_state          [S | M]
 //                 p2p         (P-1) * B * HV * K * V * e_state                the chain
 //                             [+ (P-1) * B * HV * K * V * e_state             final, all-gather]
+//   with_resets, ulysses:     [+ (P-1) * B * T/P                               resets, all-gather]
 // The backward sends the same bytes again (each collective's inverse moves what it moved) when
-// every output, final_state included, gets a gradient; so a forward + backward is twice this.
+// every output, final_state included, gets a gradient, the resets' all-gather excepted (not
+// differentiable); so a forward + backward is this plus the same without resets.
 int64_t linear_mixer_forward_bytes_per_rank(const attention::MixerShape& global,
                                             attention::GateKind gate,
                                             const LinearMixerCPOptions& cp, int64_t cp_size,
                                             const LinearMixerElementSizes& elements,
-                                            bool output_final_state);
+                                            bool output_final_state, bool with_resets = false);
 
 // What a linear CP mode runs on its share of the work: the mixer from an initial state (state
 // passing runs it once, with values [v | 0] from the initial state [0 | I], to get the shard's

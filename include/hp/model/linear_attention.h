@@ -59,9 +59,10 @@ class LinearAttentionImpl : public torch::nn::Module, public attention::LinearLa
   // silu(depthwise causal conv) of qkv [B, S, C] over the sequence; `halo` [B, w-1, C] is what
   // precedes the first row (undefined: zeros, the start of the sequence). `channels`
   // (optional) selects a subset of the conv channels (a head slice under Ulysses CP): then qkv
-  // holds only those channels.
+  // holds only those channels. `taps` (packed documents, attention::LinearDocuments::taps):
+  // the inputs each row may read; the conv never crosses a document boundary.
   at::Tensor convolve(const at::Tensor& qkv, const at::Tensor& halo = {},
-                      const at::Tensor& channels = {}) const override;
+                      const at::Tensor& channels = {}, const at::Tensor& taps = {}) const override;
   // q, k, v, g, beta of the convolved channels; `heads` / `value_heads` select a head range of
   // the layer (Ulysses CP) by their first index; defaults: all heads.
   attention::MixerInputs mixer_inputs(const at::Tensor& conv, const at::Tensor& beta_logit,
@@ -71,8 +72,10 @@ class LinearAttentionImpl : public torch::nn::Module, public attention::LinearLa
                              bool output_final_state = false) const override;
   void state_summary(const attention::MixerInputs& in, at::Tensor& m, at::Tensor& s) const override;
   at::Tensor output(const at::Tensor& mixed, const at::Tensor& out_gate) const override;
-  // Through host(): the stages in order, or a CP mode's interceptor.
-  at::Tensor forward(const at::Tensor& x);
+  // Through host(): the stages in order, or a CP mode's interceptor. doc_ids: packed documents
+  // of the whole global sequence [B|1, S] (int64), or undefined; the state and the conv restart
+  // at every document.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& doc_ids = {});
   attention::LinearHost& host() { return host_; }
 
   const LinearAttentionConfig& config() const { return config_; }

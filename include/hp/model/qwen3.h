@@ -155,8 +155,8 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module {
   Qwen3DecoderLayerImpl(const Qwen3Config& c, int64_t layer, comm::GroupPtr tp);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids,
                      const at::Tensor& doc_ids = {});
-  // The token mixer. Packed documents (doc_ids) reach softmax attention only; the MLA/DSA and
-  // linear mixers refuse them with a clear error.
+  // The token mixer. Packed documents (doc_ids) reach softmax and linear attention (whose state
+  // and conv restart at each document); the MLA/DSA mixers refuse them with a clear error.
   at::Tensor mix(const at::Tensor& x, const at::Tensor& position_ids,
                  const at::Tensor& doc_ids = {});
   LayerValidation validation;
