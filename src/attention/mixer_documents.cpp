@@ -2,13 +2,14 @@
 //
 //   resets [B, T] -> per row b the document starts 0 = s_0 < s_1 < ... (a reset at 0 only marks
 //   that the initial state is dropped) -> documents (b, s_i, len_i), D of them in all
-//   q, k, v, g, beta [B, T, ...] --narrow(row b, s_i, len_i), zero-pad to L = max len_i-->
-//     [D, L, ...] (g = 0, beta = 0, k = 0 after a document's end: its state is left alone)
-//   initial state [D, HV, K, V]: row b's for its first document unless resets[b, 0], else zeros
-//   run(...) once -> out [D, L, HV, V] -> each document's first len_i rows, concatenated per row
-//   in order -> [B, T, HV, V]; final state of row b = its last document's
-// The padding costs D * L - B * T token slots (at most a factor D / B for one long document);
-// every document of the batch runs in the one call, so the kernel's rows stay parallel.
+//   q, k, v, g, beta [B, T, ...] --narrow(row b, s_i, len_i), zero-pad to the group's longest-->
+//     [D_g, L_g, ...] (g = 0, beta = 0, k = 0 after a document's end: its state is left alone)
+//   initial state [D_g, HV, K, V]: row b's for its first document unless resets[b, 0], else 0
+//   run(...) per group of documents of similar length (longest first; each joins the group while
+//   at least 3/4 of its longest: at most a quarter of a group's slots are padding)
+//   -> out [D_g, L_g, HV, V] -> each document's first len_i rows, concatenated per row in order
+//   -> [B, T, HV, V]; final state of row b = its last document's
+// Within a call the documents of every row run together, so the kernel's rows stay parallel.
 #include <algorithm>
 #include <vector>
 
@@ -56,6 +57,24 @@ at::Tensor gather_documents(const at::Tensor& x, const std::vector<Document>& do
   return at::stack(parts, 0);
 }
 
+// Documents grouped by length for one kernel call each: longest first, a document joins the
+// current group while it is at least 3/4 of the group's longest, so a group pads at most a
+// quarter of its slots; group lengths fall geometrically, so there are few calls.
+std::vector<std::vector<size_t>> length_buckets(const std::vector<Document>& docs) {
+  std::vector<size_t> order(docs.size());
+  for (size_t i = 0; i < order.size(); ++i)
+    order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return docs[a].length > docs[b].length; });
+  std::vector<std::vector<size_t>> buckets;
+  for (size_t i : order) {
+    if (buckets.empty() || 4 * docs[i].length < 3 * docs[buckets.back().front()].length)
+      buckets.emplace_back();
+    buckets.back().push_back(i);
+  }
+  return buckets;
+}
+
 }  // namespace
 
 MixerResult run_by_documents(const MixerInputs& in, const MixerOptions& o, const MixerRun& run) {
@@ -69,30 +88,41 @@ MixerResult run_by_documents(const MixerInputs& in, const MixerOptions& o, const
            "mixer documents: resets ", in.resets.sizes(), " must be [B, T] = [", in.q.size(0), ", ",
            in.q.size(1), "]");
   const auto docs = documents_of(in.resets);
-  int64_t longest = 0;
-  for (const auto& d : docs)
-    longest = std::max(longest, d.length);
-  MixerInputs batch;
-  batch.q = gather_documents(in.q, docs, longest);
-  batch.k = gather_documents(in.k, docs, longest);
-  batch.v = gather_documents(in.v, docs, longest);
-  if (in.g.defined()) batch.g = gather_documents(in.g, docs, longest);
-  if (in.beta.defined()) batch.beta = gather_documents(in.beta, docs, longest);
-  if (in.initial_state.defined()) {
-    std::vector<at::Tensor> states;
-    states.reserve(docs.size());
-    auto zero = at::zeros_like(in.initial_state.select(0, 0));
-    for (const auto& d : docs)
-      states.push_back(d.takes_initial_state ? in.initial_state.select(0, d.row) : zero);
-    batch.initial_state = at::stack(states, 0);
+  std::vector<at::Tensor> outs(docs.size()), finals(docs.size());
+  at::Tensor zero_state;
+  if (in.initial_state.defined()) zero_state = at::zeros_like(in.initial_state.select(0, 0));
+  for (const auto& bucket : length_buckets(docs)) {
+    std::vector<Document> part;
+    part.reserve(bucket.size());
+    for (size_t i : bucket)
+      part.push_back(docs[i]);
+    const int64_t longest = part.front().length;
+    MixerInputs batch;
+    batch.q = gather_documents(in.q, part, longest);
+    batch.k = gather_documents(in.k, part, longest);
+    batch.v = gather_documents(in.v, part, longest);
+    if (in.g.defined()) batch.g = gather_documents(in.g, part, longest);
+    if (in.beta.defined()) batch.beta = gather_documents(in.beta, part, longest);
+    if (in.initial_state.defined()) {
+      std::vector<at::Tensor> states;
+      states.reserve(part.size());
+      for (const auto& d : part)
+        states.push_back(d.takes_initial_state ? in.initial_state.select(0, d.row) : zero_state);
+      batch.initial_state = at::stack(states, 0);
+    }
+    auto res = run(batch, o);
+    for (size_t j = 0; j < bucket.size(); ++j) {
+      const auto i = static_cast<int64_t>(j);
+      outs[bucket[j]] = res.out.select(0, i).narrow(0, 0, part[j].length);
+      if (res.final_state.defined()) finals[bucket[j]] = res.final_state.select(0, i);
+    }
   }
-  auto res = run(batch, o);
+  // Back in place: documents are in row order, and in token order within a row.
   std::vector<std::vector<at::Tensor>> per_row(static_cast<size_t>(in.q.size(0)));
-  std::vector<int64_t> last(per_row.size(), -1);
+  std::vector<at::Tensor> last(per_row.size());
   for (size_t i = 0; i < docs.size(); ++i) {
-    per_row[static_cast<size_t>(docs[i].row)].push_back(
-        res.out.select(0, static_cast<int64_t>(i)).narrow(0, 0, docs[i].length));
-    last[static_cast<size_t>(docs[i].row)] = static_cast<int64_t>(i);
+    per_row[static_cast<size_t>(docs[i].row)].push_back(outs[i]);
+    last[static_cast<size_t>(docs[i].row)] = finals[i];
   }
   std::vector<at::Tensor> rows;
   rows.reserve(per_row.size());
@@ -100,10 +130,7 @@ MixerResult run_by_documents(const MixerInputs& in, const MixerOptions& o, const
     rows.push_back(at::cat(parts, 0));
   MixerResult out;
   out.out = at::stack(rows, 0);
-  if (res.final_state.defined()) {
-    out.final_state = res.final_state.index_select(
-        0, at::tensor(last, at::TensorOptions().dtype(at::kLong)).to(res.final_state.device()));
-  }
+  if (finals.front().defined()) out.final_state = at::stack(last, 0);
   return out;
 }
 

@@ -82,11 +82,11 @@ class StatefulMixer {
 using MixerRun = std::function<MixerResult(const MixerInputs&, const MixerOptions&)>;
 
 // Runs `run` with in.resets honoured: every row is cut into its documents (at its resets), the
-// documents run as the rows of one padded batch (zeros after a document's last token leave its
-// state alone), the row's initial state enters its first document only (unless that starts
-// with a reset), and the outputs go back in place; the final state is the row's last
-// document's. Differentiable (slices, pads and concatenations around one `run`). Without resets
-// (or none set), `run` on `in` as it is.
+// documents run as the rows of padded batches, one `run` per group of similar lengths (zeros
+// after a document's last token leave its state alone), the row's initial state enters its
+// first document only (unless that starts with a reset), and the outputs go back in place; the
+// final state is the row's last document's. Differentiable (slices, pads and concatenations
+// around the `run`s). Without resets (or none set), `run` on `in` as it is.
 MixerResult run_by_documents(const MixerInputs& in, const MixerOptions& options,
                              const MixerRun& run);
 
