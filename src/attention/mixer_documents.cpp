@@ -78,15 +78,17 @@ std::vector<std::vector<size_t>> length_buckets(const std::vector<Document>& doc
 }  // namespace
 
 MixerResult run_by_documents(const MixerInputs& in, const MixerOptions& o, const MixerRun& run) {
+  HP_CHECK(!in.resets.defined() ||
+               (in.resets.scalar_type() == at::kBool && in.resets.dim() == 2 &&
+                in.resets.size(0) == in.q.size(0) && in.resets.size(1) == in.q.size(1)),
+           "mixer documents: resets (", c10::toString(in.resets.scalar_type()), " ",
+           in.resets.sizes(), ") must be bool [B, T] = [", in.q.size(0), ", ", in.q.size(1),
+           "]: true where a document starts");
   if (!in.resets.defined() || !in.resets.any().item<bool>()) {
     auto plain = in;
     plain.resets = at::Tensor();
     return run(plain, o);
   }
-  HP_CHECK(in.resets.dim() == 2 && in.resets.size(0) == in.q.size(0) &&
-               in.resets.size(1) == in.q.size(1),
-           "mixer documents: resets ", in.resets.sizes(), " must be [B, T] = [", in.q.size(0), ", ",
-           in.q.size(1), "]");
   const auto docs = documents_of(in.resets);
   std::vector<at::Tensor> outs(docs.size()), finals(docs.size());
   at::Tensor zero_state;

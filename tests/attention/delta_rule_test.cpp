@@ -177,22 +177,19 @@ TEST(DeltaRule, SplitSequenceWithStatePassingEqualsTheWhole) {
     MixerOptions o;
     o.output_final_state = true;
     o.chunk_size = 16;
-    auto half = [&](const at::Tensor& t, int64_t b, int64_t n) { return t.narrow(1, b, n); };
-    MixerInputs first{half(split_in.q, 0, 37),
-                      half(split_in.k, 0, 37),
-                      half(split_in.v, 0, 37),
-                      half(split_in.g, 0, 37),
-                      half(split_in.beta, 0, 37),
-                      split_in.initial_state,
-                      {}};
-    auto r1 = delta_rule_chunked(first, o, gate);
-    MixerInputs second{half(split_in.q, 37, 53),
-                       half(split_in.k, 37, 53),
-                       half(split_in.v, 37, 53),
-                       half(split_in.g, 37, 53),
-                       half(split_in.beta, 37, 53),
-                       r1.final_state,
-                       {}};
+    // Tokens [b, b + n) of the split inputs, from `state`.
+    auto part = [&](int64_t b, int64_t n, const at::Tensor& state) {
+      MixerInputs p;
+      p.q = split_in.q.narrow(1, b, n);
+      p.k = split_in.k.narrow(1, b, n);
+      p.v = split_in.v.narrow(1, b, n);
+      p.g = split_in.g.narrow(1, b, n);
+      p.beta = split_in.beta.narrow(1, b, n);
+      p.initial_state = state;
+      return p;
+    };
+    auto r1 = delta_rule_chunked(part(0, 37, split_in.initial_state), o, gate);
+    auto second = part(37, 53, r1.final_state);
     auto r2 = delta_rule_chunked(second, o, gate);
     auto out = at::cat({r1.out, r2.out}, 1);
     auto dout = rnd(91, out.sizes()), dfinal = rnd(92, r2.final_state.sizes());
