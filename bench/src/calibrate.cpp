@@ -78,8 +78,8 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     for (auto& [kind, pts] : points) {
       HP_INTERNAL_ASSERT(pts.size() == 2, "two sizes per kind");
       bool through_origin = false;
-      c.collectives[kind][p] = plan::fit_collective_line(
-          pts[0].first, pts[0].second, pts[1].first, pts[1].second, &through_origin);
+      c.collectives[kind][p] = plan::fit_collective_line(pts[0].first, pts[0].second, pts[1].first,
+                                                         pts[1].second, &through_origin);
       inputs["comm_fit"][kind][std::to_string(p)] =
           through_origin ? "through_origin_and_large" : "two_points";
     }
