@@ -276,14 +276,16 @@ int main(int argc, char** argv) {
                " applies to --attention dsa");
     }
     if (attention != "softmax") {
-      for (const char* flag :
-           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer",
-            "--kv-head-policy", "--cu-seqlens", "--ulysses-head-groups"}) {
+      for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
+                               "--mixer", "--kv-head-policy", "--ulysses-head-groups"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
-                 "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather, DSA "
-                 "--cp-algo all_gather; both --schedule, --load-balance)");
+                 "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather and "
+                 "--cu-seqlens, DSA --cp-algo all_gather; both --schedule, --load-balance)");
       }
+      HP_CHECK(attention == "mla" || a.cu_seqlens.empty(),
+               "hp-cp-run: --cu-seqlens does not apply to --attention dsa (the DSA indexer takes "
+               "no document boundaries yet); drop it or use --attention mla");
       HP_CHECK(attention != "dsa" || app.count("--primitive") == 0,
                "hp-cp-run: --primitive does not apply to --attention dsa (its sparse kernel is "
                "its own); drop it");
@@ -299,6 +301,7 @@ int main(int argc, char** argv) {
       mla.schedule = a.schedule;
       mla.load_balance = a.load_balance;
       mla.primitive = a.primitive;
+      mla.cu_seqlens = a.cu_seqlens;
       return hp_cp_run::run_mla(mla);
     }
     if (hp_cp_run::mixer_requested(app, m)) {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/attention/dsa.h"
+#include "hp/attention/masks.h"
 #include "hp/attention/mla.h"
 #include "hp/common/check.h"
 #include "hp/cp/dsa.h"
@@ -29,6 +30,7 @@ constexpr InputHint kDSAHint{
 
 struct MLAFile {
   at::Tensor q, latent, k_rope, w_ukv, dout;
+  at::Tensor doc_ids;                    // [1, S] from --cu-seqlens, or undefined
   at::Tensor q_index, w_index, k_index;  // dsa
   hp::attention::MLAShape shape;
 };
@@ -100,6 +102,9 @@ MLAFile load_mla_file(const MLAArgs& m) {
     o.load_balance = m.load_balance;
     o.primitive = m.primitive;
     hp::cp::check_mla_cp(who, o, f.shape, seq / m.cp_size, m.cp_size);
+    if (!m.cu_seqlens.empty()) {
+      f.doc_ids = hp::attention::document_ids_from_cu_seqlens(m.cu_seqlens, seq);
+    }
   }
   return f;
 }
@@ -145,7 +150,8 @@ std::vector<RankOut> run_ranks(const MLAArgs& m, const MLAFile& f) {
       o.load_balance = m.load_balance;
       o.schedule = schedule;
       o.primitive = m.primitive;
-      out = hp::cp::mla_attention_cp([&] { return q; }, latent, k_rope, w_ukv, f.shape, o, topo);
+      out = hp::cp::mla_attention_cp([&] { return q; }, latent, k_rope, w_ukv, f.shape, o, topo,
+                                     f.doc_ids);
     }
     if (backward) {
       auto dout = hp::cp::shard_sequence(f.dout, 1, r, p, m.load_balance);
@@ -208,20 +214,22 @@ nlohmann::json summary(const MLAArgs& m, const MLAFile& f, const std::vector<Ran
   std::vector<int64_t> bytes;
   for (const auto& o : outs)
     bytes.push_back(o.bytes);
-  nlohmann::json j = {{"attention", m.attention},
-                      {"cp_algo", m.strategy},
-                      {"schedule", m.schedule},
-                      {"load_balance", m.load_balance},
-                      {"cp", m.cp_size},
-                      {"batch", b},
-                      {"seq", seq},
-                      {"heads", s.heads},
-                      {"d_nope", s.d_nope},
-                      {"d_rope", s.d_rope},
-                      {"d_v", s.d_v},
-                      {"kv_rank", s.kv_rank},
-                      {"backward", f.dout.defined()},
-                      {"comm_bytes_per_rank", bytes}};
+  nlohmann::json j = {
+      {"attention", m.attention},
+      {"cp_algo", m.strategy},
+      {"schedule", m.schedule},
+      {"load_balance", m.load_balance},
+      {"cp", m.cp_size},
+      {"batch", b},
+      {"seq", seq},
+      {"heads", s.heads},
+      {"d_nope", s.d_nope},
+      {"d_rope", s.d_rope},
+      {"d_v", s.d_v},
+      {"kv_rank", s.kv_rank},
+      {"backward", f.dout.defined()},
+      {"documents", f.doc_ids.defined() ? static_cast<int64_t>(m.cu_seqlens.size()) - 1 : 0},
+      {"comm_bytes_per_rank", bytes}};
   if (is_dsa(m)) {
     const int64_t d_i = f.k_index.size(2);
     j["topk"] = std::min(m.topk, seq);

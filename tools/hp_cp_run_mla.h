@@ -18,12 +18,15 @@
 // dw_index, dk_index (gradients of the index loss only; dout drives the attention's).
 // --cp-algo latent_all_gather (default) | ulysses | all_gather (expanded K/V, the comparison);
 // --schedule sync|async; --load-balance (head-tail, the shards made by shard_sequence);
-// --primitive math|blockwise.
+// --primitive math|blockwise; --cu-seqlens 0,L1,L1+L2,... (mla only: packed documents, global
+// boundaries shared by every batch row; attention stays inside each document).
 // stdout: one JSON line: the configuration, comm_bytes_per_rank (counted), comm_bytes_theory
 // (cp/mla.h formula, twice with a backward) and the expanded-K/V gather's formula beside it.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace hp_cp_run {
 
@@ -35,6 +38,7 @@ struct MLAArgs {
   bool load_balance = false;
   int64_t topk = 2048;                // dsa
   std::string index_loss = "sparse";  // dsa
+  std::vector<int64_t> cu_seqlens;    // mla: packed documents (empty: none)
 };
 
 int run_mla(const MLAArgs& m);

@@ -55,8 +55,10 @@ MLAKeys mla_expand(const at::Tensor& latent, const at::Tensor& k_rope, const at:
 }
 
 AttentionResult mla_attend(const at::Tensor& q, const MLAKeys& keys, const MLAShape& shape,
-                           bool causal, int64_t q_offset, const AttentionPrimitive& primitive) {
+                           bool causal, int64_t q_offset, const AttentionPrimitive& primitive,
+                           const std::optional<Documents>& documents) {
   AttentionOptions o;
+  o.documents = documents;
   o.causal = causal;
   if (causal) o.causal_meta = CausalMetadata{q_offset, -1, -1};
   o.scale = 1.0 / std::sqrt(static_cast<double>(shape.qk_dim()));
@@ -65,9 +67,11 @@ AttentionResult mla_attend(const at::Tensor& q, const MLAKeys& keys, const MLASh
 
 at::Tensor mla_attention(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
                          const at::Tensor& w_ukv, const MLAShape& shape,
-                         const std::string& primitive) {
+                         const std::string& primitive, const at::Tensor& doc_ids) {
   auto keys = mla_expand(latent, k_rope, w_ukv, shape, 0, shape.heads);
-  auto res = mla_attend(q, keys, shape, true, 0, AttentionRegistry::builtin().get(primitive));
+  std::optional<Documents> docs;
+  if (doc_ids.defined()) docs = Documents{doc_ids};
+  auto res = mla_attend(q, keys, shape, true, 0, AttentionRegistry::builtin().get(primitive), docs);
   return res.out.transpose(1, 2);
 }
 
@@ -84,10 +88,10 @@ void MLAHost::install(std::shared_ptr<MLAInterceptor> interceptor) {
 }
 
 at::Tensor MLAHost::attend(const MLAQueries& queries, const at::Tensor& latent,
-                           const at::Tensor& k_rope, const at::Tensor& w_ukv,
-                           const MLAShape& shape) {
-  if (interceptor_) return interceptor_->attend(queries, latent, k_rope, w_ukv, shape);
-  return mla_attention(queries(), latent, k_rope, w_ukv, shape, primitive_);
+                           const at::Tensor& k_rope, const at::Tensor& w_ukv, const MLAShape& shape,
+                           const at::Tensor& doc_ids) {
+  if (interceptor_) return interceptor_->attend(queries, latent, k_rope, w_ukv, shape, doc_ids);
+  return mla_attention(queries(), latent, k_rope, w_ukv, shape, primitive_, doc_ids);
 }
 
 }  // namespace hp::attention

@@ -39,7 +39,7 @@ void check_mla_cp(const std::string& who, const MLACPOptions& options,
 at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at::Tensor& latent,
                             const at::Tensor& k_rope, const at::Tensor& w_ukv,
                             const attention::MLAShape& shape, const MLACPOptions& options,
-                            const CPTopology& topology) {
+                            const CPTopology& topology, const at::Tensor& doc_ids) {
   const std::string who = "MLA CP (" + options.strategy + ")";
   HP_CHECK(latent.defined() && k_rope.defined() && w_ukv.defined(), who,
            ": latent, k_rope and w_ukv are required");
@@ -50,13 +50,23 @@ at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at
            who, ": k_rope ", k_rope.sizes(), " must be [B, S/P, d_rope=", shape.d_rope,
            "] like latent ", latent.sizes());
   check_mla_cp(who, options, shape, latent.size(1), topology.cp_size);
+  if (doc_ids.defined()) {
+    const int64_t total = latent.size(1) * topology.cp_size;
+    HP_CHECK(doc_ids.dim() == 2 && doc_ids.size(1) == total, who, ": doc_ids ", doc_ids.sizes(),
+             " must be the global [B|1, S=", total,
+             "] document ids of the whole sequence (the same on every rank), not a shard's");
+    attention::check_documents(attention::Documents{doc_ids}, latent.size(0), total, total,
+                               who.c_str());
+  }
   if (topology.cp_size == 1) {
-    return attention::mla_attention(queries(), latent, k_rope, w_ukv, shape, options.primitive);
+    return attention::mla_attention(queries(), latent, k_rope, w_ukv, shape, options.primitive,
+                                    doc_ids);
   }
   return options.strategy == "ulysses"
-             ? detail::mla_ulysses(queries, latent, k_rope, w_ukv, shape, options, topology)
+             ? detail::mla_ulysses(queries, latent, k_rope, w_ukv, shape, options, topology,
+                                   doc_ids)
              : detail::mla_latent_all_gather(queries, latent, k_rope, w_ukv, shape, options,
-                                             topology);
+                                             topology, doc_ids);
 }
 
 namespace {
@@ -73,8 +83,8 @@ class MLACPInterceptor final : public attention::MLAInterceptor {
   }
   at::Tensor attend(const attention::MLAQueries& queries, const at::Tensor& latent,
                     const at::Tensor& k_rope, const at::Tensor& w_ukv,
-                    const attention::MLAShape& shape) override {
-    return mla_attention_cp(queries, latent, k_rope, w_ukv, shape, options_, *topology_);
+                    const attention::MLAShape& shape, const at::Tensor& doc_ids) override {
+    return mla_attention_cp(queries, latent, k_rope, w_ukv, shape, options_, *topology_, doc_ids);
   }
 
  private:

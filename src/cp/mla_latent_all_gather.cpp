@@ -15,6 +15,13 @@
 //          part out = merge_by_lse(diag_i, rest_i)
 //   out = parts concatenated (the shard's order), anchored to the gathered tensor so every rank
 //   runs the reduce-scatter of its gradient in backward.
+// Packed documents (global ids): part i sees no key before f_i, the start of the document that
+// holds its first row (the earliest over batch rows). Keys are expanded from the lowest f_i on,
+// each part attends keys [f_i, .) with documents {ids, o_i, f_i}, and an async part whose
+// earlier keys all lie in other documents (f_i = o_i) keeps its diagonal block alone.
+#include <algorithm>
+#include <optional>
+
 #include <ATen/ATen.h>
 
 #include "hp/comm/async_transfer.h"
@@ -33,8 +40,19 @@ struct QueryRows {
   int64_t len() const { return q.size(1); }
 };
 
-attention::MLAKeys first_keys(const attention::MLAKeys& keys, int64_t n) {
-  return {keys.k.narrow(2, 0, n), keys.v.narrow(2, 0, n)};
+attention::MLAKeys key_range(const attention::MLAKeys& keys, int64_t from, int64_t n) {
+  return {keys.k.narrow(2, from, n), keys.v.narrow(2, from, n)};
+}
+
+// The first position of the document holding global position `pos`, earliest over the rows of
+// `ids` ([Bd, S] CPU int64, non-decreasing along each row).
+int64_t document_start(const at::Tensor& ids, int64_t pos) {
+  int64_t first = pos;
+  for (int64_t b = 0; b < ids.size(0); ++b) {
+    const int64_t* row = ids.data_ptr<int64_t>() + b * ids.size(1);
+    first = std::min<int64_t>(first, std::lower_bound(row, row + pos, row[pos]) - row);
+  }
+  return first;
 }
 
 }  // namespace
@@ -42,7 +60,8 @@ attention::MLAKeys first_keys(const attention::MLAKeys& keys, int64_t n) {
 at::Tensor mla_latent_all_gather(const std::function<at::Tensor()>& queries,
                                  const at::Tensor& latent, const at::Tensor& k_rope,
                                  const at::Tensor& w_ukv, const attention::MLAShape& shape,
-                                 const MLACPOptions& options, const CPTopology& topology) {
+                                 const MLACPOptions& options, const CPTopology& topology,
+                                 const at::Tensor& doc_ids) {
   const int64_t p = topology.cp_size, r = topology.cp_rank, s = latent.size(1);
   const int64_t rank_dim = shape.kv_rank, heads = shape.heads;
   const bool async = options.schedule == CPSchedule::kAsync;
@@ -84,32 +103,49 @@ at::Tensor mla_latent_all_gather(const std::function<at::Tensor()>& queries,
   } else {
     parts.push_back({q, packed, r * s});
   }
+  at::Tensor ids;  // CPU int64 [Bd, S] when documents are packed
+  if (doc_ids.defined()) ids = doc_ids.to(at::kCPU, at::kLong).contiguous();
+  auto docs = [&](int64_t q_start, int64_t kv_start) -> std::optional<attention::Documents> {
+    if (!ids.defined()) return std::nullopt;
+    return attention::Documents{doc_ids, q_start, kv_start};
+  };
+  std::vector<int64_t> first;  // the earliest key each part's queries can see
+  for (const auto& part : parts)
+    first.push_back(ids.defined() ? document_start(ids, part.offset) : 0);
   std::vector<attention::AttentionResult> diag;
   if (async) {
     for (const auto& part : parts) {
-      diag.push_back(attention::mla_attend(part.q, keys_of(part.rows), shape, true, 0, primitive));
+      diag.push_back(attention::mla_attend(part.q, keys_of(part.rows), shape, true, 0, primitive,
+                                           docs(part.offset, part.offset)));
     }
   }
   auto gathered = flight.wait();  // [B, P*s, R+dr]
   if (options.load_balance) gathered = natural_order(gathered, p, 1);
-  int64_t needed = 0;
-  for (const auto& part : parts)
-    needed = std::max(needed, async ? part.offset : part.offset + part.len());
+  // Keys [lo, hi) cover every part's visible earlier keys (async: those before its own rows).
+  int64_t lo = s * p, hi = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t end = async ? parts[i].offset : parts[i].offset + parts[i].len();
+    if (first[i] >= end) continue;
+    lo = std::min(lo, first[i]);
+    hi = std::max(hi, end);
+  }
   attention::MLAKeys keys;
-  if (needed > 0) keys = keys_of(gathered.narrow(1, 0, needed));
+  if (hi > lo) keys = keys_of(gathered.narrow(1, lo, hi - lo));
   const QKVLayout bnsd{2, 1};
   std::vector<at::Tensor> outs;
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& part = parts[i];
+    const int64_t f = first[i];
     if (!async) {
-      outs.push_back(attention::mla_attend(part.q, first_keys(keys, part.offset + part.len()),
-                                           shape, true, part.offset, primitive)
+      const int64_t n = part.offset + part.len() - f;
+      outs.push_back(attention::mla_attend(part.q, key_range(keys, f - lo, n), shape, true,
+                                           part.offset - f, primitive, docs(part.offset, f))
                          .out);
-    } else if (part.offset == 0) {
+    } else if (f >= part.offset) {  // no earlier key is visible: the diagonal block alone
       outs.push_back(diag[i].out);
     } else {
-      auto rest =
-          attention::mla_attend(part.q, first_keys(keys, part.offset), shape, false, 0, primitive);
+      auto rest = attention::mla_attend(part.q, key_range(keys, f - lo, part.offset - f), shape,
+                                        false, 0, primitive, docs(part.offset, f));
       outs.push_back(merge_by_lse({diag[i], rest}, bnsd));
     }
   }

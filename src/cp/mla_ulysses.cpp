@@ -6,6 +6,10 @@
 //          --A2A(head->seq)--> [B, s, H, dv]
 //   async: [k_j | v_j] starts first; q = queries() while it travels; q_j in its own all-to-all
 //   backward: the inverse all-to-alls.
+//   packed documents: the whole sequence is here after the all-to-all, so the global ids apply
+//   with q_start = kv_start = 0.
+#include <optional>
+
 #include <ATen/ATen.h>
 
 #include "hp/comm/async_transfer.h"
@@ -18,7 +22,7 @@ namespace hp::cp::detail {
 at::Tensor mla_ulysses(const std::function<at::Tensor()>& queries, const at::Tensor& latent,
                        const at::Tensor& k_rope, const at::Tensor& w_ukv,
                        const attention::MLAShape& shape, const MLACPOptions& options,
-                       const CPTopology& topology) {
+                       const CPTopology& topology, const at::Tensor& doc_ids) {
   const int64_t p = topology.cp_size, n = shape.heads / p;
   const auto& primitive = attention::AttentionRegistry::builtin().get(options.primitive);
   auto local = attention::mla_expand(latent, k_rope, w_ukv, shape, 0, shape.heads);
@@ -56,8 +60,10 @@ at::Tensor mla_ulysses(const std::function<at::Tensor()>& queries, const at::Ten
     kh = moved[1];
     vh = moved[2];
   }
+  std::optional<attention::Documents> docs;
+  if (doc_ids.defined()) docs = attention::Documents{doc_ids};
   auto res = attention::mla_attend(qh, {kh.transpose(1, 2), vh.transpose(1, 2)}, shape, true, 0,
-                                   primitive);
+                                   primitive, docs);
   return ulysses_to_sequence(res.out.transpose(1, 2), topology.cp);
 }
 

@@ -101,13 +101,18 @@ void MLAAttentionImpl::latent_and_rope(const at::Tensor& x, const at::Tensor& po
   k_rope = apply_rope(at::matmul(x, w_kr.t()).unsqueeze(1), position_ids, c.rope_theta).squeeze(1);
 }
 
-at::Tensor MLAAttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids) {
+at::Tensor MLAAttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids,
+                                     const at::Tensor& doc_ids) {
   HP_CHECK(x.dim() == 3 && x.size(2) == config_.hidden, "MLA layer: x ", x.sizes(),
            " must be [B, S, hidden=", config_.hidden, "]");
+  HP_CHECK(!config_.sparse || !doc_ids.defined(),
+           "MLA layer (sparse, DSA): packed documents are not supported by the DSA indexer "
+           "yet; train DSA layers without --pack-documents or use --mixer mla");
   at::Tensor latent, k_rope;
   latent_and_rope(x, position_ids, latent, k_rope);
   if (config_.sparse) return forward_sparse(x, position_ids, latent, k_rope);
-  auto o = host_.attend([&] { return queries(x, position_ids); }, latent, k_rope, w_ukv, shape());
+  auto o = host_.attend([&] { return queries(x, position_ids); }, latent, k_rope, w_ukv, shape(),
+                        doc_ids);
   return at::matmul(o.flatten(2), w_o.t());
 }
 

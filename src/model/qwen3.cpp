@@ -134,11 +134,7 @@ at::Tensor Qwen3DecoderLayerImpl::mix(const at::Tensor& x, const at::Tensor& pos
                                       const at::Tensor& doc_ids) {
   if (self_attn) return self_attn->forward(x, position_ids, doc_ids);
   if (linear_attn) return linear_attn->forward(x, doc_ids);
-  HP_CHECK(!doc_ids.defined(),
-           "packed documents reach softmax and linear attention layers "
-           "only; the MLA/DSA mixer does not take document boundaries yet: train it without "
-           "--pack-documents");
-  return mla_attn->forward(x, position_ids);
+  return mla_attn->forward(x, position_ids, doc_ids);
 }
 
 at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& position_ids,

@@ -85,10 +85,9 @@ void check_options(const TrainOptions& o) {
   if (o.pack_documents) {
     for (int64_t i = 0; i < o.model.layers; ++i) {
       const auto kind = model::layer_mixer(o.model, i);
-      HP_CHECK(kind == "attention" || kind == "gated_attention" || kind == "gdn" || kind == "kda",
-               "hp-train: --pack-documents needs softmax or linear attention layers (--mixer "
-               "attention|gdn|kda); the ",
-               kind, " mixer does not take document boundaries yet");
+      HP_CHECK(kind != "dsa",
+               "hp-train: --pack-documents needs softmax, MLA or linear attention layers (--mixer "
+               "attention|mla|gdn|kda); the dsa mixer does not take document boundaries yet");
     }
     HP_CHECK(o.model.primitive != "sdpa",
              "hp-train: --pack-documents needs --primitive "

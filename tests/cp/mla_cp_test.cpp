@@ -1,11 +1,12 @@
 // MLA (attention/mla.h) and its CP strategies (cp/mla.h) against the float64 explicit-score
 // reference (harness/reference_mla.h): outputs and the gradients of q, latent, k_rope and w_ukv,
 // for latent_all_gather and ulysses, sync and async, with and without head-tail load balance,
-// P in {2, 3, 4}; the schedules from the recording group; the byte counters against the formula;
-// the fail-fast checks.
+// P in {2, 3, 4}, packed documents against each document run alone; the schedules from the
+// recording group; the byte counters against the formula; the fail-fast checks.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "hp/attention/masks.h"
 #include "hp/attention/mla.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
@@ -75,10 +76,41 @@ TEST(MLA, SingleProcessEqualsExplicitScores) {
   }
 }
 
-void run_cp(int p, const MLACPOptions& o) {
+// Packed documents, a different split per batch row: documents that span rank boundaries,
+// documents of one token, documents shorter than a shard.
+at::Tensor packed_ids() {
+  return at::cat({attention::document_ids_from_cu_seqlens({0, 5, 6, 17, 24}, kS),
+                  attention::document_ids_from_cu_seqlens({0, 1, 11, 13, 24}, kS)});
+}
+
+// The reference of packed rows: each document of each row alone through reference_mla,
+// concatenated back (no document mask involved).
+at::Tensor reference_packed(const at::Tensor& q, const at::Tensor& l, const at::Tensor& r,
+                            const at::Tensor& w, int64_t d_v, const at::Tensor& ids) {
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    std::vector<at::Tensor> docs;
+    auto row = ids[ids.size(0) == 1 ? 0 : b];
+    for (int64_t start = 0; start < kS;) {
+      int64_t end = start;
+      while (end < kS && row[end].item<int64_t>() == row[start].item<int64_t>())
+        ++end;
+      auto cut = [&](const at::Tensor& t) {
+        return t.narrow(0, b, 1).narrow(1, start, end - start);
+      };
+      docs.push_back(hp::testing::reference_mla(cut(q), cut(l), cut(r), w, d_v));
+      start = end;
+    }
+    rows.push_back(at::cat(docs, 1));
+  }
+  return at::cat(rows, 0);
+}
+
+void run_cp(int p, const MLACPOptions& o, const at::Tensor& doc_ids = {}) {
   const auto s = small_shape();
   auto in = inputs(s, at::kDouble);
   auto ref = run_and_grad(in, [&](auto q, auto l, auto r, auto w) {
+    if (doc_ids.defined()) return reference_packed(q, l, r, w, s.d_v, doc_ids);
     return hp::testing::reference_mla(q, l, r, w, s.d_v);
   });
   run_ranks(p, [&](comm::World& w) {
@@ -96,11 +128,12 @@ void run_cp(int p, const MLACPOptions& o) {
             ++calls;
             return q;
           },
-          l, kr, wu, s, o, *topo);
+          l, kr, wu, s, o, *topo, doc_ids);
     });
     EXPECT_EQ(calls, 1);
     const std::string what = o.strategy + (o.load_balance ? " lb " : " ") + to_string(o.schedule) +
-                             " P=" + std::to_string(p) + " rank " + std::to_string(r);
+                             (doc_ids.defined() ? " packed" : "") + " P=" + std::to_string(p) +
+                             " rank " + std::to_string(r);
     expect_close(got.out, shard(ref.out), what + " out", 1e-10, 1e-10);
     expect_close(got.dq, shard(ref.dq), what + " dq", 1e-10, 1e-10);
     expect_close(got.dlatent, shard(ref.dlatent), what + " dlatent", 1e-10, 1e-10);
@@ -141,6 +174,39 @@ TEST(MLACP, UlyssesEqualsTheReference) {
       o.schedule = schedule;
       run_cp(p, o);
     }
+}
+
+// Packed documents under every strategy, sync and async, balanced and not: each rank's output
+// and every gradient equal each document run alone. The single-process core with the ids too.
+TEST(MLACP, PackedDocumentsEqualEachDocumentAlone) {
+  const auto s = small_shape();
+  const auto ids = packed_ids();
+  auto in = inputs(s, at::kDouble);
+  auto ref = run_and_grad(
+      in, [&](auto q, auto l, auto r, auto w) { return reference_packed(q, l, r, w, s.d_v, ids); });
+  auto single = run_and_grad(in, [&](auto q, auto l, auto r, auto w) {
+    return attention::mla_attention(q, l, r, w, s, "blockwise", ids);
+  });
+  expect_close(single.out, ref.out, "single out", 1e-10, 1e-10);
+  expect_close(single.dlatent, ref.dlatent, "single dlatent", 1e-10, 1e-10);
+  expect_close(single.dw, ref.dw, "single dw_ukv", 1e-10, 1e-10);
+  for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+    for (const std::string strategy : {"latent_all_gather", "all_gather"})
+      for (bool lb : {false, true})
+        for (int p : {2, 4}) {
+          MLACPOptions o;
+          o.strategy = strategy;
+          o.schedule = schedule;
+          o.load_balance = lb;
+          // P=4 takes one row of ids for both batch rows (Bd = 1): its rank 1's documents start
+          // at its first query, so async skips the earlier keys altogether.
+          run_cp(p, o, p == 4 ? ids.narrow(0, 0, 1) : ids);
+        }
+    MLACPOptions o;
+    o.strategy = "ulysses";
+    o.schedule = schedule;
+    run_cp(3, o, ids);
+  }
 }
 
 // What travels: the latent strategy one all-gather of [latent | k_rope] and its reduce-scatter;
@@ -225,6 +291,26 @@ TEST(MLACP, FailFast) {
   s.d_v = 0;
   o.primitive = "blockwise";
   HP_EXPECT_ERROR(check_mla_cp("m", o, s, 8, 2), "MLA sizes must be positive");
+}
+
+// Document ids of a shard instead of the whole sequence, or ids that decrease, are refused
+// before any collective (a single rank runs: a collective would hang).
+TEST(MLACP, PackedDocumentIdsAreCheckedBeforeAnyCollective) {
+  const auto s = small_shape();
+  auto in = inputs(s, at::kDouble);
+  run_ranks(2, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", 2}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
+    if (w.rank() != 0) return;
+    auto local = [&](const at::Tensor& t) { return shard_sequence(t, 1, 0, 2, false); };
+    auto call = [&](const at::Tensor& ids) {
+      mla_attention_cp([&] { return local(in.q); }, local(in.latent), local(in.k_rope), in.w_ukv, s,
+                       MLACPOptions{}, *topo, ids);
+    };
+    HP_EXPECT_ERROR(call(packed_ids().narrow(1, 0, kS / 2)),
+                    "must be the global [B|1, S=24] document ids of the whole sequence");
+    HP_EXPECT_ERROR(call(packed_ids().flip({1})), "documents.ids decrease along the sequence");
+  });
 }
 
 }  // namespace

@@ -89,6 +89,45 @@ TEST(HpCpRun, MLAMatchesTheExplicitScoreReference) {
   }
 }
 
+// --cu-seqlens: packed documents (a document spanning the rank boundary, one of one token);
+// every result equals each document run alone through the reference.
+TEST(HpCpRun, MLATakesPackedDocuments) {
+  const std::string& dir = hp::testing::scratch_dir();
+  const auto file = mla_file();
+  auto leaf = [&](const char* n) { return file.at(n).clone().requires_grad_(true); };
+  auto q = leaf("q"), latent = leaf("latent"), k_rope = leaf("k_rope"), w = leaf("w_ukv");
+  const std::vector<int64_t> cu{0, 5, 6, 17, 24};
+  std::vector<at::Tensor> docs;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    auto cut = [&](const at::Tensor& t) { return t.narrow(1, cu[i], cu[i + 1] - cu[i]); };
+    docs.push_back(hp::testing::reference_mla(cut(q), cut(latent), cut(k_rope), w, kDv));
+  }
+  auto ref_out = at::cat(docs, 1);
+  ref_out.backward(file.at("dout"));
+  const std::map<std::string, at::Tensor> ref{{"out", ref_out.detach()},
+                                              {"dq", q.grad()},
+                                              {"dlatent", latent.grad()},
+                                              {"dk_rope", k_rope.grad()},
+                                              {"dw_ukv", w.grad()}};
+  const std::string in = dir + "/mla_docs_in.pt", out = dir + "/mla_docs_out.pt";
+  save_dict(in, file);
+  for (const std::string args : {"--cp 2 --schedule async --load-balance",
+                                 "--cp 4 --cp-algo ulysses", "--cp 3 --cp-algo all_gather"}) {
+    const std::string cmd =
+        hp::common::str_cat(HP_CP_RUN_BINARY, " --input ", in, " --output ", out,
+                            " --attention mla --cu-seqlens 0,5,6,17,24 ", args);
+    auto r = hp::testing::run_command(cmd);
+    ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    auto res = load_dict(out);
+    for (const auto& [name, want] : ref)
+      expect_close(res.at(name).toTensor(), want, args + " " + name, 1e-9, 1e-9);
+    auto j = last_json(r.out);
+    EXPECT_EQ(j["documents"], 4) << r.out;
+    for (const auto& b : j["comm_bytes_per_rank"])  // documents add no bytes
+      EXPECT_EQ(b, j["comm_bytes_theory"]) << args << "\n" << r.out;
+  }
+}
+
 TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   namespace fs = std::filesystem;
   const std::string dir = hp::testing::scratch_dir() + "/mla_bad";
@@ -117,6 +156,9 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   expect_refused(dir + "/mla.pt --attention gqa",
                  "--attention 'gqa' is not valid; valid: softmax, mla, dsa");
   expect_refused(mla + " --topk 4", "--topk applies to --attention dsa");
+  expect_refused(mla + " --cu-seqlens 0,30", "cu_seqlens ends at 30 beyond the sequence length 24");
+  expect_refused(dir + "/mla.pt --attention dsa --cu-seqlens 0,12,24",
+                 "--cu-seqlens does not apply to --attention dsa");
   expect_refused(dir + "/mla.pt --attention dsa", "'" + dir + "/mla.pt' has no entry 'q_index'");
   expect_refused(dir + "/mla.pt --attention dsa --cp-algo ulysses",
                  "--cp-algo 'ulysses' is not a DSA strategy");

@@ -89,6 +89,11 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"kimi_mla_ulysses_ep2",
                "--nproc 2 --cp 2 --arch kimi-linear --layers 4 " + kMoE + "--ep 2 --mla-cp ulysses",
                "kimi-linear", "mla: strategy=ulysses"},
+        // ... and the MLA layers: kimi-linear packed, async (its linear layers take no
+        // head-tail balance; the MLA CP tests cover balanced documents).
+        Layout{"kimi_packed_async",
+               "--nproc 2 --cp 2 --arch kimi-linear --layers 4 --pack-documents --schedule async",
+               "kimi-linear", "mla: strategy=latent_all_gather schedule=async"},
         Layout{"kimi_hsdp_async",
                "--nproc 4 --cp 2 --dp-shard 2 --arch kimi-linear --layers 4 " + kMoE +
                    "--ep 2 --schedule async",

@@ -560,8 +560,8 @@ TEST(HpTrain, PackedDocuments) {
   expect_refused("--nproc 1 --pack-documents --data " + dir + "/lines.txt --vocab 256",
                  {"--pack-documents with --data needs --eod-id"});
   expect_refused("--nproc 1 --eod-id 10", {"--eod-id 10 is used only with --pack-documents"});
-  expect_refused("--nproc 1 --pack-documents --attention mla",
-                 {"the mla mixer does not take document boundaries yet"});
+  expect_refused("--nproc 1 --pack-documents --attention dsa",
+                 {"the dsa mixer does not take document boundaries yet"});
 }
 
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {

@@ -10,11 +10,15 @@
 //   out_h = softmax(q_h k_h^T * scale + causal) v_h,  scale = 1/sqrt(d_nope + d_rope)
 //   out     [B, Sq, H, d_v]
 // Causal positions: query i sits at q_offset + i, key j at j (j <= q_offset + i is visible).
+// Packed documents (masks.h): with `doc_ids` [Bd, S_total] (the global document id of every
+// position) a key is visible only inside its query's document as well; the CP strategies pass the
+// global ids and set each call's global q_start / kv_start.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -47,21 +51,27 @@ MLAKeys mla_expand(const at::Tensor& latent, const at::Tensor& k_rope, const at:
                    const MLAShape& shape, int64_t first_head, int64_t num_heads);
 
 // Attention of q (BSHD, the heads of `keys`) against `keys`, causal with `q_offset` (the
-// position of q's first row relative to the keys' first row), or unmasked when !causal.
+// position of q's first row relative to the keys' first row), or unmasked when !causal;
+// `documents` (optional, global ids with this call's q_start / kv_start) hides keys of other
+// documents, and the primitive skips the tiles they hide entirely.
 // Returns {out [B, n, Sq, d_v] (BNSD), lse [B, n, Sq]} for merges by log-sum-exp.
 AttentionResult mla_attend(const at::Tensor& q, const MLAKeys& keys, const MLAShape& shape,
-                           bool causal, int64_t q_offset, const AttentionPrimitive& primitive);
+                           bool causal, int64_t q_offset, const AttentionPrimitive& primitive,
+                           const std::optional<Documents>& documents = std::nullopt);
 
-// The whole single-process core: causal MLA of q over the latent, out [B, S, H, d_v].
+// The whole single-process core: causal MLA of q over the latent, out [B, S, H, d_v]; with
+// `doc_ids` [Bd, S] attention stays inside each document.
 at::Tensor mla_attention(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
                          const at::Tensor& w_ukv, const MLAShape& shape,
-                         const std::string& primitive = "blockwise");
+                         const std::string& primitive = "blockwise",
+                         const at::Tensor& doc_ids = {});
 
 // The model-facing surface CP hooks into for MLA layers (as host.h for softmax attention): a
 // layer calls host.attend(queries, latent, k_rope, w_ukv, shape); with nothing installed that
 // is mla_attention(queries(), ...) on the local tokens, and a CP strategy (cp/mla.h) installs an
 // interceptor that moves the latent (or Q/K/V) around the core. `queries` produces the layer's
-// q; an async interceptor calls it while its first collective travels.
+// q; an async interceptor calls it while its first collective travels. `doc_ids` is undefined
+// (one document per row) or the global [Bd, S_total] document ids of packed sequences.
 using MLAQueries = std::function<at::Tensor()>;
 
 class MLAInterceptor {
@@ -70,7 +80,7 @@ class MLAInterceptor {
   virtual std::string id() const = 0;
   virtual at::Tensor attend(const MLAQueries& queries, const at::Tensor& latent,
                             const at::Tensor& k_rope, const at::Tensor& w_ukv,
-                            const MLAShape& shape) = 0;
+                            const MLAShape& shape, const at::Tensor& doc_ids) = 0;
 };
 
 class MLAHost {
@@ -80,7 +90,7 @@ class MLAHost {
   void install(std::shared_ptr<MLAInterceptor> interceptor);
   MLAInterceptor* installed() const { return interceptor_.get(); }
   at::Tensor attend(const MLAQueries& queries, const at::Tensor& latent, const at::Tensor& k_rope,
-                    const at::Tensor& w_ukv, const MLAShape& shape);
+                    const at::Tensor& w_ukv, const MLAShape& shape, const at::Tensor& doc_ids = {});
 
  private:
   std::string primitive_;

@@ -60,10 +60,14 @@ void check_mla_cp(const std::string& who, const MLACPOptions& options,
 // before any collective (sync) or while the first collective travels (async). Outputs and
 // every gradient (q, latent, k_rope, w_ukv) equal the single-process attention::mla_attention
 // on the whole sequence. The topology's CP group must outlive the graph.
+// Packed documents: `doc_ids` [Bd, S] are the global ids (masks.h) of the whole sequence, the
+// same on every rank (undefined: one document per row); they are checked before any
+// collective, nothing extra travels, and latent_all_gather expands and attends no key that lies
+// before its queries' documents.
 at::Tensor mla_attention_cp(const std::function<at::Tensor()>& queries, const at::Tensor& latent,
                             const at::Tensor& k_rope, const at::Tensor& w_ukv,
                             const attention::MLAShape& shape, const MLACPOptions& options,
-                            const CPTopology& topology);
+                            const CPTopology& topology, const at::Tensor& doc_ids = {});
 
 // Installs `options` into an MLA layer's host (the interceptor runs mla_attention_cp over the
 // topology's CP group). Checks the names before any collective; installing a different
@@ -83,11 +87,12 @@ namespace detail {
 at::Tensor mla_latent_all_gather(const std::function<at::Tensor()>& queries,
                                  const at::Tensor& latent, const at::Tensor& k_rope,
                                  const at::Tensor& w_ukv, const attention::MLAShape& shape,
-                                 const MLACPOptions& options, const CPTopology& topology);
+                                 const MLACPOptions& options, const CPTopology& topology,
+                                 const at::Tensor& doc_ids);
 at::Tensor mla_ulysses(const std::function<at::Tensor()>& queries, const at::Tensor& latent,
                        const at::Tensor& k_rope, const at::Tensor& w_ukv,
                        const attention::MLAShape& shape, const MLACPOptions& options,
-                       const CPTopology& topology);
+                       const CPTopology& topology, const at::Tensor& doc_ids);
 }  // namespace detail
 
 }  // namespace hp::cp

@@ -8,6 +8,8 @@
 //              its strategy into the host: cp/mla.h)
 //     out    = W_o o                  [B, S, hidden]
 // RoPE at the global positions `position_ids` [B, S] (what CP shards with the tokens).
+// Packed documents: `doc_ids` [Bd, S_total] (global ids, masks.h) keep attention inside each
+// document (position_ids then restart per document); the sparse (DSA) form refuses them.
 //
 // sparse (DSA, DeepSeek-V3.2): the same layer with a lightning indexer on inputs detached from
 // the main model (it learns only from its KL loss): q_I = W_iq c_q [B, S, H_I, d_I] (c_q the
@@ -55,7 +57,8 @@ class MLAAttentionImpl : public torch::nn::Module {
  public:
   explicit MLAAttentionImpl(const MLAConfig& c, int64_t layer = 0);
 
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& position_ids,
+                     const at::Tensor& doc_ids = {});
   // The stages forward runs (public for tests): q, and the latent with the rotated key part.
   at::Tensor queries(const at::Tensor& x, const at::Tensor& position_ids) const;
   void latent_and_rope(const at::Tensor& x, const at::Tensor& position_ids, at::Tensor& latent,
