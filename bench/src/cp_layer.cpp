@@ -37,8 +37,9 @@ class CPAttentionLayer::Module {
 
   // q, k, v in the caller's layout; each passes its handoff point right before attention.
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    if (!primitive_style_) return core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v));
     auto& host = core_.host();
+    host.announce(core_.options().attention);  // async CP may skip moves the documents hide
+    if (!primitive_style_) return core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v));
     auto scope = host.forward_scope();
     auto t = [&](const at::Tensor& x) { return bshd_ ? x.transpose(1, 2) : x; };
     auto out = t(host.call_primitive(q_handoff_(t(q)), k_handoff_(t(k)), v_handoff_(t(v)),
@@ -57,6 +58,7 @@ class CPAttentionLayer::Module {
     };
     auto& host = core_.host();
     auto scope = host.forward_scope();
+    host.announce(core_.options().attention);  // before the projections
     auto q = q_handoff_(heads(at::matmul(x, wq_), heads_));
     auto k = k_handoff_(heads(at::matmul(x, wk_), kv_heads_));
     auto v = v_handoff_(heads(at::matmul(x, wv_), kv_heads_));

@@ -95,6 +95,7 @@ class CPAttention {
     }
     auto options = core_.options().attention;
     if (docs.defined()) options.documents = attention::Documents{docs};
+    core_.host().announce(options);  // async CP may skip moves the documents hide
     return core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v), options);
   }
 

@@ -56,6 +56,11 @@ AttentionResult AttentionHost::call_primitive(const at::Tensor& q, const at::Ten
   return direct(q, k, v, options);
 }
 
+void AttentionHost::announce(const AttentionOptions& options) {
+  if (boundary_) boundary_->on_announce(options);
+  if (primitive_call_) primitive_call_->on_announce(options);
+}
+
 AttentionHost::ForwardScope::ForwardScope(AttentionInterceptor* interceptor)
     : interceptor_(interceptor) {
   if (interceptor_) interceptor_->on_forward_begin();

@@ -74,9 +74,29 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
                                                 const at::Tensor& v,
                                                 const attention::AttentionOptions& options,
                                                 const attention::AttentionFn& inner) {
+  // The announcement and the handoffs' decision belong to this call only.
+  struct Clear {
+    CPRuntime& r;
+    ~Clear() {
+      r.announced_.reset();
+      r.skip_moves_.reset();
+      r.ctx_.moves_skipped = false;
+    }
+  } clear{*this};
   validate(q, k, v, options);
   ++calls_in_forward_;
   AttentionCall call(options, inner, *adapter_, *strategy_, ctx_);
+  if (ctx_.moves_skipped) {
+    const int64_t total = q.size(ctx_.layout.seq_dim) * ctx_.topology->cp_size;
+    HP_CHECK(strategy_->skips_moves(call, total, ctx_), "async CP on module '", module_path_, "' (",
+             strategy_->name(), "): the options announced before the projections (",
+             announced_ && announced_->documents ? "packed documents" : "no documents",
+             ", causal=", announced_ && announced_->causal,
+             ") let the handoffs skip the K/V collectives, but this call's options (",
+             options.documents ? "packed documents" : "no documents", ", causal=", options.causal,
+             ") need them; announce the options the call passes (AttentionHost::announce), or "
+             "announce nothing");
+  }
   at::Tensor out;
   if (async_) {
     ArrivedFn arrived(
@@ -104,6 +124,21 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
                           common::str_cat("async CP on module '", module_path_,
                                           "': ", role_name(role), " from handoff '", handoff, "'"));
   if (role != QKVRole::kQ) ctx_.kv_heads = x.size(l.heads_dim);  // before its collective starts
+  if (announced_ && !skip_moves_) {
+    // Asked once per call, at its first handoff: the attention itself is never run here.
+    const attention::AttentionFn never =
+        [](const at::Tensor&, const at::Tensor&, const at::Tensor&,
+           const attention::AttentionOptions&) -> attention::AttentionResult {
+      HP_INTERNAL_ASSERT(false, "the announced call is never run");
+      return {};
+    };
+    AttentionCall call(*announced_, never, *adapter_, *strategy_, ctx_);
+    skip_moves_ = strategy_->skips_moves(call, x.size(l.seq_dim) * ctx_.topology->cp_size, ctx_);
+  }
+  if (skip_moves_ && *skip_moves_) {
+    ctx_.moves_skipped = true;
+    return x;  // no collective, no slot: run_async attends the local K/V
+  }
   // The slot outlives this call inside the autograd graph and the runtime's own queue: it holds
   // the runtime weakly (a strong reference would be a cycle runtime -> queue -> slot -> runtime).
   std::weak_ptr<CPRuntime> weak = shared_from_this();
@@ -118,6 +153,12 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
                  "module alive until its backward has run");
         return self->strategy_->move_grad_async(role, g, self->ctx_);
       });
+}
+
+void CPRuntime::on_announce(const attention::AttentionOptions& options) {
+  if (!async_) return;  // the sync schedule decides at the call
+  announced_ = options;
+  skip_moves_.reset();
 }
 
 void CPRuntime::on_forward_end() {

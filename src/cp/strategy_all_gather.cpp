@@ -22,10 +22,11 @@
 //   reduce-scatter flies while the local chunks' backward computes. Key blocks that packed
 //   documents hide entirely are skipped (attend_local_first, shared with hybrid).
 //
-// Sync with packed documents that hide every other rank's keys from every rank's queries
+// Packed documents that hide every other rank's keys from every rank's queries
 // (remote_keys_hidden, decided alike by all ranks from the global ids): no all-gather, no
-// reduce-scatter; each rank attends its own chunks (the async schedule launched its gathers at
-// the handoffs, before the documents were known, and waits for them as usual).
+// reduce-scatter; each rank attends its own chunks. Sync decides at the call; async at its
+// first K/V handoff, when the module announced the call's documents before its projections
+// (AttentionHost::announce), and otherwise gathers at the handoffs as usual.
 #include <algorithm>
 
 #include <ATen/ATen.h>
@@ -255,31 +256,32 @@ class AllGatherStrategy final : public CPStrategy {
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
   }
 
-  // Sync: when packed documents hide every other rank's keys from every rank's queries, the
-  // K/V all-gather and its reduce-scatter are skipped (each rank attends its own chunks).
-  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
+  // Packed documents that hide every other rank's keys from every rank's queries: no K/V
+  // all-gather and no reduce-scatter are needed (each rank attends its own chunks).
+  bool skips_moves(const AttentionCall& call, int64_t total,
+                   const CPRuntimeContext& ctx) const override {
     const auto& t = *ctx.topology;
     const bool runtime_swap =
         ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
-    if (t.cp_size > 1 && !runtime_swap && can_split_call(call)) {
-      const int64_t total = q.size(ctx.layout.seq_dim) * t.cp_size;
-      const auto chunks = [&](int64_t r) {
-        return ctx.load_balance ? load_balance_chunks(r, t.cp_size) : std::vector<int64_t>{r};
-      };
-      if (detail::remote_keys_hidden(call, t.cp_size, total, chunks)) {
-        std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
-                                                        : std::vector{local_part(q, ctx, total)};
-        auto outs = detail::attend_local_first(parts, k, v, total, call, {});
-        return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
-      }
-    }
+    if (t.cp_size == 1 || runtime_swap || !can_split_call(call)) return false;
+    const auto chunks = [&](int64_t r) {
+      return ctx.load_balance ? load_balance_chunks(r, t.cp_size) : std::vector<int64_t>{r};
+    };
+    return detail::remote_keys_hidden(call, t.cp_size, total, chunks);
+  }
+
+  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
+    const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
+    if (skips_moves(call, total, ctx)) return local_only(q, k, v, call, ctx);
     return CPStrategy::run_sync(q, k, v, call, ctx);
   }
 
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
+    // The runtime started no gather at the handoffs (announced documents, skips_moves).
+    if (ctx.moves_skipped) return local_only(q, k, v, call, ctx);
     const bool runtime_swap =
         ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
     if (!can_split_call(call) || runtime_swap || ctx.topology->cp_size == 1) {
@@ -296,6 +298,16 @@ class AllGatherStrategy final : public CPStrategy {
     part.state.local_seq = s_local;
     part.state.causal = {ctx.topology->cp_rank * s_local, s_local, kv_len};
     return part;
+  }
+
+  // Each rank's query parts against its own K/V chunks only (skips_moves holds).
+  static at::Tensor local_only(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionCall& call, const CPRuntimeContext& ctx) {
+    const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
+    std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
+                                                    : std::vector{local_part(q, ctx, total)};
+    auto outs = detail::attend_local_first(parts, k, v, total, call, {});
+    return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
   }
 
   at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -72,6 +72,10 @@ Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm
 at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& position_ids,
                                        const at::Tensor& doc_ids) {
   auto scope = host_.forward_scope();
+  attention::AttentionOptions o;
+  o.causal = true;
+  if (doc_ids.defined()) o.documents = attention::Documents{doc_ids};
+  host_.announce(o);  // before the projections: async CP may skip moves the documents hide
   const int64_t b = x.size(0), s = x.size(1);
   auto heads = [&](const at::Tensor& t, int64_t n) {
     return t.view({b, s, n, head_dim_}).transpose(1, 2);  // BNSD
@@ -80,9 +84,6 @@ at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& po
   auto k =
       k_handoff(apply_rope(k_norm(heads(k_proj->forward(x), kv_heads_)), position_ids, theta_));
   auto v = v_handoff(heads(v_proj->forward(x), kv_heads_));
-  attention::AttentionOptions o;
-  o.causal = true;
-  if (doc_ids.defined()) o.documents = attention::Documents{doc_ids};
   auto out =
       host_.call_primitive(q, k, v, o).out.transpose(1, 2).reshape({b, s, heads_ * head_dim_});
   if (g_proj) out = out * at::sigmoid(g_proj->forward(x));

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "cp_direct.h"
 #include "cp_test_util.h"
 #include "hp/attention/core_attention.h"
 #include "hp/comm/collectives.h"
@@ -23,53 +24,14 @@
 namespace hp::cp {
 namespace {
 
+using hp::cp::testing::apply_cp;
+using hp::cp::testing::Direct;
+using hp::cp::testing::f64;
 using hp::cp::testing::quiet;
 using hp::testing::expect_close;
 using hp::testing::run_ranks;
 
 constexpr int64_t kB = 2, kNq = 12, kNkv = 6, kS = 48, kDqk = 8, kDv = 6;
-
-at::Tensor f64(uint64_t seed, at::IntArrayRef shape) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::kDouble);
-}
-
-// q/k/v through handoff points into a CoreAttention, so the async schedule has its launch
-// sites (the module boundary slot: sdpa_qkv).
-struct Direct {
-  explicit Direct(bool causal, const at::Tensor& doc_ids = {}) : core(options(causal, doc_ids)) {
-    for (auto* h : {&hq, &hk, &hv})
-      core.host().add_handoff(h);
-  }
-  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return core.forward(hq(q), hk(k), hv(v));
-  }
-  // doc_ids: packed documents of the whole (global) sequence, when given.
-  static attention::CoreAttentionOptions options(bool causal, const at::Tensor& doc_ids = {}) {
-    attention::CoreAttentionOptions o;
-    o.attention.causal = causal;
-    if (doc_ids.defined()) o.attention.documents = attention::Documents{doc_ids};
-    o.attention.block_q = 5;  // tiles that do not divide the shards
-    o.attention.block_kv = 7;
-    return o;
-  }
-  attention::CoreAttention core;
-  attention::HandoffPoint hq{"hq"}, hk{"hk"}, hv{"hv"};
-};
-
-// CP on `m` over every rank of `w`: module "attn" through sdpa_qkv, with the q/k/v handoffs as
-// the async schedule's launch sites unless `handoffs` is false. Returns the resolved schedule.
-std::string apply_cp(Direct& m, comm::World& w, const ContextParallelConfig& cfg,
-                     bool handoffs = true, const CPApplyOptions& o = quiet()) {
-  comm::DeviceMesh mesh(w, {{"cp", w.size()}});
-  auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
-  CPModuleSpec spec;
-  spec.module_path = "attn";
-  spec.inner_wrapper = "sdpa_qkv";
-  if (handoffs) spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
-  apply_context_parallel(m.core.host(), spec, cfg, topo, o);
-  return spec.resolved_schedule;
-}
 
 struct Case {
   std::string algorithm;
@@ -528,62 +490,6 @@ TEST(RingSchedule, BlocksNoRankAttendsNeverTravel) {
     expect_close(unshard_sequence(outs, 2, false), ref_out.detach(), "out", 1e-10, 1e-10);
     expect_close(unshard_sequence(dqs, 2, false), rq.grad(), "dq", 1e-10, 1e-10);
     expect_close(unshard_sequence(dks, 2, false), rk.grad(), "dk", 1e-10, 1e-10);
-  }
-}
-
-// Sync all_gather with packed documents that hide every other rank's keys from every rank
-// (documents = the chunks each rank holds, contiguous at P=3 and head-tail at P=2): no
-// collective at all, forward or backward, and the result equals the single-process reference.
-// Documents {0..19}, {20..47} at P=3 need the gathers and still run them.
-TEST(AllGatherSchedule, NoGatherWhenDocumentsHideEveryOtherRanksKeys) {
-  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
-             v = f64(3, {1, kNkv, kS, kDv});
-  struct Run {
-    int p;
-    bool balanced;
-    std::vector<int64_t> cu;
-    bool gathers;
-  };
-  for (const auto& run :
-       {Run{3, false, {0, 16, 32, kS}, false}, Run{2, true, {0, 12, 24, 36, kS}, false},
-        Run{3, false, {0, 20, kS}, true}}) {
-    SCOPED_TRACE("P=" + std::to_string(run.p) + (run.balanced ? " balanced" : ""));
-    ContextParallelConfig cfg;
-    cfg.algorithm = "all_gather";
-    cfg.load_balance = run.balanced;
-    const auto norm = *normalize(cfg, run.p);
-    auto ids = attention::document_ids_from_cu_seqlens(run.cu, kS);
-    Direct ref(true, ids);
-    auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
-         rv = v.clone().requires_grad_(true);
-    auto ref_out = ref.forward(rq, rk, rv);
-    ref_out.sum().backward();
-    std::vector<at::Tensor> outs(run.p), dqs(run.p), dks(run.p), dvs(run.p);
-    run_ranks(run.p, [&](comm::World& w) {
-      Direct m(true, ids);
-      apply_cp(m, w, norm, /*handoffs=*/false);
-      const int64_t r = w.rank();
-      auto mine = [&](const at::Tensor& full) {
-        return shard_sequence(full, 2, r, run.p, run.balanced).requires_grad_(true);
-      };
-      auto lq = mine(q), lk = mine(k), lv = mine(v);
-      auto& rec = *w.context().recorder;
-      rec.clear();
-      auto out = m.forward(lq, lk, lv);
-      out.sum().backward();
-      EXPECT_EQ(rec.schedule().empty(), !run.gathers);
-      outs[r] = out.detach();
-      dqs[r] = lq.grad();
-      dks[r] = lk.grad();
-      dvs[r] = lv.grad();
-    });
-    auto whole = [&](const std::vector<at::Tensor>& parts) {
-      return unshard_sequence(parts, 2, run.balanced);
-    };
-    expect_close(whole(outs), ref_out.detach(), "out", 1e-10, 1e-10);
-    expect_close(whole(dqs), rq.grad(), "dq", 1e-10, 1e-10);
-    expect_close(whole(dks), rk.grad(), "dk", 1e-10, 1e-10);
-    expect_close(whole(dvs), rv.grad(), "dv", 1e-10, 1e-10);
   }
 }
 

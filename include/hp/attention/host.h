@@ -39,6 +39,9 @@ class AttentionInterceptor {
   // Bracket one forward of the host module (only for the primitive-call slot).
   virtual void on_forward_begin() {}
   virtual void on_forward_end() {}
+  // The options the module's next call will pass, told before its projections (see
+  // AttentionHost::announce).
+  virtual void on_announce(const AttentionOptions& /*options*/) {}
 };
 
 class AttentionHost {
@@ -76,6 +79,13 @@ class AttentionHost {
     AttentionInterceptor* interceptor_;
   };
   ForwardScope forward_scope();
+
+  // Tells the interceptors, before the projections that feed the handoff points, the options
+  // (causal flag, packed documents) the module's next call will pass. Optional: an async CP
+  // schedule uses them to skip K/V collectives the documents make useless (all_gather when no
+  // query may see another rank's keys); the call must then pass the same causal flag and
+  // documents, or it fails with an error naming both.
+  void announce(const AttentionOptions& options);
 
   // Handoff points of this attention module, by name relative to the attention boundary
   // (what cp_handoff_targets refers to). The module owns the points; they must outlive it.

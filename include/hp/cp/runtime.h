@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "hp/attention/host.h"
@@ -37,6 +38,9 @@ class CPRuntime final : public attention::AttentionInterceptor,
                                        const attention::AttentionFn& inner) override;
   void on_forward_begin() override;
   void on_forward_end() override;
+  // Async schedule: options of the next call, before its projections; the first K/V handoff
+  // then asks the strategy whether the call needs its moves at all (CPStrategy::skips_moves).
+  void on_announce(const attention::AttentionOptions& options) override;
 
   // Async schedule: the hook body of the handoff point `handoff` for `role`.
   at::Tensor on_handoff(QKVRole role, const std::string& handoff, const at::Tensor& x);
@@ -60,6 +64,10 @@ class CPRuntime final : public attention::AttentionInterceptor,
   std::shared_ptr<CPRuntimeState> state_;
   int64_t calls_in_forward_ = 0;
   bool in_forward_ = false;
+  // The announced options of the next call, and (once a handoff has asked) whether its moves
+  // are skipped; both cleared by the call.
+  std::optional<attention::AttentionOptions> announced_;
+  std::optional<bool> skip_moves_;
 };
 
 }  // namespace hp::cp

@@ -73,6 +73,9 @@ struct CPRuntimeContext {
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid (ContextParallelConfig::async_always_local_first).
   bool async_always_local_first = false;
+  // Async schedule: the runtime skipped this call's moves at the handoff points, because the
+  // options announced before the projections made them useless (CPStrategy::skips_moves).
+  bool moves_skipped = false;
 };
 
 // Per-call state a strategy hands from finish() to the attention calls and restore_output.
@@ -217,6 +220,16 @@ class CPStrategy {
                                     const PreparedQKV& prepared, const CPRuntimeContext& ctx) const;
   virtual attention::CausalMetadata causal_metadata(const CallState& state) const {
     return state.causal;
+  }
+
+  // Whether `call` (over a sequence of `total` tokens) needs none of the moves: every query
+  // part attends only keys this rank holds (all_gather with packed documents that hide every
+  // other rank's keys). Decided alike on every rank, from global facts only. The async
+  // schedule asks it at the first handoff, for announced options (AttentionHost::announce),
+  // and then starts no collective; run_async then finds ctx.moves_skipped set.
+  virtual bool skips_moves(const AttentionCall& /*call*/, int64_t /*total*/,
+                           const CPRuntimeContext& /*ctx*/) const {
+    return false;
   }
 
   // The attention step over prepared tensors: one call per query part over the prepared K/V.

@@ -1,0 +1,133 @@
+// What packed documents let all_gather skip: with documents that hide every other rank's keys
+// from every rank's queries, no collective runs, forward or backward; sync decides at the call,
+// async at its first K/V handoff when the module announced the call's options before its
+// projections (AttentionHost::announce). Results equal the float64 single-process reference.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "cp_direct.h"
+#include "cp_test_util.h"
+#include "hp/attention/masks.h"
+#include "hp/comm/collectives.h"
+#include "hp/common/check.h"
+#include "hp/cp/config.h"
+#include "hp/cp/sequence.h"
+#include "rank_harness.h"
+#include "reference_attention.h"
+
+namespace hp::cp {
+namespace {
+
+using hp::cp::testing::apply_cp;
+using hp::cp::testing::Direct;
+using hp::cp::testing::f64;
+using hp::testing::expect_close;
+using hp::testing::run_ranks;
+
+constexpr int64_t kNq = 12, kNkv = 6, kS = 48, kDqk = 8, kDv = 6;
+
+// How the call's schedule learns of the documents.
+enum class When { kSync, kAsyncAnnounced, kAsyncUnannounced };
+
+const char* when_name(When w) {
+  return w == When::kSync             ? "sync"
+         : w == When::kAsyncAnnounced ? "async, announced"
+                                      : "async, not announced";
+}
+
+// Documents = the chunks each rank holds (contiguous at P=3, head-tail at P=2): no collective
+// at all, sync or async-announced; async without the announcement gathers as before (the
+// handoffs start before the call). Documents {0..19}, {20..47} at P=3 need the gathers in
+// every schedule.
+TEST(AllGatherSchedule, NoGatherWhenDocumentsHideEveryOtherRanksKeys) {
+  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
+             v = f64(3, {1, kNkv, kS, kDv});
+  struct Run {
+    int p;
+    bool balanced;
+    std::vector<int64_t> cu;
+    bool hidden;  // the documents hide every other rank's keys
+  };
+  for (const auto& run :
+       {Run{3, false, {0, 16, 32, kS}, true}, Run{2, true, {0, 12, 24, 36, kS}, true},
+        Run{3, false, {0, 20, kS}, false}}) {
+    for (When when : {When::kSync, When::kAsyncAnnounced, When::kAsyncUnannounced}) {
+      SCOPED_TRACE("P=" + std::to_string(run.p) + (run.balanced ? " balanced " : " ") +
+                   when_name(when));
+      ContextParallelConfig cfg;
+      cfg.algorithm = "all_gather";
+      cfg.load_balance = run.balanced;
+      if (when != When::kSync) cfg.schedule = CPSchedule::kAsync;
+      const auto norm = *normalize(cfg, run.p);
+      auto ids = attention::document_ids_from_cu_seqlens(run.cu, kS);
+      Direct ref(true, ids);
+      auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
+           rv = v.clone().requires_grad_(true);
+      auto ref_out = ref.forward(rq, rk, rv);
+      ref_out.sum().backward();
+      std::vector<at::Tensor> outs(run.p), dqs(run.p), dks(run.p), dvs(run.p);
+      run_ranks(run.p, [&](comm::World& w) {
+        Direct m(true, ids);
+        apply_cp(m, w, norm, /*handoffs=*/when != When::kSync);
+        const int64_t r = w.rank();
+        auto mine = [&](const at::Tensor& full) {
+          return shard_sequence(full, 2, r, run.p, run.balanced).requires_grad_(true);
+        };
+        auto lq = mine(q), lk = mine(k), lv = mine(v);
+        auto& rec = *w.context().recorder;
+        rec.clear();
+        if (when == When::kAsyncAnnounced) m.core.host().announce(m.core.options().attention);
+        auto out = m.forward(lq, lk, lv);
+        out.sum().backward();
+        const bool skipped = run.hidden && when != When::kAsyncUnannounced;
+        EXPECT_EQ(rec.schedule().empty(), skipped);
+        outs[r] = out.detach();
+        dqs[r] = lq.grad();
+        dks[r] = lk.grad();
+        dvs[r] = lv.grad();
+      });
+      auto whole = [&](const std::vector<at::Tensor>& parts) {
+        return unshard_sequence(parts, 2, run.balanced);
+      };
+      expect_close(whole(outs), ref_out.detach(), "out", 1e-10, 1e-10);
+      expect_close(whole(dqs), rq.grad(), "dq", 1e-10, 1e-10);
+      expect_close(whole(dks), rk.grad(), "dk", 1e-10, 1e-10);
+      expect_close(whole(dvs), rv.grad(), "dv", 1e-10, 1e-10);
+    }
+  }
+}
+
+// An announcement is the call's promise: when it let the handoffs skip the gathers and the
+// call then needs them (here: it passes no documents), the call fails with both named. A
+// later call without an announcement gathers as usual.
+TEST(AllGatherSchedule, AnAnnouncementTheCallBreaksIsRefused) {
+  const int p = 3;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "all_gather";
+  cfg.schedule = CPSchedule::kAsync;
+  const auto norm = *normalize(cfg, p);
+  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
+             v = f64(3, {1, kNkv, kS, kDv});
+  auto ids = attention::document_ids_from_cu_seqlens({0, 16, 32, kS}, kS);
+  run_ranks(p, [&](comm::World& w) {
+    Direct m(true);  // the call passes no documents
+    apply_cp(m, w, norm);
+    auto mine = [&](const at::Tensor& full) {
+      return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(true);
+    };
+    auto announced = Direct::options(true, ids).attention;
+    m.core.host().announce(announced);
+    HP_EXPECT_ERROR(m.forward(mine(q), mine(k), mine(v)),
+                    "the options announced before the projections (packed documents, causal=1) "
+                    "let the handoffs skip the K/V collectives, but this call's options (no "
+                    "documents, causal=1) need them");
+    auto& rec = *w.context().recorder;
+    rec.clear();
+    auto out = m.forward(mine(q), mine(k), mine(v));
+    EXPECT_FALSE(rec.schedule().empty());
+    EXPECT_TRUE(out.isfinite().all().item<bool>());
+  });
+}
+
+}  // namespace
+}  // namespace hp::cp
