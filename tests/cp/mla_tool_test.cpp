@@ -294,8 +294,9 @@ TEST(CPBench, DocumentsArePairedWithTheSameBatchWithout) {
 }
 
 // hp-bench cp --schedule async: the sync schedule's steps alternate with the async schedule's
-// in one run; each keeps its own figures (the async one gathers even where sync does not), the
-// async result carries the paired ratio, and with documents each schedule has its own pair.
+// in one run; each keeps its own figures, the async result carries the paired ratio, and with
+// documents each schedule has its own pair. Both skip the gathers the documents make useless
+// (async because the layer announces its options before the projections).
 TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
   const std::string cmd =
       std::string(HP_BENCH_BINARY) +
@@ -310,7 +311,7 @@ TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
   EXPECT_EQ(res[0]["async_speedup"], 0.0) << r.out;
   EXPECT_GT(res[1]["async_speedup"].get<double>(), 0) << r.out;
   EXPECT_EQ(res[0]["comm_bytes_per_rank"], 0) << r.out;  // the documents hide the other rank
-  EXPECT_EQ(res[1]["comm_bytes_per_rank"], res[1]["comm_bytes_theory"]) << r.out;
+  EXPECT_EQ(res[1]["comm_bytes_per_rank"], 0) << r.out;
   for (const auto& x : res) {
     EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
     EXPECT_GT(x["step_time_without_documents_s"].get<double>(), 0) << r.out;
