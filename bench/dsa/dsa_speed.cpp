@@ -1,7 +1,9 @@
 // A standalone timing of DSA's parts (issue 15): selection, sparse attention fwd and bwd,
 // indexer loss, against dense blockwise MLA of the same shape. One process.
 //   dsa_speed [--tokens S] [--heads H] [--topk K] [--index-heads HI] [--index-dim DI] [--reps N]
-//             [--threads T] [--block-q N] [--dense 0|1]  (--dense 0: skip the dense timing)
+//             [--threads T] [--block-q N] [--dense 0|1] [--dense-mqa 0|1]
+//   --dense 0: skip the dense expanded-MLA timing; --dense-mqa 1: also time dense blockwise
+//   attention over the sparse kernel's own tensors (MQA: H query heads, one shared key).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "hp/attention/attention.h"
 #include "hp/attention/dsa.h"
 #include "hp/attention/mla.h"
 
@@ -40,7 +43,7 @@ int main(int argc, char** argv) {
   int64_t s = 8192, heads = 8, topk = 2048, hi = 4, di = 32;
   int reps = 1;
   int64_t block_q = hp::attention::DSAOptions{}.block_q;
-  bool dense = true;
+  bool dense = true, dense_mqa = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const int64_t v = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--tokens")) s = v;
@@ -51,6 +54,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--reps")) reps = static_cast<int>(v);
     if (!std::strcmp(argv[i], "--block-q")) block_q = v;
     if (!std::strcmp(argv[i], "--dense")) dense = v != 0;
+    if (!std::strcmp(argv[i], "--dense-mqa")) dense_mqa = v != 0;
     if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(static_cast<int>(v));
   }
   hp::attention::MLAShape shape;
@@ -86,13 +90,26 @@ int main(int argc, char** argv) {
     auto d = hp::attention::mla_attention(qq, latent, k_rope, w_ukv, shape);
     d.backward(at::ones_like(d));
   });
+  // The same attention densely: blockwise over the very tensors the sparse kernel reads (the
+  // absorbed queries [H, R + d_rope], one shared [latent | k_rope] key, the latent as value).
+  const double t_dense_mqa = !dense_mqa ? 0.0 : median_time(reps, [&] {
+    auto qq = q_abs.detach().transpose(1, 2).contiguous().requires_grad_(true);
+    auto kk = kv.detach().unsqueeze(1).contiguous().requires_grad_(true);
+    auto vv = latent.unsqueeze(1).contiguous().requires_grad_(true);
+    hp::attention::AttentionOptions ao;
+    ao.causal = true;
+    ao.scale = scale;
+    auto r = hp::attention::make_blockwise_attention()->forward(qq, kk, vv, ao);
+    r.out.backward(at::ones_like(r.out));
+  });
+  const double t_dsa = t_select + t_attn + t_attn_bwd + t_loss;
   std::printf(
       "S=%lld H=%lld topk=%lld H_I=%lld d_I=%lld threads=%d\n  select %.3f s, sparse attention "
       "fwd %.3f s, bwd %.3f s, indexer loss (with its gradients) %.3f s: DSA %.3f s\n  dense "
-      "blockwise MLA fwd+bwd %.3f s (ratio dense / DSA %.2f)\n",
+      "blockwise MLA fwd+bwd %.3f s (ratio dense / DSA %.2f)\n  dense blockwise MQA of the "
+      "sparse kernel's shapes fwd+bwd %.3f s (ratio dense / DSA %.2f)\n",
       (long long)s, (long long)heads, (long long)topk, (long long)hi, (long long)di,
-      at::get_num_threads(), t_select, t_attn, t_attn_bwd, t_loss,
-      t_select + t_attn + t_attn_bwd + t_loss, t_dense,
-      t_dense / (t_select + t_attn + t_attn_bwd + t_loss));
+      at::get_num_threads(), t_select, t_attn, t_attn_bwd, t_loss, t_dsa, t_dense, t_dense / t_dsa,
+      t_dense_mqa, t_dense_mqa / t_dsa);
   return 0;
 }
