@@ -76,6 +76,7 @@ struct Args {
   std::string kv_head_policy = "error";
   int64_t head_groups = 0;
   std::string arch = "qwen3";
+  double rotary_factor = -1;  // --partial-rotary-factor; negative: the family's
 };
 
 // --nproc, the parallel layout and the CP schedule.
@@ -173,6 +174,9 @@ void add_family_options(CLI::App& app, Args& a) {
                      " (qwen3.5: 3 Gated DeltaNet : 1 gated attention; kimi-linear: 3 KDA : "
                      "1 MLA with MoE)")
       ->capture_default_str();
+  app.add_option("--partial-rotary-factor", a.rotary_factor,
+                 "softmax attention: the share of each head's channels RoPE rotates (default: "
+                 "the family's; qwen3.5 0.25, else 1)");
   app.add_option("--layer-pattern", o.model.layer_pattern,
                  "each layer's mixer, repeating: A attention, G gated attention, L linear "
                  "(gdn for qwen3.5, kda for kimi-linear), M mla, D dsa; e.g. LLLA");
@@ -211,9 +215,10 @@ void add_family_options(CLI::App& app, Args& a) {
 void model_from_checkpoint(const CLI::App& app, Args& a) {
   auto& o = a.train;
   if (o.init_from.empty()) return;
-  for (const char* flag : {"--vocab", "--layers", "--hidden", "--heads", "--kv-heads", "--head-dim",
-                           "--ffn", "--experts", "--top-k", "--moe-ffn", "--arch", "--mixer",
-                           "--attention", "--layer-pattern", "--init-weights"}) {
+  for (const char* flag :
+       {"--vocab", "--layers", "--hidden", "--heads", "--kv-heads", "--head-dim", "--ffn",
+        "--experts", "--top-k", "--moe-ffn", "--arch", "--mixer", "--attention", "--layer-pattern",
+        "--init-weights", "--partial-rotary-factor"}) {
     HP_CHECK(app.count(flag) == 0, "hp-train: ", flag, " and --init-from both set the model; ",
              "its sizes come from ", o.init_from, "/config.json: drop ", flag);
   }
@@ -320,6 +325,7 @@ void resolve(Args& a) {
   }
   const std::string pattern_given = o.model.layer_pattern;
   hp::model::apply_family(o.model, a.arch);
+  if (a.rotary_factor != -1) o.model.partial_rotary_factor = a.rotary_factor;
   HP_CHECK(o.model.layer_pattern.empty() || o.model.mixer == "attention",
            "hp-train: the layer pattern (",
            pattern_given.empty() ? "--arch " + a.arch : "--layer-pattern",
@@ -434,6 +440,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"heads", o.model.heads},
                         {"kv_heads", o.model.kv_heads},
                         {"head_dim", o.model.head_dim},
+                        {"partial_rotary_factor", o.model.partial_rotary_factor},
                         {"ffn", o.model.ffn},
                         {"vocab", o.model.vocab},
                         {"primitive", o.model.primitive},

@@ -19,6 +19,7 @@ void apply_family(Qwen3Config& c, const std::string& arch) {
   if (arch == "qwen3.5") {
     if (c.layer_pattern.empty()) c.layer_pattern = "LLLG";
     c.linear_kind = "gdn";
+    c.partial_rotary_factor = 0.25;  // Qwen3-Next / Qwen3.5: a quarter of each head rotates
     return;
   }
   if (arch == "kimi-linear") {

@@ -28,7 +28,13 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
 }
 
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, double theta) {
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, double theta,
+                      int64_t rotary_dim) {
+  if (rotary_dim > 0 && rotary_dim < x.size(-1)) {
+    return at::cat({apply_rope(x.narrow(-1, 0, rotary_dim), position_ids, theta),
+                    x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)},
+                   -1);
+  }
   const int64_t d = x.size(-1);
   auto inv_freq = at::pow(theta, -at::arange(0, d, 2, at::kDouble) / static_cast<double>(d));
   auto angles = position_ids.to(at::kDouble).unsqueeze(-1) * inv_freq;  // [B, S, D/2]
@@ -44,6 +50,7 @@ Qwen3AttentionImpl::Qwen3AttentionImpl(const Qwen3Config& c, int64_t layer, comm
     : heads_(tp::tp_local(c.heads, tp, "heads")),
       kv_heads_(tp::tp_local(c.kv_heads, tp, "kv_heads")),
       head_dim_(c.head_dim),
+      rotary_dim_(rotary_dim(c)),
       theta_(c.rope_theta),
       host_(c.primitive) {
   q_proj = register_module(
@@ -80,9 +87,9 @@ at::Tensor Qwen3AttentionImpl::forward(const at::Tensor& x, const at::Tensor& po
   auto heads = [&](const at::Tensor& t, int64_t n) {
     return t.view({b, s, n, head_dim_}).transpose(1, 2);  // BNSD
   };
-  auto q = q_handoff(apply_rope(q_norm(heads(q_proj->forward(x), heads_)), position_ids, theta_));
-  auto k =
-      k_handoff(apply_rope(k_norm(heads(k_proj->forward(x), kv_heads_)), position_ids, theta_));
+  auto rope = [&](const at::Tensor& t) { return apply_rope(t, position_ids, theta_, rotary_dim_); };
+  auto q = q_handoff(rope(q_norm(heads(q_proj->forward(x), heads_))));
+  auto k = k_handoff(rope(k_norm(heads(k_proj->forward(x), kv_heads_))));
   auto v = v_handoff(heads(v_proj->forward(x), kv_heads_));
   auto out =
       host_.call_primitive(q, k, v, o).out.transpose(1, 2).reshape({b, s, heads_ * head_dim_});

@@ -2,6 +2,7 @@
 // of each layer type, the checks before anything is built, and the memory footprint.
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <set>
 
 #include "hp/common/check.h"
@@ -143,11 +144,25 @@ bool has_mla(const Qwen3Config& c) {
   return has_mixer(c, "mla") || has_mixer(c, "dsa");
 }
 
+int64_t rotary_dim(const Qwen3Config& c) {
+  return static_cast<int64_t>(std::llround(c.head_dim * c.partial_rotary_factor));
+}
+
 void validate(const Qwen3Config& c, int64_t tp) {
   HP_CHECK(c.vocab > 0 && c.layers > 0 && c.hidden > 0 && c.heads > 0 && c.kv_heads > 0 &&
                c.head_dim > 0 && c.ffn > 0,
            "Qwen3Config: every size must be positive");
   HP_CHECK(c.head_dim % 2 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be even for RoPE");
+  {
+    const double r = c.head_dim * c.partial_rotary_factor;
+    const auto ri = static_cast<int64_t>(std::llround(r));
+    HP_CHECK(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1 &&
+                 std::abs(r - static_cast<double>(ri)) < 1e-9 && ri % 2 == 0 && ri > 0,
+             "Qwen3Config.partial_rotary_factor=", c.partial_rotary_factor,
+             " with head_dim=", c.head_dim, " rotates ", r,
+             " channels; the factor must be in (0, 1] and head_dim * factor a positive even "
+             "integer (e.g. 0.25 with head_dim a multiple of 8)");
+  }
   HP_CHECK(c.heads % c.kv_heads == 0, "Qwen3Config.heads=", c.heads,
            " is not a multiple of kv_heads=", c.kv_heads);
   HP_CHECK(c.heads % tp == 0 && c.kv_heads % tp == 0, "Qwen3Config: heads=", c.heads,

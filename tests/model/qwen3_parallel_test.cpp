@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -142,6 +143,58 @@ void expect_like_reference(comm::DeviceMesh& mesh, Qwen3Impl& m, const at::Tenso
 // The single-process twin every layout is compared with: finite logits of the right shape, the
 // same with the blockwise kernel (what the parallel models run) as with the math reference
 // (what reference() runs), and causal: a token changes no logit before its position.
+// Partial RoPE (Qwen3.5's partial_rotary_factor): the channels past rotary_dim pass unchanged,
+// the first rotary_dim are RoPE of that slice with its own frequencies, checked against the
+// rotation written out per channel pair in float64; a query-key product of the rotated part
+// depends only on the position difference.
+TEST(Qwen3Rope, PartialRotaryRotatesOnlyTheLeadingChannels) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const int64_t d = 16, r = 4, s = 6;
+  const double theta = 1e6;
+  auto x = at::randn({1, 2, s, d}, gen, at::kDouble);
+  auto pos = at::arange(100, 100 + s, at::kLong).unsqueeze(0);
+  auto y = apply_rope(x, pos, theta, r);
+  EXPECT_TRUE(at::equal(y.narrow(-1, r, d - r), x.narrow(-1, r, d - r)));
+  for (int64_t t = 0; t < s; ++t) {
+    for (int64_t i = 0; i < r / 2; ++i) {
+      const double a = (100 + t) * std::pow(theta, -2.0 * i / r);
+      for (int64_t h = 0; h < 2; ++h) {
+        const double x1 = x[0][h][t][i].item<double>(), x2 = x[0][h][t][i + r / 2].item<double>();
+        EXPECT_NEAR(y[0][h][t][i].item<double>(), x1 * std::cos(a) - x2 * std::sin(a), 1e-12);
+        EXPECT_NEAR(y[0][h][t][i + r / 2].item<double>(), x2 * std::cos(a) + x1 * std::sin(a),
+                    1e-12);
+      }
+    }
+  }
+  // Shifting every position by the same amount leaves q . k unchanged.
+  auto q = x.narrow(2, 0, 1), k = x.narrow(2, 1, 1);
+  auto dot = [&](int64_t pq, int64_t pk) {
+    auto rq = apply_rope(q, at::full({1, 1}, pq, at::kLong), theta, r);
+    auto rk = apply_rope(k, at::full({1, 1}, pk, at::kLong), theta, r);
+    return (rq * rk).sum().item<double>();
+  };
+  EXPECT_NEAR(dot(9, 3), dot(5009, 5003), 1e-9);
+  EXPECT_GT(std::abs(dot(9, 3) - dot(9, 4)), 1e-6);  // but the difference itself matters
+  // rotary_dim 0 and rotary_dim == D are the full rotation.
+  EXPECT_TRUE(at::allclose(apply_rope(x, pos, theta, 0), apply_rope(x, pos, theta, d)));
+
+  Qwen3Config c = small();
+  c.head_dim = 16;
+  EXPECT_EQ(rotary_dim(c), 16);
+  c.partial_rotary_factor = 0.25;
+  EXPECT_EQ(rotary_dim(c), 4);
+  EXPECT_NO_THROW(validate(c));
+  c.partial_rotary_factor = 0.3;  // 4.8 channels
+  try {
+    validate(c);
+    ADD_FAILURE() << "partial_rotary_factor 0.3 with head_dim 16 was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Qwen3Config.partial_rotary_factor=0.3 with head_dim=16"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Qwen3Parallel, SingleProcessModelIsCausalAndKernelIndependent) {
   Qwen3 blockwise(small());
   Qwen3 math(small());

@@ -252,6 +252,8 @@ TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {
                                   "qwen3-moe, qwen3.5, kimi-linear"});
   expect_refused("--layer-pattern LXA", {"has 'x'; valid letters"});
   expect_refused("--arch qwen3.5 --mixer kda", {"chooses every layer's mixer; drop --mixer"});
+  expect_refused("--arch qwen3.5 --layers 4 --partial-rotary-factor 0.3",
+                 {"Qwen3Config.partial_rotary_factor=0.3 with head_dim=16 rotates 4.8 channels"});
   expect_refused("--nproc 2 --cp 2 --experts 4 --capacity-factor 1 --validate",
                  {"drops tokens per rank", "drop --capacity-factor or --validate"});
 }

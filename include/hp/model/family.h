@@ -3,8 +3,9 @@
 //
 //   qwen3        softmax attention (or --mixer) in every layer, dense MLP
 //   qwen3-moe    softmax attention, MoE MLP in every layer (8 experts, top-2 unless given)
-//   qwen3.5      3 Gated DeltaNet layers to 1 gated softmax-attention layer ("LLLG"), dense
-//                MLP or MoE (--experts)
+//   qwen3.5      3 Gated DeltaNet layers to 1 gated softmax-attention layer ("LLLG") whose
+//                RoPE covers a quarter of each head (partial_rotary_factor 0.25), dense MLP or
+//                MoE (--experts)
 //   kimi-linear  3 KDA layers to 1 MLA layer ("LLLM"), MoE MLP (8 experts unless given)
 // A layer pattern set before (--layer-pattern) is kept.
 #pragma once

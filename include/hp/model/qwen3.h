@@ -34,6 +34,11 @@ struct Qwen3Config {
   int64_t head_dim = 16;
   int64_t ffn = 128;
   double rope_theta = 1e6;
+  // Softmax attention's partial RoPE: the first head_dim * partial_rotary_factor channels of
+  // each query and key head rotate, the rest pass unchanged (position-free channels); 1: all
+  // rotate (Qwen3). Hugging Face's partial_rotary_factor; Qwen3-Next / Qwen3.5 use 0.25 (the
+  // qwen3.5 family's default). head_dim * factor must be a positive even integer.
+  double partial_rotary_factor = 1.0;
   double rms_eps = 1e-6;
   bool tie_embeddings = false;
   uint64_t seed = 1234;
@@ -105,8 +110,13 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-// RoPE (rotate-half form) of x [B, N, S, D] at global positions [B, S].
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, double theta);
+// RoPE (rotate-half form) of x [B, N, S, D] at global positions [B, S]: over the first
+// rotary_dim channels (even; 0: all D, with frequencies theta^(-2i / rotary_dim)), the rest
+// returned as they are.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& position_ids, double theta,
+                      int64_t rotary_dim = 0);
+// The rotated channels of a softmax-attention head: head_dim * partial_rotary_factor.
+int64_t rotary_dim(const Qwen3Config& c);
 
 class Qwen3AttentionImpl : public torch::nn::Module {
  public:
@@ -127,7 +137,7 @@ class Qwen3AttentionImpl : public torch::nn::Module {
   attention::HandoffPoint q_handoff{"q_handoff"}, k_handoff{"k_handoff"}, v_handoff{"v_handoff"};
 
  private:
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t heads_, kv_heads_, head_dim_, rotary_dim_;
   double theta_;
   attention::AttentionHost host_;
 };

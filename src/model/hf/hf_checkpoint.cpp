@@ -76,6 +76,10 @@ void check_hf_compatible(const Qwen3Config& c) {
            "hf: Hugging Face checkpoints are supported for the qwen3 and qwen3-moe families "
            "(softmax attention in every layer); this model's layers are ",
            c.layer_pattern.empty() ? c.mixer : "the pattern " + c.layer_pattern);
+  HP_CHECK(c.partial_rotary_factor == 1.0,
+           "hf: Qwen3 and Qwen3-MoE rotate every channel of a head; ",
+           "this model's partial_rotary_factor is ", c.partial_rotary_factor,
+           "; drop --partial-rotary-factor to read or write Hugging Face checkpoints");
   HP_CHECK(c.shared_expert_ffn == 0,
            "hf: Qwen3-MoE has no shared expert; drop --shared-expert-ffn to read or write "
            "Hugging Face checkpoints");
