@@ -1,12 +1,15 @@
 #include "hp/bench/cp_bench.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <time.h>
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include <ATen/ATen.h>
 
@@ -70,7 +73,41 @@ struct Variant {
   bool documents = false;
   std::vector<double> steps, cpu, waits;
   int64_t bytes = 0, wire = 0;
-  int64_t peak_rss = 0;  // this process's peak after the variant's warm-up
+  int64_t peak_rss = 0;    // this process's peak after the variant's warm-up
+  int64_t step_peak = -1;  // the most a timed step raised the resident set (StepPeak)
+};
+
+// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); -1 if absent.
+int64_t proc_status_bytes(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return -1;
+}
+
+// The peak resident memory one step adds: start() hands the allocator's free pages back and
+// resets the kernel's high-water mark to the resident set; added() is the high-water mark
+// since, minus that set. -1 where /proc/self/clear_refs cannot be written.
+class StepPeak {
+ public:
+  void start() {
+    malloc_trim(0);
+    std::ofstream reset("/proc/self/clear_refs");
+    reset << "5";
+    reset.close();
+    ok_ = static_cast<bool>(reset);
+    base_ = proc_status_bytes("VmRSS");
+  }
+  int64_t added() const {
+    const int64_t hwm = proc_status_bytes("VmHWM");
+    return ok_ && base_ >= 0 && hwm >= 0 ? std::max<int64_t>(0, hwm - base_) : -1;
+  }
+
+ private:
+  bool ok_ = false;
+  int64_t base_ = -1;
 };
 
 int64_t peak_rss_now() {
@@ -137,6 +174,8 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
       auto& var = variants[n];
       if (on_wire) comm::barrier(timing);  // the bytes before are all delivered
       const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
+      StepPeak peak;
+      peak.start();
       // The slowest rank's wall time of the step.
       comm::barrier(timing);
       const int64_t before = counters.total_bytes();
@@ -147,6 +186,7 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       var.cpu.push_back(thread_cpu_s() - c0);
+      var.step_peak = std::max(var.step_peak, peak.added());
       var.bytes = counters.total_bytes() - before;
       var.waits.push_back((counters.wait_us() - wait_before) * 1e-6);
       var.steps.push_back(slowest(dt));
@@ -165,9 +205,10 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
 // The variant's result; collective over `timing` (per-rank figures are gathered).
 CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
                         comm::Group& timing) {
-  auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits)},
+  auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
+                          static_cast<double>(var.step_peak)},
                          at::kDouble);
-  auto all = comm::all_gather(timing, mine.view({1, 3}), 0);
+  auto all = comm::all_gather(timing, mine.view({1, 4}), 0);
   CPBenchResult r;
   r.algorithm = cp::to_string(var.config.algorithm);
   r.schedule = cp::to_string(var.config.schedule);
@@ -184,7 +225,12 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
     r.peak_rss_per_rank.push_back(static_cast<int64_t>(all[i][0].item<double>()));
     r.attention_cpu_s_per_rank.push_back(all[i][1].item<double>());
     r.exposed_comm_s += all[i][2].item<double>() / static_cast<double>(p);
+    r.step_peak_per_rank.push_back(static_cast<int64_t>(all[i][3].item<double>()));
   }
+  const bool measured = std::all_of(r.step_peak_per_rank.begin(), r.step_peak_per_rank.end(),
+                                    [](int64_t b) { return b >= 0; });
+  r.step_peak_bytes =
+      measured ? *std::max_element(r.step_peak_per_rank.begin(), r.step_peak_per_rank.end()) : -1;
   r.peak_rss_bytes = *std::max_element(r.peak_rss_per_rank.begin(), r.peak_rss_per_rank.end());
   return r;
 }

@@ -23,8 +23,8 @@
 //     it (hiding the accumulator's last hop); their dK/dV never travel.
 // Memory: the saved q, k, v, out, lse of this rank, and at most two K/V blocks (the one here and
 // the one arriving) in forward and in backward (never the whole sequence). The own block's
-// calls keep their autograd graph from forward (their K/V are this rank's inputs): only the
-// blocks that travelled are recomputed.
+// calls keep their autograd graph from forward (over one contiguous copy of each own key
+// chunk, shared by the calls that read it): only the blocks that travelled are recomputed.
 // Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size (with
 // documents J instead of P-1: the formula is their upper bound).
 #include <limits>
@@ -196,8 +196,9 @@ at::Tensor value_part(const RingPlan& plan, const at::Tensor& kv, size_t kc) {
 }
 
 // One call of the own block whose autograd graph is kept from forward: its K/V are this rank's
-// inputs, alive anyway, so keeping it costs only its partial output, and its backward needs no
-// recompute. `half` 0 / 1: the half of the own block's calls run before / after the ring.
+// inputs (one contiguous copy per key chunk, shared), so keeping it costs little more than its
+// partial output, and its backward needs no recompute. `half` 0 / 1: the half of the own block's
+// calls run before / after the ring.
 struct KeptCall {
   Pair pair;
   int half = 0;
@@ -239,15 +240,23 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       comm::Pending next;
       if (step < plan->last_step) next = comm::shift_async(*plan->ring.group, kv, 1);
       if (step == 0 && keep) {
-        // The own block, in the two halves its backward runs in, with autograd on.
+        // The own block, in the two halves its backward runs in, with autograd on. Each key
+        // chunk's K and V leaves are made contiguous once and shared by the calls that read
+        // them (the primitive saves what it is given; a strided slice it would copy per call).
         at::AutoGradMode grad_on(true);
+        std::vector<at::Tensor> k_leaf(plan->chunk_ids(src).size()), v_leaf(k_leaf.size());
+        auto leaf = [&](std::vector<at::Tensor>& leaves, const at::Tensor& x, size_t kc) {
+          if (!leaves[kc].defined())
+            leaves[kc] = plan->chunk(x, kc).detach().contiguous().requires_grad_(true);
+          return leaves[kc];
+        };
         for (int half : {0, 1}) {
           for (const auto& pair : pairs_for(*plan, src, half)) {
             KeptCall c{pair,
                        half,
-                       query_rows(*plan, q, pair).detach().requires_grad_(true),
-                       plan->chunk(k, pair.kc).detach().requires_grad_(true),
-                       plan->chunk(v, pair.kc).detach().requires_grad_(true),
+                       query_rows(*plan, q, pair).detach().contiguous().requires_grad_(true),
+                       leaf(k_leaf, k, pair.kc),
+                       leaf(v_leaf, v, pair.kc),
                        {}};
             c.r = (*plan->call)(c.qi, c.kc, c.vc, pair.st);
             add(pair, {c.r.out.detach(), c.r.lse.detach()});
@@ -279,9 +288,11 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const auto &q = saved[0], &o = saved[3], &m = saved[4];
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(o);
     auto dq = at::zeros_like(q);
-    const auto own = at::cat({saved[1], saved[2]}, -1).contiguous();
     const int64_t p = plan->ring.size, r = plan->ring.rank;
-    auto dkv = at::zeros_like(own);  // this rank's block: its own queries' share stays here
+    auto block_shape = saved[1].sizes().vec();
+    block_shape.back() += saved[2].size(-1);
+    // This rank's block: its own queries' share of dK/dV stays here.
+    auto dkv = at::zeros(block_shape, saved[1].options());
     auto compute = [&](const at::Tensor& kv, int64_t src, at::Tensor& dkv_out) {
       for (const auto& pair : pairs_for(*plan, src))
         block_backward(*plan, q, kv, o, m, dout, pair, dq, dkv_out);
@@ -295,17 +306,19 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     };
     const int64_t last = plan->last_step;
     comm::Pending next;
-    if (last >= 1) next = comm::shift_async(*plan->ring.group, own, 1);
+    // The own [k | v] again, alive only until the first shift has landed (its Pending holds it).
+    if (last >= 1)
+      next = comm::shift_async(*plan->ring.group, at::cat({saved[1], saved[2]}, -1), 1);
     own_half(0);             // the first half of the own block hides the first shift
     comm::Pending arriving;  // the accumulator of the block here, from the previous rank
     for (int64_t step = 1; step <= last; ++step) {
       auto kv = next();  // the block of rank r - step
       next = step < last ? comm::shift_async(*plan->ring.group, kv, 1) : comm::Pending();
-      auto local = at::zeros_like(kv);
-      compute(kv, (r - step + p) % p, local);
+      auto acc = at::zeros_like(kv);
+      compute(kv, (r - step + p) % p, acc);
       // The accumulator follows its block to rank r+1; after the last step it goes home (rank
-      // r - last, a shift by p - last).
-      auto acc = arriving ? arriving() + local : local;
+      // r - last, a shift by p - last). Added in place: no third block-sized buffer.
+      if (arriving) acc.add_(arriving());
       arriving = comm::shift_async(*plan->ring.group, acc, step < last ? 1 : p - last);
     }
     own_half(1);  // the second half hides the accumulator's last hop

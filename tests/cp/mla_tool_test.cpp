@@ -314,6 +314,10 @@ TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
   EXPECT_EQ(res[1]["comm_bytes_per_rank"], 0) << r.out;
   for (const auto& x : res) {
     EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
+    // A step's own peak: measured on every rank, part of the process's peak.
+    ASSERT_EQ(x["step_peak_per_rank"].size(), 2u) << r.out;
+    EXPECT_GT(x["step_peak_bytes"].get<int64_t>(), 0) << r.out;
+    EXPECT_LT(x["step_peak_bytes"].get<int64_t>(), x["peak_rss_bytes"].get<int64_t>()) << r.out;
     EXPECT_GT(x["step_time_without_documents_s"].get<double>(), 0) << r.out;
     EXPECT_GT(x["documents_speedup"].get<double>(), 0) << r.out;
   }

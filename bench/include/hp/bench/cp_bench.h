@@ -48,6 +48,13 @@ struct CPBenchResult {
   // layers warmed up before it: for async, the sync schedule's).
   int64_t peak_rss_bytes = 0;
   std::vector<int64_t> peak_rss_per_rank;
+  // What one step of this layer adds to the process at its peak: before each timed step the
+  // allocator returns its free pages (malloc_trim) and the kernel's high-water mark is reset to
+  // the resident set (/proc/self/clear_refs); after it, high-water mark minus that resident
+  // set. Max over steps and ranks (per rank in step_peak_per_rank). Excludes what every layer
+  // shares (the library, the inputs, the layer's weights); -1 where the kernel refuses the reset.
+  int64_t step_peak_bytes = -1;
+  std::vector<int64_t> step_peak_per_rank;
   // CPU time of the rank's main thread during a step (median): the attention compute.
   std::vector<double> attention_cpu_s_per_rank;
   // Time blocked in collective waits per step (median, mean over ranks), and for the async
