@@ -160,6 +160,7 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"head_dim", mc.head_dim},
             {"ffn", mc.ffn},
             {"layer_pattern", mc.layer_pattern},
+            {"partial_rotary_factor", mc.partial_rotary_factor},
             {"experts", mc.experts}}},
           {"train",
            {{"seq_len", o.seq_len},
@@ -215,6 +216,13 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
       HP_CHECK(seed == o.seed, who, ": checkpoint '", dir, "' was written with --seed ", seed,
                ", this run has --seed ", o.seed,
                "; resume with the same --seed (the batches are a function of seed and step)");
+      // Manifests written before partial RoPE rotated every channel.
+      const double rotary = model.value("partial_rotary_factor", 1.0);
+      HP_CHECK(rotary == o.model.partial_rotary_factor, who, ": checkpoint '", dir,
+               "' was written with partial_rotary_factor ", rotary, ", this run has ",
+               o.model.partial_rotary_factor, "; resume with --partial-rotary-factor ", rotary,
+               " (the weights were trained with it), or start a new run from its weights with "
+               "--init-weights");
       const double lr = train.at("lr").get<double>();
       if (lr != o.lr && rank == 0) {
         std::printf(

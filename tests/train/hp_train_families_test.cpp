@@ -190,6 +190,23 @@ TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
   EXPECT_NE(c.out.find("--dp-replicate/--ep and model sizes"), std::string::npos) << c.out;
 }
 
+// The checkpoint records the partial RoPE: a resume under another factor is refused (the weights
+// were trained with theirs); a new run from the weights (--init-weights) may change it.
+TEST(HpTrainFamilies, ResumeKeepsThePartialRotaryFactor) {
+  const std::string dir = hp::testing::scratch_dir() + "/family_rotary_ckpt";
+  const std::string base = "--nproc 2 --cp 2 --arch qwen3.5 --layers 4 " + kModel + "--seq-len 64 ";
+  auto a = run(base + "--steps 2 --checkpoint-dir " + dir);
+  ASSERT_EQ(a.rc, 0) << a.out;
+  auto b = run(base + "--steps 3 --checkpoint-dir " + dir + " --resume --partial-rotary-factor 1");
+  EXPECT_NE(b.rc, 0);
+  EXPECT_NE(b.out.find("was written with partial_rotary_factor 0.25, this run has 1; resume with "
+                       "--partial-rotary-factor 0.25"),
+            std::string::npos)
+      << b.out;
+  auto c = run(base + "--steps 1 --partial-rotary-factor 0.5 --init-weights " + dir);
+  EXPECT_EQ(c.rc, 0) << c.out;
+}
+
 // A Hugging Face checkpoint (written by Python: bf16, sharded with an index) trains under any
 // layout from its weights (each rank reads its slices; --validate's single-process run reads
 // the whole), and export -> import -> export across layouts is bitwise, every value equal to
