@@ -155,7 +155,7 @@ void validate(const Qwen3Config& c, int64_t tp) {
   HP_CHECK(c.head_dim % 2 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be even for RoPE");
   {
     const double r = c.head_dim * c.partial_rotary_factor;
-    const auto ri = static_cast<int64_t>(std::llround(r));
+    const int64_t ri = rotary_dim(c);
     HP_CHECK(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1 &&
                  std::abs(r - static_cast<double>(ri)) < 1e-9 && ri % 2 == 0 && ri > 0,
              "Qwen3Config.partial_rotary_factor=", c.partial_rotary_factor,
