@@ -76,7 +76,7 @@ struct Args {
   std::string kv_head_policy = "error";
   int64_t head_groups = 0;
   std::string arch = "qwen3";
-  double rotary_factor = -1;  // --partial-rotary-factor; negative: the family's
+  double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
 };
 
 // --nproc, the parallel layout and the CP schedule.
