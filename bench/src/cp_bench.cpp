@@ -17,6 +17,7 @@
 #include "hp/bench/attention_bench.h"
 #include "hp/bench/cp_layer.h"
 #include "hp/bench/link.h"
+#include "hp/bench/tensor_bytes.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -73,8 +74,9 @@ struct Variant {
   bool documents = false;
   std::vector<double> steps, cpu, waits;
   int64_t bytes = 0, wire = 0;
-  int64_t peak_rss = 0;    // this process's peak after the variant's warm-up
-  int64_t step_peak = -1;  // the most a timed step raised the resident set (StepPeak)
+  int64_t peak_rss = 0;      // this process's peak after the variant's warm-up
+  int64_t step_peak = -1;    // the most a timed step raised the resident set (StepPeak)
+  int64_t tensor_peak = -1;  // the most a timed step raised the live tensor bytes
 };
 
 // A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); -1 if absent.
@@ -125,6 +127,7 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
                    comm::Group& timing, std::vector<double>& reference) {
   const int64_t p = world.size();
   const int64_t s_local = o.seq / p;
+  const bool count_tensors = tensor_bytes::install();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + world.rank());
   at::Tensor q, k, v, dout, x, dy;
   if (o.projections) {
@@ -176,6 +179,8 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
       const int64_t wire_before = on_wire ? loopback_tx_bytes() : 0;
       StepPeak peak;
       peak.start();
+      tensor_bytes::reset_peak();
+      const int64_t tensors_before = tensor_bytes::current();
       // The slowest rank's wall time of the step.
       comm::barrier(timing);
       const int64_t before = counters.total_bytes();
@@ -187,6 +192,8 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       var.cpu.push_back(thread_cpu_s() - c0);
       var.step_peak = std::max(var.step_peak, peak.added());
+      if (count_tensors)
+        var.tensor_peak = std::max(var.tensor_peak, tensor_bytes::peak() - tensors_before);
       var.bytes = counters.total_bytes() - before;
       var.waits.push_back((counters.wait_us() - wait_before) * 1e-6);
       var.steps.push_back(slowest(dt));
@@ -206,9 +213,9 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
 CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
                         comm::Group& timing) {
   auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
-                          static_cast<double>(var.step_peak)},
+                          static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak)},
                          at::kDouble);
-  auto all = comm::all_gather(timing, mine.view({1, 4}), 0);
+  auto all = comm::all_gather(timing, mine.view({1, 5}), 0);
   CPBenchResult r;
   r.algorithm = cp::to_string(var.config.algorithm);
   r.schedule = cp::to_string(var.config.schedule);
@@ -226,11 +233,14 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
     r.attention_cpu_s_per_rank.push_back(all[i][1].item<double>());
     r.exposed_comm_s += all[i][2].item<double>() / static_cast<double>(p);
     r.step_peak_per_rank.push_back(static_cast<int64_t>(all[i][3].item<double>()));
+    r.step_tensor_peak_per_rank.push_back(static_cast<int64_t>(all[i][4].item<double>()));
   }
   const bool measured = std::all_of(r.step_peak_per_rank.begin(), r.step_peak_per_rank.end(),
                                     [](int64_t b) { return b >= 0; });
   r.step_peak_bytes =
       measured ? *std::max_element(r.step_peak_per_rank.begin(), r.step_peak_per_rank.end()) : -1;
+  r.step_tensor_peak_bytes =
+      *std::max_element(r.step_tensor_peak_per_rank.begin(), r.step_tensor_peak_per_rank.end());
   r.peak_rss_bytes = *std::max_element(r.peak_rss_per_rank.begin(), r.peak_rss_per_rank.end());
   return r;
 }

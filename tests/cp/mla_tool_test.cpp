@@ -1,6 +1,7 @@
 // hp-cp-run --attention mla end to end: a torch.save file in, the whole-sequence results out,
 // compared with the float64 explicit-score reference (harness/reference_mla.h); counted bytes
 // equal the cp/mla.h formula; bad names and shapes refused before anything runs.
+#include <algorithm>
 #include <filesystem>
 #include <sstream>
 #include <string>
@@ -373,6 +374,29 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
     EXPECT_NE(bad.rc, 0) << flags;
     EXPECT_NE(bad.out.find(expect), std::string::npos) << bad.out;
   }
+}
+
+// step_tensor_peak_bytes counts live tensor storage at the allocator: the same in every run of
+// the same step, and at least what the strategy must hold (all_gather: the gathered K and V).
+TEST(CPBench, StepTensorPeakIsCountedAtTheAllocator) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
+                          "--iters 2 --cp-algo all_gather --json";
+  std::vector<int64_t> peaks;
+  for (int run = 0; run < 2; ++run) {
+    auto r = hp::testing::run_command(cmd);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    auto res = last_json(r.out)["results"][0];
+    const auto per_rank = res["step_tensor_peak_per_rank"].get<std::vector<int64_t>>();
+    ASSERT_EQ(per_rank.size(), 2u) << r.out;
+    const int64_t gathered_kv = 2 * 512 * 4 * 8 * 4;  // full K and V, fp32
+    for (int64_t b : per_rank)
+      EXPECT_GE(b, gathered_kv) << r.out;
+    EXPECT_EQ(res["step_tensor_peak_bytes"].get<int64_t>(),
+              *std::max_element(per_rank.begin(), per_rank.end()));
+    peaks.push_back(res["step_tensor_peak_bytes"].get<int64_t>());
+  }
+  EXPECT_EQ(peaks[0], peaks[1]);
 }
 
 }  // namespace

@@ -32,6 +32,17 @@ inline constexpr bool kHasSdpa = false;
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
+// c10::Allocator gained a pure virtual copy_data in LibTorch 2.3; a wrapper allocator derives
+// from this base so that it builds against both.
+class AllocatorBase : public c10::Allocator {
+ public:
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
+};
+
 // NCCL exists where LibTorch was built with it and the build defines USE_C10D_NCCL (CMake does
 // when it finds LibTorch's CUDA libraries; HP_WITH_NCCL).
 #if defined(USE_C10D_NCCL)

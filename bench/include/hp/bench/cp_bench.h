@@ -55,6 +55,11 @@ struct CPBenchResult {
   // shares (the library, the inputs, the layer's weights); -1 where the kernel refuses the reset.
   int64_t step_peak_bytes = -1;
   std::vector<int64_t> step_peak_per_rank;
+  // The same for the live CPU tensor bytes, counted at the allocator (tensor_bytes.h): what a
+  // step's tensors add at their peak, exact and the same from run to run (the resident-set
+  // figure above adds the C allocator's caching and fragmentation). -1 if not counted.
+  int64_t step_tensor_peak_bytes = -1;
+  std::vector<int64_t> step_tensor_peak_per_rank;
   // CPU time of the rank's main thread during a step (median): the attention compute.
   std::vector<double> attention_cpu_s_per_rank;
   // Time blocked in collective waits per step (median, mean over ranks), and for the async
