@@ -28,8 +28,10 @@
 // forward or backward: memory is O(S*D) plus one [G*bq, bk] tile per step.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <functional>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,6 +42,7 @@
 #include "parallel_units.h"
 #include "problem.h"
 #include "softmax_rows.h"
+#include "tile_gemm.h"
 
 namespace hp::attention {
 namespace {
@@ -102,15 +105,6 @@ struct RowRange {
 };
 constexpr int64_t kCausalPiece = 64;
 
-// The rows of range rr of a [rows, ...] matrix.
-at::Tensor rows_of(const at::Tensor& x, const RowRange& rr) {
-  return x.slice(0, rr.first, rr.end);
-}
-// Range rr of a [rows, bk] tile: its rows, leading rr.cols columns.
-at::Tensor part(const at::Tensor& tile, const RowRange& rr) {
-  return tile.slice(0, rr.first, rr.end).narrow(1, 0, rr.cols);
-}
-
 std::vector<RowRange> row_ranges(const detail::TileRows& tr, BlockKind kind) {
   std::vector<RowRange> out;
   if (kind != BlockKind::kPartial || !tr.causal) return {{0, tr.rows, tr.cols}};
@@ -168,6 +162,15 @@ std::vector<int64_t> by_work(int64_t n, const std::function<int64_t(int64_t)>& w
   return idx;
 }
 
+// Per-thread buffers of a kernel's parallel loop (sized for the largest tile on first use).
+template <typename T>
+struct TileScratch {
+  std::vector<T> s, ds, rows_a, rows_b, rows_c, acc_a, acc_b;
+};
+
+// The kernels multiply raw row-major blocks with detail::gemm (one BLAS call per product, no
+// ATen op per tile). q's softmax scale rides in the GEMMs' alpha (s = scale q k^T, dK += scale
+// dS^T q), so q is never copied scaled.
 template <typename T>
 void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, at::Tensor& out_g, at::Tensor& lse_g, at::Tensor& max_g,
@@ -175,59 +178,83 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
   const Problem& p = st.problem;
   const TileMask& t = st.tiles;
   const int64_t heads = p.batch * p.kv_heads;
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  auto k3 = k.view({heads, p.kv_len, p.qk_dim});
-  auto v3 = v.view({heads, p.kv_len, p.v_dim});
-  auto qblocks = grouped_blocks(p, t, q.mul(p.scale), p.qk_dim);
+  const int64_t dqk = p.qk_dim, dv = p.v_dim;
+  const T scale = static_cast<T>(p.scale);
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* out_p = out_g.data_ptr<T>();
+  T* lse_p = lse_g.data_ptr<T>();
+  T* max_p = max_g.data_ptr<T>();
+  T* inv_p = inv_sum_g.data_ptr<T>();
+  auto qblocks = grouped_blocks(p, t, q, dqk);
   auto order = by_work(t.num_q_blocks(), [&](int64_t qb) { return visible_tiles_in_row(t, qb); });
   const int threads = at::get_num_threads();
   common::ScopedBlasThreads one_blas_thread(1);
-  std::vector<at::Tensor> scratch(threads);
+  std::vector<TileScratch<T>> scratch(threads);
   for_each_unit(heads * t.num_q_blocks(), threads, [&](int64_t u, int64_t slot) {
     const int64_t qb = order[u / heads], hh = u % heads;
     const int64_t qs = q_start(t, qb), qe = q_end(p, t, qb), bq = qe - qs;
     const int64_t rows = p.group * bq;
-    if (!scratch[slot].defined()) {
-      scratch[slot] = at::empty({p.group * t.block_q() * t.block_kv()}, q.options());
+    auto& sc = scratch[slot];
+    if (sc.s.empty()) {
+      const int64_t max_rows = p.group * t.block_q();
+      sc.s.resize(max_rows * t.block_kv());
+      sc.rows_a.resize(max_rows);
+      sc.rows_b.resize(max_rows);
+      sc.rows_c.resize(max_rows);
+      sc.acc_a.resize(max_rows * dv);
     }
-    auto qblk = qblocks[qb][hh];
-    auto m = at::full({rows}, neg_inf, q.options());
-    auto l = at::zeros({rows}, q.options());
-    auto alpha = at::empty({rows}, q.options());
-    auto acc = at::zeros({rows, p.v_dim}, q.options());
+    T *m = sc.rows_a.data(), *l = sc.rows_b.data(), *alpha = sc.rows_c.data();
+    T* acc = sc.acc_a.data();
+    std::fill(m, m + rows, neg_inf);
+    std::fill(l, l + rows, T(0));
+    std::fill(acc, acc + rows * dv, T(0));
+    const T* qblk = qblocks[qb].template data_ptr<T>() + hh * rows * dqk;
+    const T* k_h = kp + hh * p.kv_len * dqk;
+    const T* v_h = vp + hh * p.kv_len * dv;
     for (int64_t kb = 0; kb < t.num_kv_blocks(); ++kb) {
       const BlockKind kind = t.kind(qb, kb);
       if (kind == BlockKind::kEmpty) continue;
-      const int64_t ks = kv_start(t, kb), ke = kv_end(p, t, kb);
+      const int64_t ks = kv_start(t, kb);
       const auto tr = tile_rows(p, t, qb, kb);
       const auto ranges = row_ranges(tr, kind);
-      auto s = scratch[slot].narrow(0, 0, rows * tr.cols).view({rows, tr.cols});
-      auto kblk = k3[hh].slice(0, ks, ke);
+      T* s = sc.s.data();
+      const int64_t ld = tr.cols;
       for (const auto& rr : ranges) {
-        auto out = part(s, rr);
-        at::mm_out(out, rows_of(qblk, rr), kblk.narrow(0, 0, rr.cols).t());
+        detail::gemm(false, true, rr.end - rr.first, rr.cols, dqk, scale, qblk + rr.first * dqk,
+                     dqk, k_h + ks * dqk, dqk, T(0), s + rr.first * ld, ld);
       }
       if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
-        t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
+        auto s_t = at::from_blob(s, {rows, tr.cols}, q.options());
+        t.apply_head(s_t, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
-      detail::online_softmax_update<T>(tr, s.data_ptr<T>(), m.data_ptr<T>(), l.data_ptr<T>(),
-                                       alpha.data_ptr<T>());
-      acc.mul_(alpha.unsqueeze(1));
-      auto vblk = v3[hh].slice(0, ks, ke);
+      detail::online_softmax_update<T>(tr, s, m, l, alpha);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* a = acc + r * dv;
+        const T f = alpha[r];
+        for (int64_t c = 0; c < dv; ++c)
+          a[c] *= f;
+      }
       for (const auto& rr : ranges) {
-        rows_of(acc, rr).addmm_(part(s, rr), vblk.narrow(0, 0, rr.cols));
+        detail::gemm(false, false, rr.end - rr.first, dv, rr.cols, T(1), s + rr.first * ld, ld,
+                     v_h + ks * dv, dv, T(1), acc + rr.first * dv, dv);
       }
     }
-    // Rows that saw no key: m = -inf, l = 0 -> out 0, lse = -inf, 1/l kept as 0.
-    auto lse = m.masked_fill(m.isneginf(), 0.0).add_(l.log());
-    auto l_safe = l.masked_fill(l.eq(0), 1.0);
-    acc.div_(l_safe.unsqueeze(1));
-    const int64_t b = hh / p.kv_heads, kvh = hh % p.kv_heads;
-    out_g[b][kvh].slice(1, qs, qe).copy_(acc.view({p.group, bq, p.v_dim}));
-    lse_g[b][kvh].slice(1, qs, qe).copy_(lse.view({p.group, bq}));
-    max_g[b][kvh].slice(1, qs, qe).copy_(m.view({p.group, bq}));
-    inv_sum_g[b][kvh].slice(1, qs, qe).copy_(
-        l_safe.reciprocal().masked_fill_(l.eq(0), 0.0).view({p.group, bq}));
+    // Rows that saw no key: m = -inf, l = 0 -> out 0, lse = -inf, 1/l kept as 0. A NaN row
+    // stays NaN in every output.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at_row = (hh * p.group + r / bq) * p.q_len + qs + r % bq;
+      const T lr = l[r], mr = m[r];
+      const T l_safe = lr == T(0) ? T(1) : lr;
+      const T* a = acc + r * dv;
+      T* o = out_p + at_row * dv;
+      for (int64_t c = 0; c < dv; ++c)
+        o[c] = a[c] / l_safe;
+      lse_p[at_row] = (mr == neg_inf ? T(0) : mr) + std::log(lr);
+      max_p[at_row] = mr;
+      inv_p[at_row] = lr == T(0) ? T(0) : T(1) / l_safe;
+    }
   });
 }
 
@@ -235,16 +262,18 @@ template <typename T>
 void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& dout, const at::Tensor& row_max,
                      const at::Tensor& inv_sum, const at::Tensor& delta, at::Tensor& dq_g,
-                     at::Tensor& dk, at::Tensor& dv) {
+                     at::Tensor& dk, at::Tensor& dv_g) {
   const Problem& p = st.problem;
   const TileMask& t = st.tiles;
   const int64_t heads = p.batch * p.kv_heads;
-  auto k3 = k.view({heads, p.kv_len, p.qk_dim});
-  auto v3 = v.view({heads, p.kv_len, p.v_dim});
-  auto dk3 = dk.view({heads, p.kv_len, p.qk_dim});
-  auto dv3 = dv.view({heads, p.kv_len, p.v_dim});
-  auto qblk = grouped_blocks(p, t, q.mul(p.scale), p.qk_dim);
-  auto doblk = grouped_blocks(p, t, dout, p.v_dim);
+  const int64_t dqk = p.qk_dim, dv = p.v_dim;
+  const T scale = static_cast<T>(p.scale);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* dk_p = dk.data_ptr<T>();
+  T* dv_p = dv_g.data_ptr<T>();
+  auto qblk = grouped_blocks(p, t, q, dqk);
+  auto doblk = grouped_blocks(p, t, dout, dv);
   auto maxblk = grouped_blocks(p, t, row_max, 1);
   auto invblk = grouped_blocks(p, t, inv_sum, 1);
   auto deltablk = grouped_blocks(p, t, delta, 1);
@@ -252,56 +281,68 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
   const int threads = at::get_num_threads();
   // dQ accumulates over kv blocks, which run on different threads: one partial per thread.
   std::vector<std::vector<at::Tensor>> dq_part(threads);
-  std::vector<at::Tensor> s_scratch(threads), dp_scratch(threads);
+  std::vector<TileScratch<T>> scratch(threads);
   auto order = by_work(t.num_kv_blocks(), [&](int64_t kb) { return visible_tiles_in_col(t, kb); });
   common::ScopedBlasThreads one_blas_thread(1);
   for_each_unit(heads * t.num_kv_blocks(), threads, [&](int64_t u, int64_t slot) {
     const int64_t kb = order[u / heads], hh = u % heads;
     const int64_t ks = kv_start(t, kb), ke = kv_end(p, t, kb), bk = ke - ks;
-    if (!s_scratch[slot].defined()) {
+    auto& sc = scratch[slot];
+    if (sc.s.empty()) {
       const int64_t tile = p.group * t.block_q() * t.block_kv();
-      s_scratch[slot] = at::empty({tile}, q.options());
-      dp_scratch[slot] = at::empty({tile}, q.options());
+      sc.s.resize(tile);
+      sc.ds.resize(tile);
+      sc.acc_a.resize(t.block_kv() * dqk);
+      sc.acc_b.resize(t.block_kv() * dv);
       dq_part[slot].resize(nqb);
     }
-    auto kblk = k3[hh].slice(0, ks, ke);
-    auto vblk = v3[hh].slice(0, ks, ke);
-    auto dk_acc = at::zeros({bk, p.qk_dim}, q.options());
-    auto dv_acc = at::zeros({bk, p.v_dim}, q.options());
+    const T* kblk = kp + (hh * p.kv_len + ks) * dqk;
+    const T* vblk = vp + (hh * p.kv_len + ks) * dv;
+    T *dk_acc = sc.acc_a.data(), *dv_acc = sc.acc_b.data();
+    std::fill(dk_acc, dk_acc + bk * dqk, T(0));
+    std::fill(dv_acc, dv_acc + bk * dv, T(0));
     for (int64_t qb = 0; qb < nqb; ++qb) {
       const BlockKind kind = t.kind(qb, kb);
       if (kind == BlockKind::kEmpty) continue;
       const auto tr = tile_rows(p, t, qb, kb);
-      auto qh = qblk[qb][hh];
-      auto doh = doblk[qb][hh];
+      const int64_t rows = tr.rows;
+      const T* qh = qblk[qb].template data_ptr<T>() + hh * rows * dqk;
+      const T* doh = doblk[qb].template data_ptr<T>() + hh * rows * dv;
       const auto ranges = row_ranges(tr, kind);
-      auto s = s_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
-      auto ds = dp_scratch[slot].narrow(0, 0, tr.rows * bk).view({tr.rows, bk});
+      T* s = sc.s.data();
+      T* ds = sc.ds.data();
+      const int64_t ld = bk;
       for (const auto& rr : ranges) {
-        auto out = part(s, rr);
-        at::mm_out(out, rows_of(qh, rr), kblk.narrow(0, 0, rr.cols).t());
+        detail::gemm(false, true, rr.end - rr.first, rr.cols, dqk, scale, qh + rr.first * dqk, dqk,
+                     kblk, dqk, T(0), s + rr.first * ld, ld);
       }
       if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
-        t.apply_head(s, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
+        auto s_t = at::from_blob(s, {rows, bk}, q.options());
+        t.apply_head(s_t, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
-      detail::recompute_probs<T>(tr, s.data_ptr<T>(), maxblk[qb][hh].data_ptr<T>(),
-                                 invblk[qb][hh].data_ptr<T>());
+      detail::recompute_probs<T>(tr, s, maxblk[qb].template data_ptr<T>() + hh * rows,
+                                 invblk[qb].template data_ptr<T>() + hh * rows);
       for (const auto& rr : ranges) {
-        dv_acc.narrow(0, 0, rr.cols).addmm_(part(s, rr).t(), rows_of(doh, rr));
-        auto out = part(ds, rr);
-        at::mm_out(out, rows_of(doh, rr), vblk.narrow(0, 0, rr.cols).t());
+        const int64_t n = rr.end - rr.first;
+        detail::gemm(true, false, rr.cols, dv, n, T(1), s + rr.first * ld, ld, doh + rr.first * dv,
+                     dv, T(1), dv_acc, dv);
+        detail::gemm(false, true, n, rr.cols, dv, T(1), doh + rr.first * dv, dv, vblk, dv, T(0),
+                     ds + rr.first * ld, ld);
       }
-      detail::softmax_grad<T>(tr, s.data_ptr<T>(), ds.data_ptr<T>(),
-                              deltablk[qb][hh].data_ptr<T>());
+      detail::softmax_grad<T>(tr, s, ds, deltablk[qb].template data_ptr<T>() + hh * rows);
       auto& dq = dq_part[slot][qb];
       if (!dq.defined()) dq = at::zeros_like(qblk[qb]);
+      T* dq_h = dq.template data_ptr<T>() + hh * rows * dqk;
       for (const auto& rr : ranges) {
-        rows_of(dq[hh], rr).addmm_(part(ds, rr), kblk.narrow(0, 0, rr.cols));
-        dk_acc.narrow(0, 0, rr.cols).addmm_(part(ds, rr).t(), rows_of(qh, rr));
+        const int64_t n = rr.end - rr.first;
+        detail::gemm(false, false, n, dqk, rr.cols, T(1), ds + rr.first * ld, ld, kblk, dqk, T(1),
+                     dq_h + rr.first * dqk, dqk);
+        detail::gemm(true, false, rr.cols, dqk, n, scale, ds + rr.first * ld, ld,
+                     qh + rr.first * dqk, dqk, T(1), dk_acc, dqk);
       }
     }
-    dk3[hh].slice(0, ks, ke).copy_(dk_acc);
-    dv3[hh].slice(0, ks, ke).copy_(dv_acc);
+    std::copy(dk_acc, dk_acc + bk * dqk, dk_p + (hh * p.kv_len + ks) * dqk);
+    std::copy(dv_acc, dv_acc + bk * dv, dv_p + (hh * p.kv_len + ks) * dv);
   });
   dq_g.zero_();
   for (int64_t qb = 0; qb < nqb; ++qb) {

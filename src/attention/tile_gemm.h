@@ -1,0 +1,27 @@
+// Internal to attention/: one row-major GEMM on raw pointers, for the kernels' per-tile products.
+//
+//   C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C      (row-major, leading dims)
+//   op(X) = X (trans false) or X^T (trans true: X is stored [k x m] / [n x k])
+//   beta = 0: C is only written (its old contents, NaN included, are ignored)
+//
+// It calls the BLAS LibTorch itself uses (the Fortran sgemm_/dgemm_ found in the process at
+// first use), so a tile costs one BLAS call and no ATen dispatch, view or allocation: at
+// S = 4096, D = 64 the blockwise kernel makes about 10^4 of them per call. Where the process
+// has no such symbol (a LibTorch with its BLAS linked in privately) the same product runs
+// through ATen's addmm over views of the same memory.
+#pragma once
+
+#include <cstdint>
+
+namespace hp::attention::detail {
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
+          const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+          int64_t ldc);
+
+// True where gemm() calls the process's BLAS directly (false: through ATen).
+bool gemm_calls_blas_directly();
+
+}  // namespace hp::attention::detail
