@@ -32,6 +32,10 @@ at::Tensor view_of(const T* p, int64_t rows, int64_t cols, int64_t ld) {
 }
 
 template <typename T>
+void aten_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+               const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+
+template <typename T>
 void gemm_impl(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
                const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
@@ -47,6 +51,13 @@ void gemm_impl(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const
     fn(&tra, &trb, &mm, &nn, &kk, &alpha, b, &la, a, &lb, &beta, c, &lc);
     return;
   }
+  aten_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+template <typename T>
+void aten_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+               const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
   auto av = ta ? view_of(a, k, m, lda).t() : view_of(a, m, k, lda);
   auto bv = tb ? view_of(b, n, k, ldb).t() : view_of(b, k, n, ldb);
   auto cv = view_of(c, m, n, ldc);
@@ -62,6 +73,11 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
           int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
   gemm_impl<double>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm_via_aten(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+                   int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  aten_gemm<double>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 bool gemm_calls_blas_directly() {
