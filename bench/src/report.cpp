@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -254,11 +256,22 @@ std::string run_report(const ReportOptions& o) {
       lo = std::min(lo, e.begin_us);
       hi = std::max(hi, e.end_us);
     }
-    // The last third: the final step, past start-up.
+    // The last third (the final step, past start-up), widened where needed so that it holds
+    // every rank's last collective and last wait: on a busy machine one rank's final step can
+    // start well before the others' end.
+    int64_t from = hi - (hi - lo) / 3;
+    std::map<std::pair<int, std::string>, int64_t> last_begin;
+    for (const auto& e : events) {
+      if (e.category != "comm" && e.category != "comm_wait") continue;
+      auto& b = last_begin[{e.rank, e.category}];
+      b = std::max(b, e.begin_us);
+    }
+    for (const auto& [key, begin] : last_begin)
+      from = std::min(from, begin);
     std::ofstream((fs::path(o.out_dir) / "timeline.svg").string()) << timeline_svg(
         "hp-train --nproc 2 --cp 2 all_gather async, S=4096 (last step; "
         "loopback)",
-        events, hi - (hi - lo) / 3, hi);
+        events, from, hi);
     fs::remove(trace);
   }
   results["wall_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
