@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <map>
 
 #include <nlohmann/json.hpp>
 
