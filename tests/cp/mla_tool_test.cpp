@@ -376,27 +376,26 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
   }
 }
 
-// step_tensor_peak_bytes counts live tensor storage at the allocator: the same in every run of
-// the same step, and at least what the strategy must hold (all_gather: the gathered K and V).
+// step_tensor_peak_bytes counts live tensor storage at the allocator: at least what the
+// strategy must hold (all_gather: the gathered K and V) and far below a whole-sequence [S, S]
+// tensor. (When other threads free their tensors moves it a little between runs.)
 TEST(CPBench, StepTensorPeakIsCountedAtTheAllocator) {
   const std::string cmd = std::string(HP_BENCH_BINARY) +
                           " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
                           "--iters 2 --cp-algo all_gather --json";
-  std::vector<int64_t> peaks;
-  for (int run = 0; run < 2; ++run) {
-    auto r = hp::testing::run_command(cmd);
-    ASSERT_EQ(r.rc, 0) << r.out;
-    auto res = last_json(r.out)["results"][0];
-    const auto per_rank = res["step_tensor_peak_per_rank"].get<std::vector<int64_t>>();
-    ASSERT_EQ(per_rank.size(), 2u) << r.out;
-    const int64_t gathered_kv = 2 * 512 * 4 * 8 * 4;  // full K and V, fp32
-    for (int64_t b : per_rank)
-      EXPECT_GE(b, gathered_kv) << r.out;
-    EXPECT_EQ(res["step_tensor_peak_bytes"].get<int64_t>(),
-              *std::max_element(per_rank.begin(), per_rank.end()));
-    peaks.push_back(res["step_tensor_peak_bytes"].get<int64_t>());
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"][0];
+  const auto per_rank = res["step_tensor_peak_per_rank"].get<std::vector<int64_t>>();
+  ASSERT_EQ(per_rank.size(), 2u) << r.out;
+  const int64_t gathered_kv = 2 * 512 * 4 * 8 * 4;  // full K and V, fp32
+  const int64_t scores = 4 * 512 * 512 * 4;         // one [H, S, S] fp32 score tensor
+  for (int64_t b : per_rank) {
+    EXPECT_GE(b, gathered_kv) << r.out;
+    EXPECT_LT(b, scores) << r.out;
   }
-  EXPECT_EQ(peaks[0], peaks[1]);
+  EXPECT_EQ(res["step_tensor_peak_bytes"].get<int64_t>(),
+            *std::max_element(per_rank.begin(), per_rank.end()));
 }
 
 }  // namespace

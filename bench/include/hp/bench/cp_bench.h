@@ -56,7 +56,7 @@ struct CPBenchResult {
   int64_t step_peak_bytes = -1;
   std::vector<int64_t> step_peak_per_rank;
   // The same for the live CPU tensor bytes, counted at the allocator (tensor_bytes.h): what a
-  // step's tensors add at their peak, exact and the same from run to run (the resident-set
+  // step's tensors add at their peak, counted exactly (the resident-set
   // figure above adds the C allocator's caching and fragmentation). -1 if not counted.
   int64_t step_tensor_peak_bytes = -1;
   std::vector<int64_t> step_tensor_peak_per_rank;

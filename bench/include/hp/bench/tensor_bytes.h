@@ -1,7 +1,8 @@
 // Live CPU tensor bytes: what the tensors of this process hold, counted at the allocator, not
 // estimated. It complements the resident-set peak (StepPeak in cp_bench.cpp), which also sees
 // the C allocator's caching and fragmentation and moves by tens of MiB between runs; the tensor
-// count is exact and the same in every run of the same step.
+// count is exact at every moment (its peak moves only with when other threads, such as the
+// communication's, free their tensors: by a few local tensors at most).
 //
 // install() wraps c10's CPU allocator once per process (c10 keeps one allocator registry per
 // process, so this is process-wide by nature; call it before the tensors you want counted are
