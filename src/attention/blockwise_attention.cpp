@@ -162,10 +162,14 @@ std::vector<int64_t> by_work(int64_t n, const std::function<int64_t(int64_t)>& w
   return idx;
 }
 
-// Per-thread buffers of a kernel's parallel loop (sized for the largest tile on first use).
+// Per-thread buffers of the kernels' parallel loops (sized for the largest tile on first use).
 template <typename T>
-struct TileScratch {
-  std::vector<T> s, ds, rows_a, rows_b, rows_c, acc_a, acc_b;
+struct ForwardScratch {
+  std::vector<T> s, m, l, alpha, acc;  // score tile; row max, sum, rescale; output rows
+};
+template <typename T>
+struct BackwardScratch {
+  std::vector<T> s, ds, dk, dv;  // p and dS tiles; the kv block's dK and dV
 };
 
 // The kernels multiply raw row-major blocks with detail::gemm (one BLAS call per product, no
@@ -191,7 +195,7 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
   auto order = by_work(t.num_q_blocks(), [&](int64_t qb) { return visible_tiles_in_row(t, qb); });
   const int threads = at::get_num_threads();
   common::ScopedBlasThreads one_blas_thread(1);
-  std::vector<TileScratch<T>> scratch(threads);
+  std::vector<ForwardScratch<T>> scratch(threads);
   for_each_unit(heads * t.num_q_blocks(), threads, [&](int64_t u, int64_t slot) {
     const int64_t qb = order[u / heads], hh = u % heads;
     const int64_t qs = q_start(t, qb), qe = q_end(p, t, qb), bq = qe - qs;
@@ -200,13 +204,13 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
     if (sc.s.empty()) {
       const int64_t max_rows = p.group * t.block_q();
       sc.s.resize(max_rows * t.block_kv());
-      sc.rows_a.resize(max_rows);
-      sc.rows_b.resize(max_rows);
-      sc.rows_c.resize(max_rows);
-      sc.acc_a.resize(max_rows * dv);
+      sc.m.resize(max_rows);
+      sc.l.resize(max_rows);
+      sc.alpha.resize(max_rows);
+      sc.acc.resize(max_rows * dv);
     }
-    T *m = sc.rows_a.data(), *l = sc.rows_b.data(), *alpha = sc.rows_c.data();
-    T* acc = sc.acc_a.data();
+    T *m = sc.m.data(), *l = sc.l.data(), *alpha = sc.alpha.data();
+    T* acc = sc.acc.data();
     std::fill(m, m + rows, neg_inf);
     std::fill(l, l + rows, T(0));
     std::fill(acc, acc + rows * dv, T(0));
@@ -281,7 +285,7 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
   const int threads = at::get_num_threads();
   // dQ accumulates over kv blocks, which run on different threads: one partial per thread.
   std::vector<std::vector<at::Tensor>> dq_part(threads);
-  std::vector<TileScratch<T>> scratch(threads);
+  std::vector<BackwardScratch<T>> scratch(threads);
   auto order = by_work(t.num_kv_blocks(), [&](int64_t kb) { return visible_tiles_in_col(t, kb); });
   common::ScopedBlasThreads one_blas_thread(1);
   for_each_unit(heads * t.num_kv_blocks(), threads, [&](int64_t u, int64_t slot) {
@@ -292,13 +296,13 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       const int64_t tile = p.group * t.block_q() * t.block_kv();
       sc.s.resize(tile);
       sc.ds.resize(tile);
-      sc.acc_a.resize(t.block_kv() * dqk);
-      sc.acc_b.resize(t.block_kv() * dv);
+      sc.dk.resize(t.block_kv() * dqk);
+      sc.dv.resize(t.block_kv() * dv);
       dq_part[slot].resize(nqb);
     }
     const T* kblk = kp + (hh * p.kv_len + ks) * dqk;
     const T* vblk = vp + (hh * p.kv_len + ks) * dv;
-    T *dk_acc = sc.acc_a.data(), *dv_acc = sc.acc_b.data();
+    T *dk_acc = sc.dk.data(), *dv_acc = sc.dv.data();
     std::fill(dk_acc, dk_acc + bk * dqk, T(0));
     std::fill(dv_acc, dv_acc + bk * dv, T(0));
     for (int64_t qb = 0; qb < nqb; ++qb) {

@@ -80,8 +80,4 @@ void gemm_via_aten(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
   aten_gemm<double>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-bool gemm_calls_blas_directly() {
-  return fortran_gemm<float>() != nullptr && fortran_gemm<double>() != nullptr;
-}
-
 }  // namespace hp::attention::detail

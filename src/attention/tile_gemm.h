@@ -21,9 +21,6 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double al
           const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
           int64_t ldc);
 
-// True where gemm() calls the process's BLAS directly (false: through ATen).
-bool gemm_calls_blas_directly();
-
 // The fallback path itself (ATen addmm over views), whatever the process has: for tests.
 void gemm_via_aten(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
                    const double* a, int64_t lda, const double* b, int64_t ldb, double beta,
