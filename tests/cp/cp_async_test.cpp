@@ -372,12 +372,13 @@ struct OverlapTrace {
   int64_t first_attention_begin = -1, first_attention_end = -1;
 };
 
-// Rank 0's events of the forward (after its barrier) with rank `late` entering 300 ms late (-1:
-// none), every rank pausing `pause_ms` between its handoffs and attention.
+// Rank 0's events of the forward (after its barrier) on a sequence of `seq` tokens, with rank
+// `late` entering 300 ms late (-1: none), every rank pausing `pause_ms` between its handoffs and
+// attention.
 std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& algo, int p,
                                                              int late, bool balanced = false,
                                                              bool always_local_first = false,
-                                                             int pause_ms = 0) {
+                                                             int pause_ms = 0, int64_t seq = kS) {
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions o;
   o.tracer = tracer;
@@ -397,7 +398,7 @@ std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& 
         apply_context_parallel(m.host(), spec, cfg, topo, quiet());
         comm::barrier(w.group());
         if (w.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        m.forward(shard(seeded(41, {1, kS, kHidden}), 1, w.rank(), p));
+        m.forward(shard(seeded(41, {1, seq, kHidden}), 1, w.rank(), p));
       },
       o);
   int64_t start = -1;  // the end of rank 0's barrier: the forward starts after it
@@ -450,11 +451,11 @@ TEST(CPAsync, AttentionOnLocalDataRunsWhileTheCollectivesArePending) {
 // chunks 0 and 3: landed, one call per part; local first, part 0 (chunk 0) sees only its own
 // chunk (1 call) and part 1 (chunk 3) chunk 0, chunk 3 and the gap [1, 3) (3 calls).
 // Rank 0's attention calls in one balanced async forward (rank0_forward_with_late_peer).
-int attention_calls(const std::string& algo, int p, int late, bool always_local_first,
-                    int pause_ms) {
+int attention_calls(const std::string& algo, int p, int late, bool always_local_first, int pause_ms,
+                    int64_t seq = kS) {
   int n = 0;
   for (const auto& e :
-       rank0_forward_with_late_peer(algo, p, late, true, always_local_first, pause_ms)) {
+       rank0_forward_with_late_peer(algo, p, late, true, always_local_first, pause_ms, seq)) {
     n += e.name == "attention";
   }
   return n;
@@ -480,14 +481,17 @@ TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
 // come below 16 on one of them; the late co-peer (rank 2) and async_always_local_first never
 // land in time.
 TEST(CPAsync, HybridAttendsAPartInOneCallOnceItsCoGroupGathersHaveLanded) {
-  auto calls = [](int late, bool always_local_first, int pause_ms) {
-    return attention_calls("hybrid", 4, late, always_local_first, pause_ms);
+  auto calls = [](int late, bool always_local_first, int pause_ms, int64_t seq = kS) {
+    return attention_calls("hybrid", 4, late, always_local_first, pause_ms, seq);
   };
+  // 32 times the usual sequence: each call takes milliseconds instead of microseconds, so
+  // the gathers' worker threads get their turn on a loaded machine before the parts run out.
+  constexpr int64_t kLandedSeq = 32 * kS;
   EXPECT_EQ(calls(2, false, 0), 16);
   EXPECT_EQ(calls(-1, true, 200), 16);
   int fewest = 16;
   for (int attempt = 0; attempt < 10 && fewest > 4; ++attempt) {
-    const int n = calls(-1, false, 200);
+    const int n = calls(-1, false, 200, kLandedSeq);
     EXPECT_TRUE(n == 4 || n == 10 || n == 12 || n == 16) << n;
     fewest = std::min(fewest, n);
   }
