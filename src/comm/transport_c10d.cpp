@@ -74,38 +74,34 @@ class C10dPending final : public PendingOp {
 };
 
 // Several works that complete together (the point-to-point legs of one collective).
-// Gloo's send/recv works report completion only once waited, so with `watch` the first
-// is_completed() that finds them pending starts a thread that waits for them; later queries
-// read its flag and wait() joins it.
+// Gloo's send/recv works report completion only once waited, so with `watch` a thread waits
+// for them from the launch on: is_completed() reads its flag (true as soon as they land, with
+// no query needed first) and wait() joins it.
 class MultiPending final : public PendingOp {
  public:
   MultiPending(std::vector<compat::WorkPtr> works, int64_t bytes_sent, bool watch)
       : works_(std::move(works)), watch_(watch) {
     set_bytes_sent(bytes_sent);
-  }
-  ~MultiPending() override {
-    if (watcher_.joinable()) watcher_.join();
-  }
-  void wait() override {
-    if (watcher_.joinable()) {
-      watcher_.join();
-      if (error_) std::rethrow_exception(error_);
-      return;
-    }
-    wait_all();
-    if (error_) std::rethrow_exception(error_);
-  }
-  bool is_completed() override {
-    if (watcher_.joinable()) return done_.load();
-    bool all = true;
-    for (auto& w : works_)
-      all = all && w->isCompleted();
-    if (!all && watch_) {
+    if (watch_) {
       watcher_ = std::thread([this] {
         wait_all();
         done_.store(true);
       });
     }
+  }
+  ~MultiPending() override {
+    if (watcher_.joinable()) watcher_.join();
+  }
+  void wait() override {
+    if (watcher_.joinable()) watcher_.join();
+    if (!watch_) wait_all();
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() override {
+    if (watch_) return done_.load();
+    bool all = true;
+    for (auto& w : works_)
+      all = all && w->isCompleted();
     return all;
   }
 
