@@ -38,6 +38,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "hp/attention/attention.h"
+#include "hp/common/check.h"
 #include "hp/common/threads.h"
 #include "parallel_units.h"
 #include "problem.h"
@@ -362,6 +363,11 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
   dq_g.mul_(p.scale);
 }
 
+AttentionGrads run_backward(const CallState& st, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& dout, const at::Tensor& row_max,
+                            const at::Tensor& inv_sum, const at::Tensor& delta,
+                            at::ScalarType in_dtype);
+
 struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, c10::intrusive_ptr<CallState> st) {
@@ -390,30 +396,36 @@ struct BlockwiseFn : torch::autograd::Function<BlockwiseFn> {
     auto saved = ctx->get_saved_variables();
     auto holder = ctx->saved_data["state"].toCapsule();
     const auto& st = *static_cast<CallState*>(holder.get());
-    const Problem& p = st.problem;
-    const auto& q = saved[0];
-    const auto& k = saved[1];
-    const auto& v = saved[2];
     const auto& out = saved[3];
-    const auto& row_max = saved[4];
-    const auto& inv_sum = saved[5];
-    const auto ct = p.compute_dtype;
+    const auto ct = st.problem.compute_dtype;
     auto dout = grads[0].defined() ? grads[0].to(ct).contiguous() : at::zeros_like(out);
     auto delta = (dout * out).sum(-1);  // [B, Nq, Sq]
     if (grads[1].defined()) delta = delta - grads[1].to(ct);
-    auto dq_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.qk_dim}, q.options());
-    auto dk = at::zeros_like(k);
-    auto dv = at::zeros_like(v);
-    if (ct == at::kDouble) {
-      backward_kernel<double>(st, q, k, v, dout, row_max, inv_sum, delta, dq_g, dk, dv);
-    } else {
-      backward_kernel<float>(st, q, k, v, dout, row_max, inv_sum, delta, dq_g, dk, dv);
-    }
     const auto in_dtype = static_cast<at::ScalarType>(ctx->saved_data["in_dtype"].toInt());
-    auto dq = dq_g.view({p.batch, p.q_heads, p.q_len, p.qk_dim}).to(in_dtype);
-    return {dq, dk.to(in_dtype), dv.to(in_dtype), at::Tensor()};
+    auto g =
+        run_backward(st, saved[0], saved[1], saved[2], dout, saved[4], saved[5], delta, in_dtype);
+    return {g.dq, g.dk, g.dv, at::Tensor()};
   }
 };
+
+// The backward kernel over compute-dtype contiguous q, k, v, dout and per-row statistics
+// ([B, Nq, Sq]: p = exp(s - row_max) * inv_sum); grads in `in_dtype`.
+AttentionGrads run_backward(const CallState& st, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& dout, const at::Tensor& row_max,
+                            const at::Tensor& inv_sum, const at::Tensor& delta,
+                            at::ScalarType in_dtype) {
+  const Problem& p = st.problem;
+  auto dq_g = at::empty({p.batch, p.kv_heads, p.group, p.q_len, p.qk_dim}, q.options());
+  auto dk = at::zeros_like(k);
+  auto dv = at::zeros_like(v);
+  if (p.compute_dtype == at::kDouble) {
+    backward_kernel<double>(st, q, k, v, dout, row_max, inv_sum, delta, dq_g, dk, dv);
+  } else {
+    backward_kernel<float>(st, q, k, v, dout, row_max, inv_sum, delta, dq_g, dk, dv);
+  }
+  auto dq = dq_g.view({p.batch, p.q_heads, p.q_len, p.qk_dim}).to(in_dtype);
+  return {dq, dk.to(in_dtype), dv.to(in_dtype)};
+}
 
 class BlockwiseAttention final : public AttentionPrimitive {
  public:
@@ -425,6 +437,32 @@ class BlockwiseAttention final : public AttentionPrimitive {
     auto st = c10::make_intrusive<CallState>(std::move(p), options.block_q, options.block_kv);
     auto outs = BlockwiseFn::apply(q, k, v, st);
     return {outs[0], outs[1]};
+  }
+
+  bool offers_backward_from_stats() const override { return true; }
+  // The custom backward with the whole call's statistics in place of this call's own: row max
+  // = lse and row sum 1 give p = exp(s - lse); delta = rowsum(dout * out) of the merged out.
+  AttentionGrads backward_from_stats(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& out, const at::Tensor& lse,
+                                     const at::Tensor& dout,
+                                     const AttentionOptions& options) const override {
+    auto p = detail::validate(q, k, v, options, "attention 'blockwise' (backward_from_stats)");
+    const std::vector<int64_t> rows{p.batch, p.q_heads, p.q_len};
+    const std::vector<int64_t> outs{p.batch, p.q_heads, p.q_len, p.v_dim};
+    HP_CHECK(out.sizes() == outs && dout.sizes() == outs, "backward_from_stats: out ", out.sizes(),
+             " and dout ", dout.sizes(), " must be [B, Nq, Sq, Dv] = ", at::IntArrayRef(outs),
+             " (the merged output of the call q belongs to)");
+    HP_CHECK(lse.sizes() == rows, "backward_from_stats: lse ", lse.sizes(),
+             " must be [B, Nq, Sq] = ", at::IntArrayRef(rows),
+             " (the merged lse of the call q belongs to)");
+    auto st = c10::make_intrusive<CallState>(std::move(p), options.block_q, options.block_kv);
+    const auto ct = st->problem.compute_dtype;
+    auto c = [ct](const at::Tensor& x) { return x.detach().to(ct).contiguous(); };
+    auto d = c(dout);
+    auto delta = (d * out.detach().to(ct)).sum(-1);
+    auto row_max = c(lse);
+    return run_backward(*st, c(q), c(k), c(v), d, row_max, at::ones_like(row_max), delta,
+                        q.scalar_type());
   }
 };
 

@@ -27,7 +27,18 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
     auto r = host_.call_primitive(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), o);
     return AttentionResult{r.out.transpose(1, 2), r.lse};
   };
-  return host_.run_boundary(q, k, v, options, inner).out;
+  StatsBackwardFn from_stats;
+  if (auto direct = host_.primitive_stats_backward()) {
+    from_stats = [direct, bshd](const at::Tensor& q2, const at::Tensor& k2, const at::Tensor& v2,
+                                const at::Tensor& o2, const at::Tensor& lse, const at::Tensor& d2,
+                                const AttentionOptions& o) {
+      if (!bshd) return direct(q2, k2, v2, o2, lse, d2, o);
+      auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };
+      auto g = direct(t(q2), t(k2), t(v2), t(o2), lse, t(d2), o);
+      return AttentionGrads{t(g.dq), t(g.dk), t(g.dv)};
+    };
+  }
+  return host_.run_boundary(q, k, v, options, inner, from_stats).out;
 }
 
 }  // namespace hp::attention

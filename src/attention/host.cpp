@@ -41,8 +41,9 @@ bool AttentionHost::has_any_interceptor() const {
 
 AttentionResult AttentionHost::run_boundary(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const AttentionOptions& options,
-                                            const AttentionFn& inner) {
-  if (boundary_) return boundary_->intercept(q, k, v, options, inner);
+                                            const AttentionFn& inner,
+                                            const StatsBackwardFn& from_stats) {
+  if (boundary_) return boundary_->intercept_with_stats(q, k, v, options, inner, from_stats);
   return inner(q, k, v, options);
 }
 
@@ -52,8 +53,21 @@ AttentionResult AttentionHost::call_primitive(const at::Tensor& q, const at::Ten
   const AttentionPrimitive* prim = primitive_;
   AttentionFn direct = [prim](const at::Tensor& q2, const at::Tensor& k2, const at::Tensor& v2,
                               const AttentionOptions& o) { return prim->forward(q2, k2, v2, o); };
-  if (primitive_call_) return primitive_call_->intercept(q, k, v, options, direct);
+  if (primitive_call_) {
+    return primitive_call_->intercept_with_stats(q, k, v, options, direct,
+                                                 primitive_stats_backward());
+  }
   return direct(q, k, v, options);
+}
+
+StatsBackwardFn AttentionHost::primitive_stats_backward() const {
+  const AttentionPrimitive* prim = primitive_;
+  if (!prim->offers_backward_from_stats()) return nullptr;
+  return
+      [prim](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+             const at::Tensor& lse, const at::Tensor& dout, const AttentionOptions& o) {
+        return prim->backward_from_stats(q, k, v, out, lse, dout, o);
+      };
 }
 
 void AttentionHost::announce(const AttentionOptions& options) {

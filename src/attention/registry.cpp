@@ -8,6 +8,15 @@ namespace hp::attention {
 
 std::unique_ptr<AttentionPrimitive> make_sdpa_attention();  // sdpa_attention.cpp
 
+AttentionGrads AttentionPrimitive::backward_from_stats(const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, const at::Tensor&,
+                                                       const AttentionOptions&) const {
+  HP_CHECK(false, "attention '", name(),
+           "' does not offer backward_from_stats (offers_backward_from_stats() is false); use "
+           "its forward's autograd, or the 'blockwise' primitive");
+}
+
 const AttentionRegistry& AttentionRegistry::builtin() {
   // Built once, never modified afterwards: immutable shared state, not a mutable global.
   static const AttentionRegistry registry = [] {

@@ -74,6 +74,13 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
                                                 const at::Tensor& v,
                                                 const attention::AttentionOptions& options,
                                                 const attention::AttentionFn& inner) {
+  return intercept_with_stats(q, k, v, options, inner, nullptr);
+}
+
+attention::AttentionResult CPRuntime::intercept_with_stats(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const attention::AttentionOptions& options, const attention::AttentionFn& inner,
+    const attention::StatsBackwardFn& from_stats) {
   // The announcement and the handoffs' decision belong to this call only.
   struct Clear {
     CPRuntime& r;
@@ -85,7 +92,7 @@ attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::T
   } clear{*this};
   validate(q, k, v, options);
   ++calls_in_forward_;
-  AttentionCall call(options, inner, *adapter_, *strategy_, ctx_);
+  AttentionCall call(options, inner, *adapter_, *strategy_, ctx_, from_stats);
   if (ctx_.moves_skipped) {
     const int64_t total = q.size(ctx_.layout.seq_dim) * ctx_.topology->cp_size;
     HP_CHECK(strategy_->skips_moves(call, total, ctx_), "async CP on module '", module_path_, "' (",

@@ -31,9 +31,11 @@ void QKVLayout::check(const std::string& who) const {
 
 AttentionCall::AttentionCall(const attention::AttentionOptions& options,
                              const attention::AttentionFn& inner, const CPAdapter& adapter,
-                             const CPStrategy& strategy, const CPRuntimeContext& ctx)
+                             const CPStrategy& strategy, const CPRuntimeContext& ctx,
+                             attention::StatsBackwardFn from_stats)
     : options_(options),
       inner_(inner),
+      from_stats_(std::move(from_stats)),
       adapter_(adapter),
       strategy_(strategy),
       layout_(ctx.layout) {
@@ -64,25 +66,47 @@ bool AttentionCall::hidden(const CallState& s) const {
   return attention::documents_hide_block(d, q0, q0 + s.causal.q_len, k0, k0 + s.causal.kv_len);
 }
 
-attention::AttentionResult AttentionCall::run(const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v, const CallState& state) const {
-  auto opts = adapter_.rewrite(options_, state, strategy_);
-  if (!opts.causal || !opts.causal_meta) return inner_(q, k, v, opts);
-  auto& meta = *opts.causal_meta;
+AttentionCall::Prepared AttentionCall::prepare(const at::Tensor& k, const at::Tensor& v,
+                                               const CallState& state) const {
+  Prepared p{adapter_.rewrite(options_, state, strategy_), k, v};
+  if (!p.options.causal || !p.options.causal_meta) return p;
+  auto& meta = *p.options.causal_meta;
   const int64_t seq = layout_.seq_dim;
   // Keys past the block's last query are invisible to all its queries: cut them off. The
   // narrow runs on every rank, even where it keeps everything, so all ranks build the same
   // autograd graph and issue their backward collectives in the same order (with two groups in
   // play, as in hybrid, a rank-dependent order could deadlock).
   const int64_t prefix = std::min(meta.kv_len, meta.q_offset + meta.q_len);
-  auto pk = k.narrow(seq, 0, prefix), pv = v.narrow(seq, 0, prefix);
-  if (opts.mask.defined()) opts.mask = opts.mask.narrow(-1, 0, prefix);
+  p.k = k.narrow(seq, 0, prefix);
+  p.v = v.narrow(seq, 0, prefix);
+  if (p.options.mask.defined()) p.options.mask = p.options.mask.narrow(-1, 0, prefix);
   meta.kv_len = prefix;
   if (meta.q_offset + 1 >= prefix) {
-    opts.causal = false;  // every key precedes (or is) the first query: nothing to mask
-    opts.causal_meta.reset();
+    p.options.causal = false;  // every key precedes (or is) the first query: nothing to mask
+    p.options.causal_meta.reset();
   }
-  return inner_(q, pk, pv, opts);
+  return p;
+}
+
+attention::AttentionResult AttentionCall::run(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const CallState& state) const {
+  auto p = prepare(k, v, state);
+  return inner_(q, p.k, p.v, p.options);
+}
+
+attention::AttentionGrads AttentionCall::grads_from_stats(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& dout, const CallState& state) const {
+  HP_INTERNAL_ASSERT(from_stats_ != nullptr,
+                     "grads_from_stats: the call offers none (ask offers_grads_from_stats)");
+  const int64_t begin = tracer_ != nullptr ? common::Tracer::now_us() : 0;
+  auto p = prepare(k, v, state);
+  auto g = from_stats_(q, p.k, p.v, out, lse, dout, p.options);
+  if (tracer_ != nullptr) {
+    tracer_->record(
+        {"attention_backward", "compute", rank_, begin, common::Tracer::now_us(), "", -1});
+  }
+  return g;
 }
 
 // ---- the default pipeline ----

@@ -15,6 +15,9 @@
 //   head-tail balance (data-order shards: chunks 2r and 2P-2r-1): each of the two query chunks
 //   against each of the two key chunks of the block, by their chunk ids.
 //   backward: the blocks travel the same way again, each followed by a dK/dV accumulator:
+//     where the primitive offers backward_from_stats (blockwise), each visible call's dQ, dK, dV
+//     come straight from the merged (out, lse) and dO: nothing recomputed, no graph kept;
+//     otherwise (the recomputing form)
 //     step i = 1 .. P-1 recomputes the visible calls of the block here (attention's own autograd,
 //     seeded with dO and the lse gradient of the merge), adds its dK/dV to the accumulator that
 //     arrives from rank r-1 (none at step 1) and shifts it on; after step J it goes home
@@ -25,6 +28,7 @@
 // the one arriving) in forward and in backward (never the whole sequence). The own block's
 // calls keep their autograd graph from forward (over one contiguous copy of each own key
 // chunk, shared by the calls that read it): only the blocks that travelled are recomputed.
+// From the statistics, forward keeps nothing beyond the saved q, k, v, out, lse.
 // Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size (with
 // documents J instead of P-1: the formula is their upper bound).
 #include <limits>
@@ -112,10 +116,11 @@ struct RingPlan {
   std::shared_ptr<const AttentionCall> call;
   QKVLayout layout;
   detail::RingGroup ring;
-  int64_t s = 0;          // local sequence length
-  int64_t len = 0;        // rows per chunk (ring.chunk_len)
-  int64_t dk = 0;         // last dim of k (the [k | v] buffer splits there)
-  int64_t last_step = 0;  // J: the last step whose block some rank attends (last_needed_step)
+  int64_t s = 0;            // local sequence length
+  int64_t len = 0;          // rows per chunk (ring.chunk_len)
+  int64_t dk = 0;           // last dim of k (the [k | v] buffer splits there)
+  int64_t last_step = 0;    // J: the last step whose block some rank attends (last_needed_step)
+  bool from_stats = false;  // backward from the merged out/lse (call.offers_grads_from_stats)
 
   // Chunk ids (of the global sequence cut into `len`-row chunks) of the rows `rank` holds.
   const std::vector<int64_t>& chunk_ids(int64_t rank) const { return ring.chunks[rank]; }
@@ -233,7 +238,8 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       l_rows.copy_(merged_l);
     };
     auto kept = std::make_shared<std::vector<KeptCall>>();
-    const bool keep = q.requires_grad() || k.requires_grad() || v.requires_grad();
+    const bool keep =
+        !plan->from_stats && (q.requires_grad() || k.requires_grad() || v.requires_grad());
     auto kv = at::cat({k, v}, -1).contiguous();
     for (int64_t step = 0; step <= plan->last_step; ++step) {
       const int64_t src = (plan->ring.rank - step + plan->ring.size) % plan->ring.size;
@@ -287,6 +293,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &o = saved[3], &m = saved[4];
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(o);
+    if (plan->from_stats) return stats_backward(*plan, saved, dout);
     auto dq = at::zeros_like(q);
     const int64_t p = plan->ring.size, r = plan->ring.rank;
     auto block_shape = saved[1].sizes().vec();
@@ -329,6 +336,57 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   }
 
  private:
+  // The backward from the merged statistics: every call's gradients straight from (out, lse,
+  // dout) of the whole ring, with no forward recomputed and no graph kept from forward. The
+  // blocks and accumulators travel as in the recomputing backward below.
+  static variable_list stats_backward(const RingPlan& plan, const variable_list& saved,
+                                      const at::Tensor& dout) {
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &m = saved[4];
+    const auto& l = plan.layout;
+    auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+    const int64_t p = plan.ring.size, r = plan.ring.rank, last = plan.last_step;
+    // One call's gradients: dq into its query rows, dk/dv into `dk_to` / `dv_to` (key chunk).
+    auto grad = [&](const Pair& pair, const at::Tensor& kk, const at::Tensor& vv,
+                    const at::Tensor& dk_to, const at::Tensor& dv_to) {
+      auto g =
+          plan.call->grads_from_stats(query_rows(plan, q, pair), kk, vv, query_rows(plan, o, pair),
+                                      detail::lse_to_primitive(query_rows(plan, m, pair), l),
+                                      query_rows(plan, dout, pair), pair.st);
+      query_rows(plan, dq, pair).add_(g.dq);
+      dk_to.narrow(l.seq_dim, 0, g.dk.size(l.seq_dim)).add_(g.dk);
+      dv_to.narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
+    };
+    auto own_half = [&](int half) {
+      for (const auto& pair : pairs_for(plan, r, half)) {
+        grad(pair, plan.chunk(k, pair.kc), plan.chunk(v, pair.kc), plan.chunk(dk, pair.kc),
+             plan.chunk(dv, pair.kc));
+      }
+    };
+    comm::Pending next;
+    if (last >= 1) next = comm::shift_async(*plan.ring.group, at::cat({k, v}, -1), 1);
+    own_half(0);  // hides the first shift
+    comm::Pending arriving;
+    for (int64_t step = 1; step <= last; ++step) {
+      auto kv = next();  // the block of rank r - step
+      next = step < last ? comm::shift_async(*plan.ring.group, kv, 1) : comm::Pending();
+      auto acc = at::zeros_like(kv);
+      for (const auto& pair : pairs_for(plan, (r - step + p) % p)) {
+        auto slot = plan.chunk(acc, pair.kc);
+        grad(pair, key_part(plan, kv, pair.kc), value_part(plan, kv, pair.kc),
+             slot.narrow(-1, 0, plan.dk), slot.narrow(-1, plan.dk, slot.size(-1) - plan.dk));
+      }
+      if (arriving) acc.add_(arriving());
+      arriving = comm::shift_async(*plan.ring.group, acc, step < last ? 1 : p - last);
+    }
+    own_half(1);  // hides the accumulator's last hop
+    if (arriving) {
+      auto home = arriving();
+      dk += home.narrow(-1, 0, plan.dk);
+      dv += home.narrow(-1, plan.dk, home.size(-1) - plan.dk);
+    }
+    return {dq, dk, dv, at::Tensor()};
+  }
+
   // (out, lse) += (o, l) by log-sum-exp, rows that saw nothing yet (-inf) taking the new part.
   static void merge_into(at::Tensor& out, at::Tensor& lse, const at::Tensor& o,
                          const at::Tensor& l) {
@@ -398,6 +456,7 @@ at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const a
                      "ring: the chunk table does not cover the local sequence");
   plan->dk = k.size(-1);
   plan->last_step = last_needed_step(*plan);
+  plan->from_stats = call.offers_grads_from_stats();
   return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)));
 }
 

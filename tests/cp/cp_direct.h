@@ -23,7 +23,11 @@ inline at::Tensor f64(uint64_t seed, at::IntArrayRef shape) {
 // q/k/v through handoff points into a CoreAttention, so the async schedule has its launch
 // sites (the module boundary slot: sdpa_qkv).
 struct Direct {
-  explicit Direct(bool causal, const at::Tensor& doc_ids = {}) : core(options(causal, doc_ids)) {
+  // primitive: the one the module's attention runs ("blockwise" offers backward_from_stats,
+  // "math" does not).
+  explicit Direct(bool causal, const at::Tensor& doc_ids = {},
+                  const std::string& primitive = "blockwise")
+      : core(options(causal, doc_ids, primitive)) {
     for (auto* h : {&hq, &hk, &hv})
       core.host().add_handoff(h);
   }
@@ -31,8 +35,10 @@ struct Direct {
     return core.forward(hq(q), hk(k), hv(v));
   }
   // doc_ids: packed documents of the whole (global) sequence, when given.
-  static attention::CoreAttentionOptions options(bool causal, const at::Tensor& doc_ids = {}) {
+  static attention::CoreAttentionOptions options(bool causal, const at::Tensor& doc_ids = {},
+                                                 const std::string& primitive = "blockwise") {
     attention::CoreAttentionOptions o;
+    o.primitive = primitive;
     o.attention.causal = causal;
     if (doc_ids.defined()) o.attention.documents = attention::Documents{doc_ids};
     o.attention.block_q = 5;  // tiles that do not divide the shards

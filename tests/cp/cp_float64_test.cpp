@@ -42,8 +42,10 @@ struct Case {
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
   int64_t head_groups = 0;          // async ulysses, usp (0: automatic)
   bool always_local_first = false;  // async all_gather and hybrid
+  std::string primitive = "blockwise";
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
+    if (primitive != "blockwise") n += " primitive=" + primitive;
     if (always_local_first) n += " always_local_first";
     if (head_groups > 0) n += " head_groups=" + std::to_string(head_groups);
     if (load_balance) n += std::string("+lb:") + to_string(form);
@@ -82,7 +84,7 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal,
   // Data-order head-tail shards hold chunks {2r, 2P-2r-1}; every other case contiguous shards.
   const bool data_order = c.load_balance && c.form == LoadBalanceForm::kDataOrder;
   run_ranks(p, [&](comm::World& w) {
-    Direct m(causal, doc_ids);
+    Direct m(causal, doc_ids, c.primitive);
     ASSERT_EQ(apply_cp(m, w, cfg), to_string(schedule));
     const int64_t r = w.rank();
     auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, r, p, data_order); };
@@ -181,6 +183,19 @@ TEST(CPFloat64, UspRepeatsKVHeads) {
 }
 TEST(CPFloat64, RingHeadTailDataOrder) {
   run_grid({"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
+}
+// The ring's recomputing backward: the math primitive offers no backward_from_stats, so each
+// travelled block's calls are recomputed and the own block's graphs kept from forward (the
+// blockwise cases above take every gradient from the merged out/lse).
+TEST(CPFloat64, RingRecomputesWhereThePrimitiveOffersNoStatsBackward) {
+  for (bool lb : {false, true}) {
+    Case c{"ring", std::nullopt, lb, LoadBalanceForm::kDataOrder};
+    c.primitive = "math";
+    run_grid(c, {2, 3});
+  }
+  Case u{"usp", 2};
+  u.primitive = "math";
+  run_grid(u, {4});
 }
 // Async ulysses in head groups (P=2: 6 query and 3 K/V heads per rank; automatic = 3 groups),
 // against the reference; the sync half of the grid ignores the field.

@@ -60,6 +60,10 @@ struct AttentionResult {
   at::Tensor lse;  // [B, Nq, Sq], float32 (float64 for double inputs)
 };
 
+struct AttentionGrads {
+  at::Tensor dq, dk, dv;  // shaped and typed as q, k, v
+};
+
 class AttentionPrimitive {
  public:
   virtual ~AttentionPrimitive() = default;
@@ -67,12 +71,27 @@ class AttentionPrimitive {
   // Validates its inputs (clear hp::Error before any work) and computes attention.
   virtual AttentionResult forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const AttentionOptions& options) const = 0;
+
+  // Optional (where offers_backward_from_stats()): the gradients of q, k, v of one piece of a
+  // call whose keys were split into pieces (the blocks of a CP ring), given the merged `out`
+  // [B, Nq, Sq, Dv] and `lse` [B, Nq, Sq] of the whole call and its output gradient `dout`:
+  //   p = exp(s - lse),  dS = p * (dout v^T - rowsum(dout * out)),  dq = dS k,  dk = dS^T q,
+  //   dv = p^T dout   (s the scaled, masked scores of this piece; rows with lse = -inf: zero)
+  // Summing dq over the pieces and placing each piece's dk/dv gives the whole call's gradients,
+  // with no forward recomputed per piece. `options` describe this piece (causal offsets, masks)
+  // as forward() takes them.
+  virtual bool offers_backward_from_stats() const { return false; }
+  virtual AttentionGrads backward_from_stats(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& out,
+                                             const at::Tensor& lse, const at::Tensor& dout,
+                                             const AttentionOptions& options) const;
 };
 
 // Explicit scores, fp32 softmax: the ground truth. O(Sq * Skv) memory.
 std::unique_ptr<AttentionPrimitive> make_math_attention();
 // Flash-style online softmax over K/V blocks, fp32 accumulators, custom backward recomputing
 // from lse: O(S * D) memory. Skips causal blocks above the diagonal and blocks a mask hides.
+// Offers backward_from_stats.
 std::unique_ptr<AttentionPrimitive> make_blockwise_attention();
 
 // Name -> primitive. builtin() holds "math", "blockwise" (and "sdpa" when the found LibTorch

@@ -25,6 +25,12 @@ namespace hp::attention {
 
 using AttentionFn = std::function<AttentionResult(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, const AttentionOptions&)>;
+// The gradients of one piece of an AttentionFn's call from the whole call's merged statistics
+// (AttentionPrimitive::backward_from_stats), for the same function: (q, k, v, out, lse, dout,
+// options). Empty where the function offers none.
+using StatsBackwardFn = std::function<AttentionGrads(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& dout, const AttentionOptions&)>;
 
 // Implemented by cp/ (the CP runtime); anything else may implement it too.
 class AttentionInterceptor {
@@ -36,6 +42,14 @@ class AttentionInterceptor {
   // Runs in place of `inner(q, k, v, options)`.
   virtual AttentionResult intercept(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const AttentionOptions& options, const AttentionFn& inner) = 0;
+  // The same, where the host can also compute `inner`'s gradients from merged statistics
+  // (`from_stats`, empty when it cannot). The default ignores it.
+  virtual AttentionResult intercept_with_stats(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const AttentionOptions& options,
+                                               const AttentionFn& inner,
+                                               const StatsBackwardFn& /*from_stats*/) {
+    return intercept(q, k, v, options, inner);
+  }
   // Bracket one forward of the host module (only for the primitive-call slot).
   virtual void on_forward_begin() {}
   virtual void on_forward_end() {}
@@ -59,10 +73,15 @@ class AttentionHost {
   AttentionInterceptor* installed(Slot slot) const;
   bool has_any_interceptor() const;
 
+  // `from_stats`: inner's gradients from merged statistics, when the module has them (empty:
+  // none); an interceptor may use it in place of recomputing pieces of the call.
   AttentionResult run_boundary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const AttentionOptions& options, const AttentionFn& inner);
+                               const AttentionOptions& options, const AttentionFn& inner,
+                               const StatsBackwardFn& from_stats = nullptr);
   AttentionResult call_primitive(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const AttentionOptions& options);
+  // The primitive's backward_from_stats (empty when it offers none).
+  StatsBackwardFn primitive_stats_backward() const;
 
   // RAII bracket of one module forward (see above). Exceptions from on_forward_end (a misfire)
   // are raised by end(); the destructor only closes the bracket.

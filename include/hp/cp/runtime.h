@@ -36,6 +36,10 @@ class CPRuntime final : public attention::AttentionInterceptor,
                                        const at::Tensor& v,
                                        const attention::AttentionOptions& options,
                                        const attention::AttentionFn& inner) override;
+  attention::AttentionResult intercept_with_stats(
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const attention::AttentionOptions& options, const attention::AttentionFn& inner,
+      const attention::StatsBackwardFn& from_stats) override;
   void on_forward_begin() override;
   void on_forward_end() override;
   // Async schedule: options of the next call, before its projections; the first K/V handoff

@@ -110,8 +110,11 @@ const char* role_name(QKVRole role);  // "q", "k", "v"
 // ran while collectives flew).
 class AttentionCall {
  public:
+  // `from_stats`: the inner function's gradients from merged statistics, when the host offers
+  // them (see grads_from_stats).
   AttentionCall(const attention::AttentionOptions& options, const attention::AttentionFn& inner,
-                const CPAdapter& adapter, const CPStrategy& strategy, const CPRuntimeContext& ctx);
+                const CPAdapter& adapter, const CPStrategy& strategy, const CPRuntimeContext& ctx,
+                attention::StatsBackwardFn from_stats = nullptr);
 
   // Attention of `q` against `k`, `v` (in ctx.layout) for the block described by `state`:
   // state.causal.q_offset is the position of q's first row relative to k's first row. Under
@@ -126,6 +129,18 @@ class AttentionCall {
   // skips such a block instead of computing it. False without documents.
   bool hidden(const CallState& state) const;
 
+  // Whether grads_from_stats can run (the module's attention is a primitive that offers
+  // backward_from_stats; see attention.h).
+  bool offers_grads_from_stats() const { return static_cast<bool>(from_stats_); }
+  // The gradients of one block's call (as operator() would run it for `state`) from the
+  // merged `out` and `lse` (primitive frame, [B, N, Sq]) of all the blocks its queries attend,
+  // and `dout`: no forward recomputed. dk, dv cover k's first rows only where the causal cut
+  // drops keys past the block's last query (their gradient is zero): add them at row 0.
+  attention::AttentionGrads grads_from_stats(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& out,
+                                             const at::Tensor& lse, const at::Tensor& dout,
+                                             const CallState& state) const;
+
   // The caller's options, before any rewrite (causal flag, masks).
   const attention::AttentionOptions& options() const { return options_; }
   const QKVLayout& layout() const { return layout_; }
@@ -133,10 +148,17 @@ class AttentionCall {
  private:
   attention::AttentionResult run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const CallState& state) const;
+  // The options a block's call passes, and its keys/values after the causal cut.
+  struct Prepared {
+    attention::AttentionOptions options;
+    at::Tensor k, v;
+  };
+  Prepared prepare(const at::Tensor& k, const at::Tensor& v, const CallState& state) const;
   // Copies: a strategy may keep the call for its backward (the ring recomputes its blocks
   // there). The adapter and the strategy are registry objects that outlive every call.
   attention::AttentionOptions options_;
   attention::AttentionFn inner_;
+  attention::StatsBackwardFn from_stats_;
   const CPAdapter& adapter_;
   const CPStrategy& strategy_;
   QKVLayout layout_;
