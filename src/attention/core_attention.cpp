@@ -27,8 +27,13 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
     auto r = host_.call_primitive(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), o);
     return AttentionResult{r.out.transpose(1, 2), r.lse};
   };
+  // From the primitive's statistics only where `inner` reaches the primitive itself: an
+  // interceptor in the primitive-call slot would be bypassed.
   StatsBackwardFn from_stats;
-  if (auto direct = host_.primitive_stats_backward()) {
+  auto direct = host_.installed(AttentionHost::Slot::kPrimitiveCall) == nullptr
+                    ? host_.primitive_stats_backward()
+                    : nullptr;
+  if (direct) {
     from_stats = [direct, bshd](const at::Tensor& q2, const at::Tensor& k2, const at::Tensor& v2,
                                 const at::Tensor& o2, const at::Tensor& lse, const at::Tensor& d2,
                                 const AttentionOptions& o) {

@@ -76,7 +76,9 @@ class C10dPending final : public PendingOp {
 // Several works that complete together (the point-to-point legs of one collective).
 // Gloo's send/recv works report completion only once waited, so with `watch` a thread waits
 // for them from the launch on: is_completed() reads its flag (true as soon as they land, with
-// no query needed first) and wait() joins it.
+// no query needed first) and wait() joins it. Dropped unwaited (an exception unwinding past
+// it), the operation still joins: at most the group's timeout when a peer is gone (a detached
+// thread could outlive the process group its works belong to).
 class MultiPending final : public PendingOp {
  public:
   MultiPending(std::vector<compat::WorkPtr> works, int64_t bytes_sent, bool watch)

@@ -32,9 +32,9 @@ class PendingOp {
   virtual ~PendingOp() = default;
   // Blocks until done; rethrows the backend's error (dead peer, timeout, transport failure).
   virtual void wait() = 0;
-  // Whether wait() would not block. A query may only start what tells: the first one can say
-  // false for an operation that is done (gloo's point-to-point works, which report completion
-  // only once waited: the query starts a thread that waits for them), so ask again later.
+  // Whether wait() would not block. Gloo's point-to-point works report completion only once
+  // waited, so their operations are watched by a thread from the launch on: the answer turns
+  // true as soon as they land (a moment after, on a busy machine), so ask again later.
   virtual bool is_completed() = 0;
   // Monotonic microseconds at which the backend finished, or -1 when it cannot tell.
   virtual int64_t completed_at_us() const { return -1; }
