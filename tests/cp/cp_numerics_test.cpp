@@ -23,27 +23,28 @@ using hp::cp::testing::shard;
 using hp::testing::expect_close;
 using hp::testing::run_ranks;
 
-constexpr int64_t kB = 1, kS = 32, kD = 16;
+constexpr int64_t kB = 1, kD = 16;
 
 struct Variant {
   std::string adapter;
   bool causal;
   int64_t nq, nkv;
   bool bshd;
+  int64_t seq;  // global tokens: a multiple of P (every rank holds an equal shard)
   std::string name() const {
     return adapter + (causal ? "/causal" : "/dense") + "/" + std::to_string(nq) + "x" +
            std::to_string(nkv) + (bshd ? "/bshd" : "/bnsd");
   }
 };
 
-std::vector<Variant> variants() {
+std::vector<Variant> variants(int64_t seq) {
   std::vector<Variant> out;
   for (const std::string a : {"sdpa_qkv", "flex_qkv", "sdpa_hf", "flex_hf"}) {
     for (bool causal : {false, true}) {
       for (auto heads : {std::pair<int64_t, int64_t>{8, 8}, {8, 2}}) {
         for (bool bshd : {false, true}) {
           if (bshd && a.find("_hf") != std::string::npos) continue;  // primitives are BNSD
-          out.push_back({a, causal, heads.first, heads.second, bshd});
+          out.push_back({a, causal, heads.first, heads.second, bshd, seq});
         }
       }
     }
@@ -79,9 +80,9 @@ Reference reference(const Variant& v) {
   const auto& math = attention::AttentionRegistry::builtin().get("math");
   auto o = options_for(v);
   if (v.adapter.find("_qkv") != std::string::npos) {
-    auto q = seeded(1, {kB, v.nq, kS, kD}).requires_grad_(true);
-    auto k = seeded(2, {kB, v.nkv, kS, kD}).requires_grad_(true);
-    auto vv = seeded(3, {kB, v.nkv, kS, kD}).requires_grad_(true);
+    auto q = seeded(1, {kB, v.nq, v.seq, kD}).requires_grad_(true);
+    auto k = seeded(2, {kB, v.nkv, v.seq, kD}).requires_grad_(true);
+    auto vv = seeded(3, {kB, v.nkv, v.seq, kD}).requires_grad_(true);
     r.out = math.forward(q, k, vv, o).out;
     (r.out * seeded(4, r.out.sizes())).sum().backward();
     r.out = r.out.detach();
@@ -91,7 +92,7 @@ Reference reference(const Variant& v) {
   } else {
     ProjAttention m(32, v.nq, v.nkv, kD, o);
     m.host().set_primitive("math");
-    auto x = seeded(5, {kB, kS, 32}).requires_grad_(true);
+    auto x = seeded(5, {kB, v.seq, 32}).requires_grad_(true);
     r.y = m.forward(x);
     (r.y * seeded(6, r.y.sizes())).sum().backward();
     r.y = r.y.detach();
@@ -124,11 +125,11 @@ void check_variant(comm::World& /*w*/, const std::shared_ptr<const CPTopology>& 
     apply_context_parallel(core.host(), spec, cfg, topo, quiet());
     auto lay = [&](const at::Tensor& bnsd) { return v.bshd ? bnsd.transpose(1, 2) : bnsd; };
     const int64_t seq = v.bshd ? 1 : 2;
-    auto q = shard(lay(seeded(1, {kB, v.nq, kS, kD})), seq, r, p).requires_grad_(true);
-    auto k = shard(lay(seeded(2, {kB, v.nkv, kS, kD})), seq, r, p).requires_grad_(true);
-    auto vv = shard(lay(seeded(3, {kB, v.nkv, kS, kD})), seq, r, p).requires_grad_(true);
+    auto q = shard(lay(seeded(1, {kB, v.nq, v.seq, kD})), seq, r, p).requires_grad_(true);
+    auto k = shard(lay(seeded(2, {kB, v.nkv, v.seq, kD})), seq, r, p).requires_grad_(true);
+    auto vv = shard(lay(seeded(3, {kB, v.nkv, v.seq, kD})), seq, r, p).requires_grad_(true);
     auto out = core.forward(q, k, vv);
-    (out * shard(lay(seeded(4, {kB, v.nq, kS, kD})), seq, r, p)).sum().backward();
+    (out * shard(lay(seeded(4, {kB, v.nq, v.seq, kD})), seq, r, p)).sum().backward();
     expect_close(out, shard(lay(ref.out), seq, r, p), what + " out");
     expect_close(q.grad(), shard(lay(ref.dq), seq, r, p), what + " dq");
     expect_close(k.grad(), shard(lay(ref.dk), seq, r, p), what + " dk");
@@ -136,9 +137,9 @@ void check_variant(comm::World& /*w*/, const std::shared_ptr<const CPTopology>& 
   } else {
     ProjAttention m(32, v.nq, v.nkv, kD, options_for(v));
     apply_context_parallel(m.host(), spec, cfg, topo, quiet());
-    auto x = shard(seeded(5, {kB, kS, 32}), 1, r, p).requires_grad_(true);
+    auto x = shard(seeded(5, {kB, v.seq, 32}), 1, r, p).requires_grad_(true);
     auto y = m.forward(x);
-    (y * shard(seeded(6, {kB, kS, 32}), 1, r, p)).sum().backward();
+    (y * shard(seeded(6, {kB, v.seq, 32}), 1, r, p)).sum().backward();
     expect_close(y, shard(ref.y, 1, r, p), what + " y");
     expect_close(x.grad(), shard(ref.dx, 1, r, p), what + " dx");
     // Parameters are replicated over CP: their gradient is the sum over CP ranks.
@@ -155,7 +156,8 @@ void run_grid(const std::string& algorithm, int p, std::optional<int64_t> degree
   c.algorithm = parse_algorithm(algorithm);
   c.ulysses_degree = degree;
   auto cfg = *normalize(c, p);
-  const auto all = variants();
+  // 32 tokens, 48 where P = 3: the shards stay equal.
+  const auto all = variants(p == 3 ? 48 : 32);
   std::vector<Reference> refs;
   for (const auto& v : all)
     refs.push_back(reference(v));
@@ -200,6 +202,12 @@ TEST(CPNumerics, UlyssesP4) {
 }
 TEST(CPNumerics, HybridP4U2) {
   run_grid("hybrid", 4, 2);
+}
+// The ring's backward from the merged statistics through every adapter: BSHD modules (their
+// statistics transposed by CoreAttention), mask functions re-based by the flex adapters, and
+// the primitive-call slot (sdpa_hf, flex_hf).
+TEST(CPNumerics, RingP3) {
+  run_grid("ring", 3, std::nullopt);
 }
 
 }  // namespace
