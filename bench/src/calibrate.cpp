@@ -150,10 +150,11 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   // do the same attention work per rank. Ulysses' compute (its step minus its exposed wait and
   // the predicted projections and per-token term) is its attention; the ring's step is
   // Ulysses' over the paired ratio (median of 5), so a slow spell of the machine hits both
-  // alike. What the ring's step takes beyond that attention times its flop ratio (the
-  // recompute), the projections, the per-token term and the shifts the model leaves exposed,
-  // per local token per step at one core: the model's residual, as for seconds_per_token (the
-  // measured ring waits, recorded too, are not what the model adds back).
+  // alike. What the ring's step takes beyond that attention times its flop ratio (1: hp-bench
+  // runs the blockwise primitive, whose ring backward recomputes nothing), the projections, the
+  // per-token term and the shifts the model leaves exposed, per local token per step at one core:
+  // the model's residual, as for seconds_per_token (the measured ring waits, recorded too, are not
+  // what the model adds back).
   {
     constexpr int64_t p = 4, seq = 4096;
     const auto [cmd, j] = run_cp(common::str_cat(

@@ -138,11 +138,11 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
             raise ValueError(f"q and k must be 4-d ({layout}); got {q.dim()} and {k.dim()} dims")
         seq_dim, head_dim = (1, 2) if layout == "bshd" else (2, 1)
         key = (g, q.size(0), q.size(seq_dim), q.size(head_dim), k.size(head_dim), q.size(3),
-               causal, load_balance)
+               causal, load_balance, primitive)
         if key not in _auto:
             _auto[key] = _C.auto_config(g, q.size(seq_dim) * g.size, q.size(head_dim),
                                         k.size(head_dim), q.size(3), q.size(0), causal,
-                                        load_balance)
+                                        load_balance, primitive)
         algorithm, ulysses_degree, schedule, _ = _auto[key]
     args = (algorithm, ulysses_degree, bool(causal), layout, bool(load_balance), schedule,
             None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive)

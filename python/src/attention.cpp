@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "hp/attention/attention.h"
 #include "hp/attention/core_attention.h"
 #include "hp/attention/delta_rule.h"
 #include "hp/attention/handoff.h"
@@ -144,7 +145,8 @@ class CPAttention {
 // (algorithm, ulysses_degree, schedule, the prediction's log line)
 using AutoChoice = std::tuple<std::string, int64_t, std::string, std::string>;
 AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, int64_t batch, bool causal, bool load_balance) {
+                       int64_t head_dim, int64_t batch, bool causal, bool load_balance,
+                       const std::string& primitive) {
   const int64_t p = g.group()->size();
   plan::CPWorkload w;
   w.seq = seq;
@@ -155,6 +157,8 @@ AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_hea
   w.causal = causal;
   w.projections = false;
   w.load_balance = load_balance;
+  w.ring_recomputes =
+      !attention::AttentionRegistry::builtin().get(primitive).offers_backward_from_stats();
   const auto calibration =
       plan::load_calibration(plan::default_calibration_path(plan::current_link()));
   const auto legal = plan::legal_cp_configs(p, w);
@@ -241,7 +245,8 @@ void bind_attention(py::module_& m) {
       .def("describe", &CPAttention::describe);
   m.def("auto_config", &auto_config, py::arg("group"), py::arg("seq"), py::arg("heads"),
         py::arg("kv_heads"), py::arg("head_dim"), py::arg("batch"), py::arg("causal"),
-        py::arg("load_balance"), py::call_guard<py::gil_scoped_release>());
+        py::arg("load_balance"), py::arg("primitive") = "blockwise",
+        py::call_guard<py::gil_scoped_release>());
   m.def("linear_attention_cp", &linear_attention, py::arg("group"), py::arg("kind"),
         py::arg("mode"), py::arg("state_exchange"), py::arg("kernel"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("initial_state"),

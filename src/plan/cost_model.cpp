@@ -204,10 +204,12 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const double busy_cores = std::min<double>(cal.cores, ranks);
   double attn_s = std::max(full_attn / (cal.attention_gflops * 1e9 * busy_cores),
                            attn_flops / (cal.attention_gflops * 1e9));
-  // The ring's backward recomputes the forward of the C-1 blocks that travelled (1 of the 3.5
-  // forward units again on (C-1)/C of the work; cp/strategy_ring.cpp).
+  // Where the primitive offers no backward from statistics, the ring's backward recomputes the
+  // forward of the C-1 blocks that travelled (1 of the 3.5 forward units again on (C-1)/C of
+  // the work; cp/strategy_ring.cpp).
   const double one_pass_s = attn_s;
-  if (ring) attn_s *= 1.0 + static_cast<double>(c - 1) / (3.5 * static_cast<double>(c));
+  const bool recompute = ring && w.ring_recomputes;
+  if (recompute) attn_s *= 1.0 + static_cast<double>(c - 1) / (3.5 * static_cast<double>(c));
   out.compute_s = attn_s + proj_s;
   // Communication, forward + backward, e = 4 bytes.
   const double e = 4.0 * b, local = s / static_cast<double>(p);
@@ -226,12 +228,12 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (c > 1 && ring) {
     // C-1 shifts of the [k | v] block forward; backward the blocks again and C-1 accumulators.
     // Each shift flies while a block is attended: exposed is what a step's transfers take
-    // beyond the step's attention (forward 1 unit; backward 3.5: the block's forward again and
-    // its 2.5 units of backward).
+    // beyond the step's attention (forward 1 unit; backward 2.5, and 3.5 where the block's
+    // forward is recomputed).
     const double block = local * 2 * hkv * e;
     const double shift = cal.fit("all_to_all", p).time(block);
     const double unit = one_pass_s / 3.5 / static_cast<double>(c);  // one forward of one step
-    const double fwd_step = unit, bwd_step = 3.5 * unit;
+    const double fwd_step = unit, bwd_step = (recompute ? 3.5 : 2.5) * unit;
     const double steps = static_cast<double>(c - 1);
     late += 3 * steps * shift;
     ring_exposed =

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "hp/attention/host.h"
 #include "hp/common/check.h"
 #include "hp/cp/dsa.h"
 #include "hp/cp/linear.h"
@@ -269,6 +270,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
     w.batch = o.batch;
     w.load_balance = o.cp_config && o.cp_config->load_balance;
     w.ranks_on_node = static_cast<int>(world_size);
+    w.ring_recomputes = a.host != nullptr && !a.host->primitive_stats_backward();
     auto ranked = rank_cp_configs(*o.calibration, o.cp_size, w);
     p.log.push_back(common::str_cat("cp auto: link ", o.calibration->link, ", ", ranked.size(),
                                     " legal choices for cp=", o.cp_size, " S=", o.seq_len));

@@ -217,8 +217,9 @@ TEST(CostModel, BalancedWorkloadsBalanceEveryStrategyThatCan) {
 }
 
 // The ring hides its shifts behind the block it attends, in either schedule: on a slow link its
-// exposed time is below synchronous all_gather's, it pays a recompute in compute, and it sends
-// 3(P-1) blocks per step.
+// exposed time is below synchronous all_gather's, its compute is all_gather's (the blockwise
+// primitive's backward from the merged statistics: nothing recomputed), and it sends 3(P-1)
+// blocks per step.
 TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   auto slow = synthetic(1.0 / 125e6);
   auto w = workload();
@@ -229,22 +230,24 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   EXPECT_DOUBLE_EQ(predict_cp_step(slow, ring_async, 4, w).step_s, ring.step_s);
   auto ag = predict_cp_step(slow, config("all_gather", true), 4, w);
   EXPECT_LT(ring.exposed_comm_s, ag.exposed_comm_s);
-  EXPECT_GT(ring.compute_s, ag.compute_s);  // the backward's recompute
+  EXPECT_DOUBLE_EQ(ring.compute_s, ag.compute_s);
   EXPECT_GE(ring.exposed_comm_s, 0);
   const double block = 4.0 * (w.seq / 4) * 2 * w.kv_heads * w.head_dim;
   const auto& fit = slow.fit("all_to_all", 4);
   EXPECT_NEAR(ring.comm_s, 9 * fit.time(block), 1e-9 * ring.comm_s);
 }
 
-// The ring's compute: one fwd + bwd of its blocks plus the forward of the C-1 blocks that
-// travelled again (1 of 3.5 units on (C-1)/C of the work), plus its measured cost per local
-// token per step over C-1 steps (usp at P = 4, U = 2 rings over C = 2); the shifts it hides
-// behind one block's forward do not change with that cost.
+// Where the primitive offers no backward from statistics (ring_recomputes), the ring's compute
+// is one fwd + bwd of its blocks plus the forward of the C-1 blocks that travelled again (1 of
+// 3.5 units on (C-1)/C of the work), plus its measured cost per local token per step over C-1
+// steps (usp at P = 4, U = 2 rings over C = 2); the shifts it hides behind one block's forward
+// do not change with that cost.
 TEST(CostModel, TheRingPaysItsRecomputeAndItsMeasuredCostPerStep) {
   auto base = synthetic(1.0 / 10e6, /*cores=*/2);
   auto w = workload();
   w.load_balance = true;
   w.projections = false;
+  w.ring_recomputes = true;
   const double local = w.seq / 4.0, share = 0.5;  // 4 ranks on 2 cores
   const auto ag = predict_cp_step(base, config("all_gather", true), 4, w);
   const auto r_base = predict_cp_step(base, config("ring", true), 4, w);
@@ -265,6 +268,20 @@ TEST(CostModel, TheRingPaysItsRecomputeAndItsMeasuredCostPerStep) {
     EXPECT_DOUBLE_EQ(predict_cp_step(measured, other, 4, w).step_s,
                      predict_cp_step(base, other, 4, w).step_s);
   }
+  // From the statistics: no recompute, and each backward step's attention is 2.5 forward
+  // units instead of 3.5, so less of the backward's shifts hides behind it.
+  auto stats = w;
+  stats.ring_recomputes = false;
+  const auto r_stats = predict_cp_step(base, config("ring", true), 4, stats);
+  EXPECT_NEAR(r_stats.compute_s, ag.compute_s, 1e-9 * ag.compute_s);
+  EXPECT_NEAR(predict_cp_step(base, config("usp", true, 2), 4, stats).compute_s, hybrid.compute_s,
+              1e-9 * hybrid.compute_s);
+  EXPECT_GT(r_stats.exposed_comm_s, r_base.exposed_comm_s);
+  EXPECT_DOUBLE_EQ(r_stats.comm_s, r_base.comm_s);
+  for (const auto& other :
+       {config("all_gather", true), config("ulysses"), config("hybrid", true, 2)})
+    EXPECT_DOUBLE_EQ(predict_cp_step(base, other, 4, stats).step_s,
+                     predict_cp_step(base, other, 4, w).step_s);
 }
 
 TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {

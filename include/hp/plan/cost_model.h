@@ -90,6 +90,10 @@ struct CPWorkload {
   int64_t hidden = 0;       // model width (0: heads * head_dim)
   bool load_balance = false;
   int ranks_on_node = 0;  // ranks sharing the machine's cores (0: P)
+  // The ring's backward recomputes the forward of every block that travelled: the attention
+  // primitive offers no backward from the merged statistics (math, sdpa). The blockwise
+  // primitive does (AttentionPrimitive::offers_backward_from_stats): no recompute.
+  bool ring_recomputes = false;
 };
 
 struct CPPrediction {
