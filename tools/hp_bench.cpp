@@ -37,6 +37,7 @@
 #include "hp/comm/launcher.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
+#include "hp/common/host_allocator.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
@@ -269,6 +270,7 @@ struct Commands {
   std::string calibrate_out;
   hp::bench::ReportOptions report;
   std::string link_rate;  // comm, cp, hsdp, calibrate
+  std::string host_allocator = "caching";
   CLI::App *comm_cmd = nullptr, *attention_cmd = nullptr, *cp_cmd = nullptr, *hsdp_cmd = nullptr,
            *linear_cmd = nullptr, *moe_cmd = nullptr, *calibrate_cmd = nullptr,
            *report_cmd = nullptr;
@@ -287,6 +289,13 @@ void add_commands(CLI::App& app, Commands& c) {
   for (auto* cmd : {c.comm_cmd, c.cp_cmd, c.hsdp_cmd, c.moe_cmd, c.calibrate_cmd}) {
     cmd->add_option("--link-rate", c.link_rate,
                     "emulate a link of this rate (e.g. 1gbit) on a namespaced loopback; root");
+  }
+  for (auto* cmd : {c.comm_cmd, c.attention_cmd, c.cp_cmd, c.hsdp_cmd, c.linear_cmd, c.moe_cmd,
+                    c.calibrate_cmd, c.report_cmd}) {
+    cmd->add_option("--host-allocator", c.host_allocator,
+                    "caching (default: freed large CPU blocks are reused, never above the "
+                    "peak) | system (LibTorch's allocator)")
+        ->check(CLI::IsMember(hp::common::host_allocator_choices()));
   }
 }
 
@@ -330,6 +339,7 @@ int main(int argc, char** argv) {
   add_commands(app, commands);
   CLI11_PARSE(app, argc, argv);
   try {
+    hp::common::apply_host_allocator_choice(commands.host_allocator);
     return run_command(commands, args);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;

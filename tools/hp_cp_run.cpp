@@ -31,6 +31,7 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
+#include "hp/common/host_allocator.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
@@ -258,7 +259,11 @@ int main(int argc, char** argv) {
   add_options(app, a);
   hp_cp_run::MixerArgs m;
   hp_cp_run::add_mixer_options(app, m);
-  std::string attention = "softmax";
+  std::string attention = "softmax", host_allocator = "caching";
+  app.add_option("--host-allocator", host_allocator,
+                 "caching (default: freed large CPU blocks are reused, never above the peak) | "
+                 "system (LibTorch's allocator)")
+      ->check(CLI::IsMember(hp::common::host_allocator_choices()));
   app.add_option("--attention", attention,
                  "softmax (q, k, v) | mla (q, latent, k_rope, w_ukv; causal) | dsa (mla + "
                  "q_index, w_index, k_index)");
@@ -269,6 +274,7 @@ int main(int argc, char** argv) {
   app.add_option("--index-loss", index_loss, "dsa: sparse | dense (indexer warm-up)");
   CLI11_PARSE(app, argc, argv);
   try {
+    hp::common::apply_host_allocator_choice(host_allocator);
     HP_CHECK(attention == "softmax" || attention == "mla" || attention == "dsa",
              "hp-cp-run: --attention '", attention, "' is not valid; valid: softmax, mla, dsa");
     for (const char* flag : {"--topk", "--index-loss"}) {

@@ -28,6 +28,7 @@
 #include "hp/comm/launcher.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
+#include "hp/common/host_allocator.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
@@ -77,6 +78,7 @@ struct Args {
   int64_t head_groups = 0;
   std::string arch = "qwen3";
   double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
+  std::string host_allocator = "caching";
 };
 
 // --nproc, the parallel layout and the CP schedule.
@@ -268,6 +270,10 @@ void add_run_options(CLI::App& app, Args& a) {
                  "fails, up to N times")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--config", a.config_file, "JSON file of options (command line wins)");
+  app.add_option("--host-allocator", a.host_allocator,
+                 "caching (default: freed large CPU blocks are reused, never above the peak) | "
+                 "system (LibTorch's allocator)")
+      ->check(CLI::IsMember(hp::common::host_allocator_choices()));
 }
 
 // Values from --config FILE.json for every option not given on the command line.
@@ -545,7 +551,8 @@ int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
 // this process's rank.
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   if (!a.config_file.empty()) apply_config(app, a.config_file);
-  hp::comm::timeout_from_seconds(a.timeout_s);  // checked before any rank starts
+  hp::common::apply_host_allocator_choice(a.host_allocator);  // before the first tensor
+  hp::comm::timeout_from_seconds(a.timeout_s);                // checked before any rank starts
   model_from_checkpoint(app, a);
   resolve(a);
   if (!a.train.export_hf.empty()) hp::model::check_hf_compatible(a.train.model);

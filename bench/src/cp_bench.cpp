@@ -21,6 +21,7 @@
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
+#include "hp/common/host_allocator.h"
 #include "hp/cp/volume.h"
 
 namespace hp::bench {
@@ -91,10 +92,21 @@ int64_t proc_status_bytes(const std::string& field) {
 
 // The peak resident memory one step adds: start() hands the allocator's free pages back and
 // resets the kernel's high-water mark to the resident set; added() is the high-water mark
-// since, minus that set. -1 where /proc/self/clear_refs cannot be written.
+// since, minus that set. -1 where /proc/self/clear_refs cannot be written. Under the caching
+// host allocator (common/host_allocator.h) the blocks it holds stay resident and a step reuses
+// them without raising the resident set, so the step's large blocks are counted by the cache
+// (its live high-water mark since start() minus the live bytes then) and the resident set's
+// rise stands only for what the cache did not serve (its rise minus the bytes of the blocks the
+// cache took from the system meanwhile).
 class StepPeak {
  public:
   void start() {
+    if ((cache_ = common::installed_host_cache())) {
+      cache_->mark();
+      const auto s = cache_->stats();
+      live0_ = s.live_bytes;
+      system0_ = s.system_bytes;
+    }
     malloc_trim(0);
     std::ofstream reset("/proc/self/clear_refs");
     reset << "5";
@@ -104,12 +116,19 @@ class StepPeak {
   }
   int64_t added() const {
     const int64_t hwm = proc_status_bytes("VmHWM");
-    return ok_ && base_ >= 0 && hwm >= 0 ? std::max<int64_t>(0, hwm - base_) : -1;
+    if (!ok_ || base_ < 0 || hwm < 0) return -1;
+    const int64_t rise = std::max<int64_t>(0, hwm - base_);
+    if (cache_ == nullptr) return rise;
+    const auto s = cache_->stats();
+    return std::max<int64_t>(0, s.marked_peak_bytes - live0_) +
+           std::max<int64_t>(0, rise - (s.system_bytes - system0_));
   }
 
  private:
   bool ok_ = false;
   int64_t base_ = -1;
+  common::HostBlockCache* cache_ = nullptr;
+  int64_t live0_ = 0, system0_ = 0;
 };
 
 int64_t peak_rss_now() {

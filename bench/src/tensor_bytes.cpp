@@ -16,7 +16,7 @@ class CountingAllocator final : public compat::AllocatorBase {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
 
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate_block(size_t n) const override {
     auto inner = inner_->allocate(n);
     void* data = inner.get();
     auto* ctx = new Held{std::move(inner), static_cast<int64_t>(n), this};

@@ -99,22 +99,42 @@ TEST(HpTrain, TensorAndContextParallelTogether) {
             cp_bytes_per_step(j["config"], "all_gather"));
 }
 
-TEST(HpTrain, ValidateModeEqualsProductionBitwise) {
-  const std::string dir = hp::testing::scratch_dir();
-  const std::string common = "--nproc 4 --tp 2 --cp 2 --steps 3 --heads 8 --kv-heads 4 ";
-  auto p = run(common + "--metrics-json " + dir + "/mode_p.json");
-  auto v = run(common + "--mode validate --metrics-json " + dir + "/mode_v.json");
-  ASSERT_EQ(p.rc, 0) << p.out;
-  ASSERT_EQ(v.rc, 0) << v.out;
-  EXPECT_NE(p.out.find("(production mode)"), std::string::npos) << p.out;
-  EXPECT_NE(v.out.find("(validate mode)"), std::string::npos) << v.out;
-  auto a = metrics(dir + "/mode_p.json"), b = metrics(dir + "/mode_v.json");
-  const auto la = losses(a, 3), lb = losses(b, 3);
-  EXPECT_EQ(la, lb);
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(a["steps"][i]["grad_norm"].get<double>(), b["steps"][i]["grad_norm"].get<double>())
+// Runs `common` alone and with `extra`; both succeed and their first `steps` losses and
+// gradient norms are equal, bitwise. Returns the two outputs.
+std::pair<std::string, std::string> expect_same_steps(const std::string& common,
+                                                      const std::string& extra,
+                                                      const std::string& name, size_t steps) {
+  const std::string base = hp::testing::scratch_dir() + "/" + name;
+  auto a = run(common + " --metrics-json " + base + "_a.json");
+  auto b = run(common + " " + extra + " --metrics-json " + base + "_b.json");
+  EXPECT_EQ(a.rc, 0) << a.out;
+  EXPECT_EQ(b.rc, 0) << b.out;
+  if (a.rc != 0 || b.rc != 0) return {a.out, b.out};
+  auto ma = metrics(base + "_a.json"), mb = metrics(base + "_b.json");
+  EXPECT_EQ(losses(ma, steps), losses(mb, steps));
+  for (size_t i = 0; i < steps; ++i) {
+    EXPECT_EQ(ma["steps"][i]["grad_norm"].get<double>(), mb["steps"][i]["grad_norm"].get<double>())
         << "step " << i + 1;
   }
+  return {a.out, b.out};
+}
+
+TEST(HpTrain, ValidateModeEqualsProductionBitwise) {
+  const auto [p, v] = expect_same_steps("--nproc 4 --tp 2 --cp 2 --steps 3 --heads 8 --kv-heads 4",
+                                        "--mode validate", "mode", 3);
+  EXPECT_NE(p.find("(production mode)"), std::string::npos) << p;
+  EXPECT_NE(v.find("(validate mode)"), std::string::npos) << v;
+}
+
+// The caching host allocator (the default) changes where tensors live, never what is computed:
+// the same run under LibTorch's own allocator gives the same losses and gradient norms, bitwise.
+TEST(HpTrain, HostAllocatorChoiceChangesNoResult) {
+  const std::string common = "--nproc 2 --cp 2 --steps 3 --heads 4 --kv-heads 2";
+  expect_same_steps(common, "--host-allocator system", "alloc", 3);
+  auto bad = run(common + " --host-allocator jemalloc");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--host-allocator"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("caching"), std::string::npos) << bad.out;
 }
 
 // 6 steps in one run equal 3 steps + resume + 3 steps, bitwise, for `layout`: the losses, the

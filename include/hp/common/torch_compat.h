@@ -32,15 +32,26 @@ inline constexpr bool kHasSdpa = false;
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
-// c10::Allocator gained a pure virtual copy_data in LibTorch 2.3; a wrapper allocator derives
-// from this base so that it builds against both.
+// c10::Allocator in LibTorch 2.3 gained a pure virtual copy_data and lost the const of
+// allocate(). An allocator derives from this base and implements allocate_block(), which builds
+// against both.
 class AllocatorBase : public c10::Allocator {
  public:
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  c10::DataPtr allocate(size_t n) override {
+    return allocate_block(n);
+  }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
+#else
+  c10::DataPtr allocate(size_t n) const override {
+    return allocate_block(n);
+  }
 #endif
+
+ protected:
+  virtual c10::DataPtr allocate_block(size_t n) const = 0;
 };
 
 // NCCL exists where LibTorch was built with it and the build defines USE_C10D_NCCL (CMake does
