@@ -19,7 +19,7 @@
 //     dV += p^T dO                         dO [G*bq, Dv]
 //     dP  = dO v^T                         [G*bq, bk]
 //     dS  = p * (dP - delta),  delta = rowsum(dO*O) - dlse
-//     dQ += dS k                           [G*bq, Dqk]  (times scale at the end)
+//     dQ += scale dS k                     [G*bq, Dqk]  (under a lock per q block and head)
 //     dK += dS^T (q*scale)
 //
 // Tiles wholly above the causal diagonal (after q_offset) or wholly hidden by a mask are
@@ -31,6 +31,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -72,16 +73,6 @@ int64_t kv_start(const TileMask& t, int64_t kb) {
 }
 int64_t kv_end(const Problem& p, const TileMask& t, int64_t kb) {
   return std::min(p.kv_len, (kb + 1) * t.block_kv());
-}
-
-// [B, Nkv, G, Sq, ...] slice of q rows [qs, qe) as one [B, Nkv, G*bq, ...] matrix.
-at::Tensor group_rows(const at::Tensor& x5, int64_t qs, int64_t qe) {
-  auto s = x5.slice(3, qs, qe);
-  auto sizes = s.sizes().vec();
-  std::vector<int64_t> out = {sizes[0], sizes[1], sizes[2] * sizes[3]};
-  for (size_t i = 4; i < sizes.size(); ++i)
-    out.push_back(sizes[i]);
-  return s.reshape(out);
 }
 
 detail::TileRows tile_rows(const Problem& p, const TileMask& t, int64_t qb, int64_t kb) {
@@ -127,18 +118,56 @@ std::vector<RowRange> row_ranges(const detail::TileRows& tr, BlockKind kind) {
 
 // Units (callers order them largest first, so causal imbalance evens out) run through
 // detail::for_each_unit (parallel_units.h).
-// Per q block: [B*Nkv][G*bq, D] contiguous blocks of a [B, Nq, Sq, last] tensor.
-std::vector<at::Tensor> grouped_blocks(const Problem& p, const TileMask& t, const at::Tensor& x,
-                                       int64_t last) {
-  auto x5 = x.reshape({p.batch, p.kv_heads, p.group, p.q_len, last});
-  std::vector<at::Tensor> out(t.num_q_blocks());
-  for (int64_t qb = 0; qb < t.num_q_blocks(); ++qb) {
-    out[qb] = group_rows(x5, q_start(t, qb), q_end(p, t, qb))
-                  .contiguous()
-                  .view({p.batch * p.kv_heads, -1, last});
+// The rows of query block qb for one (batch, KV head) hh of a [B, Nq, Sq, last] tensor, as one
+// row-major [G*bq, last] matrix: all G query heads of the KV head, stacked. G = 1: the rows of
+// the tensor itself (no copy); G > 1: each block's rows copied together once per call (and
+// copied back by scatter() where the blocks are an output). `zero`: an output, its rows start
+// at 0.
+template <typename T>
+class GroupedRows {
+ public:
+  GroupedRows(const Problem& p, const TileMask& t, const at::Tensor& x, int64_t last, bool zero)
+      : p_(p), t_(t), last_(last) {
+    if (p.group == 1) {
+      HP_INTERNAL_ASSERT(x.is_contiguous(), "GroupedRows: a contiguous tensor expected");
+      if (zero) x.zero_();
+      base_ = x.data_ptr<T>();
+      return;
+    }
+    auto x5 = x.reshape({p.batch, p.kv_heads, p.group, p.q_len, last});
+    blocks_.resize(t.num_q_blocks());
+    for (int64_t qb = 0; qb < t.num_q_blocks(); ++qb) {
+      const int64_t qs = q_start(t, qb), qe = q_end(p, t, qb);
+      if (zero) {
+        blocks_[qb] = at::zeros({p.batch * p.kv_heads, p.group * (qe - qs), last}, x.options());
+      } else {
+        auto rows = x5.slice(3, qs, qe).reshape({p.batch * p.kv_heads, -1, last});
+        blocks_[qb] = rows.contiguous();
+      }
+    }
   }
-  return out;
-}
+  T* at(int64_t qb, int64_t hh) const {
+    if (base_ != nullptr) return base_ + (hh * p_.q_len + q_start(t_, qb)) * last_;
+    return blocks_[qb].template data_ptr<T>() + hh * blocks_[qb].size(1) * last_;
+  }
+  // G > 1: the blocks into x ([B, Nkv, G, Sq, last] order); G = 1: x was written in place.
+  void scatter(at::Tensor& x) const {
+    if (base_ != nullptr) return;
+    auto x5 = x.view({p_.batch, p_.kv_heads, p_.group, p_.q_len, last_});
+    for (int64_t qb = 0; qb < t_.num_q_blocks(); ++qb) {
+      const int64_t qs = q_start(t_, qb), qe = q_end(p_, t_, qb);
+      x5.slice(3, qs, qe).copy_(
+          blocks_[qb].view({p_.batch, p_.kv_heads, p_.group, qe - qs, last_}));
+    }
+  }
+
+ private:
+  const Problem& p_;
+  const TileMask& t_;
+  int64_t last_;
+  T* base_ = nullptr;
+  std::vector<at::Tensor> blocks_;
+};
 
 int64_t visible_tiles_in_row(const TileMask& t, int64_t qb) {
   int64_t n = 0;
@@ -192,7 +221,7 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
   T* lse_p = lse_g.data_ptr<T>();
   T* max_p = max_g.data_ptr<T>();
   T* inv_p = inv_sum_g.data_ptr<T>();
-  auto qblocks = grouped_blocks(p, t, q, dqk);
+  const GroupedRows<T> qrows(p, t, q, dqk, /*zero=*/false);
   auto order = by_work(t.num_q_blocks(), [&](int64_t qb) { return visible_tiles_in_row(t, qb); });
   const int threads = at::get_num_threads();
   common::ScopedBlasThreads one_blas_thread(1);
@@ -215,7 +244,7 @@ void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& 
     std::fill(m, m + rows, neg_inf);
     std::fill(l, l + rows, T(0));
     std::fill(acc, acc + rows * dv, T(0));
-    const T* qblk = qblocks[qb].template data_ptr<T>() + hh * rows * dqk;
+    const T* qblk = qrows.at(qb, hh);
     const T* k_h = kp + hh * p.kv_len * dqk;
     const T* v_h = vp + hh * p.kv_len * dv;
     for (int64_t kb = 0; kb < t.num_kv_blocks(); ++kb) {
@@ -277,15 +306,16 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
   const T* vp = v.data_ptr<T>();
   T* dk_p = dk.data_ptr<T>();
   T* dv_p = dv_g.data_ptr<T>();
-  auto qblk = grouped_blocks(p, t, q, dqk);
-  auto doblk = grouped_blocks(p, t, dout, dv);
-  auto maxblk = grouped_blocks(p, t, row_max, 1);
-  auto invblk = grouped_blocks(p, t, inv_sum, 1);
-  auto deltablk = grouped_blocks(p, t, delta, 1);
+  const GroupedRows<T> qrows(p, t, q, dqk, false), dorows(p, t, dout, dv, false);
+  const GroupedRows<T> maxrows(p, t, row_max, 1, false), invrows(p, t, inv_sum, 1, false);
+  const GroupedRows<T> deltarows(p, t, delta, 1, false);
+  // dQ of a query block sums over kv blocks, which run on different threads: its rows for one
+  // (batch, KV head) are updated under that pair's lock (concurrent units are mostly other
+  // heads of the same kv block, so the locks rarely meet).
+  GroupedRows<T> dqrows(p, t, dq_g, dqk, /*zero=*/true);
   const int64_t nqb = t.num_q_blocks();
   const int threads = at::get_num_threads();
-  // dQ accumulates over kv blocks, which run on different threads: one partial per thread.
-  std::vector<std::vector<at::Tensor>> dq_part(threads);
+  std::vector<std::mutex> dq_locks(heads * nqb);
   std::vector<BackwardScratch<T>> scratch(threads);
   auto order = by_work(t.num_kv_blocks(), [&](int64_t kb) { return visible_tiles_in_col(t, kb); });
   common::ScopedBlasThreads one_blas_thread(1);
@@ -299,7 +329,6 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       sc.ds.resize(tile);
       sc.dk.resize(t.block_kv() * dqk);
       sc.dv.resize(t.block_kv() * dv);
-      dq_part[slot].resize(nqb);
     }
     const T* kblk = kp + (hh * p.kv_len + ks) * dqk;
     const T* vblk = vp + (hh * p.kv_len + ks) * dv;
@@ -311,8 +340,8 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       if (kind == BlockKind::kEmpty) continue;
       const auto tr = tile_rows(p, t, qb, kb);
       const int64_t rows = tr.rows;
-      const T* qh = qblk[qb].template data_ptr<T>() + hh * rows * dqk;
-      const T* doh = doblk[qb].template data_ptr<T>() + hh * rows * dv;
+      const T* qh = qrows.at(qb, hh);
+      const T* doh = dorows.at(qb, hh);
       const auto ranges = row_ranges(tr, kind);
       T* s = sc.s.data();
       T* ds = sc.ds.data();
@@ -325,8 +354,7 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
         auto s_t = at::from_blob(s, {rows, bk}, q.options());
         t.apply_head(s_t, qb, kb, hh / p.kv_heads, hh % p.kv_heads);
       }
-      detail::recompute_probs<T>(tr, s, maxblk[qb].template data_ptr<T>() + hh * rows,
-                                 invblk[qb].template data_ptr<T>() + hh * rows);
+      detail::recompute_probs<T>(tr, s, maxrows.at(qb, hh), invrows.at(qb, hh));
       for (const auto& rr : ranges) {
         const int64_t n = rr.end - rr.first;
         detail::gemm(true, false, rr.cols, dv, n, T(1), s + rr.first * ld, ld, doh + rr.first * dv,
@@ -334,33 +362,24 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
         detail::gemm(false, true, n, rr.cols, dv, T(1), doh + rr.first * dv, dv, vblk, dv, T(0),
                      ds + rr.first * ld, ld);
       }
-      detail::softmax_grad<T>(tr, s, ds, deltablk[qb].template data_ptr<T>() + hh * rows);
-      auto& dq = dq_part[slot][qb];
-      if (!dq.defined()) dq = at::zeros_like(qblk[qb]);
-      T* dq_h = dq.template data_ptr<T>() + hh * rows * dqk;
+      detail::softmax_grad<T>(tr, s, ds, deltarows.at(qb, hh));
+      {
+        std::lock_guard<std::mutex> lock(dq_locks[qb * heads + hh]);
+        T* dq_h = dqrows.at(qb, hh);
+        for (const auto& rr : ranges) {
+          detail::gemm(false, false, rr.end - rr.first, dqk, rr.cols, scale, ds + rr.first * ld, ld,
+                       kblk, dqk, T(1), dq_h + rr.first * dqk, dqk);
+        }
+      }
       for (const auto& rr : ranges) {
-        const int64_t n = rr.end - rr.first;
-        detail::gemm(false, false, n, dqk, rr.cols, T(1), ds + rr.first * ld, ld, kblk, dqk, T(1),
-                     dq_h + rr.first * dqk, dqk);
-        detail::gemm(true, false, rr.cols, dqk, n, scale, ds + rr.first * ld, ld,
+        detail::gemm(true, false, rr.cols, dqk, rr.end - rr.first, scale, ds + rr.first * ld, ld,
                      qh + rr.first * dqk, dqk, T(1), dk_acc, dqk);
       }
     }
     std::copy(dk_acc, dk_acc + bk * dqk, dk_p + (hh * p.kv_len + ks) * dqk);
     std::copy(dv_acc, dv_acc + bk * dv, dv_p + (hh * p.kv_len + ks) * dv);
   });
-  dq_g.zero_();
-  for (int64_t qb = 0; qb < nqb; ++qb) {
-    const int64_t qs = q_start(t, qb), qe = q_end(p, t, qb);
-    auto dst = dq_g.slice(3, qs, qe);
-    for (int slot = 0; slot < threads; ++slot) {
-      if (slot >= static_cast<int>(dq_part.size()) || dq_part[slot].empty()) continue;
-      const auto& part = dq_part[slot][qb];
-      if (!part.defined()) continue;
-      dst.add_(part.view({p.batch, p.kv_heads, p.group, qe - qs, p.qk_dim}));
-    }
-  }
-  dq_g.mul_(p.scale);
+  dqrows.scatter(dq_g);
 }
 
 AttentionGrads run_backward(const CallState& st, const at::Tensor& q, const at::Tensor& k,
