@@ -27,10 +27,12 @@ __all__ = [
     "LinearAttentionCP",
     "bytes_sent",
     "context_parallel_attention",
+    "host_cache_stats",
     "plan",
     "reset_counters",
     "shard_sequence",
     "unshard_sequence",
+    "use_caching_host_allocator",
 ]
 
 ALGORITHMS = ("ulysses", "all_gather", "hybrid", "ring", "usp", "auto")
@@ -229,6 +231,27 @@ def bytes_sent(group=None):
 
 def reset_counters(group=None):
     _group(group).reset_counters()
+
+
+def use_caching_host_allocator():
+    """From now on this process's CPU tensors come from hyperparallel's cache of freed blocks
+    (what hp-train and hp-bench use): a freed block of 1 MiB or more is kept and handed out
+    again for the same size, instead of being unmapped and faulted in again on the next step.
+    Live plus cached bytes never exceed the largest live total so far, so the process's peak is
+    unchanged. Tensors made before keep their own allocator. Once per process; cannot be undone
+    (``release_host_cache`` frees what the cache holds)."""
+    _C.use_caching_host_allocator()
+
+
+def host_cache_stats():
+    """The cache's counters (live_bytes, cached_bytes, budget_bytes, hits, misses, evictions),
+    or None before ``use_caching_host_allocator``."""
+    return _C.host_cache_stats()
+
+
+def release_host_cache():
+    """Frees every block the cache holds (no-op without the cache)."""
+    _C.release_host_cache()
 
 
 def plan(world_size, **options):

@@ -7,6 +7,7 @@
 
 #include "bindings.h"
 #include "hp/common/check.h"
+#include "hp/common/host_allocator.h"
 
 namespace py = pybind11;
 
@@ -26,4 +27,19 @@ PYBIND11_MODULE(_C, m) {
   hp::python::bind_group(m);
   hp::python::bind_attention(m);
   hp::python::bind_plan(m);
+  m.def("use_caching_host_allocator", [] { hp::common::install_caching_host_allocator(); });
+  m.def("host_cache_stats", []() -> py::object {
+    const auto* c = hp::common::installed_host_cache();
+    if (c == nullptr) return py::none();
+    const auto s = c->stats();
+    py::dict d;
+    d["live_bytes"] = s.live_bytes;
+    d["cached_bytes"] = s.cached_bytes;
+    d["budget_bytes"] = s.budget_bytes;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["evictions"] = s.evictions;
+    return d;
+  });
+  m.def("release_host_cache", [] { hp::common::release_host_cache(); });
 }
