@@ -29,6 +29,7 @@ __all__ = [
     "context_parallel_attention",
     "host_cache_stats",
     "plan",
+    "release_host_cache",
     "reset_counters",
     "shard_sequence",
     "unshard_sequence",
