@@ -292,9 +292,7 @@ void add_commands(CLI::App& app, Commands& c) {
   }
   for (auto* cmd : {c.comm_cmd, c.attention_cmd, c.cp_cmd, c.hsdp_cmd, c.linear_cmd, c.moe_cmd,
                     c.calibrate_cmd, c.report_cmd}) {
-    cmd->add_option("--host-allocator", c.host_allocator,
-                    "caching (default: freed large CPU blocks are reused, never above the "
-                    "peak) | system (LibTorch's allocator)")
+    cmd->add_option("--host-allocator", c.host_allocator, hp::common::kHostAllocatorHelp)
         ->check(CLI::IsMember(hp::common::host_allocator_choices()));
   }
 }

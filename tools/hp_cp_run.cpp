@@ -260,9 +260,7 @@ int main(int argc, char** argv) {
   hp_cp_run::MixerArgs m;
   hp_cp_run::add_mixer_options(app, m);
   std::string attention = "softmax", host_allocator = "caching";
-  app.add_option("--host-allocator", host_allocator,
-                 "caching (default: freed large CPU blocks are reused, never above the peak) | "
-                 "system (LibTorch's allocator)")
+  app.add_option("--host-allocator", host_allocator, hp::common::kHostAllocatorHelp)
       ->check(CLI::IsMember(hp::common::host_allocator_choices()));
   app.add_option("--attention", attention,
                  "softmax (q, k, v) | mla (q, latent, k_rope, w_ukv; causal) | dsa (mla + "

@@ -85,6 +85,9 @@ void release_host_cache();
 // `caching` (install) or `system` (leave LibTorch's allocator), from a tool's
 // --host-allocator option; anything else is refused by name.
 void apply_host_allocator_choice(const std::string& choice);
+inline constexpr const char* kHostAllocatorHelp =
+    "caching (default: freed large CPU blocks are reused, never above the peak) | system "
+    "(LibTorch's allocator)";
 inline const std::vector<std::string>& host_allocator_choices() {
   static const std::vector<std::string> kChoices{"caching", "system"};
   return kChoices;

@@ -1,0 +1,54 @@
+// hp-train's command line: every option (and --config) into Args, which resolve() in
+// hp_train.cpp checks and turns into the trainer's options.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "hp/comm/world.h"
+#include "hp/train/trainer.h"
+
+namespace CLI {
+class App;
+}
+
+namespace hp_train {
+
+// Embedded default: the copy task on a model small enough that 200 steps take well under a
+// minute on 2 cores (the loss falls from ~3.4 to ~0.001 once attention spans S/2 back).
+hp::train::TrainOptions embedded_task();
+
+// Everything the command line (and --config) sets: the trainer's options and the flags that
+// become them once checked (resolve()).
+struct Args {
+  hp::train::TrainOptions train = embedded_task();
+  int nproc = 1;
+  std::string algo = "all_gather", schedule = "sync", config_file;
+  int64_t degree = 0;
+  bool load_balance = false;
+  bool auto_algo = false;
+  std::string nan_policy = "error", memory_limit;
+  double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+  int max_restarts = 0;
+  std::string fusion = "off";
+  std::string mode = "production";
+  std::string attention = "softmax";
+  std::string kv_head_policy = "error";
+  int64_t head_groups = 0;
+  std::string arch = "qwen3";
+  double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
+  std::string host_allocator = "caching";
+};
+
+// Every option of hp-train on `app`, bound to `a`.
+void add_options(CLI::App& app, Args& a);
+
+// Values from --config FILE.json for every option not given on the command line.
+void apply_config(CLI::App& app, const std::string& path);
+
+// --init-from: the model's sizes (and family) come from the checkpoint's config.json; a size
+// flag (or --init-weights, which would replace the weights) given beside it is refused rather
+// than silently overridden.
+void model_from_checkpoint(const CLI::App& app, Args& a);
+
+}  // namespace hp_train
