@@ -195,6 +195,7 @@ nlohmann::json measure_attention(const AttentionArgs& a) {
   const auto& b = a.bench;
   const auto prims = attention_primitives(a.primitive);
   const double gflops = hp::bench::measure_matmul_gflops();
+  const double tile_gflops = hp::attention::blockwise_tile_gemm_gflops();
   nlohmann::json out = {{"seq", b.seq},
                         {"heads", b.heads},
                         {"kv_heads", b.kv_heads},
@@ -202,6 +203,8 @@ nlohmann::json measure_attention(const AttentionArgs& a) {
                         {"batch", b.batch},
                         {"causal", b.causal},
                         {"matmul_gflops", gflops},
+                        {"tile_gemm", hp::attention::blockwise_tile_gemm_path()},
+                        {"tile_gemm_gflops", tile_gflops},
                         {"results", nlohmann::json::array()},
                         {"skipped", nlohmann::json::array()}};
   for (const auto& p : prims) {
@@ -223,19 +226,23 @@ nlohmann::json measure_attention(const AttentionArgs& a) {
 void print_attention(const AttentionArgs& a, const nlohmann::json& out) {
   const auto& b = a.bench;
   const double gflops = out["matmul_gflops"].get<double>();
+  const double tile_gflops = out["tile_gemm_gflops"].get<double>();
   std::printf(
       "hp-bench attention: B=%lld H=%lld Hkv=%lld D=%lld S=%lld causal=%s; "
-      "fp32 matmul roofline %.1f GFLOP/s (2048^3, this run)\n",
+      "fp32 matmul roofline %.1f GFLOP/s (2048^3, this run); blockwise tile GEMM (%s) %.1f "
+      "GFLOP/s ([256 x 64] x [64 x 256])\n",
       (long long)b.batch, (long long)b.heads, (long long)b.kv_heads, (long long)b.head_dim,
-      (long long)b.seq, b.causal ? "yes" : "no", gflops);
-  std::printf("%-10s %10s %12s %11s %15s %9s %12s\n", "primitive", "fwd_s", "fwd_bwd_s", "fwd_GF/s",
-              "fwd_bwd_GF/s", "%roof", "peak_MiB");
+      (long long)b.seq, b.causal ? "yes" : "no", gflops,
+      out["tile_gemm"].get<std::string>().c_str(), tile_gflops);
+  std::printf("%-10s %10s %12s %11s %15s %9s %9s %12s\n", "primitive", "fwd_s", "fwd_bwd_s",
+              "fwd_GF/s", "fwd_bwd_GF/s", "%roof", "%tile", "peak_MiB");
   for (const auto& r : out["results"]) {
-    std::printf("%-10s %10.3f %12.3f %11.1f %15.1f %8.1f%% %12.1f\n",
+    std::printf("%-10s %10.3f %12.3f %11.1f %15.1f %8.1f%% %8.1f%% %12.1f\n",
                 r["primitive"].get<std::string>().c_str(), r["fwd_s"].get<double>(),
                 r["fwd_bwd_s"].get<double>(), r["fwd_gflops"].get<double>(),
                 r["fwd_bwd_gflops"].get<double>(),
                 100.0 * r["fwd_bwd_gflops"].get<double>() / gflops,
+                100.0 * r["fwd_bwd_gflops"].get<double>() / tile_gflops,
                 r["peak_rss_bytes"].get<int64_t>() / 1048576.0);
   }
   for (const auto& s : out["skipped"]) {

@@ -38,7 +38,7 @@ inline float exp_approx(float x) {
 }  // namespace
 
 // s[0, n) <- exp(s - shift); returns the sum.
-HP_VECTOR_CLONES float exp_shift_sum(float* s, int64_t n, float shift) {
+HP_VECTOR_CLONES_512 float exp_shift_sum(float* s, int64_t n, float shift) {
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const float e = exp_approx(s[j] - shift);
@@ -57,7 +57,7 @@ double exp_shift_sum(double* s, int64_t n, double shift) {
   return sum;
 }
 
-HP_VECTOR_CLONES float row_max(const float* s, int64_t n) {
+HP_VECTOR_CLONES_512 float row_max(const float* s, int64_t n) {
   // Eight lanes, so the compiler can keep them in one vector register (handles -inf exactly).
   float lane[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
   int64_t j = 0;
@@ -81,7 +81,7 @@ double row_max(const double* s, int64_t n) {
 }
 
 // s[0, n) <- exp(s - shift) * scale.
-HP_VECTOR_CLONES void exp_shift_scale(float* s, int64_t n, float shift, float scale) {
+HP_VECTOR_CLONES_512 void exp_shift_scale(float* s, int64_t n, float shift, float scale) {
   for (int64_t j = 0; j < n; ++j)
     s[j] = exp_approx(s[j] - shift) * scale;
 }
@@ -93,7 +93,7 @@ void exp_shift_scale(double* s, int64_t n, double shift, double scale) {
 
 namespace {
 
-HP_VECTOR_CLONES void grad_row(const float* p, float* dp, int64_t n, float delta) {
+HP_VECTOR_CLONES_512 void grad_row(const float* p, float* dp, int64_t n, float delta) {
   for (int64_t j = 0; j < n; ++j)
     dp[j] = p[j] * (dp[j] - delta);
 }

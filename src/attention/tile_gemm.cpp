@@ -2,11 +2,21 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include "hp/attention/attention.h"
 #include "hp/common/check.h"
+#include "hp/common/threads.h"
+#include "parallel_units.h"
+#include "tile_gemm_avx512.h"
 
 namespace hp::attention::detail {
 namespace {
@@ -66,8 +76,34 @@ void aten_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const
 
 }  // namespace
 
+TileGemmPath float_tile_gemm_path() {
+  // Read once: the environment is the process's, and the choice must not change mid-run.
+  static const TileGemmPath path = [] {
+    const char* env = std::getenv("HP_TILE_GEMM");
+    const bool want_blas = env != nullptr && std::strcmp(env, "blas") == 0;
+    HP_CHECK(env == nullptr || *env == '\0' || want_blas || std::strcmp(env, "auto") == 0,
+             "HP_TILE_GEMM='", env, "' is not a tile GEMM path; use auto (the default: the ",
+             "AVX-512 kernel where the CPU has it, else BLAS) or blas");
+    return !want_blas && avx512_gemm_supported() ? TileGemmPath::kAvx512 : TileGemmPath::kBlas;
+  }();
+  return path;
+}
+
+const char* tile_gemm_path_name(TileGemmPath path) {
+  return path == TileGemmPath::kAvx512 ? "avx512" : "blas";
+}
+
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (float_tile_gemm_path() == TileGemmPath::kAvx512 && (!tb || k <= kAvx512GemmMaxPackedK)) {
+    gemm_avx512(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  gemm_impl<float>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm_via_blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                   int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   gemm_impl<float>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
@@ -81,3 +117,43 @@ void gemm_via_aten(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
 }
 
 }  // namespace hp::attention::detail
+
+namespace hp::attention {
+
+std::string blockwise_tile_gemm_path() {
+  return detail::tile_gemm_path_name(detail::float_tile_gemm_path());
+}
+
+double blockwise_tile_gemm_gflops(int reps) {
+  HP_CHECK(reps >= 1, "blockwise_tile_gemm_gflops: reps=", reps, " must be >= 1");
+  constexpr int64_t kRows = 256, kCols = 256, kDepth = 64;
+  const int threads = at::get_num_threads();
+  detail::warm_blas_buffers(threads);
+  common::ScopedBlasThreads one_blas_thread(1);
+  std::vector<std::vector<float>> q(threads), k(threads), s(threads);
+  for (int t = 0; t < threads; ++t) {
+    q[t].assign(kRows * kDepth, 0.5f);
+    k[t].assign(kCols * kDepth, 0.25f);
+    s[t].assign(kRows * kCols, 0.0f);
+  }
+  std::vector<double> rounds;
+  for (int round = 0; round < 6; ++round) {  // the first is a warm-up
+    const auto t0 = std::chrono::steady_clock::now();
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int r = 0; r < reps; ++r) {
+          detail::gemm(false, true, kRows, kCols, kDepth, 0.125f, q[t].data(), kDepth,
+                       k[t].data(), kDepth, 0.0f, s[t].data(), kCols);
+        }
+      }
+    });
+    const double dt =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (round > 0) rounds.push_back(dt);
+  }
+  std::sort(rounds.begin(), rounds.end());
+  const double flops = 2.0 * kRows * kCols * kDepth * reps * threads;
+  return flops / rounds[rounds.size() / 2] / 1e9;
+}
+
+}  // namespace hp::attention

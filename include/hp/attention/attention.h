@@ -96,6 +96,16 @@ std::unique_ptr<AttentionPrimitive> make_math_attention();
 // Offers backward_from_stats.
 std::unique_ptr<AttentionPrimitive> make_blockwise_attention();
 
+// How the blockwise kernels multiply their float tiles in this process: "avx512" (our register-
+// blocked kernel, where the CPU has AVX-512F) or "blas" (the process's BLAS; also where the
+// environment sets HP_TILE_GEMM=blas). Benchmarks print it beside their figures.
+std::string blockwise_tile_gemm_path();
+// GFLOP/s of that path on the kernels' own tile shape: [256 x 64] x [64 x 256] products (q k^T
+// at D = 64), `reps` of them on each of the calling thread's intra-op threads at once, one
+// product per call as the kernels make them; the median of 5 rounds. The roofline the kernels'
+// GEMM work could reach on this machine, beside the 2048^3 matmul of the process's BLAS.
+double blockwise_tile_gemm_gflops(int reps = 2000);
+
 // Name -> primitive. builtin() holds "math", "blockwise" (and "sdpa" when the found LibTorch
 // has at::scaled_dot_product_attention); it is immutable. Make your own registry to add more.
 class AttentionRegistry {
