@@ -257,6 +257,8 @@ int run_attention(const AttentionArgs& a) {
     std::cout << to_json(hp::bench::run_attention_bench(a.bench, a.primitive)).dump() << std::endl;
     return 0;
   }
+  // The rooflines are measured here with the threads each child runs its primitive on.
+  hp::common::configure_threads(hp::common::available_cores());
   const auto out = measure_attention(a);
   if (a.json) {
     std::cout << out.dump() << std::endl;

@@ -200,11 +200,14 @@ struct ForwardScratch {
 template <typename T>
 struct BackwardScratch {
   std::vector<T> s, ds, dk, dv;  // p and dS tiles; the kv block's dK and dV
+  detail::SharedBt<T> k_t, v_t;  // the kv block's k and v, as B^T of every q block's products
 };
 
-// The kernels multiply raw row-major blocks with detail::gemm (one BLAS call per product, no
-// ATen op per tile). q's softmax scale rides in the GEMMs' alpha (s = scale q k^T, dK += scale
-// dS^T q), so q is never copied scaled.
+// The kernels multiply raw row-major blocks with detail::gemm (tile_gemm.h: our AVX-512 kernel
+// where the CPU has it, else one BLAS call per product; no ATen op per tile); the backward's
+// products with k^T and v^T go through SharedBt, which transposes each kv block once per unit.
+// q's softmax scale rides in the GEMMs' alpha (s = scale q k^T, dK += scale dS^T q), so q is
+// never copied scaled.
 template <typename T>
 void forward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, at::Tensor& out_g, at::Tensor& lse_g, at::Tensor& max_g,
@@ -332,6 +335,8 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
     }
     const T* kblk = kp + (hh * p.kv_len + ks) * dqk;
     const T* vblk = vp + (hh * p.kv_len + ks) * dv;
+    sc.k_t.reset(kblk, dqk, bk, dqk);
+    sc.v_t.reset(vblk, dv, bk, dv);
     T *dk_acc = sc.dk.data(), *dv_acc = sc.dv.data();
     std::fill(dk_acc, dk_acc + bk * dqk, T(0));
     std::fill(dv_acc, dv_acc + bk * dv, T(0));
@@ -347,8 +352,8 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
       T* ds = sc.ds.data();
       const int64_t ld = bk;
       for (const auto& rr : ranges) {
-        detail::gemm(false, true, rr.end - rr.first, rr.cols, dqk, scale, qh + rr.first * dqk, dqk,
-                     kblk, dqk, T(0), s + rr.first * ld, ld);
+        sc.k_t.gemm(rr.end - rr.first, rr.cols, scale, qh + rr.first * dqk, dqk, T(0),
+                    s + rr.first * ld, ld);
       }
       if (kind == BlockKind::kPartial && t.user_masked(qb, kb)) {
         auto s_t = at::from_blob(s, {rows, bk}, q.options());
@@ -359,8 +364,7 @@ void backward_kernel(const CallState& st, const at::Tensor& q, const at::Tensor&
         const int64_t n = rr.end - rr.first;
         detail::gemm(true, false, rr.cols, dv, n, T(1), s + rr.first * ld, ld, doh + rr.first * dv,
                      dv, T(1), dv_acc, dv);
-        detail::gemm(false, true, n, rr.cols, dv, T(1), doh + rr.first * dv, dv, vblk, dv, T(0),
-                     ds + rr.first * ld, ld);
+        sc.v_t.gemm(n, rr.cols, T(1), doh + rr.first * dv, dv, T(0), ds + rr.first * ld, ld);
       }
       detail::softmax_grad<T>(tr, s, ds, deltarows.at(qb, hh));
       {

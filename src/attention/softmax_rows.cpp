@@ -1,7 +1,9 @@
 // Fused row kernels of the blockwise attention (see softmax_rows.h). Single-threaded: the
 // caller runs one tile per thread. Each row stays in L1 while it is reduced and exponentiated. The
 // float path uses a vectorisable exp (range reduction + degree-6 polynomial, relative error <
-// 2e-7), compiled for AVX2/FMA when the CPU has it and for baseline x86-64 otherwise.
+// 2e-7), compiled for AVX2/FMA when the CPU has it and for baseline x86-64 otherwise; on CPUs
+// with AVX-512F the two exp passes run an explicit 16-lane form of the same exp, which lets
+// vscalefps apply 2^n (and flush underflow to 0) instead of clamps and integer exponent bits.
 #include "softmax_rows.h"
 
 #include <algorithm>
@@ -9,6 +11,19 @@
 #include <cstring>
 
 #include "vector_clones.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+// GCC 12's AVX-512 intrinsics start masked loads and reductions from _mm512_undefined_ps(),
+// which -Wuninitialized reports at every inlining site: a known false positive.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define HP_ROWS_AVX512 1
+#define HP_AVX512_INLINE __attribute__((target("avx512f"), always_inline)) inline
+#define HP_AVX512_FN __attribute__((target("avx512f")))
+#else
+#define HP_ROWS_AVX512 0
+#endif
 
 namespace hp::attention::detail {
 namespace {
@@ -35,10 +50,88 @@ inline float exp_approx(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+#if HP_ROWS_AVX512
+bool rows_have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
+// exp(x) on 16 lanes: the range reduction and polynomial of exp_approx, 2^n by vscalefps.
+// x is clamped below at -110 (exp underflows to exactly 0 there; -inf gives 0); NaN stays NaN
+// (vmaxps returns its second operand when either is NaN).
+HP_AVX512_INLINE __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.3888949e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333315e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666672e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+HP_AVX512_FN float exp_shift_sum_avx512(float* s, int64_t n, float shift) {
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), sh));
+    const __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), sh));
+    _mm512_storeu_ps(s + j, e0);
+    _mm512_storeu_ps(s + j + 16, e1);
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), sh));
+    _mm512_mask_storeu_ps(s + j, m, e);
+    sum0 = _mm512_add_ps(sum0, _mm512_maskz_mov_ps(m, e));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+HP_AVX512_FN float row_max_avx512(const float* s, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
+  int64_t j = 0;
+  // vmaxps returns its second operand where either is NaN: the data goes first, so a NaN
+  // score is skipped, as the scalar form does.
+  for (; j + 64 <= n; j += 64) {
+    m0 = _mm512_max_ps(_mm512_loadu_ps(s + j), m0);
+    m1 = _mm512_max_ps(_mm512_loadu_ps(s + j + 16), m1);
+    m2 = _mm512_max_ps(_mm512_loadu_ps(s + j + 32), m2);
+    m3 = _mm512_max_ps(_mm512_loadu_ps(s + j + 48), m3);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    m0 = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, m, s + j), m0);
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+}
+
+HP_AVX512_FN void exp_shift_scale_avx512(float* s, int64_t n, float shift, float scale) {
+  const __m512 sh = _mm512_set1_ps(shift), sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), sh));
+    _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(e, sc));
+  }
+}
+#endif
+
 }  // namespace
 
 // s[0, n) <- exp(s - shift); returns the sum.
-HP_VECTOR_CLONES_512 float exp_shift_sum(float* s, int64_t n, float shift) {
+HP_VECTOR_CLONES float exp_shift_sum(float* s, int64_t n, float shift) {
+#if HP_ROWS_AVX512
+  if (rows_have_avx512()) return exp_shift_sum_avx512(s, n, shift);
+#endif
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const float e = exp_approx(s[j] - shift);
@@ -57,18 +150,25 @@ double exp_shift_sum(double* s, int64_t n, double shift) {
   return sum;
 }
 
-HP_VECTOR_CLONES_512 float row_max(const float* s, int64_t n) {
-  // Eight lanes, so the compiler can keep them in one vector register (handles -inf exactly).
-  float lane[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+HP_VECTOR_CLONES float row_max(const float* s, int64_t n) {
+#if HP_ROWS_AVX512
+  if (rows_have_avx512()) return row_max_avx512(s, n);
+#endif
+  // 64 lanes: eight independent vector registers in the AVX2 build, so the max chains overlap
+  // instead of waiting on one register (handles -inf exactly).
+  constexpr int64_t kLanes = 64;
+  float lane[kLanes];
+  for (int64_t k = 0; k < kLanes; ++k)
+    lane[k] = kNegInf;
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    for (int k = 0; k < 8; ++k)
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k)
       lane[k] = s[j + k] > lane[k] ? s[j + k] : lane[k];
   }
   float mx = kNegInf;
   for (; j < n; ++j)
     mx = s[j] > mx ? s[j] : mx;
-  for (int k = 0; k < 8; ++k)
+  for (int64_t k = 0; k < kLanes; ++k)
     mx = lane[k] > mx ? lane[k] : mx;
   return mx;
 }
@@ -81,7 +181,10 @@ double row_max(const double* s, int64_t n) {
 }
 
 // s[0, n) <- exp(s - shift) * scale.
-HP_VECTOR_CLONES_512 void exp_shift_scale(float* s, int64_t n, float shift, float scale) {
+HP_VECTOR_CLONES void exp_shift_scale(float* s, int64_t n, float shift, float scale) {
+#if HP_ROWS_AVX512
+  if (rows_have_avx512()) return exp_shift_scale_avx512(s, n, shift, scale);
+#endif
   for (int64_t j = 0; j < n; ++j)
     s[j] = exp_approx(s[j] - shift) * scale;
 }

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -101,6 +102,38 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   }
   gemm_impl<float>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+template <typename T>
+void SharedBt<T>::reset(const T* b, int64_t ldb, int64_t n, int64_t k) {
+  b_ = b;
+  ldb_ = ldb;
+  n_ = n;
+  k_ = k;
+  packed_ = false;
+  if constexpr (std::is_same_v<T, float>) {
+    if (float_tile_gemm_path() == TileGemmPath::kAvx512 && k <= kAvx512GemmMaxPackedK) {
+      panels_.resize(static_cast<size_t>(avx512_panels_size(n, k)));
+      pack_transposed_panels(b, ldb, n, k, panels_.data());
+      packed_ = true;
+    }
+  }
+}
+
+template <typename T>
+void SharedBt<T>::gemm(int64_t m, int64_t n_used, T alpha, const T* a, int64_t lda, T beta, T* c,
+                       int64_t ldc) const {
+  HP_INTERNAL_ASSERT(n_used <= n_, "SharedBt: ", n_used, " columns asked of ", n_);
+  if constexpr (std::is_same_v<T, float>) {
+    if (packed_) {
+      gemm_avx512_nt_packed(m, n_used, k_, alpha, a, lda, panels_.data(), beta, c, ldc);
+      return;
+    }
+  }
+  detail::gemm(false, true, m, n_used, k_, alpha, a, lda, b_, ldb_, beta, c, ldc);
+}
+
+template class SharedBt<float>;
+template class SharedBt<double>;
 
 void gemm_via_blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                    int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {

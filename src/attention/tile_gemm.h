@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace hp::attention::detail {
 
@@ -32,6 +33,25 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
           const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
           int64_t ldc);
+
+// Products C = alpha A B^T + beta C that share one B stored [n x k] (ldb): the backward
+// multiplies its k block and its v block by every q block. On the AVX-512 path reset()
+// transposes B into the kernel's panels once, instead of once per product; on the BLAS path
+// (and for double) each product is one gemm() on B as stored. B must outlive the products.
+template <typename T>
+class SharedBt {
+ public:
+  void reset(const T* b, int64_t ldb, int64_t n, int64_t k);
+  // C[m x n_used] = alpha A[m x k] B[0:n_used]^T + beta C, n_used <= n.
+  void gemm(int64_t m, int64_t n_used, T alpha, const T* a, int64_t lda, T beta, T* c,
+            int64_t ldc) const;
+
+ private:
+  const T* b_ = nullptr;
+  int64_t ldb_ = 0, n_ = 0, k_ = 0;
+  bool packed_ = false;
+  std::vector<float> panels_;  // the AVX-512 kernel's panels (float only); reused across resets
+};
 
 // The BLAS path itself, whatever HP_TILE_GEMM and the CPU say: for tests and comparisons.
 void gemm_via_blas(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,

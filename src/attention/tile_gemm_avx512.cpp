@@ -1,7 +1,8 @@
 // The AVX-512 tile GEMM (see the header). Data movement of one call:
 //
 //   for each 64-column panel j0 of C:
-//     op(B)[:, j0:j0+64]  trans_b: transposed 16 x 16 at a time into `panel` [k x 64] (stack)
+//     op(B)[:, j0:j0+64]  trans_b: transposed 16 x 16 at a time into `panel` [k x 64] (stack),
+//                                  or taken from panels the caller packed once for many calls
 //                         else:    read in place (row p at b + p*ldb + j0)
 //     for each 6-row block i0 of C:
 //       24 accumulators (6 rows x 4 vectors of 16) <- sum_p  A(i0+r, p) * op(B)(p, j0:j0+64)
@@ -17,6 +18,10 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+// GCC 12's AVX-512 intrinsics start masked loads and reductions from _mm512_undefined_ps(),
+// which -Wuninitialized reports at every inlining site: a known false positive.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define HP_HAVE_AVX512_GEMM 1
 #define HP_AVX512 __attribute__((target("avx512f")))
 #define HP_AVX512_INLINE __attribute__((target("avx512f"), always_inline)) inline
@@ -33,31 +38,42 @@ constexpr int kMR = 6;                 // rows of C per register tile
 constexpr int kNV = 4;                 // 16-float vectors per row of a register tile
 constexpr int64_t kNR = 16 * kNV;      // columns of C per panel
 
-// One register tile: C[MR x 16 NV] (the last vector masked by `last`) of the rows at a.
+// One register tile: C[MR x 16 NV] (the last vector masked by `last`) of the rows at a. Every
+// loop over r and v is unrolled (the epilogue's too): where one is left rolled, acc must be
+// indexable memory and GCC stores it back to the stack on every k step (3x slower). Each
+// instantiation is a function of its own, so none depends on how its caller is inlined.
 template <bool TA, int MR, int NV>
-HP_AVX512_INLINE void tile(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+__attribute__((target("avx512f"), noinline)) void tile(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                            float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
   __m512 acc[MR][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)
       acc[r][v] = _mm512_setzero_ps();
   const float* rows[MR];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
     rows[r] = TA ? a + r : a + r * lda;
   for (int64_t p = 0; p < k; ++p) {
     const float* bp = b + p * ldb;
     __m512 bv[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)
       bv[v] = v + 1 < NV ? _mm512_loadu_ps(bp + 16 * v) : _mm512_maskz_loadu_ps(last, bp + 16 * v);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 x = _mm512_set1_ps(TA ? rows[r][p * lda] : rows[r][p]);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
         acc[r][v] = _mm512_fmadd_ps(x, bv[v], acc[r][v]);
     }
   }
   const __m512 va = _mm512_set1_ps(alpha);
   const __m512 vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       const __mmask16 mask = v + 1 < NV ? __mmask16(0xFFFF) : last;
       float* cp = c + r * ldc + 16 * v;
@@ -142,9 +158,12 @@ HP_AVX512 void pack_transposed(const float* b, int64_t ldb, int64_t k, int64_t w
   }
 }
 
+// op(B) comes as stored [k x n] (b, ldb), stored [n x k] (tb: transposed here, a panel at a
+// time) or already in panels (`packed`, from pack_transposed_panels).
 template <bool TA>
 HP_AVX512 void run(bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                   int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+                   int64_t lda, const float* b, int64_t ldb, const float* packed, float beta,
+                   float* c, int64_t ldc) {
   alignas(64) float panel[kAvx512GemmMaxPackedK * kNR];
   for (int64_t j0 = 0; j0 < n; j0 += kNR) {
     const int64_t w = std::min(kNR, n - j0);
@@ -153,7 +172,10 @@ HP_AVX512 void run(bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
     const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
     const float* bp = b + j0;
     int64_t ldbp = ldb;
-    if (tb) {
+    if (packed != nullptr) {
+      bp = packed + (j0 / kNR) * k * kNR;
+      ldbp = kNR;
+    } else if (tb) {
       pack_transposed(b + j0 * ldb, ldb, k, w, panel);
       bp = panel;
       ldbp = kNR;
@@ -180,10 +202,27 @@ void gemm_avx512(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                      kAvx512GemmMaxPackedK);
   if (m <= 0 || n <= 0) return;
   if (ta) {
-    run<true>(tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    run<true>(tb, m, n, k, alpha, a, lda, b, ldb, nullptr, beta, c, ldc);
   } else {
-    run<false>(tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    run<false>(tb, m, n, k, alpha, a, lda, b, ldb, nullptr, beta, c, ldc);
   }
+}
+
+int64_t avx512_panels_size(int64_t n, int64_t k) {
+  return (n + kNR - 1) / kNR * k * kNR;
+}
+
+void pack_transposed_panels(const float* b, int64_t ldb, int64_t n, int64_t k, float* panels) {
+  HP_INTERNAL_ASSERT(avx512_gemm_supported(), "pack_transposed_panels without AVX-512F");
+  for (int64_t j0 = 0; j0 < n; j0 += kNR)
+    pack_transposed(b + j0 * ldb, ldb, k, std::min(kNR, n - j0), panels + (j0 / kNR) * k * kNR);
+}
+
+void gemm_avx512_nt_packed(int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                           int64_t lda, const float* panels, float beta, float* c, int64_t ldc) {
+  HP_INTERNAL_ASSERT(avx512_gemm_supported(), "gemm_avx512_nt_packed without AVX-512F");
+  if (m <= 0 || n <= 0) return;
+  run<false>(true, m, n, k, alpha, a, lda, nullptr, 0, panels, beta, c, ldc);
 }
 
 #else  // no AVX-512 kernel in this build
@@ -195,6 +234,19 @@ bool avx512_gemm_supported() {
 void gemm_avx512(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
                  const float*, int64_t, float, float*, int64_t) {
   HP_INTERNAL_ASSERT(false, "gemm_avx512: not built for this target");
+}
+
+int64_t avx512_panels_size(int64_t, int64_t) {
+  return 0;
+}
+
+void pack_transposed_panels(const float*, int64_t, int64_t, int64_t, float*) {
+  HP_INTERNAL_ASSERT(false, "pack_transposed_panels: not built for this target");
+}
+
+void gemm_avx512_nt_packed(int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                           float, float*, int64_t) {
+  HP_INTERNAL_ASSERT(false, "gemm_avx512_nt_packed: not built for this target");
 }
 
 #endif

@@ -31,4 +31,14 @@ void gemm_avx512(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, fl
                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                  int64_t ldc);
 
+// A B stored [n x k] (ldb), transposed once into the kernel's panels for several products
+// C = alpha A B^T + beta C (the backward multiplies one k block and one v block by every q
+// block): avx512_panels_size(n, k) floats, filled by pack_transposed_panels, read by
+// gemm_avx512_nt_packed for any n' <= n leading columns. Requires avx512_gemm_supported() and
+// k <= kAvx512GemmMaxPackedK.
+int64_t avx512_panels_size(int64_t n, int64_t k);
+void pack_transposed_panels(const float* b, int64_t ldb, int64_t n, int64_t k, float* panels);
+void gemm_avx512_nt_packed(int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                           int64_t lda, const float* panels, float beta, float* c, int64_t ldc);
+
 }  // namespace hp::attention::detail

@@ -136,6 +136,55 @@ TEST(TileGemm, Avx512KernelMatchesTheDefinitionOnEveryEdge) {
   EXPECT_EQ(cases, 5 * 8 * 6 * 8);
 }
 
+// SharedBt: one B stored [n x k], multiplied by several A on their leading n' <= n columns, in
+// both float (the AVX-512 panels where the CPU has them) and double (BLAS), with beta 0 over
+// NaN and beta 1, against the definition; the same object reset to another B forgets the first.
+TEST(TileGemm, SharedBtMatchesTheDefinitionForEveryLeadingWidth) {
+  std::mt19937 gen(5);
+  std::normal_distribution<double> dist;
+  for (int64_t n : {1, 17, 64, 100, 256}) {
+    for (int64_t k : {1, 16, 64, 70}) {
+      const int64_t ldb = k + 1;
+      hp::attention::detail::SharedBt<float> shared_f;
+      hp::attention::detail::SharedBt<double> shared_d;
+      std::vector<double> b0(n * ldb);
+      for (auto& x : b0)
+        x = dist(gen);
+      const std::vector<float> first(300 * 300, 1.0f);  // a larger B, replaced just below
+      shared_f.reset(first.data(), 300, 300, 300);
+      std::vector<float> b0f(b0.begin(), b0.end());
+      shared_f.reset(b0f.data(), ldb, n, k);
+      shared_d.reset(b0.data(), ldb, n, k);
+      for (int64_t n_used : {int64_t{1}, n / 2 + 1, n}) {
+        for (double beta : {0.0, 1.0}) {
+          const int64_t m = 7, lda = k + 2, ldc = n + 3;
+          std::vector<double> a(m * lda), c0(m * ldc);
+          for (auto* v : {&a, &c0})
+            for (auto& x : *v)
+              x = static_cast<float>(dist(gen));
+          if (beta == 0) c0.assign(c0.size(), std::numeric_limits<double>::quiet_NaN());
+          auto want = c0, cd = c0;
+          naive(false, true, m, n_used, k, 0.5, a, lda, b0, ldb, beta, want, ldc);
+          std::vector<float> af(a.begin(), a.end()), cf(c0.begin(), c0.end());
+          shared_f.gemm(m, n_used, 0.5f, af.data(), lda, static_cast<float>(beta), cf.data(), ldc);
+          shared_d.gemm(m, n_used, 0.5, a.data(), lda, beta, cd.data(), ldc);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < ldc; ++j) {
+              const int64_t at = i * ldc + j;
+              if (j < n_used) {
+                ASSERT_NEAR(cf[at], want[at], 2e-6 * (4.0 + k)) << "n=" << n << " k=" << k;
+                ASSERT_NEAR(cd[at], want[at], 1e-12);
+              } else {
+                ASSERT_TRUE(std::isnan(c0[at]) ? std::isnan(cf[at]) : cf[at] == c0[at]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The path the kernels take is the one the CPU allows (HP_TILE_GEMM is unset under ctest), and
 // the rate the benchmarks print beside it is measured through that path.
 TEST(TileGemm, ReportsThePathItTakesAndItsRate) {
