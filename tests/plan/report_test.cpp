@@ -97,8 +97,10 @@ TEST(Report, CalibrateAutoAndReport) {
     }
   }
   EXPECT_EQ(calibration["inputs"]["comm"].size(), 4u);  // P in {2, 4} x two sizes
-  // The attention rate is the median of 5 timed steps, so that one or two slow ones on a shared
-  // machine do not move it: 3.5 forward units of causal S=4096, H=8, D=64 over the median.
+  // The one-process attention rate is the median of 5 timed steps, so that one or two slow ones
+  // on a shared machine do not move it: 3.5 forward units of causal S=4096, H=8, D=64 over the
+  // median.
+  const auto& overhead = calibration["inputs"]["overhead"];
   {
     const auto& att = calibration["inputs"]["attention"];
     auto samples = att["fwd_bwd_samples_s"].get<std::vector<double>>();
@@ -106,8 +108,31 @@ TEST(Report, CalibrateAutoAndReport) {
     std::sort(samples.begin(), samples.end());
     EXPECT_DOUBLE_EQ(att["fwd_bwd_s"].get<double>(), samples[2]);
     const double fwd_flops = 2.0 * 8 * 4096.0 * 4096.0 * 64;  // causal: half of dense's 4
-    EXPECT_NEAR(calibration["attention_gflops"].get<double>(), 3.5 * fwd_flops / samples[2] / 1e9,
+    const double one_process = overhead["one_process_attention_gflops"].get<double>();
+    EXPECT_NEAR(one_process, 3.5 * fwd_flops / samples[2] / 1e9, 1e-9 * one_process);
+  }
+  // The rate the model uses is the one ranks reach, fitted with the per-token term from CP
+  // layers at two lengths: the one-process rate over the fitted slowdown, and the fit
+  // reproduces the residual of at least one of the runs (both, unless a term was clamped at 0).
+  {
+    const auto& runs = overhead["runs"];
+    ASSERT_EQ(runs.size(), 2u) << overhead;
+    const double x = overhead["slowdown_in_ranks"].get<double>();
+    const double per_token = calibration["seconds_per_token"].get<double>();
+    EXPECT_GT(x, 0) << overhead;
+    EXPECT_GE(per_token, 0) << overhead;
+    EXPECT_NEAR(calibration["attention_gflops"].get<double>(),
+                overhead["one_process_attention_gflops"].get<double>() / x,
                 1e-9 * calibration["attention_gflops"].get<double>());
+    int reproduced = 0;
+    for (const auto& r : runs) {
+      const double residual = r["measured_step_s"].get<double>() -
+                              r["exposed_comm_and_projections_s"].get<double>();
+      const double fitted = r["attention_at_one_process_rate_s"].get<double>() * x +
+                            r["local_tokens_per_core"].get<double>() * per_token;
+      if (std::abs(residual - fitted) <= 1e-9 * (1 + std::abs(residual))) ++reproduced;
+    }
+    EXPECT_GE(reproduced, 1) << overhead;
   }
   // The ring's cost per local token per step, fitted from ring steps paired with Ulysses steps
   // at P = 4 (3 steps of 1024 local tokens, half a core each), recorded with its inputs.

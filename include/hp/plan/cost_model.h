@@ -48,11 +48,15 @@ struct Calibration {
   int cores = 1;                  // cores of the machine the ranks share
   // "all_gather" | "reduce_scatter" | "all_to_all" | "all_reduce" -> world size -> fit
   std::map<std::string, std::map<int64_t, CollectiveFit>> collectives;
-  double attention_gflops = 0;  // blockwise fwd+bwd, causal, one thread (3.5x forward flops)
+  // Blockwise fwd+bwd, causal (3.5x forward flops), as a rank running on one core reaches it
+  // beside the other ranks: hp-bench calibrate fits it from CP layers at two lengths (the
+  // one-process, one-thread rate it starts from is in inputs_json).
+  double attention_gflops = 0;
   double matmul_gflops = 0;     // one thread
   double overlap_budget = 0.5;  // share of the projection work async can hide collectives behind
   // Per-token cost the flop counts miss (norms, copies, re-layouts, autograd), seconds per
-  // local token at one core: fitted by hp-bench calibrate on a CP layer outside the grid.
+  // local token at one core: fitted by hp-bench calibrate with attention_gflops, on a CP layer
+  // outside the grid at two lengths.
   double seconds_per_token = 0;
   // What the async schedule costs beyond sync on the rank's core (attention split into calls
   // merged by lse, K/V slices and their gradients, the comm thread's copies), seconds per
