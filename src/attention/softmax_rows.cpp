@@ -16,8 +16,10 @@
 #include <immintrin.h>
 // GCC 12's AVX-512 intrinsics start masked loads and reductions from _mm512_undefined_ps(),
 // which -Wuninitialized reports at every inlining site: a known false positive.
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define HP_ROWS_AVX512 1
 #define HP_AVX512_INLINE __attribute__((target("avx512f"), always_inline)) inline
 #define HP_AVX512_FN __attribute__((target("avx512f")))
