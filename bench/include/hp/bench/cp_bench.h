@@ -48,11 +48,12 @@ struct CPBenchResult {
   // layers warmed up before it: for async, the sync schedule's).
   int64_t peak_rss_bytes = 0;
   std::vector<int64_t> peak_rss_per_rank;
-  // What one step of this layer adds to the process at its peak: before each timed step the
-  // allocator returns its free pages (malloc_trim) and the kernel's high-water mark is reset to
-  // the resident set (/proc/self/clear_refs); after it, high-water mark minus that resident
-  // set. Max over steps and ranks (per rank in step_peak_per_rank). Excludes what every layer
-  // shares (the library, the inputs, the layer's weights); -1 where the kernel refuses the reset.
+  // What one step of this layer adds to the process at its peak, measured on one untimed step
+  // after the warm-up (the timed steps pay no trim): before it the allocator returns its free
+  // pages (malloc_trim) and the kernel's high-water mark is reset to the resident set
+  // (/proc/self/clear_refs); after it, high-water mark minus that resident set. Max over ranks
+  // (per rank in step_peak_per_rank). Excludes what every layer shares (the library, the
+  // inputs, the layer's weights); -1 where the kernel refuses the reset.
   int64_t step_peak_bytes = -1;
   std::vector<int64_t> step_peak_per_rank;
   // The same for the live CPU tensor bytes, counted at the allocator (tensor_bytes.h): what a
