@@ -317,12 +317,18 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
   auto timing = world.new_group(world.group().world_ranks(), "bench_timing");
   // Each schedule (sync first), each followed by the same batch without documents if any.
   std::vector<Variant> variants;
+  auto variant = [](const cp::ContextParallelConfig& c, bool documents) {
+    Variant v;
+    v.config = c;
+    v.documents = documents;
+    return v;
+  };
   auto add = [&](const cp::ContextParallelConfig& c) {
-    variants.push_back({c, o.documents > 0});
-    if (o.documents > 0) variants.push_back({c, false});
+    variants.push_back(variant(c, o.documents > 0));
+    if (o.documents > 0) variants.push_back(variant(c, false));
   };
   const bool async = config.schedule == cp::CPSchedule::kAsync;
-  if (paired) variants.push_back({*paired, false});
+  if (paired) variants.push_back(variant(*paired, false));
   if (async) {
     auto sync = config;
     sync.schedule = cp::CPSchedule::kSync;

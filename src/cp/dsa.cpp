@@ -87,9 +87,10 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
   if (options.load_balance) {
     const int64_t c = s / 2;
     auto ids = load_balance_chunks(r, p);
-    parts = {{0, c, ids[0] * c}, {c, c, ids[1] * c}};
+    parts.push_back({0, c, ids[0] * c});
+    parts.push_back({c, c, ids[1] * c});
   } else {
-    parts = {{0, s, r * s}};
+    parts.push_back({0, s, r * s});
   }
   const int64_t total = k_all.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(shape.qk_dim()));
