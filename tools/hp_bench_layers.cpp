@@ -162,6 +162,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"step_peak_per_rank", r.step_peak_per_rank},
                     {"step_tensor_peak_bytes", r.step_tensor_peak_bytes},
                     {"step_tensor_peak_per_rank", r.step_tensor_peak_per_rank},
+                    {"fresh_host_bytes_per_step", r.fresh_host_bytes_per_step},
                     {"per_rank_attention_cpu_s", r.attention_cpu_s_per_rank},
                     {"exposed_comm_s", r.exposed_comm_s},
                     {"overlap_fraction", r.overlap_fraction},
@@ -181,7 +182,7 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
         "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s%s "
         "(%d thread(s) per rank)\n  step %.3f s (median, slowest rank); comm %lld "
         "bytes/rank (formula %lld); peak RSS %.0f MiB, a step's own peak %.0f MiB, its "
-        "tensors' peak %.0f MiB (max rank)\n  exposed comm "
+        "tensors' peak %.0f MiB (max rank)%s\n  exposed comm "
         "%.3f s/step%s%s\n",
         r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
         (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
@@ -189,7 +190,14 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
         a.bench.projections ? " +projections" : "", threads, r.step_time_s,
         (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
         r.peak_rss_bytes / 1048576.0, r.step_peak_bytes / 1048576.0,
-        r.step_tensor_peak_bytes / 1048576.0, r.exposed_comm_s,
+        r.step_tensor_peak_bytes / 1048576.0,
+        r.fresh_host_bytes_per_step >= 0
+            ? hp::common::str_cat("; fresh host pages ",
+                                  hp::common::str_cat(r.fresh_host_bytes_per_step / 1048576.0),
+                                  " MiB/step")
+                  .c_str()
+            : "",
+        r.exposed_comm_s,
         r.schedule == "async"
             ? hp::common::str_cat(" (overlap fraction ", r.overlap_fraction,
                                   "; sync step / async step, paired steps in this run: ",

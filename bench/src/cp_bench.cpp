@@ -73,7 +73,7 @@ namespace {
 struct Variant {
   cp::ContextParallelConfig config;
   bool documents = false;
-  std::vector<double> steps, cpu, waits;
+  std::vector<double> steps, cpu, waits, fresh;  // fresh: host cache's new pages (bytes)
   int64_t bytes = 0, wire = 0;
   int64_t peak_rss = 0;      // this process's peak after the variant's warm-up
   int64_t step_peak = -1;    // what its untimed measuring step raised the resident set (StepPeak)
@@ -213,12 +213,15 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
       comm::barrier(timing);
       const int64_t before = counters.total_bytes();
       const int64_t wait_before = counters.wait_us();
+      auto* cache = common::installed_host_cache();
+      const int64_t fresh0 = cache ? cache->stats().system_bytes : 0;
       const double c0 = thread_cpu_s();
       auto t0 = std::chrono::steady_clock::now();
       run_layer(*layers[n]);
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       var.cpu.push_back(thread_cpu_s() - c0);
+      var.fresh.push_back(cache ? static_cast<double>(cache->stats().system_bytes - fresh0) : -1);
       if (count_tensors)
         var.tensor_peak = std::max(var.tensor_peak, tensor_bytes::peak() - tensors_before);
       var.bytes = counters.total_bytes() - before;
@@ -240,9 +243,10 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
 CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
                         comm::Group& timing) {
   auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
-                          static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak)},
+                          static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak),
+                          median(var.fresh)},
                          at::kDouble);
-  auto all = comm::all_gather(timing, mine.view({1, 5}), 0);
+  auto all = comm::all_gather(timing, mine.view({1, 6}), 0);
   CPBenchResult r;
   r.algorithm = cp::to_string(var.config.algorithm);
   r.schedule = cp::to_string(var.config.schedule);
@@ -261,6 +265,8 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
     r.exposed_comm_s += all[i][2].item<double>() / static_cast<double>(p);
     r.step_peak_per_rank.push_back(static_cast<int64_t>(all[i][3].item<double>()));
     r.step_tensor_peak_per_rank.push_back(static_cast<int64_t>(all[i][4].item<double>()));
+    r.fresh_host_bytes_per_step =
+        std::max(r.fresh_host_bytes_per_step, static_cast<int64_t>(all[i][5].item<double>()));
   }
   const bool measured = std::all_of(r.step_peak_per_rank.begin(), r.step_peak_per_rank.end(),
                                     [](int64_t b) { return b >= 0; });

@@ -236,22 +236,23 @@ def reset_counters(group=None):
 
 def use_caching_host_allocator():
     """From now on this process's CPU tensors come from hyperparallel's cache of freed blocks
-    (what hp-train and hp-bench use): a freed block of 1 MiB or more is kept and handed out
-    again for the same size, instead of being unmapped and faulted in again on the next step.
-    Live plus cached bytes never exceed the largest live total so far, so the process's peak is
-    unchanged. Tensors made before keep their own allocator. Once per process; cannot be undone
-    (``release_host_cache`` frees what the cache holds)."""
+    (what hp-train and hp-bench use): blocks of 1 MiB or more come from one arena whose freed
+    ranges keep their pages and are handed out again (best fit, split and merged), instead of
+    being unmapped and faulted in again on the next step. Live plus cached bytes stay under
+    1.25x the largest live total so far. Tensors made before keep their own allocator. Once per
+    process; cannot be undone (``release_host_cache`` gives the free pages back)."""
     _C.use_caching_host_allocator()
 
 
 def host_cache_stats():
-    """The cache's counters (live_bytes, cached_bytes, budget_bytes, hits, misses, evictions),
-    or None before ``use_caching_host_allocator``."""
+    """The cache's counters (live_bytes, cached_bytes, arena_bytes, budget_bytes, system_bytes,
+    hits, misses, evictions), or None before ``use_caching_host_allocator``."""
     return _C.host_cache_stats()
 
 
 def release_host_cache():
-    """Frees every block the cache holds (no-op without the cache)."""
+    """Gives the pages of every free range of the cache back to the system (no-op without the
+    cache)."""
     _C.release_host_cache()
 
 

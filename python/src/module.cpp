@@ -35,7 +35,9 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["live_bytes"] = s.live_bytes;
     d["cached_bytes"] = s.cached_bytes;
+    d["arena_bytes"] = s.arena_bytes;
     d["budget_bytes"] = s.budget_bytes;
+    d["system_bytes"] = s.system_bytes;
     d["hits"] = s.hits;
     d["misses"] = s.misses;
     d["evictions"] = s.evictions;

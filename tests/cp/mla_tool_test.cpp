@@ -376,6 +376,28 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
   }
 }
 
+// Under the caching host allocator (the tools' default) a timed step repeats the one before it
+// and takes no fresh pages from the system, sync or async (a CP layer's 8, 16 and 24 MiB
+// tensors interleave); with LibTorch's allocator the figure is absent (-1).
+TEST(CPBench, RepeatedStepsTakeNoFreshHostPages) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 8192 --heads 4 --kv-heads 4 --head-dim 64 --causal --cp 2 "
+                          "--iters 2 --cp-algo all_gather --schedule async --load-balance "
+                          "--projections --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  for (const auto& x : res)
+    EXPECT_EQ(x["fresh_host_bytes_per_step"].get<int64_t>(), 0) << x["schedule"] << r.out;
+  auto sys = hp::testing::run_command(
+      std::string(HP_BENCH_BINARY) +
+      " cp --seq 512 --heads 2 --kv-heads 2 --cp 2 --iters 1 --host-allocator system --json");
+  ASSERT_EQ(sys.rc, 0) << sys.out;
+  EXPECT_EQ(last_json(sys.out)["results"][0]["fresh_host_bytes_per_step"].get<int64_t>(), -1)
+      << sys.out;
+}
+
 // step_tensor_peak_bytes counts live tensor storage at the allocator: at least what the
 // strategy must hold (all_gather: the gathered K and V) and far below a whole-sequence [S, S]
 // tensor. (When other threads free their tensors moves it a little between runs.)

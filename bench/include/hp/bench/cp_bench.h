@@ -60,6 +60,10 @@ struct CPBenchResult {
   // step's tensors add at their peak, counted exactly (the resident-set
   // figure above adds the C allocator's caching and fragmentation). -1 if not counted.
   int64_t step_tensor_peak_bytes = -1;
+  // Fresh pages a timed step took from the system for large tensors: the caching host
+  // allocator's system_bytes over the step (common/host_allocator.h), median over steps, max
+  // over ranks. 0 in a steady state; -1 without the cache (--host-allocator system).
+  int64_t fresh_host_bytes_per_step = -1;
   std::vector<int64_t> step_tensor_peak_per_rank;
   // CPU time of the rank's main thread during a step (median): the attention compute.
   std::vector<double> attention_cpu_s_per_rank;
