@@ -242,10 +242,10 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
 // The variant's result; collective over `timing` (per-rank figures are gathered).
 CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
                         comm::Group& timing) {
-  auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
-                          static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak),
-                          median(var.fresh)},
-                         at::kDouble);
+  auto mine = at::tensor(
+      {static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
+       static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak), median(var.fresh)},
+      at::kDouble);
   auto all = comm::all_gather(timing, mine.view({1, 6}), 0);
   CPBenchResult r;
   r.algorithm = cp::to_string(var.config.algorithm);

@@ -192,7 +192,6 @@ void* HostBlockCache::allocate(size_t bytes) {
       stats_.budget_bytes = std::max(stats_.budget_bytes, stats_.live_bytes);
       stats_.marked_peak_bytes = std::max(stats_.marked_peak_bytes, stats_.live_bytes);
       enforce_resident_bound();
-      stats_.arena_bytes = top_;
       return base_ + off;
     }
     // The system's block, counted like the arena's.
@@ -265,7 +264,6 @@ void HostBlockCache::release() {
       top_ = off;
     }
   }
-  stats_.arena_bytes = top_;
 }
 
 void HostBlockCache::reset_budget() {

@@ -1,10 +1,10 @@
 #include "hp/common/host_allocator.h"
 
+#include <unistd.h>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -237,8 +237,7 @@ TEST(HostBlockCache, OptionsAreCheckedByName) {
     HostBlockCache cache(r);
     FAIL() << "max_resident_over_peak = 0.5 was accepted";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("max_resident_over_peak"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("max_resident_over_peak"), std::string::npos) << e.what();
   }
   try {
     apply_host_allocator_choice("jemalloc");

@@ -59,7 +59,7 @@ struct HostCacheStats {
   int64_t budget_bytes = 0;       // largest live total since the last reset_budget()
   int64_t marked_peak_bytes = 0;  // largest live total since the last mark()
   int64_t system_bytes = 0;       // bytes of cacheable blocks with fresh pages from the system
-  int64_t hits = 0;       // served from resident free ranges
+  int64_t hits = 0;               // served from resident free ranges
   int64_t misses = 0;     // needed fresh pages (arena growth, given-back pages, system blocks)
   int64_t evictions = 0;  // free ranges whose pages were given back
 };
@@ -103,7 +103,7 @@ class HostBlockCache {
   int64_t reserved_ = 0;  // 0: not yet; -1: reservation failed
   // [base_, base_ + reserved_) once reserved, for free() to tell arena blocks without the lock.
   std::atomic<uintptr_t> arena_lo_{0}, arena_hi_{0};
-  int64_t top_ = 0;       // committed bytes from base_
+  int64_t top_ = 0;                               // committed bytes from base_
   std::map<int64_t, int64_t> free_by_addr_;       // offset -> size (merged: never adjacent)
   std::multimap<int64_t, int64_t> free_by_size_;  // size -> offset
   std::map<int64_t, int64_t> cold_;               // free sub-ranges whose pages were given back
