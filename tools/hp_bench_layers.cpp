@@ -54,6 +54,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
       "--always-local-first", a.bench.config.async_always_local_first,
       "async all_gather, hybrid: attend the local K/V chunks first even where the gather has "
       "landed (default: a part that starts after it runs as one call, as sync)");
+  cmd->add_flag("--ring-keep-blocks", a.bench.config.ring_keep_blocks,
+                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
+                "accumulators (all_gather's bytes and memory)");
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
                   "with the one under test; its result comes first");
@@ -104,6 +107,7 @@ void choose_cp_config(CPArgs& a, bool log) {
       best.algorithm == hp::cp::CPAlgorithm::kHybrid || best.algorithm == hp::cp::CPAlgorithm::kUsp;
   a.degree = grouped ? *best.ulysses_degree : 0;
   a.bench.config.load_balance = best.load_balance;
+  a.bench.config.ring_keep_blocks = best.ring_keep_blocks;
 }
 
 // The CP configuration from the flags (auto: the cost model's choice), statically checked
@@ -130,6 +134,13 @@ void resolve_cp_config(CPArgs& a) {
   }
 }
 
+// Whether result r ran with ring_keep_blocks (the layer under test; a --paired-with layer is
+// all_gather, ulysses or ring without it).
+bool kept_blocks(const CPArgs& a, const hp::bench::CPBenchResult& r) {
+  return a.bench.config.ring_keep_blocks &&
+         r.algorithm == hp::cp::to_string(a.bench.config.algorithm);
+}
+
 nlohmann::json cp_results_json(const CPArgs& a,
                                const std::vector<hp::bench::CPBenchResult>& results, int threads) {
   nlohmann::json list = nlohmann::json::array();
@@ -148,6 +159,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"documents", a.bench.documents},
                     {"ulysses_head_groups", a.bench.config.ulysses_head_groups},
                     {"always_local_first", a.bench.config.async_always_local_first},
+                    {"ring_keep_blocks", kept_blocks(a, r)},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},
@@ -184,9 +196,9 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
         "bytes/rank (formula %lld); peak RSS %.0f MiB, a step's own peak %.0f MiB, its "
         "tensors' peak %.0f MiB (max rank)%s\n  exposed comm "
         "%.3f s/step%s%s\n",
-        r.algorithm.c_str(), r.schedule.c_str(), (long long)r.cp, (long long)r.ulysses_degree,
-        (long long)r.seq, (long long)a.bench.heads, (long long)a.bench.kv_heads,
-        (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
+        (r.algorithm + (kept_blocks(a, r) ? "(kept)" : "")).c_str(), r.schedule.c_str(),
+        (long long)r.cp, (long long)r.ulysses_degree, (long long)r.seq, (long long)a.bench.heads,
+        (long long)a.bench.kv_heads, (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
         a.bench.projections ? " +projections" : "", threads, r.step_time_s,
         (long long)r.comm_bytes_per_rank, (long long)r.comm_bytes_theory,
         r.peak_rss_bytes / 1048576.0, r.step_peak_bytes / 1048576.0,

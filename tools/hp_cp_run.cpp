@@ -52,6 +52,7 @@ struct Args {
   std::string kv_head_policy = "error";
   std::vector<int64_t> cu_seqlens;  // empty: no documents
   int64_t head_groups = 0;
+  bool ring_keep_blocks = false;
 };
 
 void add_options(CLI::App& app, Args& a) {
@@ -76,6 +77,9 @@ void add_options(CLI::App& app, Args& a) {
          "--ulysses-head-groups", a.head_groups,
          "async ulysses, usp: head groups pipelined with their output all-to-alls (0: auto)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
+               "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
+               "accumulators (all_gather's bytes and memory)");
   app.add_option("--cu-seqlens", a.cu_seqlens,
                  "packed documents: global boundaries 0,L1,L1+L2,... (the same for every row)")
       ->delimiter(',');
@@ -92,6 +96,8 @@ hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   if (a.degree > 0) c.ulysses_degree = a.degree;
   c.load_balance = a.load_balance;
   c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
+  c.ulysses_head_groups = a.head_groups;
+  c.ring_keep_blocks = a.ring_keep_blocks;
   // all_gather balances contiguous shards by swapping; every other balanced strategy
   // (hybrid, ring, usp) balances data-order shards only.
   const std::string form = !a.lb_form.empty()       ? a.lb_form
@@ -280,8 +286,9 @@ int main(int argc, char** argv) {
                " applies to --attention dsa");
     }
     if (attention != "softmax") {
-      for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
-                               "--mixer", "--kv-head-policy", "--ulysses-head-groups"}) {
+      for (const char* flag :
+           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer",
+            "--kv-head-policy", "--ulysses-head-groups", "--ring-keep-blocks"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather and "

@@ -35,6 +35,9 @@ void add_layout_options(CLI::App& app, Args& a) {
          "async ulysses, usp: head groups whose output all-to-alls fly while the next group "
          "is attended (0: automatic, 1: none)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
+               "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
+               "accumulators (all_gather's bytes and memory)");
   app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
   app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");

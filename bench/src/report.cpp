@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/bench/calibrate.h"
+#include "hp/bench/link.h"
 #include "hp/bench/svg.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
@@ -36,6 +37,7 @@ struct Choice {
   std::string algo;
   int64_t degree = 0;
   bool load_balance = false;
+  bool keep_blocks = false;  // ring: --ring-keep-blocks
 };
 
 plan::CPWorkload workload(const ReportOptions& o, int64_t s, int64_t p, bool load_balance) {
@@ -60,10 +62,12 @@ std::string cell(const json& m, const char* key, int digits = 3) {
   return m.contains(key) ? fixed(m[key], digits) : "-";
 }
 
+// The cost model's names (plan::predict_cp_step), and "(contiguous)" for unbalanced all_gather.
 std::string choice_name(const std::string& algo, int64_t u, const std::string& schedule,
-                        bool contiguous_ag) {
+                        bool contiguous_ag, bool keep_blocks) {
   std::string n = algo;
   if (algo == "hybrid" || algo == "usp") n += "(U=" + std::to_string(u) + ")";
+  if (keep_blocks) n += "(kept)";
   if (contiguous_ag) n += "(contiguous)";
   return n + "/" + schedule;
 }
@@ -94,6 +98,7 @@ std::string run_report(const ReportOptions& o) {
         o.self_exe, " cp --seq ", s, " --heads ", o.heads, " --kv-heads ", o.kv_heads,
         " --head-dim ", o.head_dim, " --cp ", p, " --cp-algo ", c.algo, " --schedule ", schedule,
         " --projections --causal --iters ", iters, c.load_balance ? " --load-balance" : "",
+        c.keep_blocks ? " --ring-keep-blocks" : "",
         c.degree > 0 ? common::str_cat(" --ulysses-degree ", c.degree) : std::string(),
         cal != nullptr ? " --reference-step" : "", link_flag(link), " --json");
     progress(cmd, t0);
@@ -104,16 +109,27 @@ std::string run_report(const ReportOptions& o) {
     for (auto& m : j["results"]) {
       const std::string sched = m["schedule"];
       const bool contiguous = c.algo == "all_gather" && !c.load_balance;
-      m["name"] = choice_name(c.algo, m["ulysses_degree"], sched, contiguous);
+      m["name"] = choice_name(c.algo, m["ulysses_degree"], sched, contiguous, c.keep_blocks);
       m["link"] = link;
       m["threads_per_rank"] = m["threads_per_rank"];
       m["cores_per_rank"] = std::min(1.0, static_cast<double>(cores) / static_cast<double>(p));
+      // Every rank's bytes cross the one emulated link (a loopback shaped to the rate), so it is
+      // busy P x the bytes per rank over the rate each step; what the waits did not expose of
+      // that was hidden behind compute (in either schedule: the ring hides in both).
+      if (link != "loopback" && m["wire_bytes_per_rank"].get<int64_t>() >= 0) {
+        const double busy = 8.0 * m["wire_bytes_per_rank"].get<double>() * static_cast<double>(p) /
+                            static_cast<double>(parse_link_rate(link));
+        m["link_busy_s"] = busy;
+        m["hidden_of_link_time"] =
+            busy > 0 ? std::max(0.0, 1.0 - m["exposed_comm_s"].get<double>() / busy) : 0.0;
+      }
       if (cal != nullptr) {
         cp::ContextParallelConfig cfg;
         cfg.algorithm = cp::parse_algorithm(c.algo);
         cfg.schedule = cp::parse_schedule(sched);
         if (c.degree > 0) cfg.ulysses_degree = c.degree;
         cfg.load_balance = c.load_balance;
+        cfg.ring_keep_blocks = c.keep_blocks;
         auto pred = plan::predict_cp_step(*cal, *cp::normalize(cfg, p), p,
                                           workload(o, s, p, c.load_balance));
         const double meas = m["step_time_s"];
@@ -158,8 +174,10 @@ std::string run_report(const ReportOptions& o) {
     results["calibrations"][link] = json::parse(plan::to_json(cal));
     for (int64_t p : o.ranks) {
       for (int64_t s : o.seqs) {
-        std::vector<Choice> choices{
-            {"all_gather", 0, true}, {"ulysses", 0, false}, {"ring", 0, true}};
+        std::vector<Choice> choices{{"all_gather", 0, true},
+                                    {"ulysses", 0, false},
+                                    {"ring", 0, true},
+                                    {"ring", 0, true, true}};
         if (p >= 4) {
           choices.push_back({"hybrid", 2, true});
           choices.push_back({"usp", 2, true});
@@ -284,8 +302,8 @@ std::string run_report(const ReportOptions& o) {
      << " cores: P = 2 gives each rank one core, P = 4 half a core.\n\n"
      << "![chart](chart.svg)\n\n| link | P | S | choice | step s | predicted s | rel. error | "
         "speed factor | at that speed: predicted s | rel. error | exposed comm s | hidden by "
-        "async | comm bytes/rank | on the wire/rank |\n"
-     << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "async | link busy s | hidden of link time | comm bytes/rank | on the wire/rank |\n"
+     << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& m : results["measurements"]) {
     const int64_t wire = m["wire_bytes_per_rank"];
     md << "| " << m["link"].get<std::string>() << " | " << m["cp"] << " | " << m["seq"] << " | "
@@ -294,8 +312,13 @@ std::string run_report(const ReportOptions& o) {
        << cell(m, "speed_factor", 2) << " | " << cell(m, "predicted_step_time_at_speed_s") << " | "
        << cell(m, "prediction_rel_error_at_speed", 2) << " | " << fixed(m["exposed_comm_s"])
        << " | " << (m["schedule"] == "async" ? fixed(m["overlap_fraction"], 2) : "-") << " | "
+       << cell(m, "link_busy_s") << " | " << cell(m, "hidden_of_link_time", 2) << " | "
        << m["comm_bytes_per_rank"] << " | " << (wire >= 0 ? std::to_string(wire) : "-") << " |\n";
   }
+  md << "\nHidden by async: 1 - exposed async / exposed sync of the same choice (the ring hides in "
+        "both schedules, so 0 there). Link busy: every rank's bytes cross the one emulated link, "
+        "so it is busy P x the bytes on the wire per rank / the rate each step; hidden of link "
+        "time: 1 - exposed / link busy.\n";
   md << "\nCost model: max relative error " << fixed(max_rel, 2)
      << " over the grid; at the machine's speed during each run (speed factor: the reference "
         "step timed in the run over the calibration's at the same P; the prediction's compute "

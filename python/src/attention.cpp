@@ -5,6 +5,8 @@
 // CPAttention is the *_qkv module boundary with handoff points on q, k and v (what the async
 // schedule starts its collectives at), installed once per configuration by the same
 // apply_context_parallel a model gets; auto_config asks the cost model for the configuration.
+#include <algorithm>
+
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/ATen.h>
@@ -164,19 +166,22 @@ AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_hea
   const auto legal = plan::legal_cp_configs(p, w);
   HP_CHECK(!legal.empty(), "algorithm='auto': no CP configuration is legal for ", heads,
            " query heads and ", kv_heads, " K/V heads on ", p, " ranks");
+  // The package's layer takes no ring_keep_blocks: the best of the choices without it.
   const auto ranked = plan::rank_cp_configs(calibration, p, w);
+  const auto& top = *std::find_if(ranked.begin(), ranked.end(),
+                                  [](const auto& r) { return !r.config.ring_keep_blocks; });
   int64_t mine = 0;
   for (size_t i = 0; i < legal.size(); ++i) {
     const auto& c = legal[i];
-    const auto& best = ranked.front().config;
-    if (c.algorithm == best.algorithm && c.schedule == best.schedule &&
+    const auto& best = top.config;
+    if (c.algorithm == best.algorithm && c.schedule == best.schedule && !c.ring_keep_blocks &&
         cp::ulysses_degree_of(c, p) == cp::ulysses_degree_of(best, p))
       mine = static_cast<int64_t>(i);
   }
   auto all = comm::all_gather(*g.group(), at::full({1}, mine, at::kLong), 0);
   const auto& chosen = legal.at(all[0].item<int64_t>());
   return {cp::to_string(chosen.algorithm), cp::ulysses_degree_of(chosen, p),
-          cp::to_string(chosen.schedule), plan::describe(ranked.front())};
+          cp::to_string(chosen.schedule), plan::describe(top)};
 }
 
 py::tuple linear_attention(TorchGroup& g, const std::string& kind, const std::string& mode,

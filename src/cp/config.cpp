@@ -96,6 +96,10 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
            "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
            " applies to algorithm=ulysses or usp with schedule=async (got ", c.algorithm.name(),
            ", ", to_string(c.schedule), "); drop it or use the async ulysses or usp schedule");
+  HP_CHECK(!c.ring_keep_blocks || c.algorithm.name() == CPAlgorithm::kRing ||
+               c.algorithm.name() == CPAlgorithm::kUsp,
+           "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp (got ",
+           c.algorithm.name(), "); drop it or use ring or usp");
   strategy->normalize(c, cp_size);
   HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
                      strategy->name(), "' left an invalid ulysses_degree");
@@ -182,7 +186,8 @@ std::string describe(const ContextParallelConfig& c, int64_t cp_size) {
                          " cp_size=", cp_size, " ulysses_degree=", ulysses_degree_of(c, cp_size),
                          " colossal_degree=", colossal_degree_of(c, cp_size),
                          " load_balance=", c.load_balance ? "true" : "false",
-                         c.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "");
+                         c.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "",
+                         c.ring_keep_blocks ? " ring_keep_blocks=true" : "");
 }
 
 }  // namespace hp::cp

@@ -143,12 +143,14 @@ struct RingGroup {
   int64_t head_offset = 0;
   std::vector<std::vector<int64_t>> chunks;  // [member] -> chunk ids
   int64_t chunk_len = 0;
+  bool keep_blocks = false;  // ContextParallelConfig::ring_keep_blocks
 };
 // Attention of q against the K/V blocks of every member of `ring`, each block shifted on while
 // the one here is attended; merged by log-sum-exp. Its backward passes the blocks around again
-// with their dK/dV accumulators and recomputes each block's attention, so no rank ever holds
-// more than two K/V blocks. The ring strategy runs it over the CP group, usp over the co-groups
-// after its Ulysses all-to-all.
+// with their dK/dV accumulators, so no rank ever holds more than two K/V blocks; with
+// keep_blocks, forward keeps the blocks that arrived and only the accumulators travel in
+// backward. The ring strategy runs it over the CP group, usp over the co-groups after its
+// Ulysses all-to-all.
 at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring);
 

@@ -24,14 +24,22 @@
 //     (a shift by P-J: the ring's next hop when J = P-1).
 //     The own block's calls run half before the ring (hiding the first shift) and half after
 //     it (hiding the accumulator's last hop); their dK/dV never travel.
+//   ring_keep_blocks: forward keeps every block that arrived (the whole K/V, as all_gather
+//     holds), so in backward only the accumulators travel (each flying while the next kept
+//     block's gradients compute) and the own block's calls all run after the ring, hiding the
+//     last hop.
 // Memory: the saved q, k, v, out, lse of this rank, and at most two K/V blocks (the one here and
 // the one arriving) in forward and in backward (never the whole sequence). The own block's
 // calls keep their autograd graph from forward (over one contiguous copy of each own key
 // chunk, shared by the calls that read it): only the blocks that travelled are recomputed.
 // From the statistics, forward keeps nothing beyond the saved q, k, v, out, lse.
-// Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size (with
-// documents J instead of P-1: the formula is their upper bound).
+// Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size, or the
+// accumulators alone with ring_keep_blocks (with documents J instead of P-1: the formula is
+// their upper bound).
 #include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -72,9 +80,10 @@ class RingStrategy final : public CPStrategy {
                                  int64_t) const override {
     return (p - 1) * block_bytes(p, s);  // P-1 shifts of the [k | v] block
   }
-  int64_t backward_bytes_per_rank(const ContextParallelConfig&, int64_t p, const AttentionShape& s,
-                                  int64_t) const override {
-    return 2 * (p - 1) * block_bytes(p, s);  // the blocks again, and P-1 accumulator shifts
+  int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t p,
+                                  const AttentionShape& s, int64_t) const override {
+    // P-1 accumulator shifts, and the blocks again unless forward kept them.
+    return (c.ring_keep_blocks ? 1 : 2) * (p - 1) * block_bytes(p, s);
   }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kSend, comm::OpKind::kRecv};
@@ -86,7 +95,7 @@ class RingStrategy final : public CPStrategy {
     const auto& t = *ctx.topology;
     const bool balanced = ctx.load_balance && t.cp_size > 1;
     if (balanced) detail::check_head_tail(q, ctx);
-    detail::RingGroup ring{t.cp, t.cp_rank, t.cp_size, 0, {}, 0};
+    detail::RingGroup ring{t.cp, t.cp_rank, t.cp_size, 0, {}, 0, ctx.ring_keep_blocks};
     const int64_t s = q.size(ctx.layout.seq_dim);
     for (int64_t r = 0; r < t.cp_size; ++r) {
       ring.chunks.push_back(balanced ? load_balance_chunks(r, t.cp_size) : std::vector{r});
@@ -212,6 +221,33 @@ struct KeptCall {
 };
 using KeptCalls = std::shared_ptr<std::vector<KeptCall>>;
 
+// The [k | v] block of each backward step 1..J: kept from forward (ring_keep_blocks; each
+// handed out once, so its memory goes as the backward passes it) or passed around the ring
+// again, each shift flying while the block here is used.
+class BackwardBlocks {
+ public:
+  // `kept`: [step] -> block, empty when the blocks travel again.
+  BackwardBlocks(const RingPlan& plan, std::shared_ptr<std::vector<at::Tensor>> kept)
+      : plan_(plan), kept_(std::move(kept)) {}
+  bool travel() const { return kept_->empty(); }
+  // Travelling blocks: the first shift, of this rank's own [k | v].
+  void start(const at::Tensor& own_kv) {
+    if (travel() && plan_.last_step >= 1) next_ = comm::shift_async(*plan_.ring.group, own_kv, 1);
+  }
+  // The block of rank r - step, step = 1 .. J in order.
+  at::Tensor take(int64_t step) {
+    if (!travel()) return std::exchange((*kept_)[static_cast<size_t>(step)], at::Tensor());
+    auto kv = next_();
+    next_ = step < plan_.last_step ? comm::shift_async(*plan_.ring.group, kv, 1) : comm::Pending();
+    return kv;
+  }
+
+ private:
+  const RingPlan& plan_;
+  std::shared_ptr<std::vector<at::Tensor>> kept_;
+  comm::Pending next_;
+};
+
 struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, std::shared_ptr<const RingPlan> plan) {
@@ -238,8 +274,12 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       l_rows.copy_(merged_l);
     };
     auto kept = std::make_shared<std::vector<KeptCall>>();
-    const bool keep =
-        !plan->from_stats && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    const bool grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
+    const bool keep = !plan->from_stats && grad;
+    // ring_keep_blocks: [step] -> the block that arrived for it (step 0, the own one, unused).
+    auto blocks = std::make_shared<std::vector<at::Tensor>>();
+    if (plan->ring.keep_blocks && grad && plan->last_step >= 1)
+      blocks->resize(static_cast<size_t>(plan->last_step + 1));
     auto kv = at::cat({k, v}, -1).contiguous();
     for (int64_t step = 0; step <= plan->last_step; ++step) {
       const int64_t src = (plan->ring.rank - step + plan->ring.size) % plan->ring.size;
@@ -275,7 +315,10 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
                                   value_part(*plan, kv, pair.kc), pair.st));
         }
       }
-      if (next) kv = next();  // at most two blocks alive: the one here and the one arriving
+      if (next) {
+        kv = next();  // at most two blocks alive (the one here and the one arriving) unless kept
+        if (!blocks->empty()) (*blocks)[static_cast<size_t>(step + 1)] = kv;
+      }
     }
     for (size_t i = 0; i < nq; ++i) {  // every query chunk meets its own keys (never hidden)
       HP_INTERNAL_ASSERT(out[i].defined(), "ring: query chunk ", i, " attended no block");
@@ -284,16 +327,19 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     ctx->save_for_backward({q, k, v, o, m});
     ctx->saved_data["plan"] = common::to_capsule(std::move(plan));
     ctx->saved_data["kept"] = common::to_capsule(std::move(kept));
+    ctx->saved_data["blocks"] = common::to_capsule(std::move(blocks));
     return o;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto plan = common::from_capsule<std::shared_ptr<const RingPlan>>(ctx->saved_data["plan"]);
     auto kept = common::from_capsule<KeptCalls>(ctx->saved_data["kept"]);
+    BackwardBlocks blocks(*plan, common::from_capsule<std::shared_ptr<std::vector<at::Tensor>>>(
+                                     ctx->saved_data["blocks"]));
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &o = saved[3], &m = saved[4];
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(o);
-    if (plan->from_stats) return stats_backward(*plan, saved, dout);
+    if (plan->from_stats) return stats_backward(*plan, saved, dout, blocks);
     auto dq = at::zeros_like(q);
     const int64_t p = plan->ring.size, r = plan->ring.rank;
     auto block_shape = saved[1].sizes().vec();
@@ -312,15 +358,12 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       }
     };
     const int64_t last = plan->last_step;
-    comm::Pending next;
     // The own [k | v] again, alive only until the first shift has landed (its Pending holds it).
-    if (last >= 1)
-      next = comm::shift_async(*plan->ring.group, at::cat({saved[1], saved[2]}, -1), 1);
-    own_half(0);             // the first half of the own block hides the first shift
-    comm::Pending arriving;  // the accumulator of the block here, from the previous rank
+    if (blocks.travel()) blocks.start(at::cat({saved[1], saved[2]}, -1));
+    if (blocks.travel()) own_half(0);  // the first half of the own block hides the first shift
+    comm::Pending arriving;            // the accumulator of the block here, from the previous rank
     for (int64_t step = 1; step <= last; ++step) {
-      auto kv = next();  // the block of rank r - step
-      next = step < last ? comm::shift_async(*plan->ring.group, kv, 1) : comm::Pending();
+      auto kv = blocks.take(step);  // the block of rank r - step
       auto acc = at::zeros_like(kv);
       compute(kv, (r - step + p) % p, acc);
       // The accumulator follows its block to rank r+1; after the last step it goes home (rank
@@ -328,6 +371,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       if (arriving) acc.add_(arriving());
       arriving = comm::shift_async(*plan->ring.group, acc, step < last ? 1 : p - last);
     }
+    if (!blocks.travel()) own_half(0);
     own_half(1);  // the second half hides the accumulator's last hop
     if (arriving) dkv += arriving();
 
@@ -340,7 +384,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   // dout) of the whole ring, with no forward recomputed and no graph kept from forward. The
   // blocks and accumulators travel as in the recomputing backward below.
   static variable_list stats_backward(const RingPlan& plan, const variable_list& saved,
-                                      const at::Tensor& dout) {
+                                      const at::Tensor& dout, BackwardBlocks& blocks) {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &m = saved[4];
     const auto& l = plan.layout;
     auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
@@ -362,13 +406,13 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
              plan.chunk(dv, pair.kc));
       }
     };
-    comm::Pending next;
-    if (last >= 1) next = comm::shift_async(*plan.ring.group, at::cat({k, v}, -1), 1);
-    own_half(0);  // hides the first shift
+    if (blocks.travel()) {
+      blocks.start(at::cat({k, v}, -1));
+      own_half(0);  // hides the first shift
+    }
     comm::Pending arriving;
     for (int64_t step = 1; step <= last; ++step) {
-      auto kv = next();  // the block of rank r - step
-      next = step < last ? comm::shift_async(*plan.ring.group, kv, 1) : comm::Pending();
+      auto kv = blocks.take(step);  // the block of rank r - step
       auto acc = at::zeros_like(kv);
       for (const auto& pair : pairs_for(plan, (r - step + p) % p)) {
         auto slot = plan.chunk(acc, pair.kc);
@@ -378,6 +422,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       if (arriving) acc.add_(arriving());
       arriving = comm::shift_async(*plan.ring.group, acc, step < last ? 1 : p - last);
     }
+    if (!blocks.travel()) own_half(0);
     own_half(1);  // hides the accumulator's last hop
     if (arriving) {
       auto home = arriving();

@@ -10,8 +10,8 @@
 //   all-to-all co-rank c holds the chunks of ranks cU .. cU+U-1 in that order, and the ring
 //   pairs chunks by their ids: every rank does the same causal work
 //   out [B, N/U, S/C, Dv] -- A2A in cp_ulysses --> [B, N, S/P, Dv]
-//   backward: the ring's backward (blocks again, each with its dK/dV accumulator), then the
-//   inverse all-to-alls.
+//   backward: the ring's backward (blocks again, each with its dK/dV accumulator; only the
+//   accumulators with ring_keep_blocks), then the inverse all-to-alls.
 //   Async: the all-to-alls start at the handoff points; the ring overlaps itself. With
 //   cp_config.ulysses_head_groups = G > 1 (default 1 for usp) the heads run in G groups: a ring
 //   per group, whose output all-to-all starts as soon as it is done and flies while the next
@@ -42,14 +42,15 @@ class UspStrategy final : public detail::UlyssesMoves {
     return {comm::OpKind::kAllToAll, comm::OpKind::kSend, comm::OpKind::kRecv};
   }
   // Forward: the default composition (the ring's C-1 shifts move what an all-gather across the
-  // groups would). Backward: the same, plus the ring's C-1 accumulator shifts of one block each.
+  // groups would). Backward: the same (the inverse all-to-alls and the C-1 accumulator shifts,
+  // one block each), plus the blocks again unless the ring keeps them (ring_keep_blocks).
   int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t p,
                                   const AttentionShape& s, int64_t cp_rank) const override {
     const int64_t u = ulysses_degree_of(c, p), groups = p / u;
     const int64_t heads = repeats_kv(c.kv_head_policy, u, s.kv_heads) ? 1 : s.kv_heads / u;
     const int64_t block =
         (s.seq / groups) * heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch * s.element_size;
-    return forward_bytes_per_rank(c, p, s, cp_rank) + (groups - 1) * block;
+    return forward_bytes_per_rank(c, p, s, cp_rank) + (c.ring_keep_blocks ? 0 : groups - 1) * block;
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -73,7 +74,8 @@ class UspStrategy final : public detail::UlyssesMoves {
     const auto& t = *ctx.topology;
     select_repeated_kv(k, v, ctx);
     detail::RingGroup ring{
-        t.co, t.co_rank, t.colossal_degree, t.ulysses_rank * q.size(ctx.layout.heads_dim), {}, 0};
+        t.co, t.co_rank, t.colossal_degree,   t.ulysses_rank * q.size(ctx.layout.heads_dim),
+        {},   0,         ctx.ring_keep_blocks};
     // After the all-to-all a co-rank holds its Ulysses group's shards in rank order: the
     // contiguous range c of C, or (head-tail balance) the two chunks of each member.
     const int64_t s = q.size(ctx.layout.seq_dim), u = t.ulysses_degree, p = t.cp_size;

@@ -125,10 +125,11 @@ std::string default_calibration_path(const std::string& link) {
 
 std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkload& w) {
   std::vector<cp::ContextParallelConfig> out;
-  auto add = [&](cp::CPAlgorithm a, std::optional<int64_t> u) {
+  auto add = [&](cp::CPAlgorithm a, std::optional<int64_t> u, bool keep_blocks = false) {
     for (auto s : {cp::CPSchedule::kSync, cp::CPSchedule::kAsync}) {
       cp::ContextParallelConfig c;
       c.algorithm = a;
+      c.ring_keep_blocks = keep_blocks;
       c.ulysses_degree = u;
       c.schedule = s;
       // Every strategy that has head-tail balance gets it (ulysses needs none).
@@ -148,7 +149,8 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
   if (p < 2) return out;
   add(cp::CPAlgorithm::kAllGather, std::nullopt);
   add(cp::CPAlgorithm::kUlysses, std::nullopt);
-  add(cp::CPAlgorithm::kRing, std::nullopt);
+  for (bool keep : {false, true})
+    add(cp::CPAlgorithm::kRing, std::nullopt, keep);
   for (int64_t u = 2; u < p; ++u) {
     if (p % u == 0) {
       add(cp::CPAlgorithm::kHybrid, u);
@@ -181,7 +183,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const bool grouped =
       config.algorithm == cp::CPAlgorithm::kHybrid || config.algorithm == cp::CPAlgorithm::kUsp;
   out.name = cp::to_string(config.algorithm) + (grouped ? "(U=" + std::to_string(u) + ")" : "") +
-             "/" + cp::to_string(config.schedule);
+             (config.ring_keep_blocks ? "(kept)" : "") + "/" + cp::to_string(config.schedule);
   const int ranks = w.ranks_on_node > 0 ? w.ranks_on_node : static_cast<int>(p);
   const double share = std::min(1.0, static_cast<double>(cal.cores) / ranks);
   const double s = static_cast<double>(w.seq), b = static_cast<double>(w.batch);
@@ -226,18 +228,19 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   }
   double ring_exposed = 0;
   if (c > 1 && ring) {
-    // C-1 shifts of the [k | v] block forward; backward the blocks again and C-1 accumulators.
-    // Each shift flies while a block is attended: exposed is what a step's transfers take
-    // beyond the step's attention (forward 1 unit; backward 2.5, and 3.5 where the block's
-    // forward is recomputed).
+    // C-1 shifts of the [k | v] block forward; backward the blocks again (unless forward kept
+    // them: ring_keep_blocks) and C-1 accumulators. Each shift flies while a block is
+    // attended: exposed is what a step's transfers take beyond the step's attention (forward 1
+    // unit; backward 2.5, and 3.5 where the block's forward is recomputed).
     const double block = local * 2 * hkv * e;
     const double shift = cal.fit("all_to_all", p).time(block);
     const double unit = one_pass_s / 3.5 / static_cast<double>(c);  // one forward of one step
     const double fwd_step = unit, bwd_step = (recompute ? 3.5 : 2.5) * unit;
     const double steps = static_cast<double>(c - 1);
-    late += 3 * steps * shift;
-    ring_exposed =
-        steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, 2 * shift - bwd_step);
+    const double bwd_shifts = config.ring_keep_blocks ? 1 : 2;
+    late += (1 + bwd_shifts) * steps * shift;
+    ring_exposed = steps * std::max(0.0, shift - fwd_step) +
+                   steps * std::max(0.0, bwd_shifts * shift - bwd_step);
   } else if (c > 1) {
     const double n = local * hkv * e;  // per rank, per tensor
     const auto& ag = cal.fit("all_gather", p);

@@ -42,11 +42,13 @@ struct Case {
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
   int64_t head_groups = 0;          // async ulysses, usp (0: automatic)
   bool always_local_first = false;  // async all_gather and hybrid
+  bool keep_blocks = false;         // ring, usp
   std::string primitive = "blockwise";
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
     if (primitive != "blockwise") n += " primitive=" + primitive;
     if (always_local_first) n += " always_local_first";
+    if (keep_blocks) n += " keep_blocks";
     if (head_groups > 0) n += " head_groups=" + std::to_string(head_groups);
     if (load_balance) n += std::string("+lb:") + to_string(form);
     if (kv_policy == KVHeadPolicy::kRepeat)
@@ -65,6 +67,7 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   cfg.kv_head_policy = c.kv_policy;
   if (schedule == CPSchedule::kAsync) cfg.ulysses_head_groups = c.head_groups;
   cfg.async_always_local_first = c.always_local_first;
+  cfg.ring_keep_blocks = c.keep_blocks;
   return *normalize(cfg, p);
 }
 
@@ -183,6 +186,21 @@ TEST(CPFloat64, UspRepeatsKVHeads) {
 }
 TEST(CPFloat64, RingHeadTailDataOrder) {
   run_grid({"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
+}
+// ring_keep_blocks: forward keeps the blocks that arrived and backward sends only the
+// accumulators; the same gradients from the merged statistics (blockwise) and from the
+// recomputing backward (math), balanced and not, and through usp's rings.
+TEST(CPFloat64, RingKeepBlocks) {
+  for (bool lb : {false, true}) {
+    Case c{"ring", std::nullopt, lb, LoadBalanceForm::kDataOrder};
+    c.keep_blocks = true;
+    run_grid(c, {2, 3, 4});
+    c.primitive = "math";
+    run_grid(c, {3});
+  }
+  Case u{"usp", 2, true, LoadBalanceForm::kDataOrder};
+  u.keep_blocks = true;
+  run_grid(u, {4});
 }
 // The ring's recomputing backward: the math primitive offers no backward_from_stats, so each
 // travelled block's calls are recomputed and the own block's graphs kept from forward (the
@@ -350,6 +368,10 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
     c.always_local_first = true;
     return c;
   };
+  auto kept = [](Case c) {
+    c.keep_blocks = true;
+    return c;
+  };
   const std::vector<std::pair<Case, std::vector<int>>> grid = {
       {local_first({"all_gather", std::nullopt}), {3}},
       {local_first({"all_gather", std::nullopt, true}), {2, 4}},
@@ -362,6 +384,7 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
       {local_first({"hybrid", 2, true, LoadBalanceForm::kDataOrder}), {4}},
       {{"ring", std::nullopt}, {2, 3, 4}},
       {{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3}},
+      {kept({"ring", std::nullopt}), {3, 4}},
       {{"usp", 2}, {4}},
       {{"usp", 2, true, LoadBalanceForm::kDataOrder}, {4}}};
   for (const auto& [c, ps] : grid) {
@@ -405,15 +428,32 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
   }
 }
 
+void run_ring_schedule(bool keep);
+
 // The ring's schedule: P-1 shifts of this rank's [k | v] block forward (receive from the previous
 // rank, send to the next). Backward passes the blocks the same way again: the first shift,
 // then per step the next block's shift and the dK/dV accumulator's (the same shape), the last
-// step only the accumulator's, which brings it home: 2(P-1) shifts. Counted bytes equal the
-// forward and backward formulas, and the gradients the float64 reference (CPFloat64.Ring).
+// step only the accumulator's, which brings it home: 2(P-1) shifts. With ring_keep_blocks
+// forward is the same and backward shifts only the P-1 accumulators (all_gather's bytes).
+// Counted bytes equal the forward and backward formulas, and the gradients the float64
+// reference (CPFloat64.Ring, CPFloat64.RingKeepBlocks). Kept blocks apply to ring and usp only.
 TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
+  for (bool keep : {false, true}) {
+    SCOPED_TRACE(keep ? "ring_keep_blocks" : "blocks travel again");
+    run_ring_schedule(keep);
+  }
+  ContextParallelConfig cfg;
+  cfg.ring_keep_blocks = true;
+  HP_EXPECT_ERROR(normalize(cfg, 2),
+                  "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp (got "
+                  "all_gather); drop it or use ring or usp");
+}
+
+void run_ring_schedule(bool keep) {
   const int p = 3;
   ContextParallelConfig cfg;
   cfg.algorithm = "ring";
+  cfg.ring_keep_blocks = keep;
   const auto norm = *normalize(cfg, p);
   run_ranks(p, [&](comm::World& w) {
     Direct m(true);
@@ -434,7 +474,7 @@ TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
     std::vector<std::string> fwd, bwd;
     for (int i = 0; i < p - 1; ++i)
       fwd.insert(fwd.end(), step.begin(), step.end());
-    for (int i = 0; i < 2 * (p - 1); ++i)
+    for (int i = 0; i < (keep ? 1 : 2) * (p - 1); ++i)
       bwd.insert(bwd.end(), step.begin(), step.end());
     EXPECT_EQ(rec.schedule(), fwd);
     const AttentionShape shape{kS, kNq, kNkv, kDqk, 1, 8, kDv};

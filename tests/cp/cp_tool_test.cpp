@@ -60,7 +60,9 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
         Case{"hybrid", 4, 2, "sdpa_hf", true, " --load-balance"},
         Case{"ring", 4, 0, "sdpa_qkv", true}, Case{"usp", 4, 2, "sdpa_hf", true},
         Case{"usp", 4, 2, "sdpa_qkv", false, " --load-balance"},
-        Case{"ring", 3, 0, "sdpa_hf", false, " --load-balance --load-balance-form data_order"}}) {
+        Case{"ring", 3, 0, "sdpa_hf", false, " --load-balance --load-balance-form data_order"},
+        Case{"ring", 4, 0, "sdpa_qkv", false, " --load-balance --ring-keep-blocks"},
+        Case{"ulysses", 2, 0, "sdpa_qkv", true, " --schedule async --ulysses-head-groups 2"}}) {
     auto lay = [&](const at::Tensor& t) { return c.bshd ? t.transpose(1, 2).contiguous() : t; };
     c10::Dict<std::string, at::Tensor> in;
     in.insert("q", lay(q));
@@ -196,6 +198,16 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   EXPECT_EQ(s.rc, 1);
   EXPECT_NE(s.out.find("sequence length 6 is not divisible by 4 (cp_size)"), std::string::npos)
       << s.out;
+  // --ulysses-head-groups and --ring-keep-blocks reach the configuration (checked there).
+  auto g = run(base + " --cp 2 --cp-algo ulysses --schedule async --ulysses-head-groups 3");
+  EXPECT_EQ(g.rc, 1);
+  EXPECT_NE(g.out.find("cp_config.ulysses_head_groups=3 does not divide"), std::string::npos)
+      << g.out;
+  auto kb = run(base + " --cp 2 --ring-keep-blocks");
+  EXPECT_EQ(kb.rc, 1);
+  EXPECT_NE(kb.out.find("cp_config.ring_keep_blocks=true applies to algorithm=ring or usp"),
+            std::string::npos)
+      << kb.out;
   auto h = run(base + " --cp 2 --cp-algo ulysses --ulysses-degree 2 --adapter sdpa_qkv");
   EXPECT_EQ(h.rc, 0) << h.out;
   auto m = run(std::string(HP_CP_RUN_BINARY) + " --input " + dir + "/missing.pt --output x");

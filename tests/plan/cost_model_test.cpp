@@ -1,5 +1,6 @@
 // The CP cost model: legal candidates, the shape of its predictions on synthetic calibrations,
 // calibration files, and the planner's --cp-algo auto (choice and log).
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -72,7 +73,8 @@ TEST(CostModel, LegalCandidatesFollowTheHeadChecks) {
   auto names = [](int64_t p, const CPWorkload& w) {
     std::vector<std::string> out;
     for (const auto& c : legal_cp_configs(p, w)) {
-      out.push_back(std::string(cp::to_string(c.algorithm)) + "/" + cp::to_string(c.schedule) +
+      out.push_back(std::string(cp::to_string(c.algorithm)) + (c.ring_keep_blocks ? "(kept)" : "") +
+                    "/" + cp::to_string(c.schedule) +
                     (c.ulysses_degree ? "/U" + std::to_string(*c.ulysses_degree) : ""));
     }
     return out;
@@ -80,9 +82,10 @@ TEST(CostModel, LegalCandidatesFollowTheHeadChecks) {
   // kv_heads = 2 over 4 ranks: Ulysses is illegal, hybrid and usp with U=2 are legal.
   EXPECT_EQ(names(4, workload(8, 2)),
             (std::vector<std::string>{"all_gather/sync/U1", "all_gather/async/U1", "ring/sync/U1",
-                                      "ring/async/U1", "hybrid/sync/U2", "hybrid/async/U2",
-                                      "usp/sync/U2", "usp/async/U2"}));
-  EXPECT_EQ(names(2, workload()).size(), 6u);  // all_gather, ulysses, ring
+                                      "ring/async/U1", "ring(kept)/sync/U1", "ring(kept)/async/U1",
+                                      "hybrid/sync/U2", "hybrid/async/U2", "usp/sync/U2",
+                                      "usp/async/U2"}));
+  EXPECT_EQ(names(2, workload()).size(), 8u);  // all_gather, ulysses, ring, ring(kept)
   EXPECT_TRUE(legal_cp_configs(1, workload()).empty());
 }
 
@@ -235,6 +238,24 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   const double block = 4.0 * (w.seq / 4) * 2 * w.kv_heads * w.head_dim;
   const auto& fit = slow.fit("all_to_all", 4);
   EXPECT_NEAR(ring.comm_s, 9 * fit.time(block), 1e-9 * ring.comm_s);
+  // Kept blocks (ring_keep_blocks): only the accumulators travel in backward, 2(P-1) blocks in
+  // all, all_gather's bytes; each backward shift is one block behind a step's attention, so on
+  // a link slow enough for the ring to expose time, less is exposed; the compute is the same.
+  auto kept_cfg = config("ring", true);
+  kept_cfg.ring_keep_blocks = true;
+  EXPECT_EQ(predict_cp_step(slow, kept_cfg, 4, w).name, "ring(kept)/sync");
+  EXPECT_NEAR(predict_cp_step(slow, kept_cfg, 4, w).comm_s, 6 * fit.time(block),
+              1e-9 * ring.comm_s);
+  auto slower = synthetic(1.0 / 10e6);
+  const auto ring_slower = predict_cp_step(slower, config("ring", true), 4, w);
+  const auto kept = predict_cp_step(slower, kept_cfg, 4, w);
+  const double shift = slower.fit("all_to_all", 4).time(block);
+  const double fwd_step = ag.compute_s / 3.5 / 4;  // one step's forward attention
+  ASSERT_GT(shift, 2.5 * fwd_step);                // both forms expose time on this link
+  EXPECT_DOUBLE_EQ(kept.compute_s, ring_slower.compute_s);
+  EXPECT_NEAR(kept.exposed_comm_s, 3 * (shift - fwd_step) + 3 * (shift - 2.5 * fwd_step),
+              1e-9 * kept.comm_s);
+  EXPECT_NEAR(ring_slower.exposed_comm_s - kept.exposed_comm_s, 3 * shift, 1e-9 * kept.comm_s);
 }
 
 // Where the primitive offers no backward from statistics (ring_recomputes), the ring's compute

@@ -50,8 +50,10 @@ int64_t cp_layer_bytes(const json& m) {
   const int64_t e = 4;
   if (m["algorithm"] == "all_gather") return 2 * (2 * s * hkv * e * (p - 1) / p);
   if (m["algorithm"] == "ulysses") return 2 * ((2 * h + 2 * hkv) * (s / p) * e * (p - 1) / p);
-  // ring: P-1 block shifts forward; backward the blocks again and P-1 dK/dV accumulators.
-  if (m["algorithm"] == "ring") return 3 * (p - 1) * (s / p) * 2 * hkv * e;
+  // ring: P-1 block shifts forward; backward the blocks again (unless kept: ring_keep_blocks)
+  // and P-1 dK/dV accumulators.
+  if (m["algorithm"] == "ring")
+    return (m["ring_keep_blocks"].get<bool>() ? 2 : 3) * (p - 1) * (s / p) * 2 * hkv * e;
   ADD_FAILURE() << "no formula here for " << m["algorithm"];
   return -1;
 }
@@ -126,8 +128,8 @@ TEST(Report, CalibrateAutoAndReport) {
                 1e-9 * calibration["attention_gflops"].get<double>());
     int reproduced = 0;
     for (const auto& r : runs) {
-      const double residual = r["measured_step_s"].get<double>() -
-                              r["exposed_comm_and_projections_s"].get<double>();
+      const double residual =
+          r["measured_step_s"].get<double>() - r["exposed_comm_and_projections_s"].get<double>();
       const double fitted = r["attention_at_one_process_rate_s"].get<double>() * x +
                             r["local_tokens_per_core"].get<double>() * per_token;
       if (std::abs(residual - fitted) <= 1e-9 * (1 + std::abs(residual))) ++reproduced;
@@ -178,7 +180,8 @@ TEST(Report, CalibrateAutoAndReport) {
     EXPECT_GT(step, 0) << name;
   }
   EXPECT_EQ(names, (std::set<std::string>{"all_gather/sync", "all_gather/async", "ulysses/sync",
-                                          "ulysses/async", "ring/sync", "ring/async"}))
+                                          "ulysses/async", "ring/sync", "ring/async",
+                                          "ring(kept)/sync", "ring(kept)/async"}))
       << a.out;
   ASSERT_FALSE(predicted.empty()) << a.out;
   const auto cheapest =
@@ -199,11 +202,13 @@ TEST(Report, CalibrateAutoAndReport) {
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = json::parse(std::ifstream(dir + "/out/results.json"));
 
-  // The grid at P = 2, S = 512: all_gather and ring (head-tail balance) and ulysses, each sync
-  // and async, plus contiguous all_gather (sync) at the largest S.
+  // The grid at P = 2, S = 512: all_gather and ring (head-tail balance; the ring also with
+  // kept blocks) and ulysses, each sync and async, plus contiguous all_gather (sync) at the
+  // largest S.
   const std::set<std::string> candidates{"all_gather/sync", "all_gather/async", "ulysses/sync",
-                                         "ulysses/async",   "ring/sync",        "ring/async"};
-  ASSERT_EQ(j["measurements"].size(), 7u);
+                                         "ulysses/async",   "ring/sync",        "ring/async",
+                                         "ring(kept)/sync", "ring(kept)/async"};
+  ASSERT_EQ(j["measurements"].size(), 9u);
   std::map<std::string, json> by_name;
   double max_rel = 0, max_rel_at_speed = 0;
   std::set<double> references;  // one per run: its sync and async results share it
@@ -220,6 +225,7 @@ TEST(Report, CalibrateAutoAndReport) {
                             "causal",
                             "projections",
                             "load_balance",
+                            "ring_keep_blocks",
                             "link",
                             "step_time_s",
                             "exposed_comm_s",
@@ -243,7 +249,9 @@ TEST(Report, CalibrateAutoAndReport) {
     const bool contiguous = name == "all_gather(contiguous)/sync";
     EXPECT_TRUE(contiguous || candidates.count(name)) << name;
     // The name says what ran.
-    EXPECT_EQ(name, m["algorithm"].get<std::string>() + (contiguous ? "(contiguous)" : "") + "/" +
+    EXPECT_EQ(name, m["algorithm"].get<std::string>() +
+                        (m["ring_keep_blocks"].get<bool>() ? "(kept)" : "") +
+                        (contiguous ? "(contiguous)" : "") + "/" +
                         m["schedule"].get<std::string>());
     EXPECT_EQ(m["load_balance"],
               (m["algorithm"] == "all_gather" || m["algorithm"] == "ring") && !contiguous)
@@ -299,7 +307,7 @@ TEST(Report, CalibrateAutoAndReport) {
   EXPECT_EQ(measured, grid);
   EXPECT_DOUBLE_EQ(j["cost_model"]["max_rel_error"].get<double>(), max_rel);
   EXPECT_DOUBLE_EQ(j["cost_model"]["max_rel_error_at_speed"].get<double>(), max_rel_at_speed);
-  EXPECT_EQ(references.size(), 4u);  // four runs (four distinct timings)
+  EXPECT_EQ(references.size(), 5u);  // five runs (five distinct timings)
 
   // auto: predictions for exactly the candidates, ascending; the choice is the cheapest
   // prediction, its time is its measurement, the best is the fastest measured candidate.
@@ -341,7 +349,8 @@ TEST(Report, CalibrateAutoAndReport) {
   int cp_commands = 0;
   for (const auto& cmd : j["commands"])
     cp_commands += cmd.get<std::string>().find(" cp --seq 512 ") != std::string::npos;
-  EXPECT_EQ(cp_commands, 4);  // balanced all_gather, ulysses, ring (each sync + async), contiguous
+  // balanced all_gather, ulysses, ring, ring with kept blocks (each sync + async), contiguous
+  EXPECT_EQ(cp_commands, 5);
 
   // results.md: a row per measurement with its numbers, the cost model line, the auto row.
   const std::string md = read_file(dir + "/out/results.md");

@@ -66,6 +66,12 @@ struct ContextParallelConfig {
   // default: the split into local and remote calls merged by log-sum-exp only pays while there
   // is something to hide), or still attends the local chunks first and the rest after (true).
   bool async_always_local_first = false;
+  // Ring and usp: forward keeps every K/V block that arrives, so the backward sends only the
+  // dK/dV accumulators around the ring, not the blocks again: the bytes of all_gather (2(C-1)
+  // blocks per step instead of 3(C-1)) with the ring's overlap, for the memory of all_gather
+  // (the co group's whole K/V instead of at most two blocks). false (the default): at most two
+  // blocks alive, the blocks travel again in backward.
+  bool ring_keep_blocks = false;
 };
 
 const std::string& to_string(const CPAlgorithm& a);  // the strategy name

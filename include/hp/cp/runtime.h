@@ -23,6 +23,7 @@ struct CPRuntimeOptions {
   KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
   int64_t ulysses_head_groups = 0;        // async ulysses, usp (ContextParallelConfig)
   bool async_always_local_first = false;  // async all_gather, hybrid (ContextParallelConfig)
+  bool ring_keep_blocks = false;          // ring, usp (ContextParallelConfig)
 };
 
 class CPRuntime final : public attention::AttentionInterceptor,

@@ -73,6 +73,8 @@ struct CPRuntimeContext {
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid (ContextParallelConfig::async_always_local_first).
   bool async_always_local_first = false;
+  // Ring and usp (ContextParallelConfig::ring_keep_blocks).
+  bool ring_keep_blocks = false;
   // Async schedule: the runtime skipped this call's moves at the handoff points, because the
   // options announced before the projections made them useless (CPStrategy::skips_moves).
   bool moves_skipped = false;

@@ -102,11 +102,12 @@ struct CPWorkload {
 
 struct CPPrediction {
   cp::ContextParallelConfig config;
-  std::string name;  // "ulysses/async", "hybrid(U=2)/sync", ...
+  std::string name;  // "ulysses/async", "hybrid(U=2)/sync", "ring(kept)/sync", ...
   double compute_s = 0, comm_s = 0, exposed_comm_s = 0, step_s = 0;
 };
 
-// Every legal (algorithm, ulysses_degree, schedule) for P ranks and these heads.
+// Every legal (algorithm, ulysses_degree, schedule) for P ranks and these heads; the ring also
+// with ring_keep_blocks (all_gather's bytes and memory).
 std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkload& w);
 CPPrediction predict_cp_step(const Calibration& c, const cp::ContextParallelConfig& config,
                              int64_t p, const CPWorkload& w);
