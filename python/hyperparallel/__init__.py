@@ -112,7 +112,7 @@ def _document_ids(mask, q, layout, group_size):
 def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulysses_degree=None,
                                causal=False, layout="bshd", load_balance=False, schedule="sync",
                                scale=None, mask=None, kv_head_policy="error", head_groups=0,
-                               primitive="blockwise"):
+                               primitive="blockwise", ring_keep_blocks=False):
     """Attention of this rank's queries over the whole sequence held by ``group``'s ranks.
 
     q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] (``layout='bshd'``; ``'bnsd'``: heads before
@@ -128,6 +128,9 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     document. kv_head_policy: error | repeat (K/V heads fewer than the Ulysses degree).
     head_groups: async ulysses or usp, this rank's heads in that many groups whose output
     all-to-alls fly while the next group is attended (0: automatic; usp's automatic count is 1).
+    ring_keep_blocks: ring or usp, forward keeps the K/V blocks that arrived so backward sends
+    only the dK/dV accumulators (all_gather's bytes and memory with the ring's overlap).
+    ``algorithm='auto'`` chooses among the configurations without it.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -148,7 +151,8 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
                                         load_balance, primitive)
         algorithm, ulysses_degree, schedule, _ = _auto[key]
     args = (algorithm, ulysses_degree, bool(causal), layout, bool(load_balance), schedule,
-            None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive)
+            None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive,
+            bool(ring_keep_blocks))
     key = (g,) + args
     attn = _attention.get(key)
     if attn is None:  # installed once per configuration (it must outlive its backward)
@@ -261,7 +265,8 @@ def plan(world_size, **options):
     runs before a collective. Options: arch (qwen3 | qwen3-moe | qwen3.5 | kimi-linear), tp, cp,
     dp_shard, dp_replicate, ep, seq_len, batch, the model sizes (layers, hidden, heads, kv_heads,
     head_dim, ffn, vocab, experts, top_k, layer_pattern, mixer, value_heads), the CP choice
-    (algorithm, ulysses_degree, schedule, load_balance, kv_head_policy, head_groups) and the
+    (algorithm, ulysses_degree, schedule, load_balance, kv_head_policy, head_groups,
+    ring_keep_blocks) and the
     per-layer-type CP (linear_cp_mode, state_exchange, mla_cp).
 
     Returns a dict: summary, mesh, cp, modules (path -> kind), ep, has_moe,

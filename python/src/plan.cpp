@@ -61,8 +61,9 @@ const std::map<std::string, Setter>& setters() {
   };
   return s;
 }
-const std::vector<std::string> kCPKeys = {"algorithm",    "ulysses_degree", "schedule",
-                                          "load_balance", "kv_head_policy", "head_groups"};
+const std::vector<std::string> kCPKeys = {"algorithm",       "ulysses_degree", "schedule",
+                                          "load_balance",    "kv_head_policy", "head_groups",
+                                          "ring_keep_blocks"};
 
 std::string valid_keys() {
   std::string out = "arch";
@@ -96,6 +97,7 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
       if (key == "kv_head_policy")
         c.kv_head_policy = cp::parse_kv_head_policy(value.cast<std::string>());
       if (key == "head_groups") c.ulysses_head_groups = value.cast<int64_t>();
+      if (key == "ring_keep_blocks") c.ring_keep_blocks = value.cast<bool>();
       continue;
     }
     auto it = setters().find(key);

@@ -46,6 +46,9 @@ def cases(p):
             for schedule in ("sync", "async"):
                 yield dict(algorithm=algorithm, causal=True, layout="bshd", schedule=schedule,
                            load_balance=True)
+        if algorithm in ("ring", "usp"):  # forward keeps the blocks, backward sends accumulators
+            yield dict(algorithm=algorithm, causal=True, layout="bnsd", schedule="async",
+                       load_balance=True, ring_keep_blocks=True)
 
 
 def run_case(rank, p, case, seed, hkv=HKV, mask=None, dtype=torch.float64):

@@ -106,7 +106,14 @@ INSTANTIATE_TEST_SUITE_P(
                "load_balance=data_order"},
         Layout{"gated_tp2_ring_balanced",
                "--nproc 4 --cp 2 --tp 2 --layer-pattern AG --cp-algo ring --load-balance", "qwen3",
-               "algorithm=ring"}),
+               "algorithm=ring"},
+        Layout{"ring_kept_blocks",
+               "--nproc 2 --cp 2 --cp-algo ring --load-balance --ring-keep-blocks", "qwen3",
+               "ring_keep_blocks=true"},
+        Layout{"usp_kept_blocks_async",
+               "--nproc 4 --cp 4 --cp-algo usp --ulysses-degree 2 --schedule async "
+               "--ring-keep-blocks",
+               "qwen3", "ring_keep_blocks=true"}),
     [](const auto& info) { return info.param.name; });
 
 // Each family learns the copy task (the softmax layers carry the copy; linear-heavy stacks learn
