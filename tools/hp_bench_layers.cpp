@@ -134,13 +134,6 @@ void resolve_cp_config(CPArgs& a) {
   }
 }
 
-// Whether result r ran with ring_keep_blocks (the layer under test; a --paired-with layer is
-// all_gather, ulysses or ring without it).
-bool kept_blocks(const CPArgs& a, const hp::bench::CPBenchResult& r) {
-  return a.bench.config.ring_keep_blocks &&
-         r.algorithm == hp::cp::to_string(a.bench.config.algorithm);
-}
-
 nlohmann::json cp_results_json(const CPArgs& a,
                                const std::vector<hp::bench::CPBenchResult>& results, int threads) {
   nlohmann::json list = nlohmann::json::array();
@@ -159,7 +152,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"documents", a.bench.documents},
                     {"ulysses_head_groups", a.bench.config.ulysses_head_groups},
                     {"always_local_first", a.bench.config.async_always_local_first},
-                    {"ring_keep_blocks", kept_blocks(a, r)},
+                    {"ring_keep_blocks", r.ring_keep_blocks},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},
@@ -196,7 +189,7 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
         "bytes/rank (formula %lld); peak RSS %.0f MiB, a step's own peak %.0f MiB, its "
         "tensors' peak %.0f MiB (max rank)%s\n  exposed comm "
         "%.3f s/step%s%s\n",
-        (r.algorithm + (kept_blocks(a, r) ? "(kept)" : "")).c_str(), r.schedule.c_str(),
+        (r.algorithm + (r.ring_keep_blocks ? "(kept)" : "")).c_str(), r.schedule.c_str(),
         (long long)r.cp, (long long)r.ulysses_degree, (long long)r.seq, (long long)a.bench.heads,
         (long long)a.bench.kv_heads, (long long)a.bench.head_dim, a.bench.causal ? "yes" : "no",
         a.bench.projections ? " +projections" : "", threads, r.step_time_s,

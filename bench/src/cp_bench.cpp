@@ -250,6 +250,7 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
   CPBenchResult r;
   r.algorithm = cp::to_string(var.config.algorithm);
   r.schedule = cp::to_string(var.config.schedule);
+  r.ring_keep_blocks = var.config.ring_keep_blocks;
   r.cp = p;
   r.ulysses_degree = cp::ulysses_degree_of(var.config, p);
   r.seq = o.seq;

@@ -230,9 +230,9 @@ class BackwardBlocks {
   BackwardBlocks(const RingPlan& plan, std::shared_ptr<std::vector<at::Tensor>> kept)
       : plan_(plan), kept_(std::move(kept)) {}
   bool travel() const { return kept_->empty(); }
-  // Travelling blocks: the first shift, of this rank's own [k | v].
+  // Travelling blocks (travel()): the first shift, of this rank's own [k | v].
   void start(const at::Tensor& own_kv) {
-    if (travel() && plan_.last_step >= 1) next_ = comm::shift_async(*plan_.ring.group, own_kv, 1);
+    if (plan_.last_step >= 1) next_ = comm::shift_async(*plan_.ring.group, own_kv, 1);
   }
   // The block of rank r - step, step = 1 .. J in order.
   at::Tensor take(int64_t step) {
@@ -359,9 +359,11 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     };
     const int64_t last = plan->last_step;
     // The own [k | v] again, alive only until the first shift has landed (its Pending holds it).
-    if (blocks.travel()) blocks.start(at::cat({saved[1], saved[2]}, -1));
-    if (blocks.travel()) own_half(0);  // the first half of the own block hides the first shift
-    comm::Pending arriving;            // the accumulator of the block here, from the previous rank
+    if (blocks.travel()) {
+      blocks.start(at::cat({saved[1], saved[2]}, -1));
+      own_half(0);  // the first half of the own block hides the first shift
+    }
+    comm::Pending arriving;  // the accumulator of the block here, from the previous rank
     for (int64_t step = 1; step <= last; ++step) {
       auto kv = blocks.take(step);  // the block of rank r - step
       auto acc = at::zeros_like(kv);

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -186,28 +187,22 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   save_dict(dir + "/bad_in.pt", in);
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + dir +
                            "/bad_in.pt --output " + dir + "/bad_out.pt";
-  auto a = run(base + " --cp 2 --schedule later");
-  EXPECT_EQ(a.rc, 1);
-  EXPECT_NE(a.out.find("cp schedule 'later' is not valid; valid: sync, async"), std::string::npos)
-      << a.out;
-  auto lb = run(base + " --cp 2 --cp-algo ulysses --load-balance");
-  EXPECT_EQ(lb.rc, 1);
-  EXPECT_NE(lb.out.find("load_balance=true requires algorithm=all_gather"), std::string::npos)
-      << lb.out;
-  auto s = run(base + " --cp 4");
-  EXPECT_EQ(s.rc, 1);
-  EXPECT_NE(s.out.find("sequence length 6 is not divisible by 4 (cp_size)"), std::string::npos)
-      << s.out;
+  // Each refused before any compute (exit 1), the message naming what to change;
   // --ulysses-head-groups and --ring-keep-blocks reach the configuration (checked there).
-  auto g = run(base + " --cp 2 --cp-algo ulysses --schedule async --ulysses-head-groups 3");
-  EXPECT_EQ(g.rc, 1);
-  EXPECT_NE(g.out.find("cp_config.ulysses_head_groups=3 does not divide"), std::string::npos)
-      << g.out;
-  auto kb = run(base + " --cp 2 --ring-keep-blocks");
-  EXPECT_EQ(kb.rc, 1);
-  EXPECT_NE(kb.out.find("cp_config.ring_keep_blocks=true applies to algorithm=ring or usp"),
-            std::string::npos)
-      << kb.out;
+  const std::pair<const char*, const char*> refused[] = {
+      {" --cp 2 --schedule later", "cp schedule 'later' is not valid; valid: sync, async"},
+      {" --cp 2 --cp-algo ulysses --load-balance",
+       "load_balance=true requires algorithm=all_gather"},
+      {" --cp 4", "sequence length 6 is not divisible by 4 (cp_size)"},
+      {" --cp 2 --cp-algo ulysses --schedule async --ulysses-head-groups 3",
+       "cp_config.ulysses_head_groups=3 does not divide"},
+      {" --cp 2 --ring-keep-blocks",
+       "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp"}};
+  for (const auto& [flags, message] : refused) {
+    auto r = run(base + flags);
+    EXPECT_EQ(r.rc, 1) << flags;
+    EXPECT_NE(r.out.find(message), std::string::npos) << flags << "\n" << r.out;
+  }
   auto h = run(base + " --cp 2 --cp-algo ulysses --ulysses-degree 2 --adapter sdpa_qkv");
   EXPECT_EQ(h.rc, 0) << h.out;
   auto m = run(std::string(HP_CP_RUN_BINARY) + " --input " + dir + "/missing.pt --output x");

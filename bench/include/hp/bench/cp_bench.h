@@ -39,6 +39,7 @@ double visible_tile_fraction(int64_t seq, bool causal, int64_t documents, int64_
 
 struct CPBenchResult {
   std::string algorithm, schedule;
+  bool ring_keep_blocks = false;  // the variant's ContextParallelConfig::ring_keep_blocks
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
   double step_time_s = 0;            // median over iterations of the slowest rank
   int64_t comm_bytes_per_rank = 0;   // measured, one step (forward + backward), rank 0
