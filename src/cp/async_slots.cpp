@@ -3,14 +3,47 @@
 #include "hp/cp/async.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include "hp/common/capsule.h"
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 
 namespace hp::cp {
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// x's values (an alias: the pieces are x re-laid out for their moves) with the emitted pieces
+// as its autograd inputs: its gradient goes to them split as x was.
+struct JoinFn : torch::autograd::Function<JoinFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList pieces,
+                            CPRuntimeState::Split split) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["split"] = common::to_capsule(std::move(split));
+    ctx->saved_data["pieces"] = static_cast<int64_t>(pieces.size());
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto n = ctx->saved_data["pieces"].toInt();
+    variable_list out(n + 2);  // x, the pieces, the split function
+    if (!grads[0].defined()) return out;
+    auto split = common::from_capsule<CPRuntimeState::Split>(ctx->saved_data["split"]);
+    auto parts = split(grads[0]);
+    HP_INTERNAL_ASSERT(static_cast<int64_t>(parts.size()) == n, "the gradient split into ",
+                       parts.size(), " pieces, not ", n);
+    for (int64_t i = 0; i < n; ++i)
+      out[i + 1] = parts[i];
+    return out;
+  }
+};
+
+}  // namespace
+
 at::Tensor CPRuntimeState::produce(
-    QKVRole role, const std::string& handoff, const at::Tensor& x,
+    QKVRole role, const std::string& handoff, const at::Tensor& x, const Split& split,
     const std::function<comm::CommHandle(const at::Tensor&)>& launch,
     const std::function<comm::CommHandle(const at::Tensor&)>& launch_inverse) {
   auto slot = std::make_shared<AsyncSlot>();
@@ -26,7 +59,18 @@ at::Tensor CPRuntimeState::produce(
   }
   slot->role = role;
   slot->handoff = handoff;
-  auto y = comm::start_handle_transfer(x, handoff, launch, launch_inverse, slot->transfer);
+  const auto pieces = split(x);
+  HP_INTERNAL_ASSERT(!pieces.empty(), "handoff '", handoff, "': no pieces to move");
+  std::vector<at::Tensor> emitted;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    slot->transfers.emplace_back();
+    const auto name = pieces.size() == 1 ? handoff : common::str_cat(handoff, "[", i, "]");
+    emitted.push_back(
+        comm::start_handle_transfer(pieces[i], name, launch, launch_inverse, slot->transfers[i]));
+  }
+  auto y =
+      emitted.size() == 1 ? emitted[0] : JoinFn::apply(x.detach(), at::TensorList(emitted), split);
+  if (emitted.size() > 1) slot->pieces = std::move(emitted);
   slot->produced.emplace(y.getIntrusivePtr());
   slot->produced_sizes = y.sizes().vec();
   slot->produced_dtype = y.scalar_type();
@@ -38,10 +82,14 @@ at::Tensor CPRuntimeState::produce(
 bool CPRuntimeState::arrived(QKVRole role) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& q = fifo_[static_cast<int>(role)];
-  return !q.empty() && comm::transfer_arrived(q.front()->transfer);
+  if (q.empty()) return false;
+  for (const auto& t : q.front()->transfers) {
+    if (!comm::transfer_arrived(t)) return false;
+  }
+  return true;
 }
 
-at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
+std::vector<comm::InFlight> CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
   std::shared_ptr<AsyncSlot> slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -70,7 +118,15 @@ at::Tensor CPRuntimeState::consume(QKVRole role, const at::Tensor& consumer) {
            "): something transformed it after the handoff, or the call belongs to another "
            "invocation. Move the handoff point after the last transform");
   slot->produced.reset();
-  return comm::finish_transfer(consumer, slot->transfer);
+  std::vector<comm::InFlight> out;
+  if (slot->pieces.empty()) {
+    out.emplace_back(consumer, slot->transfers[0]);
+  } else {
+    for (size_t i = 0; i < slot->pieces.size(); ++i)
+      out.emplace_back(slot->pieces[i], slot->transfers[i]);
+    slot->pieces.clear();
+  }
+  return out;
 }
 
 void CPRuntimeState::check_drained() {

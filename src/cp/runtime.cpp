@@ -108,8 +108,30 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
   at::Tensor out;
   if (async_) {
     ArrivedFn arrived(
-        [this](QKVRole role, const at::Tensor& x) { return state_->consume(role, x); },
-        [this](QKVRole role) { return state_->arrived(role); });
+        [this](QKVRole role, const at::Tensor& x) {
+          auto pieces = state_->consume(role, x);
+          if (pieces.size() == 1) return pieces[0].wait();
+          std::vector<at::Tensor> moved;
+          for (auto& p : pieces)
+            moved.push_back(p.wait());
+          return strategy_->join_moved(role, moved, ctx_);
+        },
+        [this](QKVRole role) { return state_->arrived(role); },
+        [this](QKVRole role, const at::Tensor& x) {
+          std::vector<ArrivedFn::Piece> pieces;
+          for (auto& p : state_->consume(role, x)) {
+            // Dropped once waited: the emitted piece is not kept alive by the wait.
+            auto emitted = p.emitted();
+            pieces.push_back(
+                {emitted, [piece = std::make_shared<comm::InFlight>(std::move(p))]() mutable {
+                   HP_INTERNAL_ASSERT(piece != nullptr, "a piece of a moved role waited twice");
+                   auto moved = piece->wait();
+                   piece.reset();
+                   return moved;
+                 }});
+          }
+          return pieces;
+        });
     out = strategy_->run_async(q, k, v, call, ctx_, arrived);
   } else {
     out = strategy_->run_sync(q, k, v, call, ctx_);
@@ -153,6 +175,10 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
   const std::string module = module_path_;
   return state_->produce(
       role, handoff, x,
+      // Kept by the graph for the gradient's split: copies, not the runtime.
+      [strategy = strategy_, ctx = ctx_, role](const at::Tensor& t) {
+        return strategy->split_for_move(role, t, ctx);
+      },
       [this, role](const at::Tensor& t) { return strategy_->move_async(role, t, ctx_); },
       [weak, role, module](const at::Tensor& g) {
         auto self = weak.lock();

@@ -149,6 +149,12 @@ comm::CommHandle CPStrategy::move_grad_async(QKVRole role, const at::Tensor&,
                      " but does not implement move_grad_async()");
 }
 
+at::Tensor CPStrategy::join_moved(QKVRole role, const std::vector<at::Tensor>&,
+                                  const CPRuntimeContext&) const {
+  HP_INTERNAL_ASSERT(false, "strategy '", name(), "' splits ", role_name(role),
+                     " into pieces but does not implement join_moved()");
+}
+
 PreparedQKV CPStrategy::finish(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const CPRuntimeContext&) const {
   HP_INTERNAL_ASSERT(false, "strategy '", name(),

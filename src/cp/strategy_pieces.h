@@ -90,7 +90,38 @@ at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group)
 int64_t head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
                     int64_t nkv);
 at::Tensor heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
-                             int64_t group_heads, const QKVLayout& l);
+                             const QKVLayout& l);
+// The same from tensors: groups[g] [.., U*h, ..] holds head i of rank j's group g at j*h + i ->
+// [.., U*G*h, ..] with it at j*G*h + g*h + i (heads dim `hd`). Its inverse, x's heads as G
+// such groups: split_groups.
+at::Tensor interleave_groups(const std::vector<at::Tensor>& groups, int64_t degree, int64_t hd);
+std::vector<at::Tensor> split_groups(const at::Tensor& x, int64_t degree, int64_t groups,
+                                     int64_t hd);
+
+// A role moved in pieces (ArrivedFn::pieces of `x`, the tensor that reached attention) read as
+// `groups` consecutive head groups, for rank `rank` of the Ulysses group of `degree`:
+// local(g) is its own heads of group g at its own positions, from what the handoffs emitted
+// (no wait); moved(g) is group g over the whole sequence and waits only for the pieces it needs
+// (one per group when the counts agree, several when the pieces are finer, every piece
+// otherwise).
+class GroupedArrival {
+ public:
+  GroupedArrival(std::vector<ArrivedFn::Piece> pieces, const at::Tensor& x, int64_t groups,
+                 int64_t degree, int64_t rank, int64_t heads_dim);
+  at::Tensor local(int64_t g) const;
+  at::Tensor moved(int64_t g);
+  // Every piece, waited (the tensors an output is anchored to).
+  std::vector<at::Tensor> all();
+
+ private:
+  bool on_group_bounds() const { return pieces_.size() % groups_ == 0; }
+  at::Tensor piece(size_t i);
+  std::vector<ArrivedFn::Piece> pieces_;
+  at::Tensor x_;
+  std::vector<at::Tensor> moved_;
+  at::Tensor whole_;  // the pieces joined, when they do not fall on group bounds
+  int64_t groups_, degree_, rank_, hd_;
+};
 
 // Strategies of Ulysses sub-groups x something across them (hybrid, usp): ulysses_degree set,
 // strictly between 1 and cp_size (degree 1 is `degree_one`, cp_size is ulysses), dividing it.
@@ -107,6 +138,10 @@ class UlyssesMoves : public CPStrategy {
                               const CPRuntimeContext& ctx) const override;
   comm::CommHandle move_grad_async(QKVRole role, const at::Tensor& grad,
                                    const CPRuntimeContext& ctx) const override;
+  // Pieces of heads (used by ulysses' async schedule): piece i of m holds, for every rank j of
+  // the Ulysses group, its heads' group i; moved, it is this rank's head group i.
+  at::Tensor join_moved(QKVRole role, const std::vector<at::Tensor>& moved,
+                        const CPRuntimeContext& ctx) const override;
   // The output's way back: head -> seq all-to-all in the Ulysses group.
   at::Tensor restore_output(const std::vector<at::Tensor>& outs, const PreparedQKV& prepared,
                             const CPRuntimeContext& ctx) const override;

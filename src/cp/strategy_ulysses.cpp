@@ -9,9 +9,14 @@
 //
 // Async (run_async): the rank's own heads at its own positions are local before any
 // all-to-all; their diagonal block is computed while Q, K, V travel, then the rest. The own
-// heads run in G groups (cp_config.ulysses_head_groups): each group's output all-to-all starts
-// as soon as the group is done and flies while the next group is attended; in backward the
-// inverse all-to-alls of the later groups fly while the earlier groups' attention backward runs.
+// heads run in G groups (cp_config.ulysses_head_groups), and Q, K, V travel in pieces of head
+// groups (split_for_move: one all-to-all per group at each handoff):
+//   q [B, N, S/P, D] -> G pieces [B, P*N/(P G), S/P, D] (every rank's heads of group g)
+//                    -- A2A each --> group g [B, N/(P G), S, D]
+// Group g is attended as soon as its own pieces have arrived (the later groups' still travel);
+// its output all-to-all starts as soon as it is done and flies while the next group is
+// attended. In backward the later groups' output gradients and their dQ, dK, dV pieces fly
+// while the earlier groups' attention backward runs.
 //   queries [0, r*s)          x keys [0, r*s)   (causal)
 //   queries [r*s, (r+1)*s)    x diagonal (local, first) + keys [0, r*s) (+ [(r+1)*s, S) dense)
 //   queries [(r+1)*s, S)      x keys [0, S)     (causal, offset (r+1)*s)
@@ -145,6 +150,11 @@ comm::CommHandle detail::UlyssesMoves::move_grad_async(QKVRole role, const at::T
   return scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
 }
 
+at::Tensor detail::UlyssesMoves::join_moved(QKVRole, const std::vector<at::Tensor>& moved,
+                                            const CPRuntimeContext& ctx) const {
+  return at::cat(moved, ctx.layout.heads_dim);
+}
+
 void detail::UlyssesMoves::select_repeated_kv(at::Tensor& k, at::Tensor& v,
                                               const CPRuntimeContext& ctx) const {
   if (!repeated_kv(ctx)) return;
@@ -196,18 +206,88 @@ int64_t detail::head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algo
   return g;
 }
 
-at::Tensor detail::heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
-                                     int64_t group_heads, const QKVLayout& l) {
-  const int64_t hd = l.heads_dim;
-  std::vector<at::Tensor> back;
-  for (auto& m : moving) {
-    auto y = m.wait();
+at::Tensor detail::interleave_groups(const std::vector<at::Tensor>& groups, int64_t degree,
+                                     int64_t hd) {
+  std::vector<at::Tensor> split;
+  for (const auto& y : groups) {
     auto shape = y.sizes().vec();
-    shape[hd] = group_heads;
+    shape[hd] = y.size(hd) / degree;
     shape.insert(shape.begin() + hd, degree);
-    back.push_back(y.view(shape));  // [.., U, gq, ..]
+    split.push_back(y.reshape(shape));  // [.., U, h, ..]
   }
-  return at::stack(back, hd + 1).flatten(hd, hd + 2);  // [.., U, G, gq, ..] -> N heads
+  return at::stack(split, hd + 1).flatten(hd, hd + 2);  // [.., U, G, h, ..] -> U*G*h heads
+}
+
+std::vector<at::Tensor> detail::split_groups(const at::Tensor& x, int64_t degree, int64_t groups,
+                                             int64_t hd) {
+  auto shape = x.sizes().vec();
+  shape[hd] /= degree * groups;
+  shape.insert(shape.begin() + hd, groups);
+  shape.insert(shape.begin() + hd, degree);
+  // A view (splitting one dim never copies), one node for all groups (its backward stacks
+  // their gradients once); each group is copied once, by the flatten.
+  std::vector<at::Tensor> out;
+  for (const auto& g : x.view(shape).unbind(hd + 1))
+    out.push_back(g.flatten(hd, hd + 1));  // [.., U, h, ..] -> U*h heads
+  return out;
+}
+
+at::Tensor detail::heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
+                                     const QKVLayout& l) {
+  std::vector<at::Tensor> back;
+  for (auto& m : moving)
+    back.push_back(m.wait());
+  return interleave_groups(back, degree, l.heads_dim);
+}
+
+detail::GroupedArrival::GroupedArrival(std::vector<ArrivedFn::Piece> pieces, const at::Tensor& x,
+                                       int64_t groups, int64_t degree, int64_t rank,
+                                       int64_t heads_dim)
+    : pieces_(std::move(pieces)),
+      x_(x),
+      moved_(pieces_.size()),
+      groups_(groups),
+      degree_(degree),
+      rank_(rank),
+      hd_(heads_dim) {}
+
+at::Tensor detail::GroupedArrival::local(int64_t g) const {
+  if (!on_group_bounds()) {
+    const int64_t h = x_.size(hd_) / (degree_ * groups_);
+    return x_.narrow(hd_, (rank_ * groups_ + g) * h, h);
+  }
+  const size_t per = pieces_.size() / groups_;
+  std::vector<at::Tensor> parts;
+  for (size_t i = g * per; i < (g + 1) * per; ++i) {
+    const auto& e = pieces_[i].emitted;  // [.., U*h, ..]: every rank's heads of this piece
+    const int64_t h = e.size(hd_) / degree_;
+    parts.push_back(e.narrow(hd_, rank_ * h, h));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, hd_);
+}
+
+at::Tensor detail::GroupedArrival::piece(size_t i) {
+  if (!moved_[i].defined()) moved_[i] = pieces_[i].wait();
+  return moved_[i];
+}
+
+at::Tensor detail::GroupedArrival::moved(int64_t g) {
+  if (on_group_bounds()) {
+    const size_t per = pieces_.size() / groups_;
+    std::vector<at::Tensor> parts;
+    for (size_t i = g * per; i < (g + 1) * per; ++i)
+      parts.push_back(piece(i));
+    return parts.size() == 1 ? parts[0] : at::cat(parts, hd_);
+  }
+  if (!whole_.defined()) whole_ = at::cat(all(), hd_);
+  const int64_t h = whole_.size(hd_) / groups_;
+  return whole_.narrow(hd_, g * h, h);
+}
+
+std::vector<at::Tensor> detail::GroupedArrival::all() {
+  for (size_t i = 0; i < pieces_.size(); ++i)
+    piece(i);
+  return moved_;
 }
 
 namespace {
@@ -242,6 +322,19 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     return PreparedQKV{k, v, {part}};
   }
 
+  // One piece per head group (head_groups of the role's own heads per rank): group g is
+  // attended once its Q, K and V pieces have arrived, and its dQ, dK, dV leave as soon as its
+  // backward is done.
+  std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+                                         const CPRuntimeContext& ctx) const override {
+    const int64_t p = ctx.topology->ulysses_degree, hd = ctx.layout.heads_dim;
+    if (p == 1 || repeated_kv(ctx)) return {x};
+    const int64_t n = x.size(hd) / p;
+    const int64_t groups = detail::head_groups(ctx, CPAlgorithm::kUlysses, n, n);
+    if (groups == 1) return {x};
+    return detail::split_groups(x, p, groups, hd);
+  }
+
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
@@ -261,7 +354,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     const int64_t s = q.size(seq), total = s * p;
     const int64_t nq = q.size(hd) / p, nkv = k.size(hd) / p;
     const int64_t groups = detail::head_groups(ctx, CPAlgorithm::kUlysses, nq, nkv),
-                  gq = nq / groups, gkv = nkv / groups;
+                  gq = nq / groups;
     const bool causal = call.options().causal;
     const int64_t own = r * s, own_end = own + s;
     // Queries at global [q_begin, ..) against keys at [key_begin, ..), heads of group g.
@@ -274,22 +367,22 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
       b.kv_start = key_begin;
       return call(qq, kk, vv, b);
     };
-    // 1. The diagonal blocks of the own heads, from the local tensors, group by group.
+    // Q, K, V with the own heads over the whole sequence, in pieces of heads: group g waits
+    // only for its own (the later groups' pieces still travel).
+    detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, p, r, hd),
+        ka(arrived.pieces(QKVRole::kK, k), k, groups, p, r, hd),
+        va(arrived.pieces(QKVRole::kV, v), v, groups, p, r, hd);
+    // 1. The diagonal blocks of the own heads, from what the handoffs emitted, group by group.
     std::vector<attention::AttentionResult> diag;
-    for (int64_t g = 0; g < groups; ++g) {
-      diag.push_back(block(g, q.narrow(hd, r * nq + g * gq, gq), own,
-                           k.narrow(hd, r * nkv + g * gkv, gkv),
-                           v.narrow(hd, r * nkv + g * gkv, gkv), own));
-    }
-    // 2. Q, K, V with the own heads over the whole sequence.
-    auto qa = arrived(QKVRole::kQ, q), ka = arrived(QKVRole::kK, k), va = arrived(QKVRole::kV, v);
+    for (int64_t g = 0; g < groups; ++g)
+      diag.push_back(block(g, qa.local(g), own, ka.local(g), va.local(g), own));
     // 3. Per group the rest, as query segments in sequence order; its output's head->seq
     //    all-to-all starts at once and flies while the next group is attended.
     std::vector<comm::InFlight> moving;
     at::Tensor single;
     for (int64_t g = 0; g < groups; ++g) {
-      auto qg = qa.narrow(hd, g * gq, gq), kg = ka.narrow(hd, g * gkv, gkv),
-           vg = va.narrow(hd, g * gkv, gkv);
+      // 2. Group g's Q, K, V over the whole sequence, once its pieces have arrived.
+      auto qg = qa.moved(g), kg = ka.moved(g), vg = va.moved(g);
       auto keys = [&](int64_t b, int64_t e) {
         return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
       };
@@ -322,11 +415,14 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
       }
       moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, ctx.topology->ulysses));
     }
-    if (groups == 1) {
-      return restore_output({anchored(single, {qa, ka, va})}, PreparedQKV{}, ctx);
+    std::vector<at::Tensor> moved = qa.all();
+    for (auto* role : {&ka, &va}) {
+      auto pieces = role->all();
+      moved.insert(moved.end(), pieces.begin(), pieces.end());
     }
+    if (groups == 1) return restore_output({anchored(single, moved)}, PreparedQKV{}, ctx);
     // 4. Group g came back as heads (rank j, head i) -> global head j*nq + g*gq + i.
-    return anchored(detail::heads_from_groups(moving, p, gq, l), {qa, ka, va});
+    return anchored(detail::heads_from_groups(moving, p, l), moved);
   }
 };
 

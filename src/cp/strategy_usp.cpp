@@ -105,7 +105,7 @@ class UspStrategy final : public detail::UlyssesMoves {
                                      v.narrow(hd, g * gkv, gkv), call, ctx.layout, group_ring);
       moving.push_back(comm::all_to_all_start(out.contiguous(), ctx.layout.seq_dim, hd, t.ulysses));
     }
-    return anchored(detail::heads_from_groups(moving, u, gq, ctx.layout), {q, k, v});
+    return anchored(detail::heads_from_groups(moving, u, ctx.layout), {q, k, v});
   }
 };
 

@@ -262,8 +262,22 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     local_share = 1.0 / static_cast<double>(u * u);
   }
   if (ring) local_share = 0;  // usp's all-to-alls hide behind the projections only
-  double hidden_s =
-      async ? std::min(early, cal.overlap_budget * proj_s + local_share * attn_s) : 0.0;
+  double early_budget = cal.overlap_budget * proj_s + local_share * attn_s;
+  // Async ulysses in G head groups: each of Q, K and V travels in one all-to-all per group, so
+  // the later groups' V pieces (forward; the wire carries Q, then K, then V) and the later
+  // groups' dQ, dK, dV (backward: they leave as soon as their group's backward is done) fly
+  // while an earlier group is attended; with the output all-to-alls below, within (G-1)/G of
+  // the attention.
+  double ulysses_groups = 1, pieces_hidden = 0;
+  if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {
+    ulysses_groups =
+        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
+    const double frac = (ulysses_groups - 1) / ulysses_groups;
+    const double forward_in = early / 2;
+    pieces_hidden = std::min(forward_in * (hkv / (h + 2 * hkv) + 1) * frac, attn_s * frac);
+    early_budget += pieces_hidden;
+  }
+  double hidden_s = async ? std::min(early, early_budget) : 0.0;
   // Async hybrid: the co-group gathers fly while the rank attends the co block it holds (1/C
   // of its attention; its backward likewise hides the reduce-scatters).
   if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {
@@ -274,8 +288,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (async && (config.algorithm == cp::CPAlgorithm::kUlysses ||
                 config.algorithm == cp::CPAlgorithm::kUsp)) {
     const double groups =
-        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
-    hidden_s += std::min(late_a2a * (groups - 1) / groups, attn_s * (groups - 1) / groups);
+        config.algorithm == cp::CPAlgorithm::kUlysses
+            ? ulysses_groups
+            : static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
+    const double frac = (groups - 1) / groups;
+    hidden_s += std::min(late_a2a * frac, attn_s * frac - pieces_hidden);
   }
   // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).
   out.exposed_comm_s = out.comm_s - hidden_s - (ring ? late - ring_exposed - late_a2a : 0.0);

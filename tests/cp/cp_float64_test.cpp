@@ -4,6 +4,7 @@
 // and a value head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
 #include <algorithm>
 #include <limits>
+#include <map>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -216,22 +217,36 @@ TEST(CPFloat64, RingRecomputesWhereThePrimitiveOffersNoStatsBackward) {
   run_grid(u, {4});
 }
 // Async ulysses in head groups (P=2: 6 query and 3 K/V heads per rank; automatic = 3 groups),
-// against the reference; the sync half of the grid ignores the field.
+// against the reference; the sync half of the grid ignores the field. Q, K and V travel in one
+// piece per group of their own heads (automatic: 3 of 6 or 3 heads, 4 of 4, 2 of 2), so with
+// GQA the pieces need not fall on the attention's groups: P=3 with 4 query and 2 K/V heads
+// per rank attends 2 groups, each from two query pieces; P=2 with 6 and 2 attends 2 groups
+// from three query pieces (joined, then cut).
 TEST(CPFloat64, UlyssesHeadGroups) {
   for (int64_t g : {1, 3}) {
     Case c{"ulysses", std::nullopt};
     c.head_groups = g;
     run_grid(c, {2});
   }
+  Case gqa{"ulysses", std::nullopt};
+  gqa.kv_heads = 6;
+  run_grid(gqa, {3});
+  gqa.kv_heads = 4;
+  gqa.head_groups = 2;
+  run_grid(gqa, {2});
+  gqa.head_groups = 0;
+  run_grid(gqa, {2});
 }
 
-// One async forward of `norm` over p ranks (causal, contiguous shards): every rank's recorded
-// collectives in order, and rank 0's all-to-all launches and attention starts (sorted).
+// One async forward (and, with `backward`, its backward) of `norm` over p ranks (causal,
+// contiguous shards): every rank's recorded collectives in order, and rank 0's all-to-all
+// launches, waits and attention starts (sorted), split at the end of its forward.
 struct GroupedForward {
   std::vector<std::vector<std::string>> schedules;  // [rank]
-  std::vector<int64_t> a2a_launch, attention_begin;
+  std::vector<int64_t> a2a_launch, a2a_wait, attention_begin;
+  int64_t forward_end = 0;  // rank 0
 };
-GroupedForward grouped_forward(const ContextParallelConfig& norm, int p) {
+GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false) {
   GroupedForward f;
   f.schedules.resize(p);
   auto tracer = std::make_shared<common::Tracer>();
@@ -243,46 +258,76 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p) {
         Direct m(true);
         apply_cp(m, w, norm);
         auto mine = [&](const at::Tensor& full) {
-          return shard_sequence(full, 2, w.rank(), p, false);
+          return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(backward);
         };
         auto& rec = *w.context().recorder;
         rec.clear();
-        m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
-                  mine(f64(3, {1, kNkv, kS, kDv})));
+        auto out = m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
+                             mine(f64(3, {1, kNkv, kS, kDv})));
+        if (w.rank() == 0) f.forward_end = common::Tracer::now_us();
+        if (backward) out.sum().backward();
         f.schedules[w.rank()] = rec.schedule();
       },
       ro);
   for (const auto& e : tracer->events()) {
     if (e.rank != 0) continue;
     if (e.category == "comm" && e.name == "all_to_all") f.a2a_launch.push_back(e.begin_us);
+    if (e.category == "comm_wait" && e.name == "wait all_to_all") f.a2a_wait.push_back(e.begin_us);
     if (e.name == "attention") f.attention_begin.push_back(e.begin_us);
   }
-  std::sort(f.a2a_launch.begin(), f.a2a_launch.end());
-  std::sort(f.attention_begin.begin(), f.attention_begin.end());
+  for (auto* v : {&f.a2a_launch, &f.a2a_wait, &f.attention_begin})
+    std::sort(v->begin(), v->end());
   return f;
 }
 
-// Each head group's output all-to-all starts as soon as the group is attended: in rank 0's
-// timeline the first group's output all-to-all is launched before the last attention call
-// begins, and the forward records one output all-to-all per group ([1, 2, 48, 6]: 2 heads of
-// the group, the whole sequence). A count that does not divide the heads per rank, or one given
-// to another schedule or strategy, is refused before any collective.
-TEST(UlyssesHeadGroups, EachGroupsOutputTravelsWhileTheNextIsAttended) {
+// How many of `times` lie in [from, to).
+int64_t count_between(const std::vector<int64_t>& times, int64_t from, int64_t to) {
+  return std::count_if(times.begin(), times.end(), [&](int64_t t) { return t >= from && t < to; });
+}
+
+// Async ulysses in head groups (P=2: 6 query and 3 K/V heads per rank, 3 groups). Q, K and V
+// each travel in one all-to-all per group ([1, 4, 24, 8], [1, 2, 24, 8], [1, 2, 24, 6]: the
+// group's heads for both ranks, the local positions), and each group's output in one
+// ([1, 2, 48, 6]: 2 heads of the group, the whole sequence). Rank 0 waits for group 0's three
+// pieces, attends group 0 and starts its output all-to-all before it waits for group 1's
+// pieces, and the first group's output flies while a later group is attended. In backward
+// the gradients of the last group's pieces leave before rank 0 waits for the second group's
+// output gradient, i.e. while the earlier groups' backward is still to run. A count that does
+// not divide the heads per rank, or one given to another schedule or strategy, is refused
+// before any collective.
+TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttended) {
   const int p = 2;
   ContextParallelConfig cfg;
   cfg.algorithm = "ulysses";
   cfg.schedule = CPSchedule::kAsync;
   cfg.ulysses_head_groups = 3;
-  const auto f = grouped_forward(*normalize(cfg, p), p);
+  const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
+  const std::vector<std::string> pieces = {"all_to_all(cp)[1,4,24,8]", "all_to_all(cp)[1,2,24,8]",
+                                           "all_to_all(cp)[1,2,24,6]"};
   for (const auto& sched : f.schedules) {
-    ASSERT_EQ(sched.size(), 6u) << ::testing::PrintToString(sched);
-    for (size_t i = 3; i < 6; ++i)
+    ASSERT_EQ(sched.size(), 24u) << ::testing::PrintToString(sched);
+    std::map<std::string, int> forward_in;
+    for (size_t i = 0; i < 9; ++i)
+      ++forward_in[sched[i]];
+    for (const auto& piece : pieces)
+      EXPECT_EQ(forward_in[piece], 3) << piece << " in " << ::testing::PrintToString(sched);
+    for (size_t i = 9; i < 12; ++i)
       EXPECT_EQ(sched[i], "all_to_all(cp)[1,2,48,6]");
   }
-  ASSERT_EQ(f.a2a_launch.size(), 6u);
-  ASSERT_FALSE(f.attention_begin.empty());
-  EXPECT_LT(f.a2a_launch[3], f.attention_begin.back())
+  // Forward: 12 launches and waits; backward: 12 launches (3 output gradients, then 9 pieces),
+  // 12 waits (3 output gradients, then the pieces' at the projections).
+  ASSERT_EQ(count_between(f.a2a_launch, 0, f.forward_end), 12);
+  ASSERT_EQ(count_between(f.a2a_wait, 0, f.forward_end), 12);
+  ASSERT_EQ(f.a2a_launch.size(), 24u);
+  ASSERT_EQ(f.a2a_wait.size(), 24u);
+  EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_wait[3]), 0)
+      << "group 0 must be attended between the waits for its pieces and group 1's";
+  EXPECT_LE(f.a2a_launch[9], f.a2a_wait[3])
+      << "group 0's output all-to-all must start before group 1's pieces are waited for";
+  EXPECT_LT(f.a2a_launch[9], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group is attended";
+  EXPECT_LE(f.a2a_launch[12 + 3], f.a2a_wait[12 + 1])
+      << "the last group's gradients must leave before the second output gradient is awaited";
 
   cfg.ulysses_head_groups = 4;
   HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, kNkv),

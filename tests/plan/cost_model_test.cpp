@@ -169,6 +169,31 @@ TEST(CostModel, AsyncUspHidesTheOutputAllToAllsOfAllGroupsButOne) {
             one.exposed_comm_s);
 }
 
+// Async ulysses in G head groups (P = 4, 2 heads per rank: G = 2): Q, K and V travel in one
+// all-to-all per group, so besides the output all-to-alls of all groups but one, the later
+// groups' V pieces (forward) and dQ, dK, dV (backward) hide behind the earlier groups'
+// attention: (G-1)/G of the forward input's V share plus (G-1)/G of its backward inverse.
+TEST(CostModel, AsyncUlyssesHidesTheLaterGroupsPiecesAndOutputs) {
+  // A link slow enough that the own diagonal blocks cannot hide the input all-to-alls.
+  auto slow = synthetic(1.0 / 25e6);
+  auto w = workload();
+  auto grouped = config("ulysses"), single = config("ulysses");
+  grouped.schedule = single.schedule = cp::CPSchedule::kAsync;
+  single.ulysses_head_groups = 1;
+  EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 2, 2), 2);
+  const auto a = predict_cp_step(slow, grouped, 4, w), one = predict_cp_step(slow, single, 4, w);
+  // Per rank, per tensor of width H * D: the local positions, (U-1)/U of them moved.
+  const double bytes = 4.0 * (w.seq / 4) * w.heads * w.head_dim * 3 / 4;
+  const auto& a2a = slow.fit("all_to_all", 4);
+  const double forward_in = 3 * a2a.time(bytes), output = 2 * a2a.time(bytes);
+  const double pieces = forward_in * (1.0 / 3 + 1) / 2;
+  ASSERT_LT(pieces + output / 2, a.compute_s / 2);
+  ASSERT_GT(one.exposed_comm_s, 2 * forward_in - pieces);
+  EXPECT_NEAR(one.exposed_comm_s - a.exposed_comm_s, pieces + output / 2, 1e-9 * forward_in);
+  EXPECT_DOUBLE_EQ(a.comm_s, one.comm_s);
+  EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
+}
+
 // The async schedule's own cost: async all_gather pays async_seconds_per_token per local token
 // on top of the sync compute, so on a fast link (little to hide) sync ranks first and on a slow
 // one async still does; the ring's async schedule is its sync one and pays nothing. Without

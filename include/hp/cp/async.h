@@ -1,7 +1,9 @@
 // The async CP schedule's bookkeeping (DESIGN section 5.6).
 //
-//   handoff point emits x  --> start the role's collective (comm::start_transfer), push an
-//                              AsyncSlot (forward FIFO) and return x wired to its start node
+//   handoff point emits x  --> start the role's collective (comm::start_transfer), one per
+//                              piece when the strategy splits x (CPStrategy::split_for_move),
+//                              push an AsyncSlot (forward FIFO) and return x wired to its start
+//                              node(s)
 //   attention call         --> pop the slot and finish the transfer: checks that the tensor
 //                              reaching attention is the one the handoff emitted (shape, dtype,
 //                              identity = same invocation), waits, returns the moved tensor
@@ -31,8 +33,13 @@ namespace hp::cp {
 struct AsyncSlot {
   QKVRole role = QKVRole::kQ;
   int64_t invocation = 0;
-  std::string handoff;              // handoff point name (messages)
-  comm::AsyncTransferPtr transfer;  // the role's collective, launched at the handoff (comm/)
+  std::string handoff;  // handoff point name (messages)
+  // The role's collectives, launched at the handoff (comm/): one per piece the strategy split
+  // the tensor into (CPStrategy::split_for_move), usually one.
+  std::vector<comm::AsyncTransferPtr> transfers;
+  // The emitted pieces when there are several (the model continues with their join); with one,
+  // the emitted tensor is the consumer itself.
+  std::vector<at::Tensor> pieces;
   // What the handoff emitted (the consumer must pass exactly this): a weak reference, since the
   // emitted tensor's autograd node owns the slot (a strong one would be a cycle that leaks an
   // unconsumed slot), plus its shape and dtype for messages.
@@ -47,18 +54,24 @@ class CPRuntimeState {
  public:
   explicit CPRuntimeState(std::string module_path) : module_(std::move(module_path)) {}
 
-  // Starts the collective of `x` for `role` and returns the tensor the model continues with.
+  // Starts one collective per piece of the handoff's tensor x for `role` (pieces: x re-laid
+  // out by `split`, CPStrategy::split_for_move; one piece is x itself) and returns the tensor
+  // the model continues with: the emitted piece, or with several x itself (no copy) wired to
+  // them, its gradient split alike.
   // Throws if a slot of this role from an earlier forward was never consumed.
+  using Split = std::function<std::vector<at::Tensor>(const at::Tensor&)>;
   at::Tensor produce(QKVRole role, const std::string& handoff, const at::Tensor& x,
+                     const Split& split,
                      const std::function<comm::CommHandle(const at::Tensor&)>& launch,
                      const std::function<comm::CommHandle(const at::Tensor&)>& launch_inverse);
 
-  // Pops the role's slot for `consumer` (the tensor reaching attention) and returns the moved
-  // tensor, differentiably. Errors: no slot (the handoff did not run), a different tensor than
-  // the handoff emitted (not the last transform, or a mismatched invocation), shape/dtype.
-  at::Tensor consume(QKVRole role, const at::Tensor& consumer);
-  // Whether the role's next slot has landed (consume would not block); false when none is
-  // pending.
+  // Pops the role's slot for `consumer` (the tensor reaching attention) and returns its
+  // pieces in flight, in order: wait() on each returns that piece moved, differentiably.
+  // Errors: no slot (the handoff did not run), a different tensor than the handoff emitted
+  // (not the last transform, or a mismatched invocation), shape/dtype.
+  std::vector<comm::InFlight> consume(QKVRole role, const at::Tensor& consumer);
+  // Whether every piece of the role's next slot has landed (waiting would not block); false
+  // when none is pending.
   bool arrived(QKVRole role) const;
 
   // Error listing the slots still queued (called at the end of a module forward); the queue is

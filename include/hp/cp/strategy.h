@@ -169,22 +169,39 @@ class AttentionCall {
 };
 
 // arrived(role, x) waits for the collective `role` started at its handoff point and returns the
-// moved tensor (differentiably); `x` is the tensor that reached attention for that role.
+// moved tensor (differentiably); `x` is the tensor that reached attention for that role. When
+// the handoff moved `role` in pieces (CPStrategy::split_for_move), it waits for every piece and
+// joins them (join_moved).
+// arrived.pieces(role, x): the pieces, each with what its handoff emitted (local data: no
+// wait) and one wait for it moved (called once, in any order), so a strategy can attend what
+// has arrived while the rest travels; one piece (x, a wait of the whole) when no pieces
+// function was given.
 // arrived.landed(role): whether that wait would not block now (false when it cannot tell).
 class ArrivedFn {
  public:
   using Wait = std::function<at::Tensor(QKVRole role, const at::Tensor& x)>;
+  struct Piece {
+    at::Tensor emitted;
+    std::function<at::Tensor()> wait;
+  };
+  using Pieces = std::function<std::vector<Piece>(QKVRole role, const at::Tensor& x)>;
   using Landed = std::function<bool(QKVRole role)>;
   template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ArrivedFn> &&
                                               std::is_constructible_v<Wait, F>>>
-  ArrivedFn(F wait, Landed landed = nullptr)  // NOLINT: implicit from a wait function
-      : wait_(std::move(wait)), landed_(std::move(landed)) {}
+  ArrivedFn(F wait, Landed landed = nullptr,  // NOLINT: implicit from a wait function
+            Pieces pieces = nullptr)
+      : wait_(std::move(wait)), landed_(std::move(landed)), pieces_(std::move(pieces)) {}
   at::Tensor operator()(QKVRole role, const at::Tensor& x) const { return wait_(role, x); }
+  std::vector<Piece> pieces(QKVRole role, const at::Tensor& x) const {
+    if (pieces_ != nullptr) return pieces_(role, x);
+    return {{x, [wait = wait_, role, x] { return wait(role, x); }}};
+  }
   bool landed(QKVRole role) const { return landed_ != nullptr && landed_(role); }
 
  private:
   Wait wait_;
   Landed landed_;
+  Pieces pieces_;
 };
 
 class CPStrategy {
@@ -235,6 +252,19 @@ class CPStrategy {
   // The inverse collective of a gradient of the moved tensor.
   virtual comm::CommHandle move_grad_async(QKVRole role, const at::Tensor& grad,
                                            const CPRuntimeContext& ctx) const;
+  // Async schedule: the pieces the handoff of `role` moves `x` in, each by its own move_async
+  // (default: one piece, x itself; ulysses: one per head group, so a group is attended once its
+  // pieces have arrived and its gradients leave as soon as its backward is done). A re-layout
+  // of x's elements (each element in exactly one piece), applied alike to x's gradient: the
+  // model continues with x, whose gradient reaches the pieces split the same way.
+  // join_moved puts the moved pieces together as move_async of x would have returned them
+  // (called only with more than one piece).
+  virtual std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+                                                 const CPRuntimeContext& /*ctx*/) const {
+    return {x};
+  }
+  virtual at::Tensor join_moved(QKVRole role, const std::vector<at::Tensor>& moved,
+                                const CPRuntimeContext& ctx) const;
   // From the moved q/k/v (roles that are not moved are passed as given) to what attention
   // consumes. `q_local` is the caller's query shard.
   virtual PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
