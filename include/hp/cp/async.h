@@ -37,8 +37,8 @@ struct AsyncSlot {
   // The role's collectives, launched at the handoff (comm/): one per piece the strategy split
   // the tensor into (CPStrategy::split_for_move), usually one.
   std::vector<comm::AsyncTransferPtr> transfers;
-  // The emitted pieces when there are several (the model continues with their join); with one,
-  // the emitted tensor is the consumer itself.
+  // The emitted pieces when there are several (the model continues with the handoff's own
+  // tensor, wired to them); with one, the emitted tensor is the consumer itself.
   std::vector<at::Tensor> pieces;
   // What the handoff emitted (the consumer must pass exactly this): a weak reference, since the
   // emitted tensor's autograd node owns the slot (a strong one would be a cycle that leaks an
