@@ -132,6 +132,38 @@ at::Tensor start_handle_transfer(const at::Tensor& x, const std::string& name,
   return y;
 }
 
+at::Tensor start_deferred_transfer(const at::Tensor& x, const std::string& name,
+                                   std::function<CommHandle(const at::Tensor&)> launch,
+                                   std::function<CommHandle(const at::Tensor&)> launch_inverse,
+                                   AsyncTransferPtr& transfer, std::function<void()>& release) {
+  // The input and the launch until released; then the handle.
+  struct Held {
+    at::Tensor input;
+    std::function<CommHandle(const at::Tensor&)> launch;
+    std::shared_ptr<CommHandle> handle;
+    void go() {
+      if (handle) return;
+      at::NoGradGuard no_grad;
+      handle = std::make_shared<CommHandle>(launch(input));
+      input = at::Tensor();
+      launch = nullptr;
+    }
+  };
+  auto held = std::make_shared<Held>();
+  held->launch = std::move(launch);
+  TransferLaunch forward = [held](const at::Tensor& a) -> Pending {
+    held->input = a;
+    return [held] {
+      held->go();
+      return held->handle->wait();
+    };
+  };
+  auto y = start_transfer(x, name, forward, handle_launch(std::move(launch_inverse)), transfer);
+  transfer->forward_landed = [held] { return held->handle && held->handle->is_completed(); };
+  release = [held] { held->go(); };
+  return y;
+}
+
 bool transfer_arrived(const AsyncTransferPtr& transfer) {
   HP_CHECK(transfer != nullptr, "transfer_arrived: no transfer (start it first)");
   if (transfer->forward == nullptr) return true;  // finished already

@@ -62,11 +62,18 @@ at::Tensor CPRuntimeState::produce(
   const auto pieces = split(x);
   HP_INTERNAL_ASSERT(!pieces.empty(), "handoff '", handoff, "': no pieces to move");
   std::vector<at::Tensor> emitted;
+  std::vector<std::function<void()>> held;  // the later pieces' launches
   for (size_t i = 0; i < pieces.size(); ++i) {
     slot->transfers.emplace_back();
     const auto name = pieces.size() == 1 ? handoff : common::str_cat(handoff, "[", i, "]");
-    emitted.push_back(
-        comm::start_handle_transfer(pieces[i], name, launch, launch_inverse, slot->transfers[i]));
+    if (i == 0) {
+      emitted.push_back(comm::start_handle_transfer(pieces[i], name, launch, launch_inverse,
+                                                    slot->transfers[i]));
+    } else {
+      held.emplace_back();
+      emitted.push_back(comm::start_deferred_transfer(pieces[i], name, launch, launch_inverse,
+                                                      slot->transfers[i], held.back()));
+    }
   }
   auto y =
       emitted.size() == 1 ? emitted[0] : JoinFn::apply(x.detach(), at::TensorList(emitted), split);
@@ -74,9 +81,52 @@ at::Tensor CPRuntimeState::produce(
   slot->produced.emplace(y.getIntrusivePtr());
   slot->produced_sizes = y.sizes().vec();
   slot->produced_dtype = y.scalar_type();
-  std::lock_guard<std::mutex> lock(mu_);
-  fifo_[static_cast<int>(role)].push_back(slot);
+  std::vector<std::function<void()>> release;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fifo_[static_cast<int>(role)].push_back(slot);
+    if (!held.empty()) {
+      held_.push_back(std::move(held));
+      ++first_pieces_unwaited_;
+    }
+  }
   return y;
+}
+
+void CPRuntimeState::release_held() {
+  std::vector<std::function<void()>> release;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    release = take_held();
+  }
+  for (auto& r : release)
+    r();
+}
+
+void CPRuntimeState::first_piece_waited() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first_pieces_unwaited_ > 0) --first_pieces_unwaited_;
+    if (first_pieces_unwaited_ > 0) return;
+  }
+  release_held();
+}
+
+std::vector<std::function<void()>> CPRuntimeState::take_held() {
+  // held_ is in handoff order, each handoff's pieces in order: launch piece 1 of every handoff,
+  // then piece 2, ... (every rank computes the same order from the same program order).
+  std::vector<std::function<void()>> out;
+  size_t max_pieces = 0;
+  for (const auto& h : held_)
+    max_pieces = std::max(max_pieces, h.size());
+  for (size_t i = 0; i < max_pieces; ++i) {
+    for (auto& h : held_) {
+      if (i < h.size()) out.push_back(std::move(h[i]));
+    }
+  }
+  held_.clear();
+  first_pieces_unwaited_ = 0;
+  return out;
 }
 
 bool CPRuntimeState::arrived(QKVRole role) const {
@@ -139,6 +189,8 @@ void CPRuntimeState::check_drained() {
     }
     q.clear();
   }
+  held_.clear();  // never launched: their slots are gone
+  first_pieces_unwaited_ = 0;
   HP_CHECK(pending.empty(), "async CP on module '", module_,
            "': the forward ended with unconsumed handoff slots: ", pending,
            ". Every handoff point that runs must feed the attention call of the same forward");

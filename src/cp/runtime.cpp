@@ -111,6 +111,7 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
         [this](QKVRole role, const at::Tensor& x) {
           auto pieces = state_->consume(role, x);
           if (pieces.size() == 1) return pieces[0].wait();
+          state_->release_held();
           std::vector<at::Tensor> moved;
           for (auto& p : pieces)
             moved.push_back(p.wait());
@@ -119,14 +120,20 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
         [this](QKVRole role) { return state_->arrived(role); },
         [this](QKVRole role, const at::Tensor& x) {
           std::vector<ArrivedFn::Piece> pieces;
-          for (auto& p : state_->consume(role, x)) {
+          auto in_flight = state_->consume(role, x);
+          const bool several = in_flight.size() > 1;
+          for (size_t i = 0; i < in_flight.size(); ++i) {
             // Dropped once waited: the emitted piece is not kept alive by the wait.
-            auto emitted = p.emitted();
+            auto emitted = in_flight[i].emitted();
             pieces.push_back(
-                {emitted, [piece = std::make_shared<comm::InFlight>(std::move(p))]() mutable {
+                {emitted, [this, i, several,
+                           piece = std::make_shared<comm::InFlight>(std::move(in_flight[i]))]()
+                              mutable {
                    HP_INTERNAL_ASSERT(piece != nullptr, "a piece of a moved role waited twice");
+                   if (several && i > 0) state_->release_held();
                    auto moved = piece->wait();
                    piece.reset();
+                   if (several && i == 0) state_->first_piece_waited();
                    return moved;
                  }});
           }
@@ -179,7 +186,10 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
       [strategy = strategy_, ctx = ctx_, role](const at::Tensor& t) {
         return strategy->split_for_move(role, t, ctx);
       },
-      [this, role](const at::Tensor& t) { return strategy_->move_async(role, t, ctx_); },
+      // A later piece may launch at another handoff (CPRuntimeState): this handoff's context.
+      [strategy = strategy_, ctx = ctx_, role](const at::Tensor& t) {
+        return strategy->move_async(role, t, ctx);
+      },
       [weak, role, module](const at::Tensor& g) {
         auto self = weak.lock();
         HP_CHECK(self != nullptr, "async CP on module '", module,

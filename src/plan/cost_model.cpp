@@ -264,7 +264,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (ring) local_share = 0;  // usp's all-to-alls hide behind the projections only
   double early_budget = cal.overlap_budget * proj_s + local_share * attn_s;
   // Async ulysses in G head groups: each of Q, K and V travels in one all-to-all per group, so
-  // the later groups' V pieces (forward; the wire carries Q, then K, then V) and the later
+  // the later groups' pieces (forward: they launch once group 0's have arrived) and the later
   // groups' dQ, dK, dV (backward: they leave as soon as their group's backward is done) fly
   // while an earlier group is attended; with the output all-to-alls below, within (G-1)/G of
   // the attention.
@@ -274,7 +274,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
     const double forward_in = early / 2;
-    pieces_hidden = std::min(forward_in * (hkv / (h + 2 * hkv) + 1) * frac, attn_s * frac);
+    pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac);
     early_budget += pieces_hidden;
   }
   double hidden_s = async ? std::min(early, early_budget) : 0.0;

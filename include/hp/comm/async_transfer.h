@@ -52,6 +52,14 @@ at::Tensor start_handle_transfer(const at::Tensor& x, const std::string& name,
                                  std::function<CommHandle(const at::Tensor&)> launch,
                                  std::function<CommHandle(const at::Tensor&)> launch_inverse,
                                  AsyncTransferPtr& transfer);
+// start_handle_transfer whose collective waits for `release` (set here) to launch it: the
+// caller orders collectives on the wire differently from the order their inputs are ready.
+// release launches once (later calls do nothing); finish_transfer launches first if it has not
+// run. Like every collective, the launches must come in the same order on every rank.
+at::Tensor start_deferred_transfer(const at::Tensor& x, const std::string& name,
+                                   std::function<CommHandle(const at::Tensor&)> launch,
+                                   std::function<CommHandle(const at::Tensor&)> launch_inverse,
+                                   AsyncTransferPtr& transfer, std::function<void()>& release);
 // Node B: waits for the transfer; `emitted` is what start_transfer returned.
 at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& transfer);
 // Whether finish_transfer would not block now: the forward collective has landed (or was

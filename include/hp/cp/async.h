@@ -3,7 +3,13 @@
 //   handoff point emits x  --> start the role's collective (comm::start_transfer), one per
 //                              piece when the strategy splits x (CPStrategy::split_for_move),
 //                              push an AsyncSlot (forward FIFO) and return x wired to its start
-//                              node(s)
+//                              node(s). Only piece 0 launches at once; the later pieces are held
+//                              until attention has waited for every handoff's piece 0 (or for
+//                              a later piece, or for a joined role) and then launch piece 1 of
+//                              every handoff, piece 2, ...: group 0's Q0 K0 V0 have the wire to
+//                              themselves (a backend that runs two collectives at once would
+//                              share it with Q1), and Q1 K1 V1 ... fly while group 0 is
+//                              attended
 //   attention call         --> pop the slot and finish the transfer: checks that the tensor
 //                              reaching attention is the one the handoff emitted (shape, dtype,
 //                              identity = same invocation), waits, returns the moved tensor
@@ -57,7 +63,8 @@ class CPRuntimeState {
   // Starts one collective per piece of the handoff's tensor x for `role` (pieces: x re-laid
   // out by `split`, CPStrategy::split_for_move; one piece is x itself) and returns the tensor
   // the model continues with: the emitted piece, or with several x itself (no copy) wired to
-  // them, its gradient split alike.
+  // them, its gradient split alike. Pieces after the first launch later (release_held, the
+  // top), so `launch` must not refer to state that changes.
   // Throws if a slot of this role from an earlier forward was never consumed.
   using Split = std::function<std::vector<at::Tensor>(const at::Tensor&)>;
   at::Tensor produce(QKVRole role, const std::string& handoff, const at::Tensor& x,
@@ -70,6 +77,12 @@ class CPRuntimeState {
   // Errors: no slot (the handoff did not run), a different tensor than the handoff emitted
   // (not the last transform, or a mismatched invocation), shape/dtype.
   std::vector<comm::InFlight> consume(QKVRole role, const at::Tensor& consumer);
+  // The held pieces' launches, in wire order: first_piece_waited after the wait for a
+  // handoff's piece 0 (the last of them releases); release_held before waiting for a later
+  // piece or a whole role. Every rank calls them at the same points of its program, so the
+  // collectives start in the same order everywhere.
+  void first_piece_waited();
+  void release_held();
   // Whether every piece of the role's next slot has landed (waiting would not block); false
   // when none is pending.
   bool arrived(QKVRole role) const;
@@ -80,9 +93,16 @@ class CPRuntimeState {
   size_t pending() const;
 
  private:
+  // The held launches in wire order (see the top), held_ emptied; called under mu_, the caller
+  // runs them after unlocking.
+  std::vector<std::function<void()>> take_held();
+
   std::string module_;
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<AsyncSlot>> fifo_[3];
+  // Per handoff with several pieces, in handoff order: its pieces 1.. not yet launched.
+  std::vector<std::vector<std::function<void()>>> held_;
+  int64_t first_pieces_unwaited_ = 0;  // of the handoffs in held_
   int64_t invocations_[3] = {0, 0, 0};
 };
 
