@@ -17,6 +17,11 @@ struct AsyncTransfer {
   TransferLaunch launch_inverse;
   Pending backward;
   bool backward_launched = false;
+  // chain_inverse: while set, the finish node holds the gradient instead of launching.
+  bool inverse_held = false;
+  at::Tensor held_gradient;
+  // The transfers whose held inverse this one's backward wait releases.
+  std::vector<AsyncTransferPtr> release_after_backward;
 };
 
 namespace {
@@ -26,6 +31,21 @@ using torch::autograd::variable_list;
 
 AsyncTransferPtr transfer_of(AutogradContext* ctx) {
   return common::from_capsule<AsyncTransferPtr>(ctx->saved_data["transfer"]);
+}
+
+void launch_inverse_now(AsyncTransfer& t, const at::Tensor& gradient) {
+  t.backward = t.launch_inverse(gradient);
+  t.backward_launched = true;
+}
+
+// Lets `t` launch its inverse: now if its finish node already held the gradient, else when
+// that node runs.
+void release_inverse(AsyncTransfer& t) {
+  t.inverse_held = false;
+  if (!t.held_gradient.defined()) return;
+  auto g = std::move(t.held_gradient);
+  t.held_gradient = at::Tensor();
+  launch_inverse_now(t, g);
 }
 
 // Identity in forward (the caller launched the collective); in backward, waits for the inverse
@@ -38,10 +58,15 @@ struct StartFn : torch::autograd::Function<StartFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto t = transfer_of(ctx);
-    HP_INTERNAL_ASSERT(t->backward_launched, "backward of transfer '", t->name,
+    HP_INTERNAL_ASSERT(t->backward_launched || t->held_gradient.defined(), "backward of transfer '",
+                       t->name,
                        "' reached its start before its finish launched the inverse collective");
+    release_inverse(*t);  // still held: nothing released it before its result was needed
     auto real = t->backward();
     t->backward = nullptr;
+    for (auto& next : t->release_after_backward)
+      release_inverse(*next);
+    t->release_after_backward.clear();
     if (grads[0].defined()) real = real + grads[0];  // other uses of the emitted tensor
     return {real, at::Tensor()};
   }
@@ -58,10 +83,14 @@ struct FinishFn : torch::autograd::Function<FinishFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto t = transfer_of(ctx);
-    HP_INTERNAL_ASSERT(!t->backward_launched, "transfer '", t->name, "' back-propagated twice");
+    HP_INTERNAL_ASSERT(!t->backward_launched && !t->held_gradient.defined(), "transfer '",
+                       t->name, "' back-propagated twice");
     HP_INTERNAL_ASSERT(grads[0].defined(), "transfer '", t->name, "': undefined gradient");
-    t->backward = t->launch_inverse(grads[0].contiguous());
-    t->backward_launched = true;
+    if (t->inverse_held) {
+      t->held_gradient = grads[0].contiguous();
+    } else {
+      launch_inverse_now(*t, grads[0].contiguous());
+    }
     return {at::Tensor(), at::Tensor()};
   }
 };
@@ -174,6 +203,16 @@ at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& tr
   HP_CHECK(transfer != nullptr, "finish_transfer: no transfer (start it first)");
   HP_CHECK(transfer->forward != nullptr, "transfer '", transfer->name, "' finished twice");
   return FinishFn::apply(emitted, transfer);
+}
+
+void chain_inverse(const InFlight& first, const InFlight& then) {
+  HP_CHECK(first.transfer() != nullptr && then.transfer() != nullptr,
+           "chain_inverse: a transfer is missing (start both first)");
+  HP_CHECK(!then.transfer()->backward_launched,
+           "chain_inverse: transfer '", then.transfer()->name,
+           "' has already launched its inverse; chain before backward");
+  then.transfer()->inverse_held = true;
+  first.transfer()->release_after_backward.push_back(then.transfer());
 }
 
 at::Tensor InFlight::wait() {

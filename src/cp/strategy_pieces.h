@@ -86,7 +86,8 @@ at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group)
 // ctx.ulysses_head_groups; it divides both), and the groups' outputs put back together.
 // moving[g] is group g's output [.., U*S_l, .., gq, ..] started on its head->seq all-to-all in
 // the Ulysses group of `degree` ranks; waited in order, (rank j, group g, head i) is global head
-// j*G*gq + g*gq + i: [.., S_l, .., N, ..].
+// j*G*gq + g*gq + i: [.., S_l, .., N, ..]. In backward each group's output gradient launches
+// once the next group's has arrived (comm::chain_inverse), the last group's first.
 int64_t head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
                     int64_t nkv);
 at::Tensor heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,

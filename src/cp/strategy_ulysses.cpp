@@ -234,6 +234,10 @@ std::vector<at::Tensor> detail::split_groups(const at::Tensor& x, int64_t degree
 
 at::Tensor detail::heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
                                      const QKVLayout& l) {
+  // Backward runs the last group first: its output gradient travels alone, and each earlier
+  // group's leaves once the later one's has arrived (flying while that group's backward runs).
+  for (size_t g = 1; g < moving.size(); ++g)
+    comm::chain_inverse(moving[g], moving[g - 1]);
   std::vector<at::Tensor> back;
   for (auto& m : moving)
     back.push_back(m.wait());

@@ -295,7 +295,8 @@ int64_t count_between(const std::vector<int64_t>& times, int64_t from, int64_t t
 // pieces, attends group 0 and starts its output all-to-all before it waits for group 1's
 // pieces, and the first group's output flies while a later group is attended. In backward
 // the gradients of the last group's pieces leave before rank 0 waits for the second group's
-// output gradient, i.e. while the earlier groups' backward is still to run. A count that does
+// output gradient, i.e. while the earlier groups' backward is still to run, and each output
+// gradient but the last group's leaves only once the later group's has arrived. A count that does
 // not divide the heads per rank, or one given to another schedule or strategy, is refused
 // before any collective.
 TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttended) {
@@ -319,8 +320,9 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
     for (size_t i = 9; i < 12; ++i)
       EXPECT_EQ(sched[i], "all_to_all(cp)[1,2,48,6]");
   }
-  // Forward: 12 launches and waits; backward: 12 launches (3 output gradients, then 9 pieces),
-  // 12 waits (3 output gradients, then the pieces' at the projections).
+  // Forward: 12 launches and waits; backward: 12 launches (the last group's output gradient,
+  // then each earlier group's once the later one's has arrived, the pieces' gradients as their
+  // group's backward ends), 12 waits (3 output gradients, then the pieces' at the projections).
   ASSERT_EQ(count_between(f.a2a_launch, 0, f.forward_end), 12);
   ASSERT_EQ(count_between(f.a2a_wait, 0, f.forward_end), 12);
   ASSERT_EQ(f.a2a_launch.size(), 24u);
@@ -337,6 +339,8 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
       << "the first group's output all-to-all must fly while a later group is attended";
   EXPECT_LE(f.a2a_launch[12 + 3], f.a2a_wait[12 + 1])
       << "the last group's gradients must leave before the second output gradient is awaited";
+  EXPECT_GE(f.a2a_launch[12 + 1], f.a2a_wait[12])
+      << "the second output gradient must leave only once the first has arrived";
 
   cfg.ulysses_head_groups = 4;
   HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, kNkv),

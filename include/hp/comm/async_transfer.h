@@ -78,11 +78,18 @@ class InFlight {
   // What start returned: compute that should run while the transfer flies (and whose backward
   // should overlap the inverse) consumes this tensor, not the one that was started.
   const at::Tensor& emitted() const { return emitted_; }
+  const AsyncTransferPtr& transfer() const { return transfer_; }
 
  private:
   at::Tensor emitted_;
   AsyncTransferPtr transfer_;
 };
+
+// In backward, `then` launches its inverse collective only once `first`'s inverse has been
+// waited for (at first's start node), so the two do not share the wire when first's result is
+// needed first; if nothing released it by the time then's own result is needed, it launches
+// then. Call before backward. Every rank must chain alike (the launch order follows).
+void chain_inverse(const InFlight& first, const InFlight& then);
 
 // The differentiable collectives of autograd_collectives.h, started now:
 //   all_to_all_start(x, split, concat)  fwd all_to_all(split, concat)  bwd all_to_all(concat,
