@@ -81,7 +81,6 @@ at::Tensor CPRuntimeState::produce(
   slot->produced.emplace(y.getIntrusivePtr());
   slot->produced_sizes = y.sizes().vec();
   slot->produced_dtype = y.scalar_type();
-  std::vector<std::function<void()>> release;
   {
     std::lock_guard<std::mutex> lock(mu_);
     fifo_[static_cast<int>(role)].push_back(slot);
