@@ -130,7 +130,7 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     all-to-alls fly while the next group is attended (0: automatic; usp's automatic count is 1).
     ring_keep_blocks: ring or usp, forward keeps the K/V blocks that arrived so backward sends
     only the dK/dV accumulators (all_gather's bytes and memory with the ring's overlap).
-    ``algorithm='auto'`` chooses among the configurations without it.
+    ``algorithm='auto'`` weighs it with the rest and sets it when the kept ring ranks first.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -149,7 +149,7 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
             _auto[key] = _C.auto_config(g, q.size(seq_dim) * g.size, q.size(head_dim),
                                         k.size(head_dim), q.size(3), q.size(0), causal,
                                         load_balance, primitive)
-        algorithm, ulysses_degree, schedule, _ = _auto[key]
+        algorithm, ulysses_degree, schedule, ring_keep_blocks, _ = _auto[key]
     args = (algorithm, ulysses_degree, bool(causal), layout, bool(load_balance), schedule,
             None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive,
             bool(ring_keep_blocks))

@@ -147,7 +147,8 @@ class CPAttention {
 // machine's calibration. Every rank ranks the candidates; rank 0's choice is taken by all (one
 // all-gather of an index), so ranks with different calibrations still agree.
 // (algorithm, ulysses_degree, schedule, the prediction's log line)
-using AutoChoice = std::tuple<std::string, int64_t, std::string, std::string>;
+// algorithm, Ulysses degree, schedule, ring_keep_blocks, the cost model's description.
+using AutoChoice = std::tuple<std::string, int64_t, std::string, bool, std::string>;
 AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, int64_t batch, bool causal, bool load_balance,
                        const std::string& primitive) {
@@ -168,22 +169,20 @@ AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_hea
   const auto legal = plan::legal_cp_configs(p, w);
   HP_CHECK(!legal.empty(), "algorithm='auto': no CP configuration is legal for ", heads,
            " query heads and ", kv_heads, " K/V heads on ", p, " ranks");
-  // The package's layer takes no ring_keep_blocks: the best of the choices without it.
-  const auto ranked = plan::rank_cp_configs(calibration, p, w);
-  const auto& top = *std::find_if(ranked.begin(), ranked.end(),
-                                  [](const auto& r) { return !r.config.ring_keep_blocks; });
+  const auto top = plan::rank_cp_configs(calibration, p, w).front();
   int64_t mine = 0;
   for (size_t i = 0; i < legal.size(); ++i) {
     const auto& c = legal[i];
     const auto& best = top.config;
-    if (c.algorithm == best.algorithm && c.schedule == best.schedule && !c.ring_keep_blocks &&
+    if (c.algorithm == best.algorithm && c.schedule == best.schedule &&
+        c.ring_keep_blocks == best.ring_keep_blocks &&
         cp::ulysses_degree_of(c, p) == cp::ulysses_degree_of(best, p))
       mine = static_cast<int64_t>(i);
   }
   auto all = comm::all_gather(*g.group(), at::full({1}, mine, at::kLong), 0);
   const auto& chosen = legal.at(all[0].item<int64_t>());
   return {cp::to_string(chosen.algorithm), cp::ulysses_degree_of(chosen, p),
-          cp::to_string(chosen.schedule), plan::describe(top)};
+          cp::to_string(chosen.schedule), chosen.ring_keep_blocks, plan::describe(top)};
 }
 
 py::tuple linear_attention(TorchGroup& g, const std::string& kind, const std::string& mode,

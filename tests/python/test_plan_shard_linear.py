@@ -159,6 +159,34 @@ def test_auto_uses_the_calibration(tmp_path):
         assert err < 1e-10
 
 
+def auto_kept_case(rank, p, calibration):
+    os.environ["HP_CALIBRATION"] = calibration
+    g = torch.Generator().manual_seed(2)
+    # 3 heads on 2 ranks: no Ulysses; the ring's shifts cost far less than the gathers.
+    q, k, v = (torch.randn(1, 16, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    shards = [hp.shard_sequence(t, 1) for t in (q, k, v)]
+    out = hp.context_parallel_attention(*shards, algorithm="auto", causal=True)
+    want = hp.shard_sequence(reference.attention(q, k, v, causal=True), 1)
+    choice = [c for key, c in hp._auto.items() if key[3] == 3]
+    return (out - want).abs().max().item(), choice[0][3], choice[0][4]
+
+
+def test_auto_ranks_the_kept_ring(tmp_path):
+    slow = {"latency_s": 1e-4, "seconds_per_byte": 1e-6}
+    fast = {"latency_s": 1e-4, "seconds_per_byte": 1e-8}
+    calibration = {
+        "link": "loopback", "cores": 2, "attention_gflops": 10.0, "matmul_gflops": 50.0,
+        "collectives": {"all_gather": {"2": slow}, "reduce_scatter": {"2": slow},
+                        "all_to_all": {"2": fast}, "all_reduce": {"2": slow}},
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(calibration))
+    for err, keep, described in run_ranks(2, auto_kept_case, str(path)):
+        assert err < 1e-10
+        assert keep, described
+        assert "ring(kept)" in described, described
+
+
 def missing_calibration(rank, p, path):
     os.environ["HP_CALIBRATION"] = path
     q = torch.randn(1, 8, 4, 8)
