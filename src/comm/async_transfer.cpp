@@ -83,8 +83,8 @@ struct FinishFn : torch::autograd::Function<FinishFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto t = transfer_of(ctx);
-    HP_INTERNAL_ASSERT(!t->backward_launched && !t->held_gradient.defined(), "transfer '",
-                       t->name, "' back-propagated twice");
+    HP_INTERNAL_ASSERT(!t->backward_launched && !t->held_gradient.defined(), "transfer '", t->name,
+                       "' back-propagated twice");
     HP_INTERNAL_ASSERT(grads[0].defined(), "transfer '", t->name, "': undefined gradient");
     if (t->inverse_held) {
       t->held_gradient = grads[0].contiguous();
@@ -208,8 +208,7 @@ at::Tensor finish_transfer(const at::Tensor& emitted, const AsyncTransferPtr& tr
 void chain_inverse(const InFlight& first, const InFlight& then) {
   HP_CHECK(first.transfer() != nullptr && then.transfer() != nullptr,
            "chain_inverse: a transfer is missing (start both first)");
-  HP_CHECK(!then.transfer()->backward_launched,
-           "chain_inverse: transfer '", then.transfer()->name,
+  HP_CHECK(!then.transfer()->backward_launched, "chain_inverse: transfer '", then.transfer()->name,
            "' has already launched its inverse; chain before backward");
   then.transfer()->inverse_held = true;
   first.transfer()->release_after_backward.push_back(then.transfer());

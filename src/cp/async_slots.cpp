@@ -67,8 +67,8 @@ at::Tensor CPRuntimeState::produce(
     slot->transfers.emplace_back();
     const auto name = pieces.size() == 1 ? handoff : common::str_cat(handoff, "[", i, "]");
     if (i == 0) {
-      emitted.push_back(comm::start_handle_transfer(pieces[i], name, launch, launch_inverse,
-                                                    slot->transfers[i]));
+      emitted.push_back(
+          comm::start_handle_transfer(pieces[i], name, launch, launch_inverse, slot->transfers[i]));
     } else {
       held.emplace_back();
       emitted.push_back(comm::start_deferred_transfer(pieces[i], name, launch, launch_inverse,

@@ -126,9 +126,9 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
             // Dropped once waited: the emitted piece is not kept alive by the wait.
             auto emitted = in_flight[i].emitted();
             pieces.push_back(
-                {emitted, [this, i, several,
-                           piece = std::make_shared<comm::InFlight>(std::move(in_flight[i]))]()
-                              mutable {
+                {emitted,
+                 [this, i, several,
+                  piece = std::make_shared<comm::InFlight>(std::move(in_flight[i]))]() mutable {
                    HP_INTERNAL_ASSERT(piece != nullptr, "a piece of a moved role waited twice");
                    if (several && i > 0) state_->release_held();
                    auto moved = piece->wait();

@@ -136,52 +136,47 @@ def test_linear_attention_cp_takes_packed_documents():
             assert err < 1e-9, (key, err)
 
 
-def auto_case(rank, p, calibration):
+def auto_case(rank, p, calibration, heads=4, seed=1):
+    """algorithm='auto' on a causal float64 layer: (max error against the reference, the
+    choice: algorithm, degree, schedule, ring_keep_blocks, description)."""
     os.environ["HP_CALIBRATION"] = calibration
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 16, heads, 8, generator=g, dtype=torch.float64) for _ in range(3))
     shards = [hp.shard_sequence(t, 1) for t in (q, k, v)]
     out = hp.context_parallel_attention(*shards, algorithm="auto", causal=True)
     want = hp.shard_sequence(reference.attention(q, k, v, causal=True), 1)
-    return (out - want).abs().max().item()
+    choice = [c for key, c in hp._auto.items() if key[3] == heads]
+    return (out - want).abs().max().item(), choice[0]
+
+
+def write_calibration(tmp_path, fits):
+    """A calibration file for 2 ranks with fits[kind] for each collective kind."""
+    calibration = {
+        "link": "loopback", "cores": 2, "attention_gflops": 10.0, "matmul_gflops": 50.0,
+        "collectives": {kind: {"2": fit} for kind, fit in fits.items()},
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(calibration))
+    return str(path)
 
 
 def test_auto_uses_the_calibration(tmp_path):
     fit = {"latency_s": 1e-4, "seconds_per_byte": 1e-9}
-    calibration = {
-        "link": "loopback", "cores": 2, "attention_gflops": 10.0, "matmul_gflops": 50.0,
-        "collectives": {kind: {"2": fit} for kind in
-                        ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")},
-    }
-    path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(calibration))
-    for err in run_ranks(2, auto_case, str(path)):
+    path = write_calibration(tmp_path, {kind: fit for kind in
+                                        ("all_gather", "reduce_scatter", "all_to_all",
+                                         "all_reduce")})
+    for err, _ in run_ranks(2, auto_case, path):
         assert err < 1e-10
 
 
-def auto_kept_case(rank, p, calibration):
-    os.environ["HP_CALIBRATION"] = calibration
-    g = torch.Generator().manual_seed(2)
-    # 3 heads on 2 ranks: no Ulysses; the ring's shifts cost far less than the gathers.
-    q, k, v = (torch.randn(1, 16, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    shards = [hp.shard_sequence(t, 1) for t in (q, k, v)]
-    out = hp.context_parallel_attention(*shards, algorithm="auto", causal=True)
-    want = hp.shard_sequence(reference.attention(q, k, v, causal=True), 1)
-    choice = [c for key, c in hp._auto.items() if key[3] == 3]
-    return (out - want).abs().max().item(), choice[0][3], choice[0][4]
-
-
 def test_auto_ranks_the_kept_ring(tmp_path):
+    # 3 heads on 2 ranks: no Ulysses; the ring's shifts cost far less than the gathers.
     slow = {"latency_s": 1e-4, "seconds_per_byte": 1e-6}
     fast = {"latency_s": 1e-4, "seconds_per_byte": 1e-8}
-    calibration = {
-        "link": "loopback", "cores": 2, "attention_gflops": 10.0, "matmul_gflops": 50.0,
-        "collectives": {"all_gather": {"2": slow}, "reduce_scatter": {"2": slow},
-                        "all_to_all": {"2": fast}, "all_reduce": {"2": slow}},
-    }
-    path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(calibration))
-    for err, keep, described in run_ranks(2, auto_kept_case, str(path)):
+    path = write_calibration(tmp_path, {"all_gather": slow, "reduce_scatter": slow,
+                                        "all_to_all": fast, "all_reduce": slow})
+    for err, choice in run_ranks(2, auto_case, path, 3, 2):
+        _, _, _, keep, described = choice
         assert err < 1e-10
         assert keep, described
         assert "ring(kept)" in described, described
