@@ -7,6 +7,8 @@
 //                                          their slots
 #include "hp/cp/runtime.h"
 
+#include <optional>
+
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 #include "hp/cp/config.h"
@@ -125,17 +127,19 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
           for (size_t i = 0; i < in_flight.size(); ++i) {
             // Dropped once waited: the emitted piece is not kept alive by the wait.
             auto emitted = in_flight[i].emitted();
-            pieces.push_back(
-                {emitted,
-                 [this, i, several,
-                  piece = std::make_shared<comm::InFlight>(std::move(in_flight[i]))]() mutable {
-                   HP_INTERNAL_ASSERT(piece != nullptr, "a piece of a moved role waited twice");
-                   if (several && i > 0) state_->release_held();
-                   auto moved = piece->wait();
-                   piece.reset();
-                   if (several && i == 0) state_->first_piece_waited();
-                   return moved;
-                 }});
+            // Shared by the wait and the landed test; empty once waited.
+            auto piece = std::make_shared<std::optional<comm::InFlight>>(std::move(in_flight[i]));
+            pieces.push_back({emitted,
+                              [this, i, several, piece] {
+                                HP_INTERNAL_ASSERT(piece->has_value(),
+                                                   "a piece of a moved role waited twice");
+                                if (several && i > 0) state_->release_held();
+                                auto moved = (*piece)->wait();
+                                piece->reset();
+                                if (several && i == 0) state_->first_piece_waited();
+                                return moved;
+                              },
+                              [piece] { return !piece->has_value() || (*piece)->landed(); }});
           }
           return pieces;
         });

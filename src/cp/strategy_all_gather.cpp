@@ -34,6 +34,7 @@
 #include "hp/comm/autograd_collectives.h"
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
+#include "hp/common/shape.h"
 #include "hp/cp/sequence.h"
 #include "strategy_pieces.h"
 
@@ -233,9 +234,26 @@ class AllGatherStrategy final : public CPStrategy {
                                    const CPRuntimeContext& ctx) const override {
     return detail::gather_seq_grad_async(g, ctx.topology->cp, ctx.layout);
   }
+  // Async: K and V travel in one all-gather per head group (consecutive heads), so group g's
+  // remote keys are attended once its pieces have arrived while the later groups' still
+  // travel, and its dK, dV reduce-scatters leave as soon as its backward is done.
+  std::vector<at::Tensor> split_for_move(QKVRole, const at::Tensor& x,
+                                         const CPRuntimeContext& ctx) const override {
+    const int64_t groups = head_groups(x.size(ctx.layout.heads_dim), ctx);
+    if (groups == 1) return {x};
+    return x.chunk(groups, ctx.layout.heads_dim);
+  }
+  at::Tensor join_moved(QKVRole, const std::vector<at::Tensor>& moved,
+                        const CPRuntimeContext& ctx) const override {
+    return at::cat(moved, ctx.layout.heads_dim);
+  }
   void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
-                    const std::string&) const override {
+                    const std::string& who) const override {
     if (ctx.load_balance) detail::check_head_tail(x, ctx);
+    const int64_t g = ctx.ulysses_head_groups, heads = x.size(ctx.layout.heads_dim);
+    HP_CHECK(g == 0 || heads % g == 0, who, ": cp_config.ulysses_head_groups=", g,
+             " does not divide the ", heads, " heads of ", common::shape_str(x.sizes()),
+             "; choose a divisor of the key/value heads, or 0 (automatic)");
   }
 
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
@@ -317,6 +335,9 @@ class AllGatherStrategy final : public CPStrategy {
     // Query parts with their global ranges; the local K/V chunks sit at the same positions.
     std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
                                                     : std::vector{local_part(q, ctx, total)};
+    const int64_t hd = ctx.layout.heads_dim;
+    const int64_t groups = head_groups(k.size(hd), ctx);
+    if (groups > 1) return overlapped_in_groups(parts, q, k, v, total, groups, call, ctx, arrived);
     auto gathered = [&] {
       auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
       detail::natural_order_kv(kg, vg, ctx);  // runtime swap never reaches here
@@ -331,6 +352,58 @@ class AllGatherStrategy final : public CPStrategy {
     };
     auto outs = detail::attend_local_first(parts, k, v, total, call, gathered, landed);
     return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
+  }
+
+  // The async head groups (split_for_move): K/V heads [g*n/G, (g+1)*n/G) with the query heads
+  // that read them. The split pays only where something is hidden: not with the runtime swap
+  // (it waits for whole K/V) or on one rank.
+  static int64_t head_groups(int64_t kv_heads, const CPRuntimeContext& ctx) {
+    const bool runtime_swap =
+        ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
+    if (ctx.topology->cp_size == 1 || runtime_swap) return 1;
+    return detail::head_groups(ctx, CPAlgorithm::kAllGather, kv_heads, kv_heads);
+  }
+
+  // Group by group: the local chunks of group g, its K/V pieces waited for (the first wait
+  // releases the later groups' pieces, which then fly while the groups before them are
+  // attended), its remote keys; the groups' outputs joined along the heads per part.
+  static at::Tensor overlapped_in_groups(const std::vector<QueryPart>& parts, const at::Tensor& q,
+                                         const at::Tensor& k, const at::Tensor& v, int64_t total,
+                                         int64_t groups, const AttentionCall& call,
+                                         const CPRuntimeContext& ctx, const ArrivedFn& arrived) {
+    const int64_t hd = ctx.layout.heads_dim, gq = q.size(hd) / groups;
+    auto kp = arrived.pieces(QKVRole::kK, k), vp = arrived.pieces(QKVRole::kV, v);
+    HP_INTERNAL_ASSERT(
+        static_cast<int64_t>(kp.size()) == groups && static_cast<int64_t>(vp.size()) == groups,
+        "all_gather head groups: ", kp.size(), " K and ", vp.size(), " V pieces for ", groups,
+        " groups");
+    std::vector<std::vector<at::Tensor>> outs(parts.size());  // [part][group]
+    for (int64_t g = 0; g < groups; ++g) {
+      std::vector<QueryPart> group_parts;
+      for (const auto& p : parts) {
+        QueryPart gp{p.q.narrow(hd, g * gq, gq), p.state};
+        gp.state.head_offset += g * gq;
+        group_parts.push_back(std::move(gp));
+      }
+      auto gathered = [&] {
+        auto kg = kp[g].wait(), vg = vp[g].wait();
+        detail::natural_order_kv(kg, vg, ctx);
+        return std::make_pair(kg, vg);
+      };
+      auto landed = [&] {
+        if (ctx.async_always_local_first) return false;
+        const bool k_landed = kp[g].landed(), v_landed = vp[g].landed();
+        return k_landed && v_landed;
+      };
+      auto group_outs = detail::attend_local_first(group_parts, kp[g].emitted, vp[g].emitted, total,
+                                                   call, gathered, landed);
+      for (size_t i = 0; i < parts.size(); ++i)
+        outs[i].push_back(group_outs[i]);
+    }
+    std::vector<at::Tensor> joined;
+    for (const auto& o : outs)
+      joined.push_back(at::cat(o, hd));
+    return ctx.load_balance ? detail::head_tail_restore(joined, ctx) : joined[0];
   }
 };
 

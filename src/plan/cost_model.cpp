@@ -267,9 +267,12 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // the later groups' pieces (forward: they launch once group 0's have arrived) and the later
   // groups' dQ, dK, dV (backward: they leave as soon as their group's backward is done) fly
   // while an earlier group is attended; with the output all-to-alls below, within (G-1)/G of
-  // the attention.
+  // the attention. Async all_gather in G head groups likewise: the later groups' K/V gathers
+  // fly while the earlier groups' remote keys are attended, and each group's dK/dV
+  // reduce-scatters while the groups before it run their backward.
   double ulysses_groups = 1, pieces_hidden = 0;
-  if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {
+  if (async && (config.algorithm == cp::CPAlgorithm::kUlysses ||
+                config.algorithm == cp::CPAlgorithm::kAllGather)) {
     ulysses_groups =
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
     const double frac = (ulysses_groups - 1) / ulysses_groups;

@@ -378,7 +378,8 @@ struct OverlapTrace {
 std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& algo, int p,
                                                              int late, bool balanced = false,
                                                              bool always_local_first = false,
-                                                             int pause_ms = 0, int64_t seq = kS) {
+                                                             int pause_ms = 0, int64_t seq = kS,
+                                                             int64_t head_groups = 0) {
   auto tracer = std::make_shared<common::Tracer>();
   hp::testing::RankOptions o;
   o.tracer = tracer;
@@ -390,6 +391,7 @@ std::vector<common::TraceEvent> rank0_forward_with_late_peer(const std::string& 
         auto cfg = make(algo, p, CPSchedule::kAsync);
         cfg.load_balance = balanced;
         cfg.async_always_local_first = always_local_first;
+        cfg.ulysses_head_groups = head_groups;
         cfg = *normalize(cfg, p);
         auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
         BlockWithHandoffs m(false, w.rank() == 0 ? tracer : nullptr);
@@ -452,22 +454,33 @@ TEST(CPAsync, AttentionOnLocalDataRunsWhileTheCollectivesArePending) {
 // chunk (1 call) and part 1 (chunk 3) chunk 0, chunk 3 and the gap [1, 3) (3 calls).
 // Rank 0's attention calls in one balanced async forward (rank0_forward_with_late_peer).
 int attention_calls(const std::string& algo, int p, int late, bool always_local_first, int pause_ms,
-                    int64_t seq = kS) {
+                    int64_t seq = kS, int64_t head_groups = 0) {
   int n = 0;
-  for (const auto& e :
-       rank0_forward_with_late_peer(algo, p, late, true, always_local_first, pause_ms, seq)) {
+  for (const auto& e : rank0_forward_with_late_peer(algo, p, late, true, always_local_first,
+                                                    pause_ms, seq, head_groups)) {
     n += e.name == "attention";
   }
   return n;
 }
 
+//
+// In head groups (2 here) each group asks whether its own pieces have landed: group 0's have
+// after the pause (one call per part), the later group's launch only once group 0's have been
+// waited for, so it takes one or two calls per part as they happen to land.
 TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
-  auto calls = [](int late, bool always_local_first, int pause_ms) {
-    return attention_calls("all_gather", 2, late, always_local_first, pause_ms);
+  auto calls = [](int late, bool always_local_first, int pause_ms, int64_t groups = 1) {
+    return attention_calls("all_gather", 2, late, always_local_first, pause_ms, kS, groups);
   };
   EXPECT_EQ(calls(-1, false, 200), 2);
   EXPECT_EQ(calls(-1, true, 200), 4);
   EXPECT_EQ(calls(1, false, 0), 4);
+  EXPECT_EQ(calls(-1, true, 200, 2), 8);
+  const int late = calls(1, false, 0, 2);
+  EXPECT_TRUE(late == 6 || late == 8)
+      << late << " calls: group 0 must attend its local chunks first";
+  const int landed = calls(-1, false, 200, 2);
+  EXPECT_TRUE(landed == 4 || landed == 6)
+      << landed << " calls: group 0 must take one call per part";
 }
 
 // Hybrid likewise once its co-group gathers have landed. Balanced P = 4, U = 2 (data-order

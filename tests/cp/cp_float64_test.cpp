@@ -245,7 +245,8 @@ TEST(CPFloat64, UlyssesHeadGroups) {
 struct GroupedForward {
   std::vector<std::vector<std::string>> schedules;  // [rank]
   std::vector<int64_t> a2a_launch, a2a_wait, attention_begin;
-  int64_t forward_end = 0;  // rank 0
+  std::vector<int64_t> gather_launch, gather_wait, scatter_launch;  // all_gather, reduce_scatter
+  int64_t forward_end = 0;                                          // rank 0
 };
 GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false) {
   GroupedForward f;
@@ -275,8 +276,13 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool ba
     if (e.category == "comm" && e.name == "all_to_all") f.a2a_launch.push_back(e.begin_us);
     if (e.category == "comm_wait" && e.name == "wait all_to_all") f.a2a_wait.push_back(e.begin_us);
     if (e.name == "attention") f.attention_begin.push_back(e.begin_us);
+    if (e.category == "comm" && e.name == "all_gather") f.gather_launch.push_back(e.begin_us);
+    if (e.category == "comm_wait" && e.name == "wait all_gather")
+      f.gather_wait.push_back(e.begin_us);
+    if (e.category == "comm" && e.name == "reduce_scatter") f.scatter_launch.push_back(e.begin_us);
   }
-  for (auto* v : {&f.a2a_launch, &f.a2a_wait, &f.attention_begin})
+  for (auto* v : {&f.a2a_launch, &f.a2a_wait, &f.attention_begin, &f.gather_launch, &f.gather_wait,
+                  &f.scatter_launch})
     std::sort(v->begin(), v->end());
   return f;
 }
@@ -349,13 +355,72 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
   cfg.schedule = CPSchedule::kSync;
   HP_EXPECT_ERROR(normalize(cfg, p),
                   "cp_config.ulysses_head_groups=4 applies to "
-                  "algorithm=ulysses or usp with schedule=async (got ulysses, sync)");
+                  "algorithm=ulysses, usp or all_gather with schedule=async (got ulysses, sync)");
   cfg.algorithm = "hybrid";
   cfg.ulysses_degree = 2;
   cfg.schedule = CPSchedule::kAsync;
   HP_EXPECT_ERROR(normalize(cfg, 4),
-                  "applies to algorithm=ulysses or usp with schedule=async "
+                  "applies to algorithm=ulysses, usp or all_gather with schedule=async "
                   "(got hybrid, async)");
+}
+
+// Async all_gather in head groups (12 query and 6 K/V heads; automatic = 6 groups, which the
+// all_gather grids above run): 2 and 3 groups, balanced and not, and GQA with 2 K/V heads
+// (automatic = 2), against the reference; the sync half of the grid ignores the field.
+TEST(CPFloat64, AllGatherHeadGroups) {
+  for (int64_t g : {2, 3}) {
+    for (bool lb : {false, true}) {
+      Case c{"all_gather", std::nullopt, lb, LoadBalanceForm::kDataOrder};
+      c.head_groups = g;
+      run_grid(c, {2, 4});
+    }
+  }
+  Case gqa{"all_gather", std::nullopt, true, LoadBalanceForm::kDataOrder};
+  gqa.kv_heads = 2;
+  run_grid(gqa, {3});
+}
+
+// Async all_gather in head groups (P=2, 3 groups of 2 K/V heads): K and V each travel in one
+// all-gather per group ([1, 2, 24, 8] and [1, 2, 24, 6]: the group's heads, the local
+// positions), launched group by group in handoff order (this module's is V, K): the later
+// groups' pieces are held until group 0's have been waited for, then fly while group 0 is
+// attended. In backward each piece's gradient is reduce-scattered on its own (six of the
+// group's shape over the whole sequence). A count that does not divide the K/V heads is
+// refused before any collective.
+TEST(AllGatherHeadGroups, LaterGroupsKVTravelWhileGroupZeroIsAttended) {
+  const int p = 2;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "all_gather";
+  cfg.schedule = CPSchedule::kAsync;
+  cfg.ulysses_head_groups = 3;
+  const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
+  for (const auto& sched : f.schedules) {
+    ASSERT_EQ(sched.size(), 12u) << ::testing::PrintToString(sched);
+    EXPECT_EQ(std::set<std::string>(sched.begin(), sched.begin() + 2),
+              (std::set<std::string>{"all_gather(cp)[1,2,24,8]", "all_gather(cp)[1,2,24,6]"}))
+        << ::testing::PrintToString(sched);
+    for (size_t i = 2; i < 6; ++i)
+      EXPECT_EQ(sched[i], sched[i % 2]) << i << " in " << ::testing::PrintToString(sched);
+    std::multiset<std::string> back(sched.begin() + 6, sched.end());
+    EXPECT_EQ(back.count("reduce_scatter(cp)[1,2,48,8]"), 3u) << ::testing::PrintToString(sched);
+    EXPECT_EQ(back.count("reduce_scatter(cp)[1,2,48,6]"), 3u) << ::testing::PrintToString(sched);
+  }
+  ASSERT_EQ(count_between(f.gather_launch, 0, f.forward_end), 6);
+  ASSERT_EQ(count_between(f.gather_wait, 0, f.forward_end), 6);
+  ASSERT_EQ(f.scatter_launch.size(), 6u);
+  EXPECT_GE(f.gather_launch[2], f.gather_wait[1])
+      << "the later groups' pieces must be held until group 0's have been waited for";
+  EXPECT_LT(f.gather_launch[5], f.attention_begin.back())
+      << "the later groups' pieces must fly while group 0 is attended";
+  // Rank 0's causal queries see no remote key: group 1's first call comes after group 0's
+  // waits and before group 2's.
+  EXPECT_GT(count_between(f.attention_begin, f.gather_wait[1], f.gather_wait[4]), 0)
+      << "group 1 must be attended before group 2's pieces are waited for";
+
+  cfg.ulysses_head_groups = 4;
+  HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, kNkv),
+                  "cp_config.ulysses_head_groups=4 does not divide the 12 query and 6 key/value "
+                  "heads");
 }
 
 // Async usp in head groups (P=4, U=2: 6 query and 3 K/V heads per rank; automatic = 3

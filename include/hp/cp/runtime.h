@@ -21,7 +21,7 @@ struct CPRuntimeOptions {
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   bool async = false;  // moved roles arrive through handoff slots
   KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
-  int64_t ulysses_head_groups = 0;        // async ulysses, usp (ContextParallelConfig)
+  int64_t ulysses_head_groups = 0;        // async ulysses, usp, all_gather (ContextParallelConfig)
   bool async_always_local_first = false;  // async all_gather, hybrid (ContextParallelConfig)
   bool ring_keep_blocks = false;          // ring, usp (ContextParallelConfig)
 };

@@ -69,7 +69,8 @@ struct CPRuntimeContext {
   // The module's K/V heads (this rank's, after TP) as they reach CP; set by the runtime before
   // any K/V is moved. With kv_head_policy=repeat and kv_heads % U != 0, K/V take the repeat path.
   int64_t kv_heads = 0;
-  // Async ulysses and usp: head groups (ContextParallelConfig::ulysses_head_groups; 0: auto).
+  // Async ulysses, usp and all_gather: head groups (ContextParallelConfig::ulysses_head_groups;
+  // 0: auto).
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid (ContextParallelConfig::async_always_local_first).
   bool async_always_local_first = false;
@@ -173,9 +174,9 @@ class AttentionCall {
 // the handoff moved `role` in pieces (CPStrategy::split_for_move), it waits for every piece and
 // joins them (join_moved).
 // arrived.pieces(role, x): the pieces, each with what its handoff emitted (local data: no
-// wait) and one wait for it moved (called once, in any order), so a strategy can attend what
-// has arrived while the rest travels; one piece (x, a wait of the whole) when no pieces
-// function was given.
+// wait), one wait for it moved (called once, in any order) and whether that wait would not
+// block now, so a strategy can attend what has arrived while the rest travels; one piece (x, a
+// wait of the whole) when no pieces function was given.
 // arrived.landed(role): whether that wait would not block now (false when it cannot tell).
 class ArrivedFn {
  public:
@@ -183,6 +184,7 @@ class ArrivedFn {
   struct Piece {
     at::Tensor emitted;
     std::function<at::Tensor()> wait;
+    std::function<bool()> landed;  // whether wait would not block now (null: cannot tell)
   };
   using Pieces = std::function<std::vector<Piece>(QKVRole role, const at::Tensor& x)>;
   using Landed = std::function<bool(QKVRole role)>;
@@ -194,7 +196,8 @@ class ArrivedFn {
   at::Tensor operator()(QKVRole role, const at::Tensor& x) const { return wait_(role, x); }
   std::vector<Piece> pieces(QKVRole role, const at::Tensor& x) const {
     if (pieces_ != nullptr) return pieces_(role, x);
-    return {{x, [wait = wait_, role, x] { return wait(role, x); }}};
+    return {{x, [wait = wait_, role, x] { return wait(role, x); },
+             [landed = landed_, role] { return landed != nullptr && landed(role); }}};
   }
   bool landed(QKVRole role) const { return landed_ != nullptr && landed_(role); }
 
