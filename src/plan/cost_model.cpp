@@ -267,12 +267,9 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // the later groups' pieces (forward: they launch once group 0's have arrived) and the later
   // groups' dQ, dK, dV (backward: they leave as soon as their group's backward is done) fly
   // while an earlier group is attended; with the output all-to-alls below, within (G-1)/G of
-  // the attention. Async all_gather in G head groups likewise: the later groups' K/V gathers
-  // fly while the earlier groups' remote keys are attended, and each group's dK/dV
-  // reduce-scatters while the groups before it run their backward.
+  // the attention.
   double ulysses_groups = 1, pieces_hidden = 0;
-  if (async && (config.algorithm == cp::CPAlgorithm::kUlysses ||
-                config.algorithm == cp::CPAlgorithm::kAllGather)) {
+  if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {
     ulysses_groups =
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
@@ -281,6 +278,23 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     early_budget += pieces_hidden;
   }
   double hidden_s = async ? std::min(early, early_budget) : 0.0;
+  // Async all_gather in G head groups: the later groups' K/V gathers fly while the earlier
+  // groups are attended, and each group's dK/dV reduce-scatter leaves once its backward is
+  // done. The gathers (half of the early bytes) hide only behind forward work after the
+  // handoffs (1 of the 3.5 attention units, 1 of the 3 projection passes), the
+  // reduce-scatters only behind backward work; of the attention, the held chunks (1/C) and
+  // every group's remote keys but the last group's ((G-1)/G of the rest).
+  const double ag_groups =
+      config.algorithm == cp::CPAlgorithm::kAllGather
+          ? static_cast<double>(cp::ulysses_head_groups_of(config, w.heads, w.kv_heads))
+          : 1.0;
+  if (async && ag_groups > 1) {
+    const double held = 1.0 / static_cast<double>(c);
+    const double attended = held + (1 - held) * (ag_groups - 1) / ag_groups;
+    const double fwd = cal.overlap_budget * proj_s / 3 + attended * attn_s / 3.5;
+    const double bwd = cal.overlap_budget * proj_s * 2 / 3 + attended * attn_s * 2.5 / 3.5;
+    hidden_s = std::min(early / 2, fwd) + std::min(early / 2, bwd);
+  }
   // Async hybrid: the co-group gathers fly while the rank attends the co block it holds (1/C
   // of its attention; its backward likewise hides the reduce-scatters).
   if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {

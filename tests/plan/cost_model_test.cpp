@@ -194,6 +194,30 @@ TEST(CostModel, AsyncUlyssesHidesTheLaterGroupsPiecesAndOutputs) {
   EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
 }
 
+// Async all_gather in G head groups (8 K/V heads: G = 8 automatic; P = 4, no projections): the
+// K/V gathers (half of the bytes) hide only behind forward attention (1 of its 3.5 units) and
+// the dK/dV reduce-scatters only behind backward attention (2.5 units), each within the held
+// chunks (1/C) and every group's remote keys but the last group's. On a link slow enough that
+// both halves outlast their pass, that is exactly what is hidden; one group hides only behind
+// the held chunks.
+TEST(CostModel, AsyncAllGatherInHeadGroupsHidesEachHalfBehindItsOwnPass) {
+  auto slow = synthetic(1.0 / 5e6);
+  auto w = workload();
+  w.projections = false;
+  const auto sync = predict_cp_step(slow, config("all_gather"), 4, w);
+  auto grouped = config("all_gather");
+  grouped.schedule = cp::CPSchedule::kAsync;
+  EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 8, 8), 8);
+  auto single = grouped;
+  single.ulysses_head_groups = 1;
+  const auto a = predict_cp_step(slow, grouped, 4, w), one = predict_cp_step(slow, single, 4, w);
+  const double attn = sync.compute_s, attended = 0.25 + 0.75 * 7 / 8;
+  ASSERT_GT(sync.comm_s / 2, attended * attn * 2.5 / 3.5) << "the link must outlast both passes";
+  EXPECT_DOUBLE_EQ(a.comm_s, sync.comm_s);
+  EXPECT_NEAR(a.exposed_comm_s, sync.comm_s - attended * attn, 1e-9 * sync.comm_s);
+  EXPECT_NEAR(one.exposed_comm_s, sync.comm_s - attn / 4, 1e-9 * sync.comm_s);
+}
+
 // The async schedule's own cost: async all_gather pays async_seconds_per_token per local token
 // on top of the sync compute, so on a fast link (little to hide) sync ranks first and on a slow
 // one async still does; the ring's async schedule is its sync one and pays nothing. Without
