@@ -119,17 +119,20 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
   return c;
 }
 
-int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv) {
+int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv,
+                               int64_t cp_size) {
   if (c.ulysses_head_groups > 0) return c.ulysses_head_groups;
   // usp: a ring per group, only when asked (measured at P = 4, U = 2 on the 1 Gbit/s link:
   // async 5-18% slower than sync at S = 4096 with 4 groups, 12-24% faster at S = 16384;
   // docs/benchmarks.md).
   if (c.algorithm.name() == CPAlgorithm::kUsp) return 1;
-  // all_gather: up to 8 groups (one call per group and chunk costs little; measured at S =
-  // 16384 on the 1 Gbit/s link, P = 4: 8 groups exposed 0.95 s, 4 groups 1.05-1.12 s, one
-  // 2.11 s; docs/benchmarks.md).
+  // all_gather: up to 8 groups, 4 at P = 2 (one call per group and chunk costs little; measured
+  // at S = 16384 on the 1 Gbit/s link, P = 4: 8 groups exposed 0.95 s, 4 groups 1.05-1.12 s,
+  // one 2.11 s; at P = 2 the held chunks are half the attention, and 8 groups exposed
+  // 0.04-0.18 s where 4 and one exposed none; docs/benchmarks.md).
   if (c.algorithm.name() == CPAlgorithm::kAllGather) {
-    for (int64_t g = std::min<int64_t>(8, nkv); g > 1; --g) {
+    const int64_t most = cp_size > 0 ? std::min<int64_t>(8, 2 * cp_size) : 8;
+    for (int64_t g = std::min(most, nkv); g > 1; --g) {
       if (nq % g == 0 && nkv % g == 0) return g;
     }
     return 1;

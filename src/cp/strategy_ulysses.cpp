@@ -200,7 +200,7 @@ int64_t detail::head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algo
   ContextParallelConfig c;
   c.algorithm = algorithm;
   c.ulysses_head_groups = ctx.ulysses_head_groups;
-  const int64_t g = ulysses_head_groups_of(c, nq, nkv);
+  const int64_t g = ulysses_head_groups_of(c, nq, nkv, ctx.topology->cp_size);
   HP_INTERNAL_ASSERT(nq % g == 0 && nkv % g == 0, "head groups: ", g, " for ", nq, " and ", nkv,
                      " heads");
   return g;

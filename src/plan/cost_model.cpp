@@ -286,7 +286,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // every group's remote keys but the last group's ((G-1)/G of the rest).
   const double ag_groups =
       config.algorithm == cp::CPAlgorithm::kAllGather
-          ? static_cast<double>(cp::ulysses_head_groups_of(config, w.heads, w.kv_heads))
+          ? static_cast<double>(cp::ulysses_head_groups_of(config, w.heads, w.kv_heads, p))
           : 1.0;
   if (async && ag_groups > 1) {
     const double held = 1.0 / static_cast<double>(c);

@@ -207,7 +207,9 @@ TEST(CostModel, AsyncAllGatherInHeadGroupsHidesEachHalfBehindItsOwnPass) {
   const auto sync = predict_cp_step(slow, config("all_gather"), 4, w);
   auto grouped = config("all_gather");
   grouped.schedule = cp::CPSchedule::kAsync;
-  EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 8, 8), 8);
+  EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 8, 8, 4), 8);
+  EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 8, 8, 2), 4) << "P = 2: at most 4 groups";
+  EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 6, 6, 2), 3) << "the largest divisor up to 4";
   auto single = grouped;
   single.ulysses_head_groups = 1;
   const auto a = predict_cp_step(slow, grouped, 4, w), one = predict_cp_step(slow, single, 4, w);
