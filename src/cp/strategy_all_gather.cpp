@@ -336,22 +336,8 @@ class AllGatherStrategy final : public CPStrategy {
     std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
                                                     : std::vector{local_part(q, ctx, total)};
     const int64_t hd = ctx.layout.heads_dim;
-    const int64_t groups = head_groups(k.size(hd), ctx);
-    if (groups > 1) return overlapped_in_groups(parts, q, k, v, total, groups, call, ctx, arrived);
-    auto gathered = [&] {
-      auto kg = arrived(QKVRole::kK, k), vg = arrived(QKVRole::kV, v);
-      detail::natural_order_kv(kg, vg, ctx);  // runtime swap never reaches here
-      return std::make_pair(kg, vg);
-    };
-    auto landed = [&] {
-      if (ctx.async_always_local_first) return false;
-      // Both asked every time: a first query may only start what tells (comm/transport.h).
-      const bool k_landed = arrived.landed(QKVRole::kK);
-      const bool v_landed = arrived.landed(QKVRole::kV);
-      return k_landed && v_landed;
-    };
-    auto outs = detail::attend_local_first(parts, k, v, total, call, gathered, landed);
-    return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
+    return overlapped_in_groups(parts, q, k, v, total, head_groups(k.size(hd), ctx), call, ctx,
+                                arrived);
   }
 
   // The async head groups (split_for_move): K/V heads [g*n/G, (g+1)*n/G) with the query heads
@@ -364,9 +350,9 @@ class AllGatherStrategy final : public CPStrategy {
     return detail::head_groups(ctx, CPAlgorithm::kAllGather, kv_heads, kv_heads);
   }
 
-  // Group by group: the local chunks of group g, its K/V pieces waited for (the first wait
-  // releases the later groups' pieces, which then fly while the groups before them are
-  // attended), its remote keys; the groups' outputs joined along the heads per part.
+  // Group by group (one group: the whole K/V): the local chunks of group g, its K/V pieces waited
+  // for (the first wait releases the later groups' pieces, which then fly while the groups before
+  // them are attended), its remote keys; the groups' outputs joined along the heads per part.
   static at::Tensor overlapped_in_groups(const std::vector<QueryPart>& parts, const at::Tensor& q,
                                          const at::Tensor& k, const at::Tensor& v, int64_t total,
                                          int64_t groups, const AttentionCall& call,
@@ -392,6 +378,7 @@ class AllGatherStrategy final : public CPStrategy {
       };
       auto landed = [&] {
         if (ctx.async_always_local_first) return false;
+        // Both asked every time: a first query may only start what tells (comm/transport.h).
         const bool k_landed = kp[g].landed(), v_landed = vp[g].landed();
         return k_landed && v_landed;
       };
@@ -402,7 +389,7 @@ class AllGatherStrategy final : public CPStrategy {
     }
     std::vector<at::Tensor> joined;
     for (const auto& o : outs)
-      joined.push_back(at::cat(o, hd));
+      joined.push_back(o.size() == 1 ? o[0] : at::cat(o, hd));
     return ctx.load_balance ? detail::head_tail_restore(joined, ctx) : joined[0];
   }
 };
