@@ -48,9 +48,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
                 "head-tail load balance (all_gather, hybrid, ring, usp; data-order shards)");
   cmd->add_option(
          "--ulysses-head-groups", a.bench.config.ulysses_head_groups,
-         "async ulysses: Q/K/V and output all-to-alls per head group, pipelined with the "
-         "groups' attention; usp: output all-to-alls per group; all_gather: K/V gathers per "
-         "group (0: auto)")
+         "async ulysses, hybrid: Q/K/V and output all-to-alls (hybrid: and co-group K/V "
+         "gathers) per head group, pipelined with the groups' attention; usp: output "
+         "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag(
       "--always-local-first", a.bench.config.async_always_local_first,

@@ -32,8 +32,9 @@ void add_layout_options(CLI::App& app, Args& a) {
                  "after the exchange");
   app.add_option(
          "--ulysses-head-groups", a.head_groups,
-         "async ulysses: head groups whose Q/K/V pieces and outputs fly while another group "
-         "is attended; usp: its outputs; all_gather: its K/V gathers (0: automatic, 1: none)")
+         "async ulysses, hybrid: head groups whose Q/K/V pieces and outputs (hybrid: and "
+         "co-group K/V gathers) fly while another group is attended; usp: its outputs; "
+         "all_gather: its K/V gathers (0: automatic, 1: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "

@@ -126,8 +126,9 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     mask: None, or packed documents: the document id of every token of the global sequence
     ([S] or [B, S] integers) or cu_seqlens ([0, L1, L1+L2, ..., S]); attention never crosses a
     document. kv_head_policy: error | repeat (K/V heads fewer than the Ulysses degree).
-    head_groups: async ulysses or usp, this rank's heads in that many groups whose output
-    all-to-alls fly while the next group is attended; async all_gather, K/V gathered in that many
+    head_groups: async ulysses, hybrid or usp, this rank's heads in that many groups whose output
+    all-to-alls fly while the next group is attended (ulysses and hybrid: their Q/K/V
+    all-to-alls too, and hybrid's co-group K/V gathers); async all_gather, K/V gathered in that many
     head groups, each group's remote keys attended while the later groups' travel (0: automatic;
     usp's automatic count is 1).
     ring_keep_blocks: ring or usp, forward keeps the K/V blocks that arrived so backward sends

@@ -91,13 +91,14 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
   HP_CHECK(c.ulysses_head_groups >= 0, "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
            " must be >= 0 (0: automatic, 1: no head groups)");
   HP_CHECK(c.ulysses_head_groups == 0 || ((c.algorithm.name() == CPAlgorithm::kUlysses ||
+                                           c.algorithm.name() == CPAlgorithm::kHybrid ||
                                            c.algorithm.name() == CPAlgorithm::kUsp ||
                                            c.algorithm.name() == CPAlgorithm::kAllGather) &&
                                           c.schedule == CPSchedule::kAsync),
            "cp_config.ulysses_head_groups=", c.ulysses_head_groups,
-           " applies to algorithm=ulysses, usp or all_gather with schedule=async (got ",
+           " applies to algorithm=ulysses, hybrid, usp or all_gather with schedule=async (got ",
            c.algorithm.name(), ", ", to_string(c.schedule),
-           "); drop it or use the async ulysses, usp or all_gather schedule");
+           "); drop it or use the async ulysses, hybrid, usp or all_gather schedule");
   HP_CHECK(!c.ring_keep_blocks || c.algorithm.name() == CPAlgorithm::kRing ||
                c.algorithm.name() == CPAlgorithm::kUsp,
            "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp (got ",

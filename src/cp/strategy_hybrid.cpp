@@ -19,12 +19,19 @@
 //     1. each query part x the held chunks it can see        (the gathers fly)
 //     2. wait K, V (all_gather in cp_co)
 //     3. each query part x the visible ranges outside the held chunks
-//     4. merge by lse, then the output A2A as in sync.
+//     4. merge by lse, then the output A2A.
 //   Backward runs 3 before the reduce-scatters of the gathered gradients and 1 after them, so
 //   the reduce-scatters fly while the held chunks' backward computes.
 //   A query part whose turn comes once both gathers have landed (nothing left to hide) skips 1
 //   and attends all its visible keys in one call after the wait, as all_gather does
 //   (async_always_local_first keeps the split).
+// In G head groups (cp_config.ulysses_head_groups; automatic as ulysses) Q, K, V travel as
+// ulysses' do, one A2A per group at each handoff (split_for_move), and 1-4 run per group:
+//   group g: wait its K, V pieces -> co-gathers of group g start -> wait its Q piece
+//            -> 1 -> 2 (first starting group g+1's co-gathers: they fly while g's remote keys
+//            and g+1's held chunks are attended) -> 3 -> its output A2A starts and flies on
+//   the outputs come back as heads (heads_from_groups). Backward runs the last group first;
+//   each group's reduce-scatters and dQ, dK, dV pieces leave as soon as its backward is done.
 #include <ATen/ATen.h>
 
 #include "hp/comm/async_transfer.h"
@@ -56,7 +63,8 @@ class HybridStrategy final : public detail::UlyssesMoves {
     select_repeated_kv(p.k, p.v, ctx);
     detail::gather_kv(p.k, p.v, ctx.topology->co, ctx.layout);
     detail::natural_order_kv(p.k, p.v, ctx);
-    p.parts = held_parts(q, q_local.size(ctx.layout.seq_dim), p.k.size(ctx.layout.seq_dim), ctx);
+    p.parts = held_parts(q, q_local.size(ctx.layout.seq_dim), p.k.size(ctx.layout.seq_dim),
+                         ctx.topology->ulysses_rank * q.size(ctx.layout.heads_dim), ctx);
     return p;
   }
 
@@ -67,6 +75,12 @@ class HybridStrategy final : public detail::UlyssesMoves {
     return UlyssesMoves::restore_output({out}, prepared, ctx);
   }
 
+  // One piece per head group, as ulysses (K/V that take the repeat path travel whole).
+  std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+                                         const CPRuntimeContext& ctx) const override {
+    return split_head_groups(x, ctx, CPAlgorithm::kHybrid);
+  }
+
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
@@ -74,42 +88,69 @@ class HybridStrategy final : public detail::UlyssesMoves {
       return CPStrategy::run_async(q, k, v, call, ctx, arrived);
     }
     const auto& t = *ctx.topology;
-    const int64_t seq = ctx.layout.seq_dim;
-    // K, then V: each co-group gather starts the moment its A2A is here; Q last.
-    auto ka = arrived(QKVRole::kK, k), va = arrived(QKVRole::kV, v);
-    select_repeated_kv(ka, va, ctx);
-    auto k_flight = comm::all_gather_start(ka, seq, t.co);
-    auto v_flight = comm::all_gather_start(va, seq, t.co);
-    auto qa = arrived(QKVRole::kQ, q);
-    const int64_t total = qa.size(seq) * t.colossal_degree;
-    auto gathered = [&] {
-      auto kg = k_flight.wait(), vg = v_flight.wait();
-      detail::natural_order_kv(kg, vg, ctx);
-      return std::make_pair(kg, vg);
+    const auto& l = ctx.layout;
+    const int64_t seq = l.seq_dim, hd = l.heads_dim, u = t.ulysses_degree;
+    const int64_t total = q.size(seq) * t.cp_size;
+    const int64_t nq = q.size(hd) / u;
+    const bool repeated = repeated_kv(ctx);
+    const int64_t groups =
+        repeated ? 1 : detail::head_groups(ctx, CPAlgorithm::kHybrid, nq, k.size(hd) / u);
+    const int64_t gq = nq / groups;
+    detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, u, t.ulysses_rank, hd),
+        ka(arrived.pieces(QKVRole::kK, k), k, groups, u, t.ulysses_rank, hd),
+        va(arrived.pieces(QKVRole::kV, v), v, groups, u, t.ulysses_rank, hd);
+    // Group g's co-group gathers, started once its K, V pieces are here, in group order on
+    // every rank.
+    std::vector<std::pair<comm::InFlight, comm::InFlight>> flights;
+    flights.reserve(groups);
+    auto launch = [&](int64_t g) {
+      auto kg = ka.moved(g), vg = va.moved(g);
+      select_repeated_kv(kg, vg, ctx);
+      auto k_flight = comm::all_gather_start(kg, seq, t.co);  // K first, then V
+      flights.emplace_back(std::move(k_flight), comm::all_gather_start(vg, seq, t.co));
     };
-    auto landed = [&] {
-      if (ctx.async_always_local_first) return false;
-      const bool k_landed = k_flight.landed();  // both asked: gloo's first query starts a watch
-      const bool v_landed = v_flight.landed();
-      return k_landed && v_landed;
-    };
-    auto outs =
-        detail::attend_local_first(held_parts(qa, q.size(seq), total, ctx), k_flight.emitted(),
-                                   v_flight.emitted(), total, call, gathered, landed);
-    return restore_output(outs, PreparedQKV{}, ctx);
+    std::vector<comm::InFlight> moving;
+    for (int64_t g = 0; g < groups; ++g) {
+      if (static_cast<int64_t>(flights.size()) == g) launch(g);
+      auto& [k_flight, v_flight] = flights[g];
+      auto gathered = [&, g] {
+        if (g + 1 < groups) launch(g + 1);
+        auto& [kf, vf] = flights[g];
+        auto kg = kf.wait(), vg = vf.wait();
+        detail::natural_order_kv(kg, vg, ctx);
+        return std::make_pair(kg, vg);
+      };
+      auto landed = [&, g] {
+        if (ctx.async_always_local_first) return false;
+        auto& [kf, vf] = flights[g];
+        const bool k_landed = kf.landed();  // both asked: gloo's first query starts a watch
+        const bool v_landed = vf.landed();
+        return k_landed && v_landed;
+      };
+      const auto parts =
+          held_parts(qa.moved(g), q.size(seq), total, t.ulysses_rank * nq + g * gq, ctx);
+      auto outs = detail::attend_local_first(parts, k_flight.emitted(), v_flight.emitted(), total,
+                                             call, gathered, landed);
+      auto out = outs.size() == 1 ? outs[0] : at::cat(outs, seq);
+      if (groups == 1) return UlyssesMoves::restore_output({out}, PreparedQKV{}, ctx);
+      moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, t.ulysses));
+    }
+    // Group g came back as heads (rank j, head i) -> global head j*nq + g*gq + i.
+    return detail::heads_from_groups(moving, u, l);
   }
 
  private:
   // The query parts of what this rank holds after the A2A (q [.., S/C, ..] of its N/U heads):
   // its co block at co_rank * S/C, or under head-tail balance one part per chunk of its
   // Ulysses group's members (rank cU+j: chunks 2r and 2P-2r-1), in the order they are held.
+  // head_offset: the global index of q's first head (masks per head).
   static std::vector<QueryPart> held_parts(const at::Tensor& q, int64_t local_seq, int64_t kv_len,
-                                           const CPRuntimeContext& ctx) {
+                                           int64_t head_offset, const CPRuntimeContext& ctx) {
     const auto& t = *ctx.topology;
     const int64_t seq = ctx.layout.seq_dim, held = q.size(seq);
     CallState base;
     base.local_seq = local_seq;
-    base.head_offset = t.ulysses_rank * q.size(ctx.layout.heads_dim);
+    base.head_offset = head_offset;
     if (!ctx.load_balance) {
       base.causal = {t.co_rank * held, held, kv_len};
       return {QueryPart{q, base}};

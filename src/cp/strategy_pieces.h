@@ -81,7 +81,7 @@ std::vector<at::Tensor> ulysses_to_heads(const std::vector<std::vector<at::Tenso
 // [B, T/P, P*n, X] (this rank's tokens, every head, in rank order).
 at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group);
 
-// Async head groups (ulysses, usp): the number G of groups `algorithm` runs this rank's nq
+// Async head groups (ulysses, hybrid, usp): the number G of groups `algorithm` runs this rank's nq
 // query and nkv K/V heads (after the all-to-all) in (ulysses_head_groups_of with
 // ctx.ulysses_head_groups; it divides both), and the groups' outputs put back together.
 // moving[g] is group g's output [.., U*S_l, .., gq, ..] started on its head->seq all-to-all in
@@ -160,6 +160,11 @@ class UlyssesMoves : public CPStrategy {
   // in the Ulysses group (every head, once); keep the one head this rank's query heads read.
   void select_repeated_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) const;
   bool repeated_kv(const CPRuntimeContext& ctx) const;
+  // split_for_move in head groups (async ulysses, hybrid): x's heads per rank in
+  // head_groups(ctx, algorithm) pieces, piece g holding every rank's group g; x whole for one
+  // group, a Ulysses degree of 1 or K/V on the repeat path.
+  std::vector<at::Tensor> split_head_groups(const at::Tensor& x, const CPRuntimeContext& ctx,
+                                            const CPAlgorithm& algorithm) const;
 };
 
 // ---- lse frames (strategy_pieces.cpp) ----

@@ -155,6 +155,16 @@ at::Tensor detail::UlyssesMoves::join_moved(QKVRole, const std::vector<at::Tenso
   return at::cat(moved, ctx.layout.heads_dim);
 }
 
+std::vector<at::Tensor> detail::UlyssesMoves::split_head_groups(
+    const at::Tensor& x, const CPRuntimeContext& ctx, const CPAlgorithm& algorithm) const {
+  const int64_t p = ctx.topology->ulysses_degree, hd = ctx.layout.heads_dim;
+  if (p == 1 || repeated_kv(ctx)) return {x};
+  const int64_t n = x.size(hd) / p;
+  const int64_t groups = head_groups(ctx, algorithm, n, n);
+  if (groups == 1) return {x};
+  return split_groups(x, p, groups, hd);
+}
+
 void detail::UlyssesMoves::select_repeated_kv(at::Tensor& k, at::Tensor& v,
                                               const CPRuntimeContext& ctx) const {
   if (!repeated_kv(ctx)) return;
@@ -331,12 +341,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   // backward is done.
   std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
                                          const CPRuntimeContext& ctx) const override {
-    const int64_t p = ctx.topology->ulysses_degree, hd = ctx.layout.heads_dim;
-    if (p == 1 || repeated_kv(ctx)) return {x};
-    const int64_t n = x.size(hd) / p;
-    const int64_t groups = detail::head_groups(ctx, CPAlgorithm::kUlysses, n, n);
-    if (groups == 1) return {x};
-    return detail::split_groups(x, p, groups, hd);
+    return split_head_groups(x, ctx, CPAlgorithm::kUlysses);
   }
 
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

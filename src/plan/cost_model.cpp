@@ -295,10 +295,26 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     const double bwd = cal.overlap_budget * proj_s * 2 / 3 + attended * attn_s * 2.5 / 3.5;
     hidden_s = std::min(early / 2, fwd) + std::min(early / 2, bwd);
   }
-  // Async hybrid: the co-group gathers fly while the rank attends the co block it holds (1/C
-  // of its attention; its backward likewise hides the reduce-scatters).
+  // Async hybrid in G head groups (1: the whole heads; cp/strategy_hybrid.cpp), pass by pass.
+  // Forward: group 0's Q/K/V pieces hide only behind the projections after their handoffs (1
+  // of 3 passes) and the last group's output all-to-all behind nothing; the rest (the later
+  // groups' pieces and outputs, every group's co-gathers) flies while the held chunks (1/C)
+  // and every group's remote keys but the last group's ((G-1)/G of the rest) are attended.
+  // Backward mirrors it: the last group's output gradient first (exposed), group 0's dQ, dK,
+  // dV last (behind the projections' backward, 2 of 3 passes), the rest behind 2.5 of the 3.5
+  // attention units.
   if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {
-    hidden_s += std::min(co_gathers, attn_s / static_cast<double>(c));
+    const double groups =
+        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u, p));
+    const double held = 1.0 / static_cast<double>(c);
+    const double attended = held + (1 - held) * (groups - 1) / groups;
+    const double first = early / 2 / groups, last = late_a2a / 2 / groups;
+    const double rest = (early + late_a2a + co_gathers) / 2 - first - last;
+    const double fwd = std::max(0.0, first - cal.overlap_budget * proj_s / 3) + last +
+                       std::max(0.0, rest - attended * attn_s / 3.5);
+    const double bwd = last + std::max(0.0, first - cal.overlap_budget * proj_s * 2 / 3) +
+                       std::max(0.0, rest - attended * attn_s * 2.5 / 3.5);
+    hidden_s = early + late_a2a + co_gathers - fwd - bwd;
   }
   // Async ulysses and usp in G head groups: the output all-to-alls of all groups but the last
   // (and in backward all but the first) fly while another group is attended.

@@ -493,10 +493,15 @@ TEST(CPAsync, AllGatherAttendsAPartInOneCallOnceTheKVHaveLanded) {
 // machine during part 0; on a loaded one later), so the landed case gets a few tries and must
 // come below 16 on one of them; the late co-peer (rank 2) and async_always_local_first never
 // land in time.
+//
+// One head group here (the automatic count runs 2); in 2 groups each group's parts take the
+// same calls.
 TEST(CPAsync, HybridAttendsAPartInOneCallOnceItsCoGroupGathersHaveLanded) {
-  auto calls = [](int late, bool always_local_first, int pause_ms, int64_t seq = kS) {
-    return attention_calls("hybrid", 4, late, always_local_first, pause_ms, seq);
+  auto calls = [](int late, bool always_local_first, int pause_ms, int64_t seq = kS,
+                  int64_t groups = 1) {
+    return attention_calls("hybrid", 4, late, always_local_first, pause_ms, seq, groups);
   };
+  EXPECT_EQ(calls(-1, true, 200, kS, 2), 32);
   // 32 times the usual sequence: each call takes milliseconds instead of microseconds, so
   // the gathers' worker threads get their turn on a loaded machine before the parts run out.
   constexpr int64_t kLandedSeq = 32 * kS;

@@ -355,13 +355,14 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
   cfg.schedule = CPSchedule::kSync;
   HP_EXPECT_ERROR(normalize(cfg, p),
                   "cp_config.ulysses_head_groups=4 applies to "
-                  "algorithm=ulysses, usp or all_gather with schedule=async (got ulysses, sync)");
-  cfg.algorithm = "hybrid";
-  cfg.ulysses_degree = 2;
+                  "algorithm=ulysses, hybrid, usp or all_gather with schedule=async (got ulysses, "
+                  "sync)");
+  cfg.algorithm = "ring";
+  cfg.ulysses_degree.reset();
   cfg.schedule = CPSchedule::kAsync;
   HP_EXPECT_ERROR(normalize(cfg, 4),
-                  "applies to algorithm=ulysses, usp or all_gather with schedule=async "
-                  "(got hybrid, async)");
+                  "applies to algorithm=ulysses, hybrid, usp or all_gather with schedule=async "
+                  "(got ring, async)");
 }
 
 // Async all_gather in head groups (12 query and 6 K/V heads; automatic = 6 groups, which the
@@ -421,6 +422,69 @@ TEST(AllGatherHeadGroups, LaterGroupsKVTravelWhileGroupZeroIsAttended) {
   HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, kNkv),
                   "cp_config.ulysses_head_groups=4 does not divide the 12 query and 6 key/value "
                   "heads");
+}
+
+// Async hybrid in head groups (P=4, U=2: 6 query and 3 K/V heads per rank after the
+// all-to-all; automatic = 3, which the hybrid grids above run): one group (the whole heads) and
+// 3, balanced and not, local first for every part, and GQA whose pieces do not fall on the
+// attention's groups (4 K/V heads: 3 query pieces of 2 heads, 2 K/V pieces of 1, attended in
+// 2 groups), against the reference; the sync half of the grid ignores the field.
+TEST(CPFloat64, HybridHeadGroups) {
+  for (int64_t g : {1, 3}) {
+    for (bool lb : {false, true}) {
+      Case c{"hybrid", 2, lb, LoadBalanceForm::kDataOrder};
+      c.head_groups = g;
+      run_grid(c, {4});
+      c.always_local_first = true;
+      run_case(c, 4, CPSchedule::kAsync, true);
+    }
+  }
+  Case gqa{"hybrid", 2, true, LoadBalanceForm::kDataOrder};
+  gqa.kv_heads = 4;
+  run_grid(gqa, {4});
+}
+
+// Async hybrid in head groups (P=4, U=2, 3 groups): Q, K and V travel in one all-to-all per
+// group in the Ulysses group, each group's K and V in one co-group all-gather of the group's
+// K/V head at S/C = 24 positions ([1,1,24,8] and [1,1,24,6]), and each group's output in one
+// all-to-all ([1,2,24,6]); backward reduce-scatters each group's dK and dV on its own. Rank 0
+// starts group 1's co-gathers before it waits for group 0's (they fly while group 0's remote
+// keys and group 1's held chunks are attended) and launches group 0's output all-to-all
+// before its last attention call.
+TEST(HybridHeadGroups, EachGroupsCoGathersAndOutputTravelWhileAnotherGroupIsAttended) {
+  const int p = 4;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "hybrid";
+  cfg.ulysses_degree = 2;
+  cfg.schedule = CPSchedule::kAsync;
+  cfg.ulysses_head_groups = 3;
+  const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
+  for (const auto& sched : f.schedules) {
+    std::vector<std::string> gathers, a2a;
+    std::multiset<std::string> scatters;
+    for (const auto& op : sched) {
+      if (op.rfind("all_gather(", 0) == 0) gathers.push_back(op);
+      if (op.rfind("all_to_all(", 0) == 0) a2a.push_back(op);
+      if (op.rfind("reduce_scatter(", 0) == 0) scatters.insert(op);
+    }
+    ASSERT_EQ(gathers.size(), 6u) << ::testing::PrintToString(sched);
+    for (size_t i = 0; i < 6; ++i) {
+      EXPECT_NE(gathers[i].find(i % 2 == 0 ? "[1,1,24,8]" : "[1,1,24,6]"), std::string::npos)
+          << i << " in " << ::testing::PrintToString(sched);
+    }
+    // Forward: 9 pieces and 3 outputs; backward: 3 output gradients and 9 piece gradients.
+    ASSERT_EQ(a2a.size(), 24u) << ::testing::PrintToString(sched);
+    for (size_t i = 9; i < 12; ++i)
+      EXPECT_NE(a2a[i].find("[1,2,24,6]"), std::string::npos) << a2a[i];
+    EXPECT_EQ(scatters.size(), 6u) << ::testing::PrintToString(sched);
+  }
+  ASSERT_EQ(count_between(f.gather_launch, 0, f.forward_end), 6);
+  ASSERT_EQ(count_between(f.gather_wait, 0, f.forward_end), 6);
+  EXPECT_LE(f.gather_launch[3], f.gather_wait[0])
+      << "group 1's co-gathers must start before group 0's are waited for";
+  ASSERT_GE(f.a2a_launch.size(), 12u);
+  EXPECT_LT(f.a2a_launch[9], f.attention_begin.back())
+      << "group 0's output all-to-all must fly while a later group is attended";
 }
 
 // Async usp in head groups (P=4, U=2: 6 query and 3 K/V heads per rank; automatic = 3

@@ -54,14 +54,16 @@ struct ContextParallelConfig {
   LoadBalanceForm load_balance_form = LoadBalanceForm::kDataOrder;
   AsyncFallback async_fallback = AsyncFallback::kError;
   KVHeadPolicy kv_head_policy = KVHeadPolicy::kError;
-  // Async ulysses and usp: this rank's heads (after the all-to-all) split into this many
-  // groups, each group's output all-to-all flying while the next group is attended (usp: a ring
-  // per group; forward and backward). Async all_gather: K/V gathered in this many head groups,
-  // each group's remote keys attended while the later groups' K/V travel (backward: each
-  // group's dK/dV reduce-scattered as soon as its backward is done).
-  // 0: automatic (ulysses: the largest of 4, 3, 2 that divides the rank's query and K/V heads,
-  // else 1; all_gather: the largest count up to 8 (4 at cp_size 2) that divides them; usp: 1,
-  // since a ring per group costs more than it hides at small S);
+  // Async ulysses, hybrid and usp: this rank's heads (after the all-to-all) split into this
+  // many groups, each group's output all-to-all flying while the next group is attended (usp: a
+  // ring per group; forward and backward; ulysses and hybrid: Q, K, V travel in one all-to-all
+  // per group too, and hybrid's co-group K/V gathers run per group). Async all_gather: K/V
+  // gathered in this many head groups, each group's remote keys attended while the later
+  // groups' K/V travel (backward: each group's dK/dV reduce-scattered as soon as its backward
+  // is done).
+  // 0: automatic (ulysses, hybrid: the largest of 4, 3, 2 that divides the rank's query and K/V
+  // heads, else 1; all_gather: the largest count up to 8 (4 at cp_size 2) that divides them;
+  // usp: 1, since a ring per group costs more than it hides at small S);
   // 1: one group (the output all-to-all after all of attention).
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid: a query part whose turn comes after the K/V all-gather (hybrid:
@@ -106,7 +108,7 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
 
 // Effective degrees of a normalised config (the Ulysses degree it filled in; 1 when unset).
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
-// The head groups async ulysses, usp or all_gather runs with nq query and nkv K/V heads per
+// The head groups async ulysses, hybrid, usp or all_gather runs with nq query and nkv K/V heads per
 // rank (after the all-to-all; all_gather: all of them): c.ulysses_head_groups when set (the
 // strategy checks that it divides both), else for usp 1, for all_gather over `cp_size` ranks
 // the largest count up to min(8, 2 cp_size) that divides both (0: unknown size, up to 8), else
