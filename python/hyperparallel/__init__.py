@@ -128,9 +128,10 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     document. kv_head_policy: error | repeat (K/V heads fewer than the Ulysses degree).
     head_groups: async ulysses, hybrid or usp, this rank's heads in that many groups whose output
     all-to-alls fly while the next group is attended (ulysses and hybrid: their Q/K/V
-    all-to-alls too, and hybrid's co-group K/V gathers); async all_gather, K/V gathered in that many
-    head groups, each group's remote keys attended while the later groups' travel (0: automatic;
-    usp's automatic count is 1).
+    all-to-alls too, and hybrid's co-group K/V gathers; usp: its Q/K/V pieces and a ring per
+    group); async all_gather, K/V gathered in that many head groups, each group's remote keys
+    attended while the later groups' travel (0: automatic; usp's automatic count is 2, or 1
+    where 2 does not divide the heads).
     ring_keep_blocks: ring or usp, forward keeps the K/V blocks that arrived so backward sends
     only the dK/dV accumulators (all_gather's bytes and memory with the ring's overlap).
     ``algorithm='auto'`` weighs it with the rest and sets it when the kept ring ranks first.

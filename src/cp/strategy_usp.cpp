@@ -13,10 +13,11 @@
 //   backward: the ring's backward (blocks again, each with its dK/dV accumulator; only the
 //   accumulators with ring_keep_blocks), then the inverse all-to-alls.
 //   Async: the all-to-alls start at the handoff points; the ring overlaps itself. With
-//   cp_config.ulysses_head_groups = G > 1 (default 1 for usp) the heads run in G groups: a ring
-//   per group, whose output all-to-all starts as soon as it is done and flies while the next
-//   group's ring runs; in backward the later groups' inverse all-to-alls fly while the earlier
-//   rings run back.
+//   cp_config.ulysses_head_groups = G > 1 (automatic: 2 where it divides the heads) the heads
+//   run in G groups: Q, K, V travel in one all-to-all per group (split_for_move, as ulysses),
+//   group g's ring runs once its own pieces are here (the later groups' still travel), and its
+//   output all-to-all starts as soon as it is done and flies while the next group's ring runs;
+//   in backward the later groups' inverse all-to-alls fly while the earlier rings run back.
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
@@ -60,25 +61,63 @@ class UspStrategy final : public detail::UlyssesMoves {
                         move(QKVRole::kV, v, ctx), call, ctx);
   }
 
+  // One piece per head group (as ulysses; usp's automatic count is at most 2).
+  std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+                                         const CPRuntimeContext& ctx) const override {
+    return split_head_groups(x, ctx, CPAlgorithm::kUsp);
+  }
+
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k), arrived(QKVRole::kV, v),
-                        call, ctx, /*grouped=*/true);
+    const auto& t = *ctx.topology;
+    const auto& l = ctx.layout;
+    const int64_t hd = l.heads_dim, u = t.ulysses_degree, nq = q.size(hd) / u;
+    // usp's automatic count is at most 2 (ulysses_head_groups_of): each group costs a ring.
+    const int64_t groups =
+        repeated_kv(ctx) ? 1 : detail::head_groups(ctx, CPAlgorithm::kUsp, nq, k.size(hd) / u);
+    if (groups == 1) {
+      return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k),
+                          arrived(QKVRole::kV, v), call, ctx);
+    }
+    // Group g's ring starts once its own pieces are here (the later groups' still travel).
+    detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, u, t.ulysses_rank, hd),
+        ka(arrived.pieces(QKVRole::kK, k), k, groups, u, t.ulysses_rank, hd),
+        va(arrived.pieces(QKVRole::kV, v), v, groups, u, t.ulysses_rank, hd);
+    const int64_t gq = nq / groups;
+    auto ring = ring_of(q.size(l.seq_dim) * u, ctx);
+    std::vector<comm::InFlight> moving;
+    for (int64_t g = 0; g < groups; ++g) {
+      ring.head_offset = t.ulysses_rank * nq + g * gq;
+      auto out = detail::ring_attend(qa.moved(g), ka.moved(g), va.moved(g), call, l, ring);
+      moving.push_back(comm::all_to_all_start(out.contiguous(), l.seq_dim, hd, t.ulysses));
+    }
+    std::vector<at::Tensor> moved = qa.all();
+    for (auto* role : {&ka, &va}) {
+      auto pieces = role->all();
+      moved.insert(moved.end(), pieces.begin(), pieces.end());
+    }
+    return anchored(detail::heads_from_groups(moving, u, l), moved);
   }
 
  private:
   at::Tensor attend_moved(const at::Tensor& q, at::Tensor k, at::Tensor v,
-                          const AttentionCall& call, const CPRuntimeContext& ctx,
-                          bool grouped = false) const {
-    const auto& t = *ctx.topology;
+                          const AttentionCall& call, const CPRuntimeContext& ctx) const {
     select_repeated_kv(k, v, ctx);
-    detail::RingGroup ring{
-        t.co, t.co_rank, t.colossal_degree,   t.ulysses_rank * q.size(ctx.layout.heads_dim),
-        {},   0,         ctx.ring_keep_blocks};
+    auto ring = ring_of(q.size(ctx.layout.seq_dim), ctx);
+    ring.head_offset = ctx.topology->ulysses_rank * q.size(ctx.layout.heads_dim);
+    auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);
+    return restore_output({out}, PreparedQKV{}, ctx);
+  }
+
+  // The ring over the co group for `held` positions per rank after the all-to-all (S/C); the
+  // caller sets head_offset.
+  static detail::RingGroup ring_of(int64_t held, const CPRuntimeContext& ctx) {
+    const auto& t = *ctx.topology;
+    detail::RingGroup ring{t.co, t.co_rank, t.colossal_degree, 0, {}, 0, ctx.ring_keep_blocks};
     // After the all-to-all a co-rank holds its Ulysses group's shards in rank order: the
     // contiguous range c of C, or (head-tail balance) the two chunks of each member.
-    const int64_t s = q.size(ctx.layout.seq_dim), u = t.ulysses_degree, p = t.cp_size;
+    const int64_t u = t.ulysses_degree, p = t.cp_size;
     for (int64_t c = 0; c < t.colossal_degree; ++c) {
       std::vector<int64_t> ids;
       for (int64_t j = 0; ctx.load_balance && j < u; ++j) {
@@ -87,25 +126,8 @@ class UspStrategy final : public detail::UlyssesMoves {
       }
       ring.chunks.push_back(ctx.load_balance ? ids : std::vector{c});
     }
-    ring.chunk_len = ctx.load_balance ? s / (2 * u) : s;
-    const int64_t hd = ctx.layout.heads_dim, nq = q.size(hd), nkv = k.size(hd);
-    // usp's automatic count is 1 (ulysses_head_groups_of): each group costs a ring of its own.
-    const int64_t groups =
-        grouped && !repeated_kv(ctx) ? detail::head_groups(ctx, CPAlgorithm::kUsp, nq, nkv) : 1;
-    if (groups == 1) {
-      auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);
-      return restore_output({out}, PreparedQKV{}, ctx);
-    }
-    const int64_t gq = nq / groups, gkv = nkv / groups;
-    std::vector<comm::InFlight> moving;
-    for (int64_t g = 0; g < groups; ++g) {
-      auto group_ring = ring;
-      group_ring.head_offset += g * gq;
-      auto out = detail::ring_attend(q.narrow(hd, g * gq, gq), k.narrow(hd, g * gkv, gkv),
-                                     v.narrow(hd, g * gkv, gkv), call, ctx.layout, group_ring);
-      moving.push_back(comm::all_to_all_start(out.contiguous(), ctx.layout.seq_dim, hd, t.ulysses));
-    }
-    return anchored(detail::heads_from_groups(moving, u, ctx.layout), {q, k, v});
+    ring.chunk_len = ctx.load_balance ? held / (2 * u) : held;
+    return ring;
   }
 };
 

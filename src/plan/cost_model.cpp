@@ -268,13 +268,17 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // groups' dQ, dK, dV (backward: they leave as soon as their group's backward is done) fly
   // while an earlier group is attended; with the output all-to-alls below, within (G-1)/G of
   // the attention.
+  // Usp's pieces likewise, while an earlier group's ring runs; the link carries that ring's
+  // shifts too, so about half of what Ulysses hides (measured at P = 4, S = 16384 on the
+  // 1 Gbit/s link: 2 groups exposed 0.34 s less than one; docs/benchmarks.md).
   double ulysses_groups = 1, pieces_hidden = 0;
-  if (async && config.algorithm == cp::CPAlgorithm::kUlysses) {
+  const bool usp = config.algorithm == cp::CPAlgorithm::kUsp;
+  if (async && (config.algorithm == cp::CPAlgorithm::kUlysses || usp)) {
     ulysses_groups =
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
     const double forward_in = early / 2;
-    pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac);
+    pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac) * (usp ? 0.5 : 1.0);
     early_budget += pieces_hidden;
   }
   double hidden_s = async ? std::min(early, early_budget) : 0.0;
@@ -299,19 +303,23 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // Forward: group 0's Q/K/V pieces hide only behind the projections after their handoffs (1
   // of 3 passes) and the last group's output all-to-all behind nothing; the rest (the later
   // groups' pieces and outputs, every group's co-gathers) flies while the held chunks (1/C)
-  // and every group's remote keys but the last group's ((G-1)/G of the rest) are attended.
-  // Backward mirrors it: the last group's output gradient first (exposed), group 0's dQ, dK,
-  // dV last (behind the projections' backward, 2 of 3 passes), the rest behind 2.5 of the 3.5
-  // attention units.
+  // are attended and, of every group's remote keys but the last group's ((G-1)/G of the
+  // rest), about half: the link carries the next group's pieces and gathers while they are
+  // attended (measured at P = 4, S = 16384 on the 1 Gbit/s link: 0.85, 0.63 and 0.51-0.55 s
+  // exposed with 1, 2 and 4 groups; docs/benchmarks.md). Backward mirrors it: the last
+  // group's output gradient first (exposed), group 0's dQ, dK, dV last (behind the
+  // projections' backward, 2 of 3 passes), the rest behind 2.5 of the 3.5 attention units,
+  // with every group's remote keys but the last one's.
   if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {
     const double groups =
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u, p));
     const double held = 1.0 / static_cast<double>(c);
     const double attended = held + (1 - held) * (groups - 1) / groups;
+    const double fwd_attended = held + (1 - held) * (groups - 1) / groups / 2;
     const double first = early / 2 / groups, last = late_a2a / 2 / groups;
     const double rest = (early + late_a2a + co_gathers) / 2 - first - last;
     const double fwd = std::max(0.0, first - cal.overlap_budget * proj_s / 3) + last +
-                       std::max(0.0, rest - attended * attn_s / 3.5);
+                       std::max(0.0, rest - fwd_attended * attn_s / 3.5);
     const double bwd = last + std::max(0.0, first - cal.overlap_budget * proj_s * 2 / 3) +
                        std::max(0.0, rest - attended * attn_s * 2.5 / 3.5);
     hidden_s = early + late_a2a + co_gathers - fwd - bwd;
@@ -320,11 +328,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // (and in backward all but the first) fly while another group is attended.
   if (async && (config.algorithm == cp::CPAlgorithm::kUlysses ||
                 config.algorithm == cp::CPAlgorithm::kUsp)) {
-    const double groups =
-        config.algorithm == cp::CPAlgorithm::kUlysses
-            ? ulysses_groups
-            : static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
-    const double frac = (groups - 1) / groups;
+    const double frac = (ulysses_groups - 1) / ulysses_groups;
     hidden_s += std::min(late_a2a * frac, attn_s * frac - pieces_hidden);
   }
   // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).

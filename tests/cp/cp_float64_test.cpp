@@ -500,10 +500,12 @@ TEST(CPFloat64, UspHeadGroups) {
   }
 }
 
-// Async usp: each head group's ring runs on its own and the group's output all-to-all starts
-// as soon as it is done: every rank (P=4, U=2, 3 groups) records three output all-to-alls of
-// 2 heads and S/C = 24 positions after the Q/K/V ones, and rank 0 launches the first before its
-// last attention call begins.
+// Async usp: Q, K and V travel in one all-to-all per head group, each group's ring runs once
+// its own pieces are here, and the group's output all-to-all starts as soon as it is done:
+// every rank (P=4, U=2, 3 groups) records nine pieces ([1,4,12,8], [1,2,12,8], [1,2,12,6]:
+// the group's heads of both ranks, S/P = 12 positions), then three output all-to-alls of 2
+// heads and S/C = 24 positions, and rank 0 waits for group 0's pieces before the later groups'
+// and launches the first output before its last attention call begins.
 TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   const int p = 4;
   ContextParallelConfig cfg;
@@ -517,13 +519,27 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
     for (const auto& op : sched) {
       if (op.rfind("all_to_all(", 0) == 0) a2a.push_back(op);
     }
-    ASSERT_EQ(a2a.size(), 6u) << ::testing::PrintToString(sched);
-    for (size_t i = 3; i < 6; ++i)
+    ASSERT_EQ(a2a.size(), 12u) << ::testing::PrintToString(sched);
+    EXPECT_EQ(std::multiset<std::string>(a2a.begin(), a2a.begin() + 9),
+              (std::multiset<std::string>{
+                  "all_to_all(cp_ulysses)[1,4,12,8]", "all_to_all(cp_ulysses)[1,4,12,8]",
+                  "all_to_all(cp_ulysses)[1,4,12,8]", "all_to_all(cp_ulysses)[1,2,12,8]",
+                  "all_to_all(cp_ulysses)[1,2,12,8]", "all_to_all(cp_ulysses)[1,2,12,8]",
+                  "all_to_all(cp_ulysses)[1,2,12,6]", "all_to_all(cp_ulysses)[1,2,12,6]",
+                  "all_to_all(cp_ulysses)[1,2,12,6]"}))
+        << ::testing::PrintToString(sched);
+    for (size_t i = 9; i < 12; ++i)
       EXPECT_NE(a2a[i].find("[1,2,24,6]"), std::string::npos) << a2a[i];
   }
-  ASSERT_EQ(f.a2a_launch.size(), 6u);
+  ASSERT_EQ(f.a2a_launch.size(), 12u);
   ASSERT_FALSE(f.attention_begin.empty());
-  EXPECT_LT(f.a2a_launch[3], f.attention_begin.back())
+  EXPECT_GE(f.a2a_launch[3], f.a2a_wait[0])
+      << "the later groups' pieces must be held until group 0's have been waited for";
+  EXPECT_LT(f.a2a_wait[2], f.attention_begin.front())
+      << "group 0's ring must start once its own pieces are here";
+  EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_wait[3]), 0)
+      << "group 0's ring must run before the later groups' pieces are waited for";
+  EXPECT_LT(f.a2a_launch[9], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group's ring runs";
 }
 

@@ -63,7 +63,7 @@ struct ContextParallelConfig {
   // is done).
   // 0: automatic (ulysses, hybrid: the largest of 4, 3, 2 that divides the rank's query and K/V
   // heads, else 1; all_gather: the largest count up to 8 (4 at cp_size 2) that divides them;
-  // usp: 1, since a ring per group costs more than it hides at small S);
+  // usp: 2 where it divides them, else 1, since each group costs a ring of its own);
   // 1: one group (the output all-to-all after all of attention).
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid: a query part whose turn comes after the K/V all-gather (hybrid:
@@ -108,11 +108,12 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
 
 // Effective degrees of a normalised config (the Ulysses degree it filled in; 1 when unset).
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
-// The head groups async ulysses, hybrid, usp or all_gather runs with nq query and nkv K/V heads per
-// rank (after the all-to-all; all_gather: all of them): c.ulysses_head_groups when set (the
-// strategy checks that it divides both), else for usp 1, for all_gather over `cp_size` ranks
-// the largest count up to min(8, 2 cp_size) that divides both (0: unknown size, up to 8), else
-// the largest of 4, 3, 2 that divides both, else 1.
+// The head groups async ulysses, hybrid, usp or all_gather runs with nq query and nkv K/V
+// heads per rank (after the all-to-all; all_gather: all of them): c.ulysses_head_groups when
+// set (the strategy checks that it divides both), else for usp 2 (1 where 2 does not divide
+// both), for all_gather over `cp_size` ranks the largest count up to min(8, 2 cp_size) that
+// divides both (0: unknown size, up to 8), else the largest of 4, 3, 2 that divides both,
+// else 1.
 int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv,
                                int64_t cp_size = 0);
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
