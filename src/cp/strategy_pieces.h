@@ -113,6 +113,8 @@ class GroupedArrival {
   at::Tensor moved(int64_t g);
   // Every piece, waited (the tensors an output is anchored to).
   std::vector<at::Tensor> all();
+  // Every piece of the three roles, waited, in Q, K, V order.
+  static std::vector<at::Tensor> all_of(GroupedArrival& q, GroupedArrival& k, GroupedArrival& v);
 
  private:
   bool on_group_bounds() const { return pieces_.size() % groups_ == 0; }

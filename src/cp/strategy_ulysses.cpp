@@ -304,6 +304,16 @@ std::vector<at::Tensor> detail::GroupedArrival::all() {
   return moved_;
 }
 
+std::vector<at::Tensor> detail::GroupedArrival::all_of(GroupedArrival& q, GroupedArrival& k,
+                                                       GroupedArrival& v) {
+  std::vector<at::Tensor> out;
+  for (auto* role : {&q, &k, &v}) {
+    auto pieces = role->all();
+    out.insert(out.end(), pieces.begin(), pieces.end());
+  }
+  return out;
+}
+
 namespace {
 
 class UlyssesStrategy final : public detail::UlyssesMoves {
@@ -424,11 +434,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
       }
       moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, ctx.topology->ulysses));
     }
-    std::vector<at::Tensor> moved = qa.all();
-    for (auto* role : {&ka, &va}) {
-      auto pieces = role->all();
-      moved.insert(moved.end(), pieces.begin(), pieces.end());
-    }
+    const auto moved = detail::GroupedArrival::all_of(qa, ka, va);
     if (groups == 1) return restore_output({anchored(single, moved)}, PreparedQKV{}, ctx);
     // 4. Group g came back as heads (rank j, head i) -> global head j*nq + g*gq + i.
     return anchored(detail::heads_from_groups(moving, p, l), moved);

@@ -92,12 +92,8 @@ class UspStrategy final : public detail::UlyssesMoves {
       auto out = detail::ring_attend(qa.moved(g), ka.moved(g), va.moved(g), call, l, ring);
       moving.push_back(comm::all_to_all_start(out.contiguous(), l.seq_dim, hd, t.ulysses));
     }
-    std::vector<at::Tensor> moved = qa.all();
-    for (auto* role : {&ka, &va}) {
-      auto pieces = role->all();
-      moved.insert(moved.end(), pieces.begin(), pieces.end());
-    }
-    return anchored(detail::heads_from_groups(moving, u, l), moved);
+    return anchored(detail::heads_from_groups(moving, u, l),
+                    detail::GroupedArrival::all_of(qa, ka, va));
   }
 
  private:
