@@ -46,11 +46,10 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
                 "Q/K/V/O projections around attention (what async overlaps)");
   cmd->add_flag("--load-balance", a.bench.config.load_balance,
                 "head-tail load balance (all_gather, hybrid, ring, usp; data-order shards)");
-  cmd->add_option(
-         "--ulysses-head-groups", a.bench.config.ulysses_head_groups,
-         "async ulysses, hybrid: Q/K/V and output all-to-alls (hybrid: and co-group K/V "
-         "gathers) per head group, pipelined with the groups' attention; usp: output "
-         "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
+  cmd->add_option("--ulysses-head-groups", a.bench.config.ulysses_head_groups,
+                  "async ulysses, hybrid: Q/K/V and output all-to-alls (hybrid: and co-group K/V "
+                  "gathers) per head group, pipelined with the groups' attention; usp: output "
+                  "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag(
       "--always-local-first", a.bench.config.async_always_local_first,

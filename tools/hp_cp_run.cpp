@@ -73,11 +73,10 @@ void add_options(CLI::App& app, Args& a) {
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
   app.add_option("--primitive", a.primitive, "math | blockwise");
-  app.add_option(
-         "--ulysses-head-groups", a.head_groups,
-         "async ulysses, hybrid: Q/K/V and output all-to-alls (hybrid: and co-group K/V "
-         "gathers) per head group, pipelined with the groups' attention; usp: output "
-         "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
+  app.add_option("--ulysses-head-groups", a.head_groups,
+                 "async ulysses, hybrid: Q/K/V and output all-to-alls (hybrid: and co-group K/V "
+                 "gathers) per head group, pipelined with the groups' attention; usp: output "
+                 "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "

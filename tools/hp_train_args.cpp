@@ -30,11 +30,10 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--kv-head-policy", a.kv_head_policy,
                  "error | repeat: K/V heads fewer than the Ulysses degree sent once and repeated "
                  "after the exchange");
-  app.add_option(
-         "--ulysses-head-groups", a.head_groups,
-         "async ulysses, hybrid: head groups whose Q/K/V pieces and outputs (hybrid: and "
-         "co-group K/V gathers) fly while another group is attended; usp: its outputs; "
-         "all_gather: its K/V gathers (0: automatic, 1: none)")
+  app.add_option("--ulysses-head-groups", a.head_groups,
+                 "async ulysses, hybrid: head groups whose Q/K/V pieces and outputs (hybrid: and "
+                 "co-group K/V gathers) fly while another group is attended; usp: its outputs; "
+                 "all_gather: its K/V gathers (0: automatic, 1: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "

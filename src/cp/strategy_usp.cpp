@@ -77,8 +77,8 @@ class UspStrategy final : public detail::UlyssesMoves {
     const int64_t groups =
         repeated_kv(ctx) ? 1 : detail::head_groups(ctx, CPAlgorithm::kUsp, nq, k.size(hd) / u);
     if (groups == 1) {
-      return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k),
-                          arrived(QKVRole::kV, v), call, ctx);
+      return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k), arrived(QKVRole::kV, v),
+                          call, ctx);
     }
     // Group g's ring starts once its own pieces are here (the later groups' still travel).
     detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, u, t.ulysses_rank, hd),
