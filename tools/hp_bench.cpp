@@ -323,9 +323,10 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
   if (c.cp_cmd->parsed()) {
     auto cp = c.cp;
     cp.algo_given = c.cp_cmd->count("--cp-algo") > 0;
-    for (const char* flag : {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter",
-                             "--causal", "--projections", "--documents", "--ulysses-head-groups",
-                             "--always-local-first", "--paired-with", "--ring-keep-blocks"}) {
+    for (const char* flag :
+         {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter", "--causal", "--projections",
+          "--documents", "--ulysses-head-groups", "--always-local-first", "--paired-with",
+          "--ring-keep-blocks", "--trace"}) {
       if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
     }
     return run_cp(cp, args);

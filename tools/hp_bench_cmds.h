@@ -26,8 +26,10 @@ class App;
 namespace hp_bench {
 
 int launch_self(int nproc, const std::vector<std::string>& argv, const char* what);
-// This process's rank of the job (launcher variables, or a world of one), its threads set.
-hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s);
+// This process's rank of the job (launcher variables, or a world of one), its threads set;
+// `trace`: the World records Chrome-trace events (comm, waits, attention calls).
+hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s,
+                           bool trace = false);
 
 // The attention shape options both `attention` and `cp` take.
 void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,
@@ -40,6 +42,7 @@ struct CPArgs {
   int64_t degree = 0;
   bool json = false;
   double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
+  std::string trace;  // --trace: one Chrome-trace file of every rank's run (empty: none)
   // --attention mla (hp_bench_mla.cpp): the MLA dims; the softmax-only flags that were given
   // (refused with mla), and whether --cp-algo was (else both latent and expanded gathers run).
   std::string attention = "softmax";

@@ -14,6 +14,7 @@
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
+#include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/strategy.h"
 #include "hp/plan/cost_model.h"
@@ -21,9 +22,11 @@
 
 namespace hp_bench {
 
-hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s) {
+hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s,
+                           bool trace) {
   hp::comm::WorldOptions wo;
   wo.timeout = hp::comm::timeout_from_seconds(timeout_s);
+  if (trace) wo.tracer = std::make_shared<hp::common::Tracer>();
   auto world = env ? hp::comm::World::from_launch_env(*env, wo)
                    : hp::comm::World::from_launch_env(hp::comm::LaunchEnv{}, wo);
   hp::common::configure_threads(hp::common::threads_per_rank(world.local_size()));
@@ -71,6 +74,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_option("--iters", a.bench.iters, "timed steps")->check(CLI::Range(1, 1000));
   cmd->add_option("--timeout", a.timeout_s, "per-group timeout in seconds")->capture_default_str();
   cmd->add_flag("--json", a.json, "one JSON object on stdout");
+  cmd->add_option("--trace", a.trace,
+                  "write a Chrome trace of every rank's run (collectives, waits, attention "
+                  "calls; warm-up and every variant included) to this file");
   add_mla_options(cmd, a);
   return cmd;
 }
@@ -253,8 +259,9 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
   resolve_cp_config(a);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");
-  auto world = join_world(env, a.timeout_s);
+  auto world = join_world(env, a.timeout_s, !a.trace.empty());
   auto results = hp::bench::run_cp_bench(world, a.bench);
+  if (!a.trace.empty()) hp::comm::write_world_trace(world, a.trace);
   if (world.rank() != 0) return 0;
   const int threads = hp::common::threads_per_rank(world.local_size());
   if (a.json) {

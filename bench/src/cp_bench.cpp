@@ -22,6 +22,7 @@
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
 #include "hp/common/host_allocator.h"
+#include "hp/common/trace.h"
 #include "hp/cp/volume.h"
 
 namespace hp::bench {
@@ -202,6 +203,9 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
   };
   auto& counters = world.context().counters;
   const bool on_wire = emulated_link_rate().has_value();
+  // With a tracer (hp-bench cp --trace) each timed step is one "step" event on the rank's track.
+  common::Tracer* tracer = world.context().tracer.get();
+  if (tracer != nullptr && !tracer->enabled()) tracer = nullptr;
   for (int i = 0; i < o.iters; ++i) {
     for (size_t n = 0; n < variants.size(); ++n) {
       auto& var = variants[n];
@@ -216,8 +220,15 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
       auto* cache = common::installed_host_cache();
       const int64_t fresh0 = cache ? cache->stats().system_bytes : 0;
       const double c0 = thread_cpu_s();
+      const int64_t traced0 = common::Tracer::now_us();
       auto t0 = std::chrono::steady_clock::now();
       run_layer(*layers[n]);
+      if (tracer != nullptr) {
+        tracer->record(
+            {common::str_cat("step ", cp::to_string(var.config.algorithm), "/",
+                             cp::to_string(var.config.schedule), var.documents ? " documents" : ""),
+             "step", world.rank(), traced0, common::Tracer::now_us(), "", -1});
+      }
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       var.cpu.push_back(thread_cpu_s() - c0);

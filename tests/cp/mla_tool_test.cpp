@@ -1,8 +1,11 @@
 // hp-cp-run --attention mla end to end: a torch.save file in, the whole-sequence results out,
 // compared with the float64 explicit-score reference (harness/reference_mla.h); counted bytes
 // equal the cp/mla.h formula; bad names and shapes refused before anything runs.
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -13,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/common/check.h"
+#include "hp/common/trace.h"
 #include "pickle_io.h"
 #include "rank_harness.h"
 #include "reference_mla.h"
@@ -420,6 +424,51 @@ TEST(CPBench, StepTensorPeakIsCountedAtTheAllocator) {
   }
   EXPECT_EQ(res["step_tensor_peak_bytes"].get<int64_t>(),
             *std::max_element(per_rank.begin(), per_rank.end()));
+}
+
+// hp-bench cp --trace: one Chrome-trace file of both ranks; each timed step is a "step" event
+// named by its variant (2 sync, 2 async per rank here), and inside every one of them the rank
+// launched and waited for its K/V all-gathers and ran attention calls. Refused with
+// --attention mla (whose bench records no trace) instead of ignored.
+TEST(CPBench, TraceHoldsEveryRanksTimedStepsWithTheirCollectivesAndAttention) {
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("hp_cp_bench_trace_" + std::to_string(::getpid()) + ".json"))
+                        .string();
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 256 --heads 2 --kv-heads 2 --head-dim 8 --causal --cp 2 "
+                          "--iters 2 --schedule async --trace " +
+                          path;
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto events = hp::common::read_chrome_trace(path);
+  std::filesystem::remove(path);
+  for (int rank : {0, 1}) {
+    std::map<std::string, int> steps;
+    for (const auto& step : events) {
+      if (step.rank != rank || step.category != "step") continue;
+      ++steps[step.name];
+      int gathers = 0, waits = 0, attention = 0;
+      for (const auto& e : events) {
+        if (e.rank != rank || e.begin_us < step.begin_us || e.end_us > step.end_us) continue;
+        gathers += e.category == "comm" && e.name == "all_gather";
+        waits += e.category == "comm_wait" && e.name == "wait all_gather";
+        attention += e.category == "compute" && e.name == "attention";
+      }
+      EXPECT_GE(gathers, 2) << step.name << " of rank " << rank;
+      EXPECT_GE(waits, 2) << step.name << " of rank " << rank;
+      EXPECT_GE(attention, 1) << step.name << " of rank " << rank;
+    }
+    EXPECT_EQ(steps, (std::map<std::string, int>{{"step all_gather/sync", 2},
+                                                 {"step all_gather/async", 2}}))
+        << "rank " << rank;
+  }
+  auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " cp --attention mla --seq 64 --heads 2 --cp 1 --iters 1 "
+                                      "--trace " +
+                                      path);
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--trace does not apply to --attention mla"), std::string::npos)
+      << bad.out;
 }
 
 }  // namespace
