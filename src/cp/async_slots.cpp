@@ -106,9 +106,14 @@ void CPRuntimeState::first_piece_waited() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (first_pieces_unwaited_ > 0) --first_pieces_unwaited_;
-    if (first_pieces_unwaited_ > 0) return;
+    if (first_pieces_unwaited_ > 0 || release_deferred_) return;
   }
   release_held();
+}
+
+void CPRuntimeState::defer_release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  release_deferred_ = true;
 }
 
 std::vector<std::function<void()>> CPRuntimeState::take_held() {
@@ -125,6 +130,7 @@ std::vector<std::function<void()>> CPRuntimeState::take_held() {
   }
   held_.clear();
   first_pieces_unwaited_ = 0;
+  release_deferred_ = false;
   return out;
 }
 

@@ -142,7 +142,8 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
                               [piece] { return !piece->has_value() || (*piece)->landed(); }});
           }
           return pieces;
-        });
+        },
+        [this](bool release) { release ? state_->release_held() : state_->defer_release(); });
     out = strategy_->run_async(q, k, v, call, ctx_, arrived);
   } else {
     out = strategy_->run_sync(q, k, v, call, ctx_);

@@ -193,9 +193,12 @@ struct RingGroup {
 // with their dK/dV accumulators, so no rank ever holds more than two K/V blocks; with
 // keep_blocks, forward keeps the blocks that arrived and only the accumulators travel in
 // backward. The ring strategy runs it over the CP group, usp over the co-groups after its
-// Ulysses all-to-all.
+// Ulysses all-to-all. `after_first_step` (optional) runs once in forward, when the first step is
+// done and the block of the next member has landed (usp launches its later groups' pieces
+// there, so they do not share the link with the first shift).
 at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring);
+                       const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring,
+                       const std::function<void()>& after_first_step = nullptr);
 
 // ---- head-tail load balance (load_balance.cpp) ----
 // The two query parts of this rank with their global offsets (swapping the tail with the mirror

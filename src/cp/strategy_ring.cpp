@@ -250,7 +250,8 @@ class BackwardBlocks {
 
 struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, std::shared_ptr<const RingPlan> plan) {
+                            const at::Tensor& v, std::shared_ptr<const RingPlan> plan,
+                            const std::function<void()>& after_first_step) {
     at::NoGradGuard no_grad;
     const auto& l = plan->layout;
     const size_t nq = plan->chunk_ids(plan->ring.rank).size();
@@ -319,6 +320,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         kv = next();  // at most two blocks alive (the one here and the one arriving) unless kept
         if (!blocks->empty()) (*blocks)[static_cast<size_t>(step + 1)] = kv;
       }
+      if (step == 0 && after_first_step) after_first_step();
     }
     for (size_t i = 0; i < nq; ++i) {  // every query chunk meets its own keys (never hidden)
       HP_INTERNAL_ASSERT(out[i].defined(), "ring: query chunk ", i, " attended no block");
@@ -378,7 +380,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     if (arriving) dkv += arriving();
 
     return {dq, dkv.narrow(-1, 0, plan->dk), dkv.narrow(-1, plan->dk, dkv.size(-1) - plan->dk),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 
  private:
@@ -431,7 +433,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       dk += home.narrow(-1, 0, plan.dk);
       dv += home.narrow(-1, plan.dk, home.size(-1) - plan.dk);
     }
-    return {dq, dk, dv, at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 
   // (out, lse) += (o, l) by log-sum-exp, rows that saw nothing yet (-inf) taking the new part.
@@ -487,8 +489,8 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
 }  // namespace
 
 at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const AttentionCall& call, const QKVLayout& l,
-                               const RingGroup& ring) {
+                               const AttentionCall& call, const QKVLayout& l, const RingGroup& ring,
+                               const std::function<void()>& after_first_step) {
   HP_CHECK(ring.size == 1 || can_split_call(call),
            "the ring merges partial results by log-sum-exp: it needs BNSD or BSHD q/k/v and no "
            "tensor mask; use algorithm=all_gather for this call");
@@ -504,7 +506,8 @@ at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const a
   plan->dk = k.size(-1);
   plan->last_step = last_needed_step(*plan);
   plan->from_stats = call.offers_grads_from_stats();
-  return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)));
+  return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)),
+                                after_first_step);
 }
 
 std::shared_ptr<const CPStrategy> make_ring_strategy() {

@@ -268,9 +268,11 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // groups' dQ, dK, dV (backward: they leave as soon as their group's backward is done) fly
   // while an earlier group is attended; with the output all-to-alls below, within (G-1)/G of
   // the attention.
-  // Usp's pieces likewise, while an earlier group's ring runs; the link carries that ring's
-  // shifts too, so about half of what Ulysses hides (measured at P = 4, S = 16384 on the
-  // 1 Gbit/s link: 2 groups exposed 0.34 s less than one; docs/benchmarks.md).
+  // Usp's pieces likewise, while an earlier group's ring runs; they launch once that ring's
+  // first shift has landed, and its later shifts and the backward's blocks still share the
+  // link with them, so about three quarters of what Ulysses hides (a fit: measured at P = 4,
+  // S = 16384 on the 1 Gbit/s link, 2 groups exposed 0.52-0.54 s, the model 0.50 s; with the
+  // pieces launched beside the first shift they exposed 0.81-0.94 s; docs/benchmarks.md).
   double ulysses_groups = 1, pieces_hidden = 0;
   const bool usp = config.algorithm == cp::CPAlgorithm::kUsp;
   if (async && (config.algorithm == cp::CPAlgorithm::kUlysses || usp)) {
@@ -278,7 +280,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
         static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
     const double forward_in = early / 2;
-    pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac) * (usp ? 0.5 : 1.0);
+    pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac) * (usp ? 0.75 : 1.0);
     early_budget += pieces_hidden;
   }
   double hidden_s = async ? std::min(early, early_budget) : 0.0;

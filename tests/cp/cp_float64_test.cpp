@@ -246,6 +246,7 @@ struct GroupedForward {
   std::vector<std::vector<std::string>> schedules;  // [rank]
   std::vector<int64_t> a2a_launch, a2a_wait, attention_begin;
   std::vector<int64_t> gather_launch, gather_wait, scatter_launch;  // all_gather, reduce_scatter
+  std::vector<int64_t> recv_wait;                                   // the ring's shifts
   int64_t forward_end = 0;                                          // rank 0
 };
 GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false) {
@@ -280,9 +281,10 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool ba
     if (e.category == "comm_wait" && e.name == "wait all_gather")
       f.gather_wait.push_back(e.begin_us);
     if (e.category == "comm" && e.name == "reduce_scatter") f.scatter_launch.push_back(e.begin_us);
+    if (e.category == "comm_wait" && e.name == "wait recv") f.recv_wait.push_back(e.begin_us);
   }
   for (auto* v : {&f.a2a_launch, &f.a2a_wait, &f.attention_begin, &f.gather_launch, &f.gather_wait,
-                  &f.scatter_launch})
+                  &f.scatter_launch, &f.recv_wait})
     std::sort(v->begin(), v->end());
   return f;
 }
@@ -504,8 +506,9 @@ TEST(CPFloat64, UspHeadGroups) {
 // its own pieces are here, and the group's output all-to-all starts as soon as it is done:
 // every rank (P=4, U=2, 3 groups) records nine pieces ([1,4,12,8], [1,2,12,8], [1,2,12,6]:
 // the group's heads of both ranks, S/P = 12 positions), then three output all-to-alls of 2
-// heads and S/C = 24 positions, and rank 0 waits for group 0's pieces before the later groups'
-// and launches the first output before its last attention call begins.
+// heads and S/C = 24 positions. Rank 0 launches the later groups' pieces only once group 0's
+// first ring shift has landed (so the two do not share the link), waits for group 0's pieces
+// before the later groups', and launches the first output before its last attention call.
 TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   const int p = 4;
   ContextParallelConfig cfg;
@@ -533,8 +536,11 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   }
   ASSERT_EQ(f.a2a_launch.size(), 12u);
   ASSERT_FALSE(f.attention_begin.empty());
-  EXPECT_GE(f.a2a_launch[3], f.a2a_wait[0])
-      << "the later groups' pieces must be held until group 0's have been waited for";
+  ASSERT_FALSE(f.recv_wait.empty());
+  EXPECT_GE(f.a2a_launch[3], f.recv_wait[0])
+      << "the later groups' pieces must be held until group 0's first ring shift has landed";
+  EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_launch[3]), 0)
+      << "group 0's own block must be attended before the later groups' pieces launch";
   EXPECT_LT(f.a2a_wait[2], f.attention_begin.front())
       << "group 0's ring must start once its own pieces are here";
   EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_wait[3]), 0)

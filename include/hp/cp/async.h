@@ -83,6 +83,9 @@ class CPRuntimeState {
   // collectives start in the same order everywhere.
   void first_piece_waited();
   void release_held();
+  // The next first_piece_waited calls do not release: only release_held does (ArrivedFn::
+  // defer_later_pieces). Cleared when the held pieces are released.
+  void defer_release();
   // Whether every piece of the role's next slot has landed (waiting would not block); false
   // when none is pending.
   bool arrived(QKVRole role) const;
@@ -103,6 +106,7 @@ class CPRuntimeState {
   // Per handoff with several pieces, in handoff order: its pieces 1.. not yet launched.
   std::vector<std::vector<std::function<void()>>> held_;
   int64_t first_pieces_unwaited_ = 0;  // of the handoffs in held_
+  bool release_deferred_ = false;      // defer_release: only release_held launches them
   int64_t invocations_[3] = {0, 0, 0};
 };
 

@@ -178,6 +178,11 @@ class AttentionCall {
 // block now, so a strategy can attend what has arrived while the rest travels; one piece (x, a
 // wait of the whole) when no pieces function was given.
 // arrived.landed(role): whether that wait would not block now (false when it cannot tell).
+// Pieces after each handoff's first launch once every first piece has been waited for, unless
+// the strategy called arrived.defer_later_pieces() before that: then at its
+// arrived.release_later_pieces() (usp: once its first group's first ring shift has landed, so
+// the two do not share the link), or when a later piece is waited for, whichever comes first.
+// Every rank must call them at the same point of its program. No-ops without pieces.
 class ArrivedFn {
  public:
   using Wait = std::function<at::Tensor(QKVRole role, const at::Tensor& x)>;
@@ -188,11 +193,15 @@ class ArrivedFn {
   };
   using Pieces = std::function<std::vector<Piece>(QKVRole role, const at::Tensor& x)>;
   using Landed = std::function<bool(QKVRole role)>;
+  using LaterPieces = std::function<void(bool release)>;  // false: defer, true: release
   template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ArrivedFn> &&
                                               std::is_constructible_v<Wait, F>>>
   ArrivedFn(F wait, Landed landed = nullptr,  // NOLINT: implicit from a wait function
-            Pieces pieces = nullptr)
-      : wait_(std::move(wait)), landed_(std::move(landed)), pieces_(std::move(pieces)) {}
+            Pieces pieces = nullptr, LaterPieces later = nullptr)
+      : wait_(std::move(wait)),
+        landed_(std::move(landed)),
+        pieces_(std::move(pieces)),
+        later_(std::move(later)) {}
   at::Tensor operator()(QKVRole role, const at::Tensor& x) const { return wait_(role, x); }
   std::vector<Piece> pieces(QKVRole role, const at::Tensor& x) const {
     if (pieces_ != nullptr) return pieces_(role, x);
@@ -200,11 +209,18 @@ class ArrivedFn {
              [landed = landed_, role] { return landed != nullptr && landed(role); }}};
   }
   bool landed(QKVRole role) const { return landed_ != nullptr && landed_(role); }
+  void defer_later_pieces() const {
+    if (later_ != nullptr) later_(false);
+  }
+  void release_later_pieces() const {
+    if (later_ != nullptr) later_(true);
+  }
 
  private:
   Wait wait_;
   Landed landed_;
   Pieces pieces_;
+  LaterPieces later_;
 };
 
 class CPStrategy {
