@@ -196,6 +196,7 @@ void CPRuntimeState::check_drained() {
   }
   held_.clear();  // never launched: their slots are gone
   first_pieces_unwaited_ = 0;
+  release_deferred_ = false;
   HP_CHECK(pending.empty(), "async CP on module '", module_,
            "': the forward ended with unconsumed handoff slots: ", pending,
            ". Every handoff point that runs must feed the attention call of the same forward");
