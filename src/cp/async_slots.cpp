@@ -2,6 +2,9 @@
 // (comm/async_transfer.h: its start node is the handoff's, its finish node the consumer's).
 #include "hp/cp/async.h"
 
+#include <algorithm>
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -93,10 +96,24 @@ at::Tensor CPRuntimeState::produce(
 }
 
 void CPRuntimeState::release_held() {
+  release_through(std::numeric_limits<size_t>::max());
+}
+
+void CPRuntimeState::release_through(size_t piece) {
   std::vector<std::function<void()>> release;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    release = take_held();
+    release = take_held(piece);
+  }
+  for (auto& r : release)
+    r();
+}
+
+void CPRuntimeState::release_next() {
+  std::vector<std::function<void()>> release;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    release = take_held(launched_through_ + 1);
   }
   for (auto& r : release)
     r();
@@ -116,21 +133,26 @@ void CPRuntimeState::defer_release() {
   release_deferred_ = true;
 }
 
-std::vector<std::function<void()>> CPRuntimeState::take_held() {
-  // held_ is in handoff order, each handoff's pieces in order: launch piece 1 of every handoff,
-  // then piece 2, ... (every rank computes the same order from the same program order).
+std::vector<std::function<void()>> CPRuntimeState::take_held(size_t through) {
+  // held_ is in handoff order, each handoff's pieces 1.. in order: launch piece 1 of every
+  // handoff, then piece 2, ... (every rank computes the same order from the same program order).
   std::vector<std::function<void()>> out;
   size_t max_pieces = 0;
   for (const auto& h : held_)
     max_pieces = std::max(max_pieces, h.size());
-  for (size_t i = 0; i < max_pieces; ++i) {
+  const size_t last = std::min(through, max_pieces);
+  for (size_t i = launched_through_ + 1; i <= last; ++i) {
     for (auto& h : held_) {
-      if (i < h.size()) out.push_back(std::move(h[i]));
+      if (i <= h.size()) out.push_back(std::move(h[i - 1]));
     }
   }
-  held_.clear();
-  first_pieces_unwaited_ = 0;
-  release_deferred_ = false;
+  launched_through_ = std::max(launched_through_, last);
+  if (launched_through_ >= max_pieces) {
+    held_.clear();
+    launched_through_ = 0;
+    first_pieces_unwaited_ = 0;
+    release_deferred_ = false;
+  }
   return out;
 }
 
@@ -195,6 +217,7 @@ void CPRuntimeState::check_drained() {
     q.clear();
   }
   held_.clear();  // never launched: their slots are gone
+  launched_through_ = 0;
   first_pieces_unwaited_ = 0;
   release_deferred_ = false;
   HP_CHECK(pending.empty(), "async CP on module '", module_,

@@ -133,7 +133,7 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
                               [this, i, several, piece] {
                                 HP_INTERNAL_ASSERT(piece->has_value(),
                                                    "a piece of a moved role waited twice");
-                                if (several && i > 0) state_->release_held();
+                                if (several && i > 0) state_->release_through(i);
                                 auto moved = (*piece)->wait();
                                 piece->reset();
                                 if (several && i == 0) state_->first_piece_waited();
@@ -143,7 +143,11 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
           }
           return pieces;
         },
-        [this](bool release) { release ? state_->release_held() : state_->defer_release(); });
+        [this](ArrivedFn::Later op) {
+          if (op == ArrivedFn::Later::kDefer) state_->defer_release();
+          if (op == ArrivedFn::Later::kReleaseNext) state_->release_next();
+          if (op == ArrivedFn::Later::kReleaseAll) state_->release_held();
+        });
     out = strategy_->run_async(q, k, v, call, ctx_, arrived);
   } else {
     out = strategy_->run_sync(q, k, v, call, ctx_);

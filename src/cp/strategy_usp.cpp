@@ -15,8 +15,8 @@
 //   Async: the all-to-alls start at the handoff points; the ring overlaps itself. With
 //   cp_config.ulysses_head_groups = G > 1 (automatic: 2 where it divides the heads) the heads
 //   run in G groups: Q, K, V travel in one all-to-all per group (split_for_move, as ulysses),
-//   group g's ring runs once its own pieces are here (the later groups' launch once group 0's
-//   first ring shift has landed, and travel while group 0's ring goes on), and its
+//   group g's ring runs once its own pieces are here (group g+1's launch once group g's first
+//   ring shift has landed, and travel while group g's ring goes on), and its
 //   output all-to-all starts as soon as it is done and flies while the next group's ring runs;
 //   in backward the later groups' inverse all-to-alls fly while the earlier rings run back.
 #include <ATen/ATen.h>
@@ -81,10 +81,10 @@ class UspStrategy final : public detail::UlyssesMoves {
       return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k), arrived(QKVRole::kV, v),
                           call, ctx);
     }
-    // Group g's ring starts once its own pieces are here (the later groups' still travel). The
-    // later groups' pieces launch once group 0's first ring shift has landed: launched with
-    // group 0's pieces waited (the default), they shared the link with that shift, which had
-    // only the own block's attention to hide behind.
+    // Group g's ring starts once its own pieces are here (the later groups' still travel).
+    // Group g+1's pieces launch once group g's first ring shift has landed: launched with group
+    // 0's pieces waited (the default), the later groups' shared the link with that shift,
+    // which had only the own block's attention to hide behind.
     arrived.defer_later_pieces();
     detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, u, t.ulysses_rank, hd),
         ka(arrived.pieces(QKVRole::kK, k), k, groups, u, t.ulysses_rank, hd),
@@ -92,14 +92,14 @@ class UspStrategy final : public detail::UlyssesMoves {
     const int64_t gq = nq / groups;
     auto ring = ring_of(q.size(l.seq_dim) * u, ctx);
     std::vector<comm::InFlight> moving;
-    const auto release = [&arrived] { arrived.release_later_pieces(); };
+    const auto release_next = [&arrived] { arrived.release_next_pieces(); };
     for (int64_t g = 0; g < groups; ++g) {
       ring.head_offset = t.ulysses_rank * nq + g * gq;
       auto out = detail::ring_attend(qa.moved(g), ka.moved(g), va.moved(g), call, l, ring,
-                                     g == 0 ? release : std::function<void()>());
-      if (g == 0) release();  // (a no-op once the ring has released them)
+                                     g + 1 < groups ? release_next : std::function<void()>());
       moving.push_back(comm::all_to_all_start(out.contiguous(), l.seq_dim, hd, t.ulysses));
     }
+    arrived.release_later_pieces();  // (launched by now; clears the deferral)
     return anchored(detail::heads_from_groups(moving, u, l),
                     detail::GroupedArrival::all_of(qa, ka, va));
   }

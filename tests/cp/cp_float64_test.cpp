@@ -503,12 +503,13 @@ TEST(CPFloat64, UspHeadGroups) {
 }
 
 // Async usp: Q, K and V travel in one all-to-all per head group, each group's ring runs once
-// its own pieces are here, and the group's output all-to-all starts as soon as it is done:
-// every rank (P=4, U=2, 3 groups) records nine pieces ([1,4,12,8], [1,2,12,8], [1,2,12,6]:
-// the group's heads of both ranks, S/P = 12 positions), then three output all-to-alls of 2
-// heads and S/C = 24 positions. Rank 0 launches the later groups' pieces only once group 0's
-// first ring shift has landed (so the two do not share the link), waits for group 0's pieces
-// before the later groups', and launches the first output before its last attention call.
+// its own pieces are here, and the group's output all-to-all starts as soon as it is done. Group
+// g+1's pieces launch once group g's first ring shift has landed (so the two do not share the
+// link): every rank (P=4, U=2, 3 groups) puts on the wire the pieces of groups 0 and 1
+// ([1,4,12,8], [1,2,12,8], [1,2,12,6]: the group's heads of both ranks, S/P = 12 positions),
+// group 0's output (2 heads, S/C = 24 positions), group 2's pieces, then the other two outputs.
+// Rank 0 waits for group 0's pieces before the later groups' and launches the first output
+// before its last attention call.
 TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   const int p = 4;
   ContextParallelConfig cfg;
@@ -523,29 +524,34 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
       if (op.rfind("all_to_all(", 0) == 0) a2a.push_back(op);
     }
     ASSERT_EQ(a2a.size(), 12u) << ::testing::PrintToString(sched);
-    EXPECT_EQ(std::multiset<std::string>(a2a.begin(), a2a.begin() + 9),
-              (std::multiset<std::string>{
-                  "all_to_all(cp_ulysses)[1,4,12,8]", "all_to_all(cp_ulysses)[1,4,12,8]",
-                  "all_to_all(cp_ulysses)[1,4,12,8]", "all_to_all(cp_ulysses)[1,2,12,8]",
-                  "all_to_all(cp_ulysses)[1,2,12,8]", "all_to_all(cp_ulysses)[1,2,12,8]",
-                  "all_to_all(cp_ulysses)[1,2,12,6]", "all_to_all(cp_ulysses)[1,2,12,6]",
-                  "all_to_all(cp_ulysses)[1,2,12,6]"}))
+    const std::multiset<std::string> one_group = {"all_to_all(cp_ulysses)[1,4,12,8]",
+                                                  "all_to_all(cp_ulysses)[1,2,12,8]",
+                                                  "all_to_all(cp_ulysses)[1,2,12,6]"};
+    auto two_groups = one_group;
+    two_groups.insert(one_group.begin(), one_group.end());
+    EXPECT_EQ(std::multiset<std::string>(a2a.begin(), a2a.begin() + 6), two_groups)
         << ::testing::PrintToString(sched);
-    for (size_t i = 9; i < 12; ++i)
+    EXPECT_EQ(std::multiset<std::string>(a2a.begin() + 7, a2a.begin() + 10), one_group)
+        << ::testing::PrintToString(sched);
+    for (size_t i : {6, 10, 11})
       EXPECT_NE(a2a[i].find("[1,2,24,6]"), std::string::npos) << a2a[i];
   }
   ASSERT_EQ(f.a2a_launch.size(), 12u);
   ASSERT_FALSE(f.attention_begin.empty());
   ASSERT_FALSE(f.recv_wait.empty());
+  ASSERT_GE(f.recv_wait.size(), 2u);  // one shift per group's ring (C = 2)
   EXPECT_GE(f.a2a_launch[3], f.recv_wait[0])
-      << "the later groups' pieces must be held until group 0's first ring shift has landed";
+      << "group 1's pieces must be held until group 0's first ring shift has landed";
+  EXPECT_LT(f.a2a_launch[5], f.recv_wait[1]) << "group 1's pieces must fly during group 0's ring";
+  EXPECT_GE(f.a2a_launch[7], f.recv_wait[1])
+      << "group 2's pieces must be held until group 1's first ring shift has landed";
   EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_launch[3]), 0)
       << "group 0's own block must be attended before the later groups' pieces launch";
   EXPECT_LT(f.a2a_wait[2], f.attention_begin.front())
       << "group 0's ring must start once its own pieces are here";
   EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_wait[3]), 0)
       << "group 0's ring must run before the later groups' pieces are waited for";
-  EXPECT_LT(f.a2a_launch[9], f.attention_begin.back())
+  EXPECT_LT(f.a2a_launch[6], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group's ring runs";
 }
 

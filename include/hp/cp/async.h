@@ -78,14 +78,18 @@ class CPRuntimeState {
   // (not the last transform, or a mismatched invocation), shape/dtype.
   std::vector<comm::InFlight> consume(QKVRole role, const at::Tensor& consumer);
   // The held pieces' launches, in wire order: first_piece_waited after the wait for a
-  // handoff's piece 0 (the last of them releases); release_held before waiting for a later
-  // piece or a whole role. Every rank calls them at the same points of its program, so the
+  // handoff's piece 0 (the last of them releases every held piece); release_through(i)
+  // before waiting for piece i (every handoff's pieces up to i), release_held before waiting
+  // for a whole role. Every rank calls them at the same points of its program, so the
   // collectives start in the same order everywhere.
   void first_piece_waited();
   void release_held();
-  // The next first_piece_waited calls do not release: only release_held does (ArrivedFn::
-  // defer_later_pieces). Cleared when the held pieces are released.
+  void release_through(size_t piece);
+  // Deferred (ArrivedFn::defer_later_pieces): first_piece_waited releases nothing; the
+  // strategy releases the next piece index of every handoff at a time (release_next, usp: one
+  // head group's pieces) or all. Cleared once every held piece has launched.
   void defer_release();
+  void release_next();
   // Whether every piece of the role's next slot has landed (waiting would not block); false
   // when none is pending.
   bool arrived(QKVRole role) const;
@@ -96,15 +100,17 @@ class CPRuntimeState {
   size_t pending() const;
 
  private:
-  // The held launches in wire order (see the top), held_ emptied; called under mu_, the caller
+  // The held launches of pieces launched_through_+1 .. `through` in wire order (see the top);
+  // once none is left, held_ emptied and the deferral cleared. Called under mu_, the caller
   // runs them after unlocking.
-  std::vector<std::function<void()>> take_held();
+  std::vector<std::function<void()>> take_held(size_t through);
 
   std::string module_;
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<AsyncSlot>> fifo_[3];
   // Per handoff with several pieces, in handoff order: its pieces 1.. not yet launched.
   std::vector<std::vector<std::function<void()>>> held_;
+  size_t launched_through_ = 0;        // pieces 1 .. this of every handoff in held_ launched
   int64_t first_pieces_unwaited_ = 0;  // of the handoffs in held_
   bool release_deferred_ = false;      // defer_release: only release_held launches them
   int64_t invocations_[3] = {0, 0, 0};

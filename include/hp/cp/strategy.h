@@ -179,10 +179,12 @@ class AttentionCall {
 // wait of the whole) when no pieces function was given.
 // arrived.landed(role): whether that wait would not block now (false when it cannot tell).
 // Pieces after each handoff's first launch once every first piece has been waited for, unless
-// the strategy called arrived.defer_later_pieces() before that: then at its
-// arrived.release_later_pieces() (usp: once its first group's first ring shift has landed, so
-// the two do not share the link), or when a later piece is waited for, whichever comes first.
-// Every rank must call them at the same point of its program. No-ops without pieces.
+// the strategy called arrived.defer_later_pieces() before that: then piece i of every handoff
+// launches at the strategy's i-th arrived.release_next_pieces() (usp: once the previous head
+// group's first ring shift has landed, so the two do not share the link), every held piece at
+// arrived.release_later_pieces(), and pieces up to i when piece i is waited for, whichever
+// comes first. Every rank must call them at the same points of its program. No-ops without
+// pieces.
 class ArrivedFn {
  public:
   using Wait = std::function<at::Tensor(QKVRole role, const at::Tensor& x)>;
@@ -193,7 +195,8 @@ class ArrivedFn {
   };
   using Pieces = std::function<std::vector<Piece>(QKVRole role, const at::Tensor& x)>;
   using Landed = std::function<bool(QKVRole role)>;
-  using LaterPieces = std::function<void(bool release)>;  // false: defer, true: release
+  enum class Later { kDefer, kReleaseNext, kReleaseAll };
+  using LaterPieces = std::function<void(Later)>;
   template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ArrivedFn> &&
                                               std::is_constructible_v<Wait, F>>>
   ArrivedFn(F wait, Landed landed = nullptr,  // NOLINT: implicit from a wait function
@@ -210,10 +213,13 @@ class ArrivedFn {
   }
   bool landed(QKVRole role) const { return landed_ != nullptr && landed_(role); }
   void defer_later_pieces() const {
-    if (later_ != nullptr) later_(false);
+    if (later_ != nullptr) later_(Later::kDefer);
+  }
+  void release_next_pieces() const {
+    if (later_ != nullptr) later_(Later::kReleaseNext);
   }
   void release_later_pieces() const {
-    if (later_ != nullptr) later_(true);
+    if (later_ != nullptr) later_(Later::kReleaseAll);
   }
 
  private:
