@@ -110,13 +110,7 @@ void CPRuntimeState::release_through(size_t piece) {
 }
 
 void CPRuntimeState::release_next() {
-  std::vector<std::function<void()>> release;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    release = take_held(launched_through_ + 1);
-  }
-  for (auto& r : release)
-    r();
+  release_through(kNextPiece);
 }
 
 void CPRuntimeState::first_piece_waited() {
@@ -140,6 +134,7 @@ std::vector<std::function<void()>> CPRuntimeState::take_held(size_t through) {
   size_t max_pieces = 0;
   for (const auto& h : held_)
     max_pieces = std::max(max_pieces, h.size());
+  if (through == kNextPiece) through = launched_through_ + 1;
   const size_t last = std::min(through, max_pieces);
   for (size_t i = launched_through_ + 1; i <= last; ++i) {
     for (auto& h : held_) {

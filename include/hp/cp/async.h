@@ -100,9 +100,10 @@ class CPRuntimeState {
   size_t pending() const;
 
  private:
-  // The held launches of pieces launched_through_+1 .. `through` in wire order (see the top);
-  // once none is left, held_ emptied and the deferral cleared. Called under mu_, the caller
-  // runs them after unlocking.
+  // The held launches of pieces launched_through_+1 .. `through` (kNextPiece: the next piece
+  // index only) in wire order (see the top); once none is left, held_ emptied and the deferral
+  // cleared. Called under mu_, the caller runs them after unlocking.
+  static constexpr size_t kNextPiece = 0;  // pieces 1.. are held: 0 names no piece
   std::vector<std::function<void()>> take_held(size_t through);
 
   std::string module_;
@@ -112,7 +113,7 @@ class CPRuntimeState {
   std::vector<std::vector<std::function<void()>>> held_;
   size_t launched_through_ = 0;        // pieces 1 .. this of every handoff in held_ launched
   int64_t first_pieces_unwaited_ = 0;  // of the handoffs in held_
-  bool release_deferred_ = false;      // defer_release: only release_held launches them
+  bool release_deferred_ = false;      // defer_release: first_piece_waited launches nothing
   int64_t invocations_[3] = {0, 0, 0};
 };
 
