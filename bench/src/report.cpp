@@ -74,6 +74,18 @@ std::string choice_name(const std::string& algo, int64_t u, const std::string& s
 
 }  // namespace
 
+std::string shown_command(const std::string& cmd, const std::string& exe, const std::string& cwd) {
+  const fs::path dir = fs::path(exe).parent_path();
+  if (dir.empty() || !dir.is_absolute() || !fs::path(cwd).is_absolute()) return cmd;
+  const fs::path rel = dir.lexically_relative(cwd);
+  if (rel.empty() || *rel.begin() == ".." || rel == ".") return cmd;
+  const std::string from = dir.string() + "/", to = rel.string() + "/";
+  std::string out = cmd;
+  for (size_t at = out.find(from); at != std::string::npos; at = out.find(from, at + to.size()))
+    out.replace(at, from.size(), to);
+  return out;
+}
+
 std::string run_report(const ReportOptions& o) {
   HP_CHECK(!o.links.empty(), "hp-bench report: no link given");
   const auto t0 = std::chrono::steady_clock::now();
@@ -86,6 +98,14 @@ std::string run_report(const ReportOptions& o) {
                          "core, P = 4 half a core (per-rank figures then mean less "
                          "than totals)"}};
   results["commands"] = json::array();
+  // Says what runs next and lists it among the report's commands, as a reader runs it.
+  auto record = [&](const std::string& cmd) {
+    std::error_code ec;
+    const std::string cwd = fs::current_path(ec).string();
+    const std::string shown = ec ? cmd : shown_command(cmd, o.self_exe, cwd);
+    progress(shown, t0);
+    results["commands"].push_back(shown);
+  };
   results["measurements"] = json::array();
   results["auto_selection"] = json::array();
   double max_rel = 0, max_rel_at_speed = 0;
@@ -101,8 +121,7 @@ std::string run_report(const ReportOptions& o) {
         c.keep_blocks ? " --ring-keep-blocks" : "",
         c.degree > 0 ? common::str_cat(" --ulysses-degree ", c.degree) : std::string(),
         cal != nullptr ? " --reference-step" : "", link_flag(link), " --json");
-    progress(cmd, t0);
-    results["commands"].push_back(cmd);
+    record(cmd);
     auto j = json::parse(run_for_json(cmd));
     const double reference_cal = cal != nullptr ? calibrated_reference_step_s(*cal, p) : -1;
     std::vector<json> out;
@@ -166,8 +185,7 @@ std::string run_report(const ReportOptions& o) {
     }
     if (calibrate) {
       const std::string cmd = o.self_exe + " calibrate" + link_flag(link);
-      progress(cmd, t0);
-      results["commands"].push_back(cmd);
+      record(cmd);
       HP_CHECK(std::system(cmd.c_str()) == 0, "hp-bench report: calibration failed: ", cmd);
     }
     const auto cal = plan::load_calibration(cal_path);
@@ -240,8 +258,7 @@ std::string run_report(const ReportOptions& o) {
       const std::string cmd = common::str_cat(
           o.self_exe, " attention --seq ", s, " --heads ", o.heads, " --kv-heads ", o.kv_heads,
           " --head-dim ", o.head_dim, " --causal --primitive blockwise --iters 1 --json");
-      progress(cmd, t0);
-      results["commands"].push_back(cmd);
+      record(cmd);
       results["attention"].push_back(json::parse(run_for_json(cmd)));
     }
   }
@@ -249,8 +266,7 @@ std::string run_report(const ReportOptions& o) {
     const std::string cmd = o.self_exe +
                             " hsdp --nproc 4 --dp-shard 2 --dp-replicate 2 --iters 3 --json" +
                             link_flag(o.links.front());
-    progress(cmd, t0);
-    results["commands"].push_back(cmd);
+    record(cmd);
     results["hsdp"] = json::parse(run_for_json(cmd));
   }
   const std::string chart = (fs::path(o.out_dir) / "chart.svg").string();
@@ -264,8 +280,7 @@ std::string run_report(const ReportOptions& o) {
                             " --nproc 2 --cp 2 --cp-algo all_gather --schedule async --steps 3 "
                             "--seq-len 4096 --trace " +
                             trace;
-    progress(cmd, t0);
-    results["commands"].push_back(cmd);
+    record(cmd);
     HP_CHECK(std::system((cmd + " > /dev/null").c_str()) == 0, "hp-bench report: failed: ", cmd);
     auto events = common::read_chrome_trace(trace);
     int64_t lo = INT64_MAX, hi = 0;

@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "hp/bench/report.h"
 #include "rank_harness.h"
 #include "xml_lite.h"
 
@@ -71,6 +72,27 @@ std::vector<std::pair<std::string, double>> printed_predictions(const std::strin
     }
   }
   return got;
+}
+
+TEST(Report, CommandsNameTheBinariesAsAReaderRunsThem) {
+  using hp::bench::shown_command;
+  const std::string exe = "/src/hp/build/tools/hp-bench";
+  // Under the working directory: every mention of the binaries' directory becomes relative.
+  EXPECT_EQ(shown_command("/src/hp/build/tools/hp-bench cp --seq 4096 --json", exe, "/src/hp"),
+            "build/tools/hp-bench cp --seq 4096 --json");
+  EXPECT_EQ(shown_command("/src/hp/build/tools/hp-train --trace /src/hp/build/tools/t.json", exe,
+                          "/src/hp/"),
+            "build/tools/hp-train --trace build/tools/t.json");
+  EXPECT_EQ(shown_command("/src/hp/build/tools/hp-bench calibrate", exe, "/src/hp/build"),
+            "tools/hp-bench calibrate");
+  // Elsewhere, or with a relative path: as it ran.
+  for (const std::string cwd : {"/src/hp/build/tools", "/src/other", "/src/hp/build/tools/x"}) {
+    EXPECT_EQ(shown_command(exe + " cp --seq 4096", exe, cwd), exe + " cp --seq 4096") << cwd;
+  }
+  EXPECT_EQ(shown_command("build/tools/hp-bench cp", "build/tools/hp-bench", "/src/hp"),
+            "build/tools/hp-bench cp");
+  // A directory whose name only begins the same is not the binaries' directory.
+  EXPECT_EQ(shown_command("/src/hp/build/tools2/x", exe, "/src/hp"), "/src/hp/build/tools2/x");
 }
 
 TEST(Report, CalibrateAutoAndReport) {

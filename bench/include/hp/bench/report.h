@@ -1,5 +1,6 @@
 // `hp-bench report`: the benchmark report (docs/benchmarks/). Runs, as child processes of the
-// hp-bench binary (each emulated link in its own network namespace):
+// hp-bench binary (each emulated link in its own network namespace; the commands it records name
+// the binaries relative to the working directory where they lie under it, as a reader runs them):
 //   the calibration of every link (cached; --recalibrate redoes it),
 //   the CP grid: algorithms (all_gather and ring with head-tail balance, ulysses; hybrid U=2
 //     and usp U=2 with head-tail balance when P >= 4) x schedules (sync, async) x P x S, causal,
@@ -32,10 +33,17 @@ struct ReportOptions {
   std::vector<int64_t> seqs{4096, 16384};
   std::vector<int64_t> ranks{2, 4};
   int64_t heads = 8, kv_heads = 8, head_dim = 64;
-  int iters_small = 3, iters_large = 2;  // timed steps at S < 16384 / at S >= 16384
+  // Timed steps at S < 16384 / at S >= 16384: three at the largest S, so that each figure is a
+  // median that one step slowed by the shared machine does not move (two were their mean).
+  int iters_small = 3, iters_large = 3;
   bool recalibrate = false;
   bool with_attention = true, with_hsdp = true;
 };
+
+// `cmd` as a reader runs it: where the directory of `exe` (the binaries) lies under `cwd`, each
+// mention of it relative to `cwd` (/src/hp/build/tools/hp-bench cp ... -> build/tools/hp-bench
+// cp ...); otherwise `cmd` unchanged. Both paths absolute, or `cmd` is returned as it is.
+std::string shown_command(const std::string& cmd, const std::string& exe, const std::string& cwd);
 
 // Returns the path of results.json.
 std::string run_report(const ReportOptions& options);
