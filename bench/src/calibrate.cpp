@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,25 @@
 #include "hp/cp/config.h"
 
 namespace hp::bench {
+namespace fs = std::filesystem;
+
+std::string shown_command(const std::string& cmd, const std::string& exe, const std::string& cwd) {
+  const fs::path dir = fs::path(exe).parent_path();
+  if (dir.empty() || !dir.is_absolute() || !fs::path(cwd).is_absolute()) return cmd;
+  const fs::path rel = dir.lexically_relative(cwd);
+  if (rel.empty() || *rel.begin() == ".." || rel == ".") return cmd;
+  const std::string from = dir.string() + "/", to = rel.string() + "/";
+  std::string out = cmd;
+  for (size_t at = out.find(from); at != std::string::npos; at = out.find(from, at + to.size()))
+    out.replace(at, from.size(), to);
+  return out;
+}
+
+std::string shown_command(const std::string& cmd, const std::string& exe) {
+  std::error_code ec;
+  const std::string cwd = fs::current_path(ec).string();
+  return ec ? cmd : shown_command(cmd, exe, cwd);
+}
 
 std::string run_for_json(const std::string& cmd) {
   FILE* pipe = ::popen(cmd.c_str(), "r");
@@ -66,10 +86,10 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     for (int64_t bytes : {o.small_bytes, o.large_bytes}) {
       const std::string cmd = common::str_cat(o.self_exe, " comm --nproc ", p, " --bytes ", bytes,
                                               " --iters ", o.comm_iters, " --json");
-      std::printf("hp-bench calibrate: %s\n", cmd.c_str());
+      std::printf("hp-bench calibrate: %s\n", shown_command(cmd, o.self_exe).c_str());
       std::fflush(stdout);
       auto j = nlohmann::json::parse(run_for_json(cmd));
-      inputs["comm"].push_back({{"command", cmd}, {"result", j}});
+      inputs["comm"].push_back({{"command", shown_command(cmd, o.self_exe)}, {"result", j}});
       for (const auto& r : j["results"]) {
         points[r["op"]].emplace_back(r["bytes_sent_per_rank"].get<double>(),
                                      r["median_s"].get<double>());
@@ -116,10 +136,10 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   // `hp-bench cp` with `args` (logged): the command and its JSON.
   auto run_cp = [&](const std::string& args) {
     std::string cmd = common::str_cat(o.self_exe, " cp ", args, " --json");
-    std::printf("hp-bench calibrate: %s\n", cmd.c_str());
+    std::printf("hp-bench calibrate: %s\n", shown_command(cmd, o.self_exe).c_str());
     std::fflush(stdout);
     auto j = nlohmann::json::parse(run_for_json(cmd));
-    return std::make_pair(cmd, j);
+    return std::make_pair(shown_command(cmd, o.self_exe), j);
   };
   // The reference step of a run at P ranks (--reference-step), for the report's speed factor.
   inputs["reference_step"] = {{"seq", kReferenceStepSeq}};

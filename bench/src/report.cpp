@@ -74,18 +74,6 @@ std::string choice_name(const std::string& algo, int64_t u, const std::string& s
 
 }  // namespace
 
-std::string shown_command(const std::string& cmd, const std::string& exe, const std::string& cwd) {
-  const fs::path dir = fs::path(exe).parent_path();
-  if (dir.empty() || !dir.is_absolute() || !fs::path(cwd).is_absolute()) return cmd;
-  const fs::path rel = dir.lexically_relative(cwd);
-  if (rel.empty() || *rel.begin() == ".." || rel == ".") return cmd;
-  const std::string from = dir.string() + "/", to = rel.string() + "/";
-  std::string out = cmd;
-  for (size_t at = out.find(from); at != std::string::npos; at = out.find(from, at + to.size()))
-    out.replace(at, from.size(), to);
-  return out;
-}
-
 std::string run_report(const ReportOptions& o) {
   HP_CHECK(!o.links.empty(), "hp-bench report: no link given");
   const auto t0 = std::chrono::steady_clock::now();
@@ -100,9 +88,7 @@ std::string run_report(const ReportOptions& o) {
   results["commands"] = json::array();
   // Says what runs next and lists it among the report's commands, as a reader runs it.
   auto record = [&](const std::string& cmd) {
-    std::error_code ec;
-    const std::string cwd = fs::current_path(ec).string();
-    const std::string shown = ec ? cmd : shown_command(cmd, o.self_exe, cwd);
+    const std::string shown = shown_command(cmd, o.self_exe);
     progress(shown, t0);
     results["commands"].push_back(shown);
   };

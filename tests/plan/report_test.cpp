@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "hp/bench/report.h"
+#include "hp/bench/calibrate.h"
 #include "rank_harness.h"
 #include "xml_lite.h"
 

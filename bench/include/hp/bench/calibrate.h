@@ -38,4 +38,13 @@ double calibrated_reference_step_s(const plan::Calibration& calibration, int64_t
 // Runs `cmd` in a shell; its stdout parsed from the first '{' as one JSON object.
 std::string run_for_json(const std::string& cmd);
 
+// `cmd` as a reader runs it: where the directory of `exe` (the binaries) lies under `cwd`, each
+// mention of it relative to `cwd` (/src/hp/build/tools/hp-bench cp ... -> build/tools/hp-bench
+// cp ...); otherwise `cmd` unchanged. Both paths absolute, or `cmd` is returned as it is.
+std::string shown_command(const std::string& cmd, const std::string& exe, const std::string& cwd);
+
+// shown_command(cmd, exe, the working directory), or `cmd` where that cannot be read: what the
+// calibration and the report record and print of each command they run.
+std::string shown_command(const std::string& cmd, const std::string& exe);
+
 }  // namespace hp::bench

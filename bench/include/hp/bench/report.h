@@ -40,11 +40,6 @@ struct ReportOptions {
   bool with_attention = true, with_hsdp = true;
 };
 
-// `cmd` as a reader runs it: where the directory of `exe` (the binaries) lies under `cwd`, each
-// mention of it relative to `cwd` (/src/hp/build/tools/hp-bench cp ... -> build/tools/hp-bench
-// cp ...); otherwise `cmd` unchanged. Both paths absolute, or `cmd` is returned as it is.
-std::string shown_command(const std::string& cmd, const std::string& exe, const std::string& cwd);
-
 // Returns the path of results.json.
 std::string run_report(const ReportOptions& options);
 
