@@ -114,24 +114,30 @@ std::string timeline_svg(const std::string& title, const std::vector<common::Tra
     o << "<rect x=\"" << num(left) << "\" y=\"" << num(y) << "\" width=\"" << num(width - left - 20)
       << "\" height=\"" << num(track - 6) << "\" fill=\"#f3f3f3\"/>\n";
   }
+  // Three lanes per track: collectives in flight, compute (attention calls and their backward),
+  // waits.
+  const double lane = (track - 6) / 3;
   for (const auto& e : events) {
     if (e.end_us < begin_us || e.begin_us > end_us) continue;
-    const bool wait = e.category == "comm_wait";
-    const double y = top + track * e.rank + (wait ? (track - 6) / 2 : 0);
+    const int kind = e.category == "comm_wait" ? 2 : e.category == "compute" ? 1 : 0;
+    static const char* const kFill[] = {"#4e79a7", "#59a14f", "#e15759"};
+    const double y = top + track * e.rank + lane * kind;
     const double x = x_of(e.begin_us);
     const double w = std::max(1.0, x_of(e.end_us) - x);
     o << "<rect x=\"" << num(x) << "\" y=\"" << num(y) << "\" width=\"" << num(w) << "\" height=\""
-      << num((track - 6) / 2) << "\" fill=\"" << (wait ? "#e15759" : "#4e79a7") << "\"><title>"
-      << esc(e.name) << " " << esc(e.group) << " " << (e.end_us - e.begin_us) / 1000.0
-      << " ms</title></rect>\n";
+      << num(lane) << "\" fill=\"" << kFill[kind] << "\"><title>" << esc(e.name) << " "
+      << esc(e.group) << " " << (e.end_us - e.begin_us) / 1000.0 << " ms</title></rect>\n";
   }
   const double ly = top + track * ranks + 15;
-  o << "<rect x=\"" << num(left) << "\" y=\"" << num(ly) << "\" width=\"12\" height=\"12\" "
-    << "fill=\"#4e79a7\"/><text x=\"" << num(left + 16) << "\" y=\"" << num(ly + 10)
-    << "\">collective in flight (issue to completion)</text>\n";
-  o << "<rect x=\"" << num(left + 300) << "\" y=\"" << num(ly) << "\" width=\"12\" height=\"12\" "
-    << "fill=\"#e15759\"/><text x=\"" << num(left + 316) << "\" y=\"" << num(ly + 10)
-    << "\">rank blocked waiting (exposed communication)</text>\n";
+  const char* const kLegend[][2] = {{"#4e79a7", "collective in flight (issue to completion)"},
+                                    {"#59a14f", "attention (forward or backward)"},
+                                    {"#e15759", "rank blocked waiting (exposed communication)"}};
+  for (int i = 0; i < 3; ++i) {
+    const double lx = left + 340 * i;
+    o << "<rect x=\"" << num(lx) << "\" y=\"" << num(ly) << "\" width=\"12\" height=\"12\" "
+      << "fill=\"" << kLegend[i][0] << "\"/><text x=\"" << num(lx + 16) << "\" y=\"" << num(ly + 10)
+      << "\">" << kLegend[i][1] << "</text>\n";
+  }
   o << "<text x=\"" << num(left) << "\" y=\"" << num(ly + 32) << "\">" << num(span / 1000.0)
     << " ms shown</text>\n</svg>\n";
   return o.str();

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
 #include "hp/comm/group.h"
 #include "hp/common/check.h"
 #include "hp/cp/adapter.h"
@@ -42,11 +45,44 @@ AttentionCall::AttentionCall(const attention::AttentionOptions& options,
   if (ctx.topology && ctx.topology->cp) {
     auto& comm_ctx = ctx.topology->cp->context();
     if (comm_ctx.tracer && comm_ctx.tracer->enabled()) {
-      tracer_ = comm_ctx.tracer.get();
+      tracer_ = comm_ctx.tracer;
       rank_ = comm_ctx.world_rank;
     }
   }
 }
+
+namespace {
+
+// The two ends of one autograd node's run, as an "attention_backward" event: the pre-hook
+// notes when the engine starts the node, the post-hook records the event once it has returned.
+// Both run on the engine's thread that runs the node, one after the other.
+struct BackwardBegins : torch::autograd::FunctionPreHook {
+  explicit BackwardBegins(std::shared_ptr<int64_t> begin) : begin_(std::move(begin)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    *begin_ = common::Tracer::now_us();
+    return grads;
+  }
+  std::shared_ptr<int64_t> begin_;
+};
+
+struct BackwardEnds : torch::autograd::FunctionPostHook {
+  BackwardEnds(std::shared_ptr<int64_t> begin, std::shared_ptr<common::Tracer> tracer, int rank)
+      : begin_(std::move(begin)), tracer_(std::move(tracer)), rank_(rank) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (*begin_ >= 0) {
+      tracer_->record(
+          {"attention_backward", "compute", rank_, *begin_, common::Tracer::now_us(), "", -1});
+    }
+    return outputs;
+  }
+  std::shared_ptr<int64_t> begin_;
+  std::shared_ptr<common::Tracer> tracer_;
+  int rank_;
+};
+
+}  // namespace
 
 attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v,
@@ -55,6 +91,13 @@ attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const 
   auto result = run(q, k, v, state);
   if (tracer_ != nullptr) {
     tracer_->record({"attention", "compute", rank_, begin, common::Tracer::now_us(), "", -1});
+    // The node that computes this call's gradients (none where the call ran without grad, as
+    // inside the ring's own autograd function, whose backward records its blocks itself).
+    if (const auto& node = result.out.grad_fn()) {
+      auto node_begin = std::make_shared<int64_t>(-1);
+      node->add_pre_hook(std::make_unique<BackwardBegins>(node_begin));
+      node->add_post_hook(std::make_unique<BackwardEnds>(node_begin, tracer_, rank_));
+    }
   }
   return result;
 }

@@ -447,16 +447,27 @@ TEST(CPBench, TraceHoldsEveryRanksTimedStepsWithTheirCollectivesAndAttention) {
     for (const auto& step : events) {
       if (step.rank != rank || step.category != "step") continue;
       ++steps[step.name];
-      int gathers = 0, waits = 0, attention = 0;
+      int gathers = 0, waits = 0, attention = 0, backward = 0;
+      int64_t last_forward_begin = 0, first_backward_begin = INT64_MAX;
       for (const auto& e : events) {
         if (e.rank != rank || e.begin_us < step.begin_us || e.end_us > step.end_us) continue;
         gathers += e.category == "comm" && e.name == "all_gather";
         waits += e.category == "comm_wait" && e.name == "wait all_gather";
-        attention += e.category == "compute" && e.name == "attention";
+        if (e.category == "compute" && e.name == "attention") {
+          ++attention;
+          last_forward_begin = std::max(last_forward_begin, e.begin_us);
+        }
+        if (e.category == "compute" && e.name == "attention_backward") {
+          ++backward;
+          first_backward_begin = std::min(first_backward_begin, e.begin_us);
+        }
       }
       EXPECT_GE(gathers, 2) << step.name << " of rank " << rank;
       EXPECT_GE(waits, 2) << step.name << " of rank " << rank;
       EXPECT_GE(attention, 1) << step.name << " of rank " << rank;
+      // Every call's backward, once the forward is done.
+      EXPECT_EQ(backward, attention) << step.name << " of rank " << rank;
+      EXPECT_GT(first_backward_begin, last_forward_begin) << step.name << " of rank " << rank;
     }
     EXPECT_EQ(steps, (std::map<std::string, int>{{"step all_gather/sync", 2},
                                                  {"step all_gather/async", 2}}))

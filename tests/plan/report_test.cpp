@@ -418,7 +418,8 @@ TEST(Report, CalibrateAutoAndReport) {
   EXPECT_TRUE(texts.count("exposed communication"));
   EXPECT_TRUE(texts.count("P=2 S=512 loopback"));
 
-  // timeline.svg: well-formed; a track per rank, with collectives and waits on both.
+  // timeline.svg: well-formed; a track per rank, with collectives, waits and attention (forward
+  // and backward) on both.
   std::unique_ptr<hp::testing::XmlElement> timeline;
   try {
     timeline = hp::testing::parse_xml(read_file(dir + "/out/timeline.svg"));
@@ -430,6 +431,7 @@ TEST(Report, CalibrateAutoAndReport) {
   for (const auto* t : timeline->find_all("text"))
     texts.insert(t->text);
   EXPECT_TRUE(texts.count("rank 0") && texts.count("rank 1") && !texts.count("rank 2"));
+  EXPECT_TRUE(texts.count("attention (forward or backward)"));
   // Track r spans y in [40 + 34r, 40 + 34(r + 1)) (svg.cpp's layout).
   std::map<int, std::vector<std::string>> titles;  // "NAME GROUP T ms"
   for (const auto* rect : timeline->find_all("rect")) {
@@ -439,7 +441,8 @@ TEST(Report, CalibrateAutoAndReport) {
   }
   EXPECT_EQ(titles.size(), 2u);
   for (int rank : {0, 1}) {
-    for (const std::string prefix : {"all_gather cp ", "wait all_gather cp "}) {
+    for (const std::string prefix :
+         {"all_gather cp ", "wait all_gather cp ", "attention  ", "attention_backward  "}) {
       EXPECT_TRUE(std::any_of(titles[rank].begin(), titles[rank].end(),
                               [&](const std::string& t) { return t.rfind(prefix, 0) == 0; }))
           << "rank " << rank << " has no '" << prefix << "' event";

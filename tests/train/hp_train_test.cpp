@@ -256,7 +256,8 @@ TEST(HpTrain, ConfigFileAndTrace) {
     const std::string name = e.value("name", ""), cat = e.value("cat", "");
     const int64_t b = args.value("bytes", int64_t{-1});
     const bool comm = cat == "comm";
-    const bool compute = cat == "compute" && name == "attention";  // CP attention calls
+    // CP attention calls and their backward
+    const bool compute = cat == "compute" && (name == "attention" || name == "attention_backward");
     const bool ok = e.value("ph", "") == "X" && e.value("ts", int64_t{0}) > 0 &&
                     e.value("dur", int64_t{-1}) >= 0 &&
                     (compute || ((comm || cat == "comm_wait") && (!comm || b > 0) &&
@@ -280,8 +281,9 @@ TEST(HpTrain, ConfigFileAndTrace) {
           << "rank " << rank << " " << op;
     }
     EXPECT_GT(count[rank]["all_reduce"], 0) << "rank " << rank;
-    // One attention call per layer and step (sync all_gather: one query part).
+    // One attention call per layer and step (sync all_gather: one query part), and its backward.
     EXPECT_EQ(count[rank]["attention"], per_step) << "rank " << rank;
+    EXPECT_EQ(count[rank]["attention_backward"], per_step) << "rank " << rank;
   }
   EXPECT_EQ(count[0], count[1]) << "both ranks issue the same collectives";
 

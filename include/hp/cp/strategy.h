@@ -108,9 +108,9 @@ const char* role_name(QKVRole role);  // "q", "k", "v"
 // The module's own attention, reached through the adapter. Built by the runtime for one
 // intercepted call; strategies call it once per (query block, key block). Copyable and self-
 // contained (options and the inner function are held by value), so a strategy may keep a copy
-// for its backward. Each call is a
-// "compute" event on the CP group's tracer when there is one (the per-rank timeline shows what
-// ran while collectives flew).
+// for its backward. Each call is an "attention" event ("compute") on the CP group's tracer when
+// there is one, and its backward, when the autograd engine runs it, an "attention_backward"
+// event (the per-rank timeline shows what ran while collectives flew, in both passes).
 class AttentionCall {
  public:
   // `from_stats`: the inner function's gradients from merged statistics, when the host offers
@@ -165,7 +165,7 @@ class AttentionCall {
   const CPAdapter& adapter_;
   const CPStrategy& strategy_;
   QKVLayout layout_;
-  common::Tracer* tracer_ = nullptr;  // the CP group's, when enabled
+  std::shared_ptr<common::Tracer> tracer_;  // the CP group's, when enabled
   int rank_ = 0;
 };
 

@@ -22,7 +22,8 @@ struct BarGroup {
 // Grouped bar chart: step time per choice, exposed communication shaded.
 std::string bar_chart_svg(const std::string& title, const std::vector<BarGroup>& groups);
 
-// One track per rank over [begin_us, end_us]: communication and waits as coloured boxes.
+// One track per rank over [begin_us, end_us], in three lanes of coloured boxes: collectives in
+// flight, compute events (attention calls and their backward), waits.
 std::string timeline_svg(const std::string& title, const std::vector<common::TraceEvent>& events,
                          int64_t begin_us, int64_t end_us);
 
