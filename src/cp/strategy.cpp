@@ -3,6 +3,8 @@
 #include "hp/cp/strategy.h"
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_set>
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -53,36 +55,116 @@ AttentionCall::AttentionCall(const attention::AttentionOptions& options,
 
 namespace {
 
-// The two ends of one autograd node's run, as an "attention_backward" event: the pre-hook
-// notes when the engine starts the node, the post-hook records the event once it has returned.
-// Both run on the engine's thread that runs the node, one after the other.
-struct BackwardBegins : torch::autograd::FunctionPreHook {
-  explicit BackwardBegins(std::shared_ptr<int64_t> begin) : begin_(std::move(begin)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    *begin_ = common::Tracer::now_us();
-    return grads;
-  }
-  std::shared_ptr<int64_t> begin_;
-};
+using torch::autograd::Node;
+using torch::autograd::variable_list;
 
-struct BackwardEnds : torch::autograd::FunctionPostHook {
-  BackwardEnds(std::shared_ptr<int64_t> begin, std::shared_ptr<common::Tracer> tracer, int rank)
-      : begin_(std::move(begin)), tracer_(std::move(tracer)), rank_(rank) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    if (*begin_ >= 0) {
-      tracer_->record(
-          {"attention_backward", "compute", rank_, *begin_, common::Tracer::now_us(), "", -1});
-    }
-    return outputs;
+// One call's backward as an "attention_backward" event: from when the engine starts a node
+// behind the call's outputs to when the last node that hands a gradient to one of its inputs
+// has returned. That is the primitive's own node where its outputs come straight from it, and
+// the whole subgraph otherwise (math's matmuls and softmax, a layout transpose around the
+// kernel). Hooks only: the forward graph is the same with and without a tracer. A graph kept
+// for a second backward records a second event; the mutex keeps concurrent runs whole.
+class BackwardSpan {
+ public:
+  BackwardSpan(std::shared_ptr<common::Tracer> tracer, int rank, int ends)
+      : tracer_(std::move(tracer)), rank_(rank), ends_(ends), left_(ends) {}
+  void begin() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (begin_ < 0) begin_ = common::Tracer::now_us();
   }
-  std::shared_ptr<int64_t> begin_;
+  void end() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--left_ > 0) return;
+    if (begin_ >= 0) {
+      tracer_->record(
+          {"attention_backward", "compute", rank_, begin_, common::Tracer::now_us(), "", -1});
+    }
+    begin_ = -1;
+    left_ = ends_;
+  }
+
+ private:
+  std::mutex mu_;
   std::shared_ptr<common::Tracer> tracer_;
   int rank_;
+  int ends_, left_;
+  int64_t begin_ = -1;
 };
 
+struct SpanBegins : torch::autograd::FunctionPreHook {
+  explicit SpanBegins(std::shared_ptr<BackwardSpan> span) : span_(std::move(span)) {}
+  variable_list operator()(const variable_list& grads) override {
+    span_->begin();
+    return grads;
+  }
+  std::shared_ptr<BackwardSpan> span_;
+};
+
+struct SpanEnds : torch::autograd::FunctionPostHook {
+  explicit SpanEnds(std::shared_ptr<BackwardSpan> span) : span_(std::move(span)) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    span_->end();
+    return outputs;
+  }
+  std::shared_ptr<BackwardSpan> span_;
+};
+
+// The nodes between a call's outputs (`tops`) and its inputs: those with an edge into one of
+// the inputs' own nodes (`inputs`). Empty where the walk passes `limit` nodes (the call's
+// graph reaches past its inputs, through a tensor it was not given).
+std::vector<Node*> nodes_feeding(const std::vector<Node*>& tops,
+                                 const std::unordered_set<const Node*>& inputs, size_t limit) {
+  std::vector<Node*> out, stack(tops.begin(), tops.end());
+  std::unordered_set<const Node*> seen;
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (!seen.insert(n).second) continue;
+    if (seen.size() > limit) return {};
+    bool feeds = false;
+    for (const auto& edge : n->next_edges()) {
+      if (!edge.function) continue;
+      if (inputs.count(edge.function.get()) != 0) {
+        feeds = true;
+      } else {
+        stack.push_back(edge.function.get());
+      }
+    }
+    if (feeds) out.push_back(n);
+  }
+  return out;
+}
+
 }  // namespace
+
+void AttentionCall::trace_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const attention::AttentionResult& result) const {
+  std::vector<Node*> tops;
+  for (const auto* t : {&result.out, &result.lse}) {
+    if (!t->defined() || !t->grad_fn()) continue;
+    Node* n = t->grad_fn().get();
+    if (std::find(tops.begin(), tops.end(), n) == tops.end()) tops.push_back(n);
+  }
+  if (tops.empty()) return;  // run without grad (the ring's own function records its blocks)
+  std::unordered_set<const Node*> inputs;
+  for (const auto* t : {&q, &k, &v}) {
+    if (!t->defined()) continue;
+    const auto edge = torch::autograd::impl::gradient_edge(*t);
+    if (edge.function) inputs.insert(edge.function.get());
+  }
+  // The ends are counted from out's node only: every node below it runs once out has a
+  // gradient, while a node only lse reaches runs only where lse is used (merges).
+  constexpr size_t kLimit = 4096;  // a call's own graph is a few dozen nodes at most
+  Node* out_node = result.out.defined() ? result.out.grad_fn().get() : nullptr;
+  std::vector<Node*> ends;
+  if (out_node != nullptr) ends = nodes_feeding({out_node}, inputs, kLimit);
+  if (ends.empty()) ends = {out_node != nullptr ? out_node : tops.front()};  // unbounded
+  auto span = std::make_shared<BackwardSpan>(tracer_, rank_, static_cast<int>(ends.size()));
+  for (Node* n : tops)
+    n->add_pre_hook(std::make_unique<SpanBegins>(span));
+  for (Node* n : ends)
+    n->add_post_hook(std::make_unique<SpanEnds>(span));
+}
 
 attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v,
@@ -91,13 +173,7 @@ attention::AttentionResult AttentionCall::operator()(const at::Tensor& q, const 
   auto result = run(q, k, v, state);
   if (tracer_ != nullptr) {
     tracer_->record({"attention", "compute", rank_, begin, common::Tracer::now_us(), "", -1});
-    // The node that computes this call's gradients (none where the call ran without grad, as
-    // inside the ring's own autograd function, whose backward records its blocks itself).
-    if (const auto& node = result.out.grad_fn()) {
-      auto node_begin = std::make_shared<int64_t>(-1);
-      node->add_pre_hook(std::make_unique<BackwardBegins>(node_begin));
-      node->add_post_hook(std::make_unique<BackwardEnds>(node_begin, tracer_, rank_));
-    }
+    trace_backward(q, k, v, result);
   }
   return result;
 }

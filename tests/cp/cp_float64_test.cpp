@@ -3,6 +3,7 @@
 // forms, ulysses, hybrid plain and head-tail), sync and async, causal and not, P in {2, 3, 4}, GQA,
 // and a value head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <map>
 #include <set>
@@ -287,6 +288,62 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool ba
                   &f.scatter_launch, &f.recv_wait})
     std::sort(v->begin(), v->end());
   return f;
+}
+
+// A call's backward on the tracer spans the nodes between its outputs and its inputs, not only
+// the node behind its output: with the math primitive that node is a reshape, and the matmuls
+// and softmax of its backward run after it. Sync all_gather, P = 2, one call per rank. The
+// event begins as the engine takes the call's first node (with the hook on `out`, which runs
+// just before that node), ends before the last of q, k, v has its gradient, and covers most of
+// the time from the output's gradient to q's (the rank's q is used by that call only).
+TEST(CPTrace, EachCallsBackwardSpansItsWholeGraph) {
+  for (const std::string primitive : {"math", "blockwise"}) {
+    auto tracer = std::make_shared<common::Tracer>();
+    hp::testing::RankOptions ro;
+    ro.tracer = tracer;
+    // Per rank: when out's, q's, k's and v's gradients were computed.
+    std::vector<std::array<int64_t, 4>> grad_at(2, {-1, -1, -1, -1});
+    ContextParallelConfig cfg;
+    cfg.algorithm = "all_gather";
+    run_ranks(
+        2,
+        [&](comm::World& w) {
+          Direct m(true, {}, primitive);
+          apply_cp(m, w, *normalize(cfg, 2));
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + w.rank());
+          auto& at_ = grad_at[w.rank()];
+          auto stamp = [&at_](int i) {
+            return [&at_, i](const at::Tensor&) { at_[i] = common::Tracer::now_us(); };
+          };
+          std::vector<at::Tensor> qkv;
+          for (int i = 1; i <= 3; ++i) {
+            qkv.push_back(at::randn({1, 4, 192, 32}, gen).requires_grad_(true));
+            qkv.back().register_hook(stamp(i));
+          }
+          auto out = m.forward(qkv[0], qkv[1], qkv[2]);
+          out.register_hook(stamp(0));
+          out.sum().backward();
+        },
+        ro);
+    for (int rank : {0, 1}) {
+      std::vector<common::TraceEvent> forward, backward;
+      for (const auto& e : tracer->events()) {
+        if (e.rank != rank || e.category != "compute") continue;
+        (e.name == "attention" ? forward : backward).push_back(e);
+      }
+      ASSERT_EQ(forward.size(), 1u) << primitive << " rank " << rank;
+      ASSERT_EQ(backward.size(), 1u) << primitive << " rank " << rank;
+      const auto& e = backward[0];
+      const auto& t = grad_at[rank];
+      EXPECT_EQ(e.name, "attention_backward");
+      ASSERT_TRUE(t[0] > 0 && t[1] > t[0]) << primitive << " rank " << rank;
+      EXPECT_LE(std::abs(e.begin_us - t[0]), 1000) << primitive << " rank " << rank;
+      EXPECT_LE(e.end_us, std::max({t[1], t[2], t[3]})) << primitive << " rank " << rank;
+      EXPECT_GE(e.end_us - e.begin_us, (t[1] - t[0]) / 2)
+          << primitive << " rank " << rank << ": the event covers " << e.end_us - e.begin_us
+          << " us of the " << t[1] - t[0] << " us from out's gradient to q's";
+    }
+  }
 }
 
 // How many of `times` lie in [from, to).

@@ -157,6 +157,9 @@ class AttentionCall {
     at::Tensor k, v;
   };
   Prepared prepare(const at::Tensor& k, const at::Tensor& v, const CallState& state) const;
+  // Hooks that record the backward of the call that took q, k, v and returned `result`.
+  void trace_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const attention::AttentionResult& result) const;
   // Copies: a strategy may keep the call for its backward (the ring recomputes its blocks
   // there). The adapter and the strategy are registry objects that outlive every call.
   attention::AttentionOptions options_;
