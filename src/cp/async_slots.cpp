@@ -100,17 +100,21 @@ void CPRuntimeState::release_held() {
 }
 
 void CPRuntimeState::release_through(size_t piece) {
-  std::vector<std::function<void()>> release;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    release = take_held(piece);
-  }
-  for (auto& r : release)
-    r();
+  launch_held(piece);
 }
 
 void CPRuntimeState::release_next() {
-  release_through(kNextPiece);
+  launch_held(std::nullopt);
+}
+
+void CPRuntimeState::launch_held(std::optional<size_t> through) {
+  std::vector<std::function<void()>> release;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    release = take_held(through);
+  }
+  for (auto& r : release)
+    r();
 }
 
 void CPRuntimeState::first_piece_waited() {
@@ -127,15 +131,14 @@ void CPRuntimeState::defer_release() {
   release_deferred_ = true;
 }
 
-std::vector<std::function<void()>> CPRuntimeState::take_held(size_t through) {
+std::vector<std::function<void()>> CPRuntimeState::take_held(std::optional<size_t> through) {
   // held_ is in handoff order, each handoff's pieces 1.. in order: launch piece 1 of every
   // handoff, then piece 2, ... (every rank computes the same order from the same program order).
   std::vector<std::function<void()>> out;
   size_t max_pieces = 0;
   for (const auto& h : held_)
     max_pieces = std::max(max_pieces, h.size());
-  if (through == kNextPiece) through = launched_through_ + 1;
-  const size_t last = std::min(through, max_pieces);
+  const size_t last = std::min(through.value_or(launched_through_ + 1), max_pieces);
   for (size_t i = launched_through_ + 1; i <= last; ++i) {
     for (auto& h : held_) {
       if (i <= h.size()) out.push_back(std::move(h[i - 1]));

@@ -100,11 +100,12 @@ class CPRuntimeState {
   size_t pending() const;
 
  private:
-  // The held launches of pieces launched_through_+1 .. `through` (kNextPiece: the next piece
-  // index only) in wire order (see the top); once none is left, held_ emptied and the deferral
+  // The held launches of pieces launched_through_+1 .. `through` (nullopt: the next piece index
+  // only) in wire order (see the top); once none is left, held_ emptied and the deferral
   // cleared. Called under mu_, the caller runs them after unlocking.
-  static constexpr size_t kNextPiece = 0;  // pieces 1.. are held: 0 names no piece
-  std::vector<std::function<void()>> take_held(size_t through);
+  std::vector<std::function<void()>> take_held(std::optional<size_t> through);
+  // take_held under mu_, then its launches outside it.
+  void launch_held(std::optional<size_t> through);
 
   std::string module_;
   mutable std::mutex mu_;
