@@ -75,26 +75,31 @@ void AttentionHost::announce(const AttentionOptions& options) {
   if (primitive_call_) primitive_call_->on_announce(options);
 }
 
-AttentionHost::ForwardScope::ForwardScope(AttentionInterceptor* interceptor)
-    : interceptor_(interceptor) {
-  if (interceptor_) interceptor_->on_forward_begin();
+AttentionHost::ForwardScope::ForwardScope(AttentionInterceptor* primitive_call,
+                                          AttentionInterceptor* boundary)
+    : interceptors_{primitive_call, boundary == primitive_call ? nullptr : boundary} {
+  for (auto* i : interceptors_) {
+    if (i) i->on_forward_begin();
+  }
 }
 
 AttentionHost::ForwardScope::ForwardScope(ForwardScope&& other) noexcept
-    : interceptor_(other.interceptor_) {
-  other.interceptor_ = nullptr;
+    : interceptors_{other.interceptors_[0], other.interceptors_[1]} {
+  other.interceptors_[0] = other.interceptors_[1] = nullptr;
 }
 
 AttentionHost::ForwardScope::~ForwardScope() = default;
 
 void AttentionHost::ForwardScope::end() {
-  auto* i = interceptor_;
-  interceptor_ = nullptr;
-  if (i) i->on_forward_end();
+  AttentionInterceptor* ends[2] = {interceptors_[0], interceptors_[1]};
+  interceptors_[0] = interceptors_[1] = nullptr;
+  for (auto* i : ends) {
+    if (i) i->on_forward_end();
+  }
 }
 
 AttentionHost::ForwardScope AttentionHost::forward_scope() {
-  return ForwardScope(primitive_call_.get());
+  return ForwardScope(primitive_call_.get(), boundary_.get());
 }
 
 void AttentionHost::add_handoff(HandoffPoint* point) {

@@ -56,8 +56,10 @@ at::Tensor CPRuntimeState::produce(
     HP_CHECK(q.empty(), "async CP on module '", module_, "': the slot of handoff '",
              q.empty() ? "" : q.front()->handoff, "' (", role_name(role), ", invocation ",
              q.empty() ? 0 : q.front()->invocation,
-             ") was never consumed: a forward ran its handoff point but not its attention. "
-             "Every forward that passes a handoff point must reach the attention call");
+             ") was never consumed: a forward ran its handoff point but not its attention "
+             "(or failed between them). Every forward that passes a handoff point must reach the "
+             "attention call; open the module's forward in AttentionHost::forward_scope(), whose "
+             "begin drops what a failed forward left");
     slot->invocation = invocations_[static_cast<int>(role)]++;
   }
   slot->role = role;
@@ -204,23 +206,36 @@ std::vector<comm::InFlight> CPRuntimeState::consume(QKVRole role, const at::Tens
   return out;
 }
 
-void CPRuntimeState::check_drained() {
+std::vector<std::shared_ptr<AsyncSlot>> CPRuntimeState::take_pending() {
+  std::vector<std::shared_ptr<AsyncSlot>> out;
   std::lock_guard<std::mutex> lock(mu_);
-  std::string pending;
   for (auto& q : fifo_) {
-    for (const auto& s : q) {
-      pending += common::str_cat(pending.empty() ? "" : ", ", s->handoff, " (", role_name(s->role),
-                                 ", invocation ", s->invocation, ")");
-    }
+    out.insert(out.end(), q.begin(), q.end());
     q.clear();
   }
-  held_.clear();  // never launched: their slots are gone
+  held_.clear();  // never launched, on any rank: dropped unlaunched
   launched_through_ = 0;
   first_pieces_unwaited_ = 0;
   release_deferred_ = false;
+  return out;
+}
+
+void CPRuntimeState::check_drained() {
+  std::string pending;
+  for (const auto& s : take_pending()) {
+    pending += common::str_cat(pending.empty() ? "" : ", ", s->handoff, " (", role_name(s->role),
+                               ", invocation ", s->invocation, ")");
+  }
   HP_CHECK(pending.empty(), "async CP on module '", module_,
            "': the forward ended with unconsumed handoff slots: ", pending,
            ". Every handoff point that runs must feed the attention call of the same forward");
+}
+
+void CPRuntimeState::discard_pending() {
+  // Released outside the lock: a launched collective's handle waits for it as it is destroyed
+  // (every rank launched it, in the same order, before the forward failed).
+  auto dropped = take_pending();
+  dropped.clear();
 }
 
 size_t CPRuntimeState::pending() const {

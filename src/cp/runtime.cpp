@@ -159,6 +159,9 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
 void CPRuntime::on_forward_begin() {
   in_forward_ = true;
   calls_in_forward_ = 0;
+  // Pending slots here belong to a forward that failed between its handoffs and its attention
+  // (a finished one drained its own at its end): dropped, so this forward starts clean.
+  if (async_) state_->discard_pending();
 }
 
 at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const at::Tensor& x) {

@@ -4,6 +4,7 @@
 // visible in the trace.
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -49,7 +50,8 @@ class BlockWithHandoffs {
 
   at::Tensor forward(const at::Tensor& x) {
     auto& host = core_.host();
-    auto scope = host.forward_scope();
+    std::optional<attention::AttentionHost::ForwardScope> scope;
+    if (scoped_) scope.emplace(host.forward_scope());
     const int64_t b = x.size(0), s = x.size(1);
     auto heads = [&](const at::Tensor& t, int64_t n) {
       return t.view({b, s, n, kD}).transpose(1, 2);
@@ -57,6 +59,7 @@ class BlockWithHandoffs {
     auto norm = [](const at::Tensor& t) { return t * at::rsqrt(t.pow(2).mean(-1, true) + 1e-6); };
     auto q = q_handoff(norm(heads(at::matmul(x, wq), kNq)));
     auto k = k_handoff(norm(heads(at::matmul(x, wk), kNkv)));
+    HP_CHECK(fail_ != Fail::kAfterK, "injected failure after k's handoff");
     const int64_t t0 = common::Tracer::now_us();
     auto vp = at::matmul(x, wv);  // compute while K's collective is in flight
     if (tracer_) tracer_->record({"v_proj", "compute", 0, t0, common::Tracer::now_us(), "", -1});
@@ -65,6 +68,7 @@ class BlockWithHandoffs {
     if (pause_before_attention_ms_ > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(pause_before_attention_ms_));
     }
+    HP_CHECK(fail_ != Fail::kBeforeAttention, "injected failure");
     at::Tensor out;
     if (skip_attention_) {
       out = q;
@@ -74,12 +78,16 @@ class BlockWithHandoffs {
       out = host.call_primitive(q, k, v, core_.options().attention).out;
     }
     auto y = at::matmul(out.transpose(1, 2).reshape({b, s, kNq * kD}), wo);
-    scope.end();
+    if (scope) scope->end();
     return y;
   }
 
   attention::AttentionHost& host() { return core_.host(); }
   std::vector<at::Tensor> params() const { return {wq, wk, wv, wo}; }
+  // Where the forward throws (a failure on every rank at the same point of the program).
+  enum class Fail { kNone, kAfterK, kBeforeAttention };
+  Fail fail_ = Fail::kNone;
+  bool scoped_ = true;  // the forward opens AttentionHost::forward_scope
   void zero_grad() {
     for (auto& p : params()) {
       if (p.grad().defined()) p.mutable_grad().zero_();
@@ -286,6 +294,59 @@ TEST(CPAsync, TwoMicroBatchesInFlightAndRecompute) {
   }
 }
 
+// A forward that throws between its handoffs and its attention (on every rank) leaves launched
+// collectives and held pieces behind; the next forward's scope drops them, and that forward and
+// its backward equal the reference. Head groups hold pieces back; the failure comes after K's
+// handoff (before V's) or after all three.
+TEST(CPAsync, AFailedForwardLeavesNothingBehind) {
+  const int p = 2;
+  auto x = seeded(51, {1, kS, kHidden}), dy = seeded(52, {1, kS, kHidden});
+  for (const std::string adapter : {"sdpa_qkv", "sdpa_hf"}) {
+    auto ref = reference(adapter == "sdpa_qkv", x, dy);
+    for (const std::string algo : {"all_gather", "ulysses"}) {
+      for (auto fail :
+           {BlockWithHandoffs::Fail::kAfterK, BlockWithHandoffs::Fail::kBeforeAttention}) {
+        run_ranks(p, [&](comm::World& w) {
+          comm::DeviceMesh mesh(w, {{"cp", p}});
+          auto cfg = make(algo, p, CPSchedule::kAsync);
+          cfg.ulysses_head_groups = 2;
+          cfg = *normalize(cfg, p);
+          auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+          BlockWithHandoffs m(adapter == "sdpa_qkv");
+          auto spec = spec_for(adapter);
+          apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+          const int64_t r = w.rank();
+          const std::string what =
+              algo + "/" + adapter + (fail == BlockWithHandoffs::Fail::kAfterK ? " after k" : "");
+          m.fail_ = fail;
+          auto xs = shard(x, 1, r, p).requires_grad_(true);
+          EXPECT_NE(hp::testing::error_of([&] { m.forward(xs); }).find("injected failure"),
+                    std::string::npos)
+              << what;
+          auto* runtime = dynamic_cast<CPRuntime*>(m.host().installed(
+              adapter == "sdpa_qkv" ? attention::AttentionHost::Slot::kModuleBoundary
+                                    : attention::AttentionHost::Slot::kPrimitiveCall));
+          ASSERT_NE(runtime, nullptr);
+          // K (all_gather moves K and V), or Q and K (Ulysses), or all that the strategy moves.
+          const size_t moved = algo == "ulysses" ? 3 : 2;
+          EXPECT_EQ(runtime->state().pending(),
+                    fail == BlockWithHandoffs::Fail::kAfterK ? moved - 1 : moved)
+              << what << ": the failed forward's slots";
+          m.fail_ = BlockWithHandoffs::Fail::kNone;
+          auto y = m.forward(xs);
+          y.backward(shard(dy, 1, r, p));
+          expect_close(y, shard(ref.y, 1, r, p), what + " y after the failed forward");
+          expect_close(xs.grad(), shard(ref.dx, 1, r, p), what + " dx after the failed forward");
+          for (size_t i = 0; i < 4; ++i) {
+            expect_close(comm::all_reduce(*topo->cp, m.params()[i].grad()), ref.dparams[i],
+                         what + " dparam after the failed forward", 1e-5, 2e-5);
+          }
+        });
+      }
+    }
+  }
+}
+
 TEST(CPAsync, FallbackAndErrorPaths) {
   run_ranks(2, [](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"cp", 2}});
@@ -340,11 +401,31 @@ TEST(CPAsync, FallbackAndErrorPaths) {
       EXPECT_NE(msg.find("the module's forward finished without reaching the attention primitive"),
                 std::string::npos)
           << msg;
+      // The next forward's scope drops the leftover slots: it runs, and equals a fresh module.
       m.skip_attention_ = false;
-      msg = hp::testing::error_of([&] { m.forward(x); });
+      auto y = m.forward(x);
+      BlockWithHandoffs fresh(false);
+      auto fresh_spec = spec_for("sdpa_hf");
+      apply_context_parallel(fresh.host(), fresh_spec, cfg, topo, quiet());
+      expect_close(y, fresh.forward(x), "the forward after a misfire");
+    }
+    // Without a scope nothing tells the runtime a new forward began: the leftover slot is an
+    // error that names the scope.
+    {
+      BlockWithHandoffs m(true);
+      m.scoped_ = false;
+      auto spec = spec_for("sdpa_qkv");
+      apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+      m.fail_ = BlockWithHandoffs::Fail::kBeforeAttention;
+      auto x = shard(seeded(32, {1, kS, kHidden}), 1, w.rank(), 2);
+      EXPECT_NE(hp::testing::error_of([&] { m.forward(x); }).find("injected failure"),
+                std::string::npos);
+      m.fail_ = BlockWithHandoffs::Fail::kNone;
+      auto msg = hp::testing::error_of([&] { m.forward(x); });
       EXPECT_NE(msg.find("the slot of handoff 'q_handoff' (q, invocation 0) was never consumed"),
                 std::string::npos)
           << msg;
+      EXPECT_NE(msg.find("AttentionHost::forward_scope()"), std::string::npos) << msg;
     }
     // Something transforms K after its handoff: the consumer sees another tensor.
     {

@@ -8,6 +8,9 @@
 //     host.call_primitive(q, k, v, options)                <- what *_hf adapters intercept
 //     inside a `auto scope = host.forward_scope();` that spans the module forward, so an
 //     interceptor can tell when a forward never reached the primitive (misfire).
+// A module that takes the boundary may open the scope too: it brackets whichever slots hold an
+// interceptor. Its begin tells them a new forward starts, so what a failed forward left behind
+// (an async CP schedule's collectives started at handoff points) is dropped there.
 // With nothing installed both run the host's primitive directly.
 #pragma once
 
@@ -50,7 +53,8 @@ class AttentionInterceptor {
                                                const StatsBackwardFn& /*from_stats*/) {
     return intercept(q, k, v, options, inner);
   }
-  // Bracket one forward of the host module (only for the primitive-call slot).
+  // Bracket one forward of the host module (AttentionHost::forward_scope). Begin also follows a
+  // forward that failed before its end: anything an earlier forward left pending is dropped.
   virtual void on_forward_begin() {}
   virtual void on_forward_end() {}
   // The options the module's next call will pass, told before its projections (see
@@ -83,11 +87,13 @@ class AttentionHost {
   // The primitive's backward_from_stats (empty when it offers none).
   StatsBackwardFn primitive_stats_backward() const;
 
-  // RAII bracket of one module forward (see above). Exceptions from on_forward_end (a misfire)
-  // are raised by end(); the destructor only closes the bracket.
+  // RAII bracket of one module forward (see above) for the installed interceptors (primitive
+  // call, then boundary). Exceptions from on_forward_end (a misfire) are raised by end(); the
+  // destructor only closes the bracket (a forward that threw is cleaned up by the next begin,
+  // which never blocks an exception on its way out).
   class ForwardScope {
    public:
-    explicit ForwardScope(AttentionInterceptor* interceptor);
+    ForwardScope(AttentionInterceptor* primitive_call, AttentionInterceptor* boundary);
     ForwardScope(ForwardScope&& other) noexcept;
     ForwardScope(const ForwardScope&) = delete;
     ForwardScope& operator=(const ForwardScope&) = delete;
@@ -95,7 +101,7 @@ class AttentionHost {
     void end();  // call at the end of a successful forward
 
    private:
-    AttentionInterceptor* interceptor_;
+    AttentionInterceptor* interceptors_[2];
   };
   ForwardScope forward_scope();
 

@@ -97,6 +97,10 @@ class CPRuntimeState {
   // Error listing the slots still queued (called at the end of a module forward); the queue is
   // emptied first, so a failed forward leaves nothing behind.
   void check_drained();
+  // Drops every queued slot and held piece without an error (a module forward begins: they
+  // belong to one that failed before its end). Blocks until the dropped slots' launched
+  // collectives have finished; their held pieces never launch.
+  void discard_pending();
   size_t pending() const;
 
  private:
@@ -104,6 +108,8 @@ class CPRuntimeState {
   // only) in wire order (see the top); once none is left, held_ emptied and the deferral
   // cleared. Called under mu_, the caller runs them after unlocking.
   std::vector<std::function<void()>> take_held(std::optional<size_t> through);
+  // Empties the queues and the held pieces (the caller destroys the slots, outside mu_).
+  std::vector<std::shared_ptr<AsyncSlot>> take_pending();
   // take_held under mu_, then its launches outside it.
   void launch_held(std::optional<size_t> through);
 
