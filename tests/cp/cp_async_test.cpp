@@ -165,6 +165,19 @@ Grads distributed(comm::World& w, const ContextParallelConfig& cfg, const std::s
   return g;
 }
 
+// This rank's y and dx (contiguous shard r of p) and m's parameter gradients summed over `cp`
+// equal the reference's.
+void expect_reference(const Grads& ref, const at::Tensor& y, const at::Tensor& dx,
+                      const BlockWithHandoffs& m, comm::Group& cp, int64_t r, int64_t p,
+                      const std::string& what) {
+  expect_close(y, shard(ref.y, 1, r, p), what + " y");
+  expect_close(dx, shard(ref.dx, 1, r, p), what + " dx");
+  for (size_t i = 0; i < ref.dparams.size(); ++i) {
+    expect_close(comm::all_reduce(cp, m.params()[i].grad()), ref.dparams[i], what + " dparam", 1e-5,
+                 2e-5);
+  }
+}
+
 void run_async_vs_sync(const std::string& algo, int p) {
   auto x = seeded(11, {1, kS, kHidden}), dy = seeded(12, {1, kS, kHidden});
   for (const std::string adapter : {"sdpa_qkv", "sdpa_hf"}) {
@@ -284,12 +297,7 @@ TEST(CPAsync, TwoMicroBatchesInFlightAndRecompute) {
           },
           {c})[0];
       yc.backward(shard(d1, 1, r, p));
-      expect_close(yc, shard(r1.y, 1, r, p), algo + " recompute y");
-      expect_close(c.grad(), shard(r1.dx, 1, r, p), algo + " recompute dx");
-      for (size_t i = 0; i < 4; ++i) {
-        expect_close(comm::all_reduce(*topo->cp, m.params()[i].grad()), r1.dparams[i],
-                     algo + " recompute dparam", 1e-5, 2e-5);
-      }
+      expect_reference(r1, yc, c.grad(), m, *topo->cp, r, p, algo + " recompute");
     });
   }
 }
@@ -335,12 +343,7 @@ TEST(CPAsync, AFailedForwardLeavesNothingBehind) {
           m.fail_ = BlockWithHandoffs::Fail::kNone;
           auto y = m.forward(xs);
           y.backward(shard(dy, 1, r, p));
-          expect_close(y, shard(ref.y, 1, r, p), what + " y after the failed forward");
-          expect_close(xs.grad(), shard(ref.dx, 1, r, p), what + " dx after the failed forward");
-          for (size_t i = 0; i < 4; ++i) {
-            expect_close(comm::all_reduce(*topo->cp, m.params()[i].grad()), ref.dparams[i],
-                         what + " dparam after the failed forward", 1e-5, 2e-5);
-          }
+          expect_reference(ref, y, xs.grad(), m, *topo->cp, r, p, what + " after the failure");
         });
       }
     }
