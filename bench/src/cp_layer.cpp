@@ -38,13 +38,17 @@ class CPAttentionLayer::Module {
   // q, k, v in the caller's layout; each passes its handoff point right before attention.
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     auto& host = core_.host();
+    auto scope = host.forward_scope();         // before the handoffs and the announcement
     host.announce(core_.options().attention);  // async CP may skip moves the documents hide
-    if (!primitive_style_) return core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v));
-    auto scope = host.forward_scope();
-    auto t = [&](const at::Tensor& x) { return bshd_ ? x.transpose(1, 2) : x; };
-    auto out = t(host.call_primitive(q_handoff_(t(q)), k_handoff_(t(k)), v_handoff_(t(v)),
-                                     core_.options().attention)
-                     .out);
+    at::Tensor out;
+    if (primitive_style_) {
+      auto t = [&](const at::Tensor& x) { return bshd_ ? x.transpose(1, 2) : x; };
+      out = t(host.call_primitive(q_handoff_(t(q)), k_handoff_(t(k)), v_handoff_(t(v)),
+                                  core_.options().attention)
+                  .out);
+    } else {
+      out = core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v));
+    }
     scope.end();
     return out;
   }

@@ -100,8 +100,13 @@ class CPAttention {
     }
     auto options = core_.options().attention;
     if (docs.defined()) options.documents = attention::Documents{docs};
+    // The scope opens before the handoffs: its begin drops what a forward that failed between
+    // its handoffs and its attention left; its end reports a forward that never reached it.
+    auto scope = core_.host().forward_scope();
     core_.host().announce(options);  // async CP may skip moves the documents hide
-    return core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v), options);
+    auto out = core_.forward(q_handoff_(q), k_handoff_(k), v_handoff_(v), options);
+    scope.end();
+    return out;
   }
 
   const std::string& log() const { return log_; }

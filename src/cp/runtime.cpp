@@ -162,6 +162,10 @@ void CPRuntime::on_forward_begin() {
   // Pending slots here belong to a forward that failed between its handoffs and its attention
   // (a finished one drained its own at its end): dropped, so this forward starts clean.
   if (async_) state_->discard_pending();
+  // So is an announcement it made (the module announces after its scope opens).
+  announced_.reset();
+  skip_moves_.reset();
+  ctx_.moves_skipped = false;
 }
 
 at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const at::Tensor& x) {
@@ -221,11 +225,16 @@ void CPRuntime::on_forward_end() {
   const bool reached = calls_in_forward_ > 0;
   in_forward_ = false;
   if (async_ && reached) state_->check_drained();
+  const bool boundary = adapter_->slot() == attention::AttentionHost::Slot::kModuleBoundary;
   HP_CHECK(reached, "CP adapter '", adapter_->name(), "' on module '", module_path_,
-           "': the module's forward finished without reaching the attention primitive, so no "
-           "CP communication ran and the result would be silently wrong (misfire). Route the "
-           "module's attention through AttentionHost::call_primitive, or use the sdpa_qkv "
-           "adapter if the module takes (q, k, v)");
+           "': the module's forward finished without reaching the attention ",
+           boundary ? "module" : "primitive",
+           ", so no CP communication ran and the result would be silently wrong (misfire). ",
+           boundary ? "Route the module's attention through its core-attention module "
+                      "(AttentionHost::run_boundary), or use the sdpa_hf adapter if the module "
+                      "calls the attention primitive from inside its forward"
+                    : "Route the module's attention through AttentionHost::call_primitive, or "
+                      "use the sdpa_qkv adapter if the module takes (q, k, v)");
 }
 
 }  // namespace hp::cp

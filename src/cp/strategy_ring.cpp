@@ -334,6 +334,11 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The backward frees the kept blocks and calls as it passes them: it runs once.
+    HP_CHECK(ctx->saved_data.find("spent") == ctx->saved_data.end(),
+             "ring attention: this call's backward already ran and freed its kept blocks; a "
+             "second backward through it (retain_graph) is not supported: run the forward again");
+    ctx->saved_data["spent"] = true;
     auto plan = common::from_capsule<std::shared_ptr<const RingPlan>>(ctx->saved_data["plan"]);
     auto kept = common::from_capsule<KeptCalls>(ctx->saved_data["kept"]);
     BackwardBlocks blocks(*plan, common::from_capsule<std::shared_ptr<std::vector<at::Tensor>>>(

@@ -50,15 +50,18 @@ struct PreBackward : torch::autograd::Function<PreBackward> {
   }
 };
 
-// Identity on the root's output: the first backward through it queues the drain.
+// Identity on the root's output: the first backward through it queues the drain. The node
+// keeps `graph` alive (Impl::root_graph watches it).
 struct RootPreBackward : torch::autograd::Function<RootPreBackward> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Impl* impl) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Impl* impl,
+                            std::shared_ptr<void> graph) {
     ctx->saved_data["impl"] = common::to_capsule(impl);
+    ctx->saved_data["graph"] = common::to_capsule(std::move(graph));
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     impl_of(ctx)->root_pre_backward();
-    return {grads[0], at::Tensor()};
+    return {grads[0], at::Tensor(), at::Tensor()};
   }
 };
 
@@ -147,6 +150,19 @@ void Impl::arm(size_t u) {
   unit.armed = true;
   unit.reduced = false;
   unit.pending_grads = static_cast<int64_t>(unit.params.size());
+}
+
+void Impl::forget_abandoned_forward() {
+  const bool armed =
+      std::any_of(units.begin(), units.end(), [](const detail::Unit& u) { return u.armed; });
+  if (!armed || drain_queued || !root_graph.expired()) return;
+  record("forget abandoned forward", "");
+  for (size_t u = 0; u < units.size(); ++u) {
+    units[u].armed = false;
+    units[u].reduced = false;
+    units[u].pending_grads = 0;
+    reshard(u);  // a gathered copy would go stale once the optimizer updates the shards
+  }
 }
 
 void Impl::pre_backward(size_t u) {
@@ -242,6 +258,7 @@ at::Tensor FullyShard::forward_root(const std::function<at::Tensor()>& fn) {
            "flight: that backward did not finish (it failed, or never reached a unit's output, "
            "so the drain never ran); run the backward of the loss built from forward_root's "
            "output");
+  s.forget_abandoned_forward();
   s.unshard(0);
   s.arm(0);
   s.prefetch(1);
@@ -255,7 +272,9 @@ at::Tensor FullyShard::forward_root(const std::function<at::Tensor()>& fn) {
     }
     return out;
   }
-  return RootPreBackward::apply(out, &s);
+  auto graph = std::make_shared<int>(0);
+  s.root_graph = graph;
+  return RootPreBackward::apply(out, &s, std::shared_ptr<void>(std::move(graph)));
 }
 
 at::Tensor FullyShard::forward_unit(size_t index, const at::Tensor& x,

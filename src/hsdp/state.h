@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,11 @@ struct FullyShard::Impl {
   std::vector<detail::Unit> units;
   std::map<std::string, size_t> by_name;
 
+  // Alive as long as the graph of the last grad-mode forward_root's output (its root node holds
+  // it): expired with units still armed and no drain queued, that forward will never see a
+  // backward (it threw, or its output was dropped).
+  std::weak_ptr<void> root_graph;
+
   // Gradient pipeline.
   bool requires_all_reduce = true;
   bool drain_queued = false;
@@ -78,6 +84,9 @@ struct FullyShard::Impl {
   void prefetch(size_t u);
   void reshard(size_t u);
   void arm(size_t u);
+  // At a forward_root: disarms and reshards the units of an earlier forward that can no longer
+  // be backpropagated (root_graph expired), waiting for a prefetch it left on the wire.
+  void forget_abandoned_forward();
   void pre_backward(size_t u);
   void root_pre_backward();
   void queue_drain();

@@ -13,6 +13,7 @@
 
 #include "cp_test_util.h"
 #include "hp/attention/core_attention.h"
+#include "hp/attention/masks.h"
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
@@ -52,6 +53,7 @@ class BlockWithHandoffs {
     auto& host = core_.host();
     std::optional<attention::AttentionHost::ForwardScope> scope;
     if (scoped_) scope.emplace(host.forward_scope());
+    if (announce_) host.announce(*announce_);
     const int64_t b = x.size(0), s = x.size(1);
     auto heads = [&](const at::Tensor& t, int64_t n) {
       return t.view({b, s, n, kD}).transpose(1, 2);
@@ -88,6 +90,7 @@ class BlockWithHandoffs {
   enum class Fail { kNone, kAfterK, kBeforeAttention };
   Fail fail_ = Fail::kNone;
   bool scoped_ = true;  // the forward opens AttentionHost::forward_scope
+  std::optional<attention::AttentionOptions> announce_;  // announced after the scope opens
   void zero_grad() {
     for (auto& p : params()) {
       if (p.grad().defined()) p.mutable_grad().zero_();
@@ -350,6 +353,39 @@ TEST(CPAsync, AFailedForwardLeavesNothingBehind) {
   }
 }
 
+// A forward that announced documents hiding every other rank's keys (so its handoffs skipped
+// the K/V gathers) and then threw: the next forward's scope forgets that announcement, so the
+// next forward, announcing nothing, gathers as usual and equals the reference. Before, the
+// stale announcement skipped its gathers too, and its call was refused for breaking it.
+TEST(CPAsync, AFailedForwardsAnnouncementIsForgotten) {
+  const int p = 2;
+  auto x = seeded(61, {1, kS, kHidden}), dy = seeded(62, {1, kS, kHidden});
+  auto ref = reference(false, x, dy);
+  run_ranks(p, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", p}});
+    auto cfg = make("all_gather", p, CPSchedule::kAsync);
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), cfg);
+    BlockWithHandoffs m(false);
+    auto spec = spec_for("sdpa_hf");
+    apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+    attention::AttentionOptions hidden;
+    hidden.causal = true;
+    hidden.documents =
+        attention::Documents{attention::document_ids_from_cu_seqlens({0, kS / 2, kS}, kS)};
+    m.announce_ = hidden;
+    m.fail_ = BlockWithHandoffs::Fail::kBeforeAttention;
+    const int64_t r = w.rank();
+    auto xs = shard(x, 1, r, p).requires_grad_(true);
+    EXPECT_NE(hp::testing::error_of([&] { m.forward(xs); }).find("injected failure"),
+              std::string::npos);
+    m.announce_.reset();
+    m.fail_ = BlockWithHandoffs::Fail::kNone;
+    auto y = m.forward(xs);
+    y.backward(shard(dy, 1, r, p));
+    expect_reference(ref, y, xs.grad(), m, *topo->cp, r, p, "after the failed announced forward");
+  });
+}
+
 TEST(CPAsync, FallbackAndErrorPaths) {
   run_ranks(2, [](comm::World& w) {
     comm::DeviceMesh mesh(w, {{"cp", 2}});
@@ -411,6 +447,21 @@ TEST(CPAsync, FallbackAndErrorPaths) {
       auto fresh_spec = spec_for("sdpa_hf");
       apply_context_parallel(fresh.host(), fresh_spec, cfg, topo, quiet());
       expect_close(y, fresh.forward(x), "the forward after a misfire");
+    }
+    // The same misfire through the module boundary (sdpa_qkv) names the module and the other
+    // adapter.
+    {
+      BlockWithHandoffs m(true);
+      auto spec = spec_for("sdpa_qkv");
+      apply_context_parallel(m.host(), spec, cfg, topo, quiet());
+      m.skip_attention_ = true;
+      auto msg = hp::testing::error_of([&] {
+        m.forward(shard(seeded(32, {1, kS, kHidden}), 1, w.rank(), 2));
+      });
+      EXPECT_NE(msg.find("the module's forward finished without reaching the attention module"),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("use the sdpa_hf adapter"), std::string::npos) << msg;
     }
     // Without a scope nothing tells the runtime a new forward began: the leftover slot is an
     // error that names the scope.

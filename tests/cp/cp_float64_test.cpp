@@ -709,6 +709,7 @@ void run_ring_schedule(bool keep);
 // forward is the same and backward shifts only the P-1 accumulators (all_gather's bytes).
 // Counted bytes equal the forward and backward formulas, and the gradients the float64
 // reference (CPFloat64.Ring, CPFloat64.RingKeepBlocks). Kept blocks apply to ring and usp only.
+// A second backward through the same graph is refused.
 TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
   for (bool keep : {false, true}) {
     SCOPED_TRACE(keep ? "ring_keep_blocks" : "blocks travel again");
@@ -753,9 +754,13 @@ void run_ring_schedule(bool keep) {
     EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
     rec.clear();
     w.context().counters.reset();
-    out.sum().backward();
+    out.sum().backward({}, /*retain_graph=*/true);
     EXPECT_EQ(rec.schedule(), bwd);
     EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(norm, p, shape));
+    // Its backward freed what it kept: a second one is refused before it communicates.
+    rec.clear();
+    HP_EXPECT_ERROR(out.sum().backward(), "ring attention: this call's backward already ran");
+    EXPECT_TRUE(rec.schedule().empty());
   });
 }
 

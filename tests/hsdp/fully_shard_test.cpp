@@ -9,6 +9,7 @@
 
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
+#include "hp/common/check.h"
 #include "hp/hsdp/fully_shard.h"
 #include "rank_harness.h"
 
@@ -375,6 +376,39 @@ TEST(FullyShard, NextForwardSeesUpdatedShardsAndEvalInBetweenIsSafe) {
     auto total = comm::all_reduce(w.group(), next).item<double>() / 4.0;
     EXPECT_NEAR(total, ref_loss, 1e-5);
     EXPECT_EQ(fs->stats().backwards, 1);
+  });
+}
+
+// A forward that threw inside the root (on every rank, after unit 1 gathered and prefetched
+// unit 2), and one whose output was dropped without a backward, are forgotten by the next
+// forward_root: that step's loss and gradients equal the reference, and nothing stays gathered.
+TEST(FullyShard, AForwardThatThrewOrWasDroppedIsForgotten) {
+  RunOptions o;
+  o.r = 2;
+  o.sd = 2;
+  const auto ref = reference(o.layers, 4);
+  run_ranks(4, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"dp_replicate", 2}, {"dp_shard", 2}});
+    auto s = make_stack(o.layers);
+    auto fs = shard_stack(s, mesh, o.hsdp);
+    auto x = data(4).narrow(0, w.rank() * kRowsPerRank, kRowsPerRank);
+    HP_EXPECT_ERROR(fs->forward_root([&] {
+      auto h =
+          fs->forward_unit(1, x.mm(s.w_in), [&](const at::Tensor& t) { return layer_fn(s, 0, t); });
+      HP_CHECK(false, "injected failure after unit 1");
+      return h;
+    }),
+                    "injected failure after unit 1");
+    EXPECT_GT(fs->stats().resident_unsharded_numel, 0) << "the failed forward left units gathered";
+    rank_loss(s, *fs, mesh, o, 0);  // built and dropped: no backward will come
+    auto loss = rank_loss(s, *fs, mesh, o, 0);
+    loss.backward();
+    auto total = comm::all_reduce(w.group(), loss.detach()).item<double>() / 4.0;
+    EXPECT_NEAR(total, ref.loss, 1e-5);
+    for (auto& [name, g] : ref.grads)
+      expect_close(fs->full_gradient(name), g, "after the forgotten forwards: " + name, 1e-5, 1e-6);
+    EXPECT_EQ(fs->stats().backwards, 1);
+    EXPECT_EQ(fs->stats().resident_unsharded_numel, 0) << "parameters left gathered";
   });
 }
 

@@ -109,7 +109,8 @@ class AttentionHost {
   // (causal flag, packed documents) the module's next call will pass. Optional: an async CP
   // schedule uses them to skip K/V collectives the documents make useless (all_gather when no
   // query may see another rank's keys); the call must then pass the same causal flag and
-  // documents, or it fails with an error naming both.
+  // documents, or it fails with an error naming both. In a module with a forward scope, announce
+  // after the scope opens: its begin forgets an earlier forward's announcement.
   void announce(const AttentionOptions& options);
 
   // Handoff points of this attention module, by name relative to the attention boundary

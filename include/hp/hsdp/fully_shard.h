@@ -105,7 +105,10 @@ class FullyShard {
   FullyShard& operator=(const FullyShard&) = delete;
 
   // The root's forward: gathers the root (and prefetches unit 1), runs `fn`, and hooks the
-  // output so that the first backward through it queues the drain.
+  // output so that the first backward through it queues the drain. An earlier forward that can
+  // never be backpropagated (`fn` threw on every rank, or its output's graph was dropped) is
+  // forgotten first: its units are disarmed and resharded. A forward whose output is still held
+  // and not yet backpropagated is an error (micro-batches in flight are not supported).
   at::Tensor forward_root(const std::function<at::Tensor()>& fn);
   // Unit `index` (>= 1) on `x`: gather (waiting the prefetch), prefetch the next, run `fn`
   // (recomputed in backward when `recompute`), free after forward, hook the backward.
