@@ -232,10 +232,10 @@ void CPRuntimeState::check_drained() {
 }
 
 void CPRuntimeState::discard_pending() {
-  // Released outside the lock: a launched collective's handle waits for it as it is destroyed
-  // (every rank launched it, in the same order, before the forward failed).
-  auto dropped = take_pending();
-  dropped.clear();
+  // The slots die with the returned vector, outside the lock: a launched collective's handle
+  // waits for it as it is destroyed (every rank launched it, in the same order, before the
+  // forward failed).
+  take_pending();
 }
 
 size_t CPRuntimeState::pending() const {

@@ -157,7 +157,6 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
 }
 
 void CPRuntime::on_forward_begin() {
-  in_forward_ = true;
   calls_in_forward_ = 0;
   // Pending slots here belong to a forward that failed between its handoffs and its attention
   // (a finished one drained its own at its end): dropped, so this forward starts clean.
@@ -223,7 +222,6 @@ void CPRuntime::on_announce(const attention::AttentionOptions& options) {
 
 void CPRuntime::on_forward_end() {
   const bool reached = calls_in_forward_ > 0;
-  in_forward_ = false;
   if (async_ && reached) state_->check_drained();
   const bool boundary = adapter_->slot() == attention::AttentionHost::Slot::kModuleBoundary;
   HP_CHECK(reached, "CP adapter '", adapter_->name(), "' on module '", module_path_,

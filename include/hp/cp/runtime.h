@@ -68,7 +68,6 @@ class CPRuntime final : public attention::AttentionInterceptor,
   bool async_ = false;
   std::shared_ptr<CPRuntimeState> state_;
   int64_t calls_in_forward_ = 0;
-  bool in_forward_ = false;
   // The announced options of the next call, and (once a handoff has asked) whether its moves
   // are skipped; both cleared by the call.
   std::optional<attention::AttentionOptions> announced_;
