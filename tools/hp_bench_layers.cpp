@@ -54,6 +54,11 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
                   "gathers) per head group, pipelined with the groups' attention; usp: output "
                   "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--ulysses-row-parts", a.bench.config.ulysses_row_parts,
+                  "async ulysses: the last head group's output all-to-all in this many row parts, "
+                  "each sent while the next is attended (0: auto, 2 where each part keeps 2048 "
+                  "rows)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag(
       "--always-local-first", a.bench.config.async_always_local_first,
       "async all_gather, hybrid: attend the local K/V chunks first even where the gather has "
@@ -158,6 +163,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"load_balance", r.load_balance},
                     {"documents", a.bench.documents},
                     {"ulysses_head_groups", a.bench.config.ulysses_head_groups},
+                    {"ulysses_row_parts", a.bench.config.ulysses_row_parts},
                     {"always_local_first", a.bench.config.async_always_local_first},
                     {"ring_keep_blocks", r.ring_keep_blocks},
                     {"visible_tile_fraction",

@@ -99,6 +99,13 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
            " applies to algorithm=ulysses, hybrid, usp or all_gather with schedule=async (got ",
            c.algorithm.name(), ", ", to_string(c.schedule),
            "); drop it or use the async ulysses, hybrid, usp or all_gather schedule");
+  HP_CHECK(c.ulysses_row_parts >= 0, "cp_config.ulysses_row_parts=", c.ulysses_row_parts,
+           " must be >= 0 (0: automatic, 1: the last head group's output in one all-to-all)");
+  HP_CHECK(c.ulysses_row_parts == 0 ||
+               (c.algorithm.name() == CPAlgorithm::kUlysses && c.schedule == CPSchedule::kAsync),
+           "cp_config.ulysses_row_parts=", c.ulysses_row_parts,
+           " applies to algorithm=ulysses with schedule=async (got ", c.algorithm.name(), ", ",
+           to_string(c.schedule), "); drop it or use the async ulysses schedule");
   HP_CHECK(!c.ring_keep_blocks || c.algorithm.name() == CPAlgorithm::kRing ||
                c.algorithm.name() == CPAlgorithm::kUsp,
            "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp (got ",
@@ -142,6 +149,12 @@ int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64
     if (nq % g == 0 && nkv % g == 0) return g;
   }
   return 1;
+}
+
+int64_t ulysses_row_parts_of(const ContextParallelConfig& c, int64_t local_seq) {
+  if (c.ulysses_row_parts > 0)
+    return std::min(c.ulysses_row_parts, std::max<int64_t>(local_seq, 1));
+  return local_seq >= 2 * kUlyssesMinRowsPerPart ? 2 : 1;
 }
 
 int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size) {
@@ -197,12 +210,14 @@ void check_sequence(const ContextParallelConfig& c, int64_t cp_size, int64_t glo
 }
 
 std::string describe(const ContextParallelConfig& c, int64_t cp_size) {
-  return common::str_cat("algorithm=", to_string(c.algorithm), " schedule=", to_string(c.schedule),
-                         " cp_size=", cp_size, " ulysses_degree=", ulysses_degree_of(c, cp_size),
-                         " colossal_degree=", colossal_degree_of(c, cp_size),
-                         " load_balance=", c.load_balance ? "true" : "false",
-                         c.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "",
-                         c.ring_keep_blocks ? " ring_keep_blocks=true" : "");
+  return common::str_cat(
+      "algorithm=", to_string(c.algorithm), " schedule=", to_string(c.schedule),
+      " cp_size=", cp_size, " ulysses_degree=", ulysses_degree_of(c, cp_size),
+      " colossal_degree=", colossal_degree_of(c, cp_size),
+      " load_balance=", c.load_balance ? "true" : "false",
+      c.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "",
+      c.ring_keep_blocks ? " ring_keep_blocks=true" : "",
+      c.ulysses_row_parts > 0 ? common::str_cat(" ulysses_row_parts=", c.ulysses_row_parts) : "");
 }
 
 }  // namespace hp::cp

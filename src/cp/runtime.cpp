@@ -23,7 +23,7 @@ CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
            options.load_balance,        options.load_balance_form,
            options.kv_head_policy,      0,
            options.ulysses_head_groups, options.async_always_local_first,
-           options.ring_keep_blocks},
+           options.ring_keep_blocks,    options.ulysses_row_parts},
       module_path_(std::move(options.module_path)),
       async_(options.async),
       state_(std::make_shared<CPRuntimeState>(module_path_)) {

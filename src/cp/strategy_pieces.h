@@ -86,12 +86,14 @@ at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group)
 // ctx.ulysses_head_groups; it divides both), and the groups' outputs put back together.
 // moving[g] is group g's output [.., U*S_l, .., gq, ..] started on its head->seq all-to-all in
 // the Ulysses group of `degree` ranks; waited in order, (rank j, group g, head i) is global head
-// j*G*gq + g*gq + i: [.., S_l, .., N, ..]. In backward each group's output gradient launches
-// once the next group's has arrived (comm::chain_inverse), the last group's first.
+// j*G*gq + g*gq + i: [.., S_l, .., N, ..]. The last `last_group_parts` transfers are the last
+// group in row parts (part m: rows [a_m, a_m + n_m) of every rank's S_l, in row order), put
+// back together along seq. In backward each transfer's output gradient launches once the next
+// one's has arrived (comm::chain_inverse), the last one's first.
 int64_t head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
                     int64_t nkv);
 at::Tensor heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
-                             const QKVLayout& l);
+                             const QKVLayout& l, int64_t last_group_parts = 1);
 // The same from tensors: groups[g] [.., U*h, ..] holds head i of rank j's group g at j*h + i ->
 // [.., U*G*h, ..] with it at j*G*h + g*h + i (heads dim `hd`). Its inverse, x's heads as G
 // such groups: split_groups.

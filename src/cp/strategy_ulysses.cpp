@@ -15,8 +15,13 @@
 //                    -- A2A each --> group g [B, N/(P G), S, D]
 // Group g is attended as soon as its own pieces have arrived (the later groups' still travel);
 // its output all-to-all starts as soon as it is done and flies while the next group is
-// attended. In backward the later groups' output gradients and their dQ, dK, dV pieces fly
-// while the earlier groups' attention backward runs.
+// attended. The last group runs in row parts (cp_config.ulysses_row_parts; with two: rows
+// [0, s/2) and [s/2, s) of every rank's chunk j, each its own all-to-all), so only the last
+// part's all-to-all waits with nothing left to compute:
+//   last group: rows [j*s, j*s + s/2) for every j -> A2A part 0 (flies while part 1 computes)
+//               rows [j*s + s/2, (j+1)*s)         -> A2A part 1 -> rows put back together
+// In backward the later groups' output gradients (part 1's first) and their dQ, dK, dV pieces
+// fly while the earlier groups' attention backward runs.
 //   queries [0, r*s)          x keys [0, r*s)   (causal)
 //   queries [r*s, (r+1)*s)    x diagonal (local, first) + keys [0, r*s) (+ [(r+1)*s, S) dense)
 //   queries [(r+1)*s, S)      x keys [0, S)     (causal, offset (r+1)*s)
@@ -243,14 +248,19 @@ std::vector<at::Tensor> detail::split_groups(const at::Tensor& x, int64_t degree
 }
 
 at::Tensor detail::heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
-                                     const QKVLayout& l) {
-  // Backward runs the last group first: its output gradient travels alone, and each earlier
-  // group's leaves once the later one's has arrived (flying while that group's backward runs).
+                                     const QKVLayout& l, int64_t last_group_parts) {
+  HP_INTERNAL_ASSERT(
+      last_group_parts >= 1 && static_cast<size_t>(last_group_parts) <= moving.size(),
+      "heads_from_groups: ", last_group_parts, " row parts of ", moving.size(), " transfers");
+  // Backward runs the last transfer first: its output gradient travels alone, and each earlier
+  // one leaves once the later one's has arrived (flying while that part's backward runs).
   for (size_t g = 1; g < moving.size(); ++g)
     comm::chain_inverse(moving[g], moving[g - 1]);
-  std::vector<at::Tensor> back;
-  for (auto& m : moving)
-    back.push_back(m.wait());
+  const size_t whole = moving.size() - static_cast<size_t>(last_group_parts);
+  std::vector<at::Tensor> back, rows;
+  for (size_t i = 0; i < moving.size(); ++i)
+    (i < whole ? back : rows).push_back(moving[i].wait());
+  back.push_back(rows.size() == 1 ? rows[0] : at::cat(rows, l.seq_dim));
   return interleave_groups(back, degree, l.heads_dim);
 }
 
@@ -396,48 +406,73 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     for (int64_t g = 0; g < groups; ++g)
       diag.push_back(block(g, qa.local(g), own, ka.local(g), va.local(g), own));
     // 3. Per group the rest, as query segments in sequence order; its output's head->seq
-    //    all-to-all starts at once and flies while the next group is attended.
+    //    all-to-all starts at once and flies while the next group is attended. The last group
+    //    goes in row parts (rows [a, a + n) of every chunk, one all-to-all each), so only its
+    //    last part's all-to-all (forward) and inverse (backward) wait with nothing to compute.
+    ContextParallelConfig rows;
+    rows.ulysses_row_parts = ctx.ulysses_row_parts;
+    const int64_t parts = ulysses_row_parts_of(rows, s);
     std::vector<comm::InFlight> moving;
-    at::Tensor single;
     for (int64_t g = 0; g < groups; ++g) {
       // 2. Group g's Q, K, V over the whole sequence, once its pieces have arrived.
       auto qg = qa.moved(g), kg = ka.moved(g), vg = va.moved(g);
       auto keys = [&](int64_t b, int64_t e) {
         return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
       };
-      std::vector<at::Tensor> segments;
-      if (own > 0) {
-        auto kv = keys(0, causal ? own : total);
-        segments.push_back(block(g, qg.narrow(seq, 0, own), 0, kv.first, kv.second, 0).out);
+      // The own queries' rows [a, a + n): the diagonal block's rows merged with the other keys.
+      auto own_rows = [&](int64_t a, int64_t n) {
+        const auto& d = diag[g];
+        std::vector<attention::AttentionResult> own_parts{
+            {d.out.narrow(seq, a, n), d.lse.defined() ? d.lse.narrow(2, a, n) : at::Tensor()}};
+        auto qq = qg.narrow(seq, own + a, n);
+        if (own > 0) {
+          auto kv = keys(0, own);
+          own_parts.push_back(block(g, qq, own + a, kv.first, kv.second, 0));
+        }
+        if (!causal && own_end < total) {
+          auto kv = keys(own_end, total);
+          own_parts.push_back(block(g, qq, own + a, kv.first, kv.second, own_end));
+        }
+        return merge_by_lse(own_parts, l);
+      };
+      auto send = [&](const at::Tensor& out) {
+        moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, ctx.topology->ulysses));
+      };
+      if (g + 1 < groups || parts == 1) {
+        std::vector<at::Tensor> segments;
+        if (own > 0) {
+          auto kv = keys(0, causal ? own : total);
+          segments.push_back(block(g, qg.narrow(seq, 0, own), 0, kv.first, kv.second, 0).out);
+        }
+        segments.push_back(own_rows(0, s));
+        if (own_end < total) {
+          auto kv = keys(0, total);
+          segments.push_back(
+              block(g, qg.narrow(seq, own_end, total - own_end), own_end, kv.first, kv.second, 0)
+                  .out);
+        }
+        send(segments.size() == 1 ? segments[0] : at::cat(segments, seq));
+        continue;
       }
-      std::vector<attention::AttentionResult> own_parts{diag[g]};
-      auto q_own = qg.narrow(seq, own, s);
-      if (own > 0) {
-        auto kv = keys(0, own);
-        own_parts.push_back(block(g, q_own, own, kv.first, kv.second, 0));
+      for (int64_t m = 0; m < parts; ++m) {
+        const int64_t a = m * s / parts, n = (m + 1) * s / parts - a;
+        std::vector<at::Tensor> chunks;
+        for (int64_t j = 0; j < p; ++j) {
+          if (j == r) {
+            chunks.push_back(own_rows(a, n));
+            continue;
+          }
+          const int64_t q_begin = j * s + a;
+          auto kv = keys(0, causal ? q_begin + n : total);
+          chunks.push_back(
+              block(g, qg.narrow(seq, q_begin, n), q_begin, kv.first, kv.second, 0).out);
+        }
+        send(at::cat(chunks, seq));
       }
-      if (!causal && own_end < total) {
-        auto kv = keys(own_end, total);
-        own_parts.push_back(block(g, q_own, own, kv.first, kv.second, own_end));
-      }
-      segments.push_back(merge_by_lse(own_parts, l));
-      if (own_end < total) {
-        auto kv = keys(0, total);
-        segments.push_back(
-            block(g, qg.narrow(seq, own_end, total - own_end), own_end, kv.first, kv.second, 0)
-                .out);
-      }
-      auto out = segments.size() == 1 ? segments[0] : at::cat(segments, seq);
-      if (groups == 1) {
-        single = out;
-        break;
-      }
-      moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, ctx.topology->ulysses));
     }
     const auto moved = detail::GroupedArrival::all_of(qa, ka, va);
-    if (groups == 1) return restore_output({anchored(single, moved)}, PreparedQKV{}, ctx);
     // 4. Group g came back as heads (rank j, head i) -> global head j*nq + g*gq + i.
-    return anchored(detail::heads_from_groups(moving, p, l), moved);
+    return anchored(detail::heads_from_groups(moving, p, l, parts), moved);
   }
 };
 

@@ -327,11 +327,15 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     hidden_s = early + late_a2a + co_gathers - fwd - bwd;
   }
   // Async ulysses and usp in G head groups: the output all-to-alls of all groups but the last
-  // (and in backward all but the first) fly while another group is attended.
-  if (async && (config.algorithm == cp::CPAlgorithm::kUlysses ||
-                config.algorithm == cp::CPAlgorithm::kUsp)) {
-    const double frac = (ulysses_groups - 1) / ulysses_groups;
-    hidden_s += std::min(late_a2a * frac, attn_s * frac - pieces_hidden);
+  // (and in backward all but the first) fly while another group is attended. Ulysses sends the
+  // last group in R row parts (cp_config.ulysses_row_parts), each flying while the next is
+  // attended: all of G R sends but one hide.
+  if (async && (config.algorithm == cp::CPAlgorithm::kUlysses || usp)) {
+    const double parts =
+        usp ? 1.0 : static_cast<double>(cp::ulysses_row_parts_of(config, w.seq / p));
+    const double sends = ulysses_groups * parts;
+    const double frac = (sends - 1) / sends;
+    hidden_s += std::max(0.0, std::min(late_a2a * frac, attn_s * frac - pieces_hidden));
   }
   // The ring hides its own shifts in either schedule (what it cannot hide: ring_exposed).
   out.exposed_comm_s = out.comm_s - hidden_s - (ring ? late - ring_exposed - late_a2a : 0.0);

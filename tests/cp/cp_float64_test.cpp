@@ -44,6 +44,7 @@ struct Case {
   int64_t kv_heads = kNkv;
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
   int64_t head_groups = 0;          // async ulysses, usp (0: automatic)
+  int64_t row_parts = 0;            // async ulysses (0: automatic)
   bool always_local_first = false;  // async all_gather and hybrid
   bool keep_blocks = false;         // ring, usp
   std::string primitive = "blockwise";
@@ -53,6 +54,7 @@ struct Case {
     if (always_local_first) n += " always_local_first";
     if (keep_blocks) n += " keep_blocks";
     if (head_groups > 0) n += " head_groups=" + std::to_string(head_groups);
+    if (row_parts > 0) n += " row_parts=" + std::to_string(row_parts);
     if (load_balance) n += std::string("+lb:") + to_string(form);
     if (kv_policy == KVHeadPolicy::kRepeat)
       n += " kv_heads=" + std::to_string(kv_heads) + " repeat";
@@ -69,6 +71,7 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   cfg.load_balance_form = c.form;
   cfg.kv_head_policy = c.kv_policy;
   if (schedule == CPSchedule::kAsync) cfg.ulysses_head_groups = c.head_groups;
+  if (schedule == CPSchedule::kAsync) cfg.ulysses_row_parts = c.row_parts;
   cfg.async_always_local_first = c.always_local_first;
   cfg.ring_keep_blocks = c.keep_blocks;
   return *normalize(cfg, p);
@@ -240,6 +243,45 @@ TEST(CPFloat64, UlyssesHeadGroups) {
   run_grid(gqa, {2});
 }
 
+// Async ulysses sends its last head group's output in row parts (automatic: one at these
+// sizes, each rank holding 12-24 rows): 2 parts, 5 (uneven: 4 and 5 rows of each rank's 24 at
+// P = 2; 2 and 3 of 12 at P = 4) and more parts than rows (clamped to one row each: 16 of the
+// 16 rows at P = 3), with one head group and three, GQA, causal and dense, against the
+// reference (the sync half of the grid ignores the field).
+TEST(CPFloat64, UlyssesRowParts) {
+  for (int64_t parts : {2, 5}) {
+    for (int64_t g : {1, 3}) {
+      Case c{"ulysses", std::nullopt};
+      c.head_groups = g;
+      c.row_parts = parts;
+      run_grid(c, {2});
+    }
+    Case gqa{"ulysses", std::nullopt};
+    gqa.kv_heads = 3;
+    gqa.row_parts = parts;
+    run_grid(gqa, {3});
+  }
+  Case p4{"ulysses", std::nullopt};
+  p4.kv_heads = 4;
+  p4.row_parts = 5;
+  run_grid(p4, {4});
+  Case clamped{"ulysses", std::nullopt};
+  clamped.kv_heads = 3;
+  clamped.row_parts = 40;
+  run_grid(clamped, {3});
+  // Documents across the parts' rows and the rank boundaries.
+  Case packed{"ulysses", std::nullopt};
+  packed.row_parts = 3;
+  auto ids = at::cat({attention::document_ids_from_cu_seqlens({0, 5, 19, 29, 33}, kS),
+                      attention::document_ids_from_cu_seqlens({0, 30, kS}, kS)});
+  for (int p : {2, 3}) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(packed.name() + " packed P=" + std::to_string(p));
+      run_case(packed, p, CPSchedule::kAsync, causal, ids);
+    }
+  }
+}
+
 // One async forward (and, with `backward`, its backward) of `norm` over p ranks (causal,
 // contiguous shards): every rank's recorded collectives in order, and rank 0's all-to-all
 // launches, waits and attention starts (sorted), split at the end of its forward.
@@ -356,12 +398,14 @@ int64_t count_between(const std::vector<int64_t>& times, int64_t from, int64_t t
 // group's heads for both ranks, the local positions), launched group by group (Q0 K0 V0 Q1
 // ...: the later groups' pieces are held until group 0's have been waited for, so these have
 // the wire to themselves), and each group's output in one
-// ([1, 2, 48, 6]: 2 heads of the group, the whole sequence). Rank 0 waits for group 0's three
-// pieces, attends group 0 and starts its output all-to-all before it waits for group 1's
-// pieces, and the first group's output flies while a later group is attended. In backward
-// the gradients of the last group's pieces leave before rank 0 waits for the second group's
-// output gradient, i.e. while the earlier groups' backward is still to run, and each output
-// gradient but the last group's leaves only once the later group's has arrived. A count that does
+// ([1, 2, 48, 6]: 2 heads of the group, the whole sequence), the last group's in two row parts
+// ([1, 2, 24, 6]: rows 0-11 of both ranks' chunks, then rows 12-23). Rank 0 waits for group 0's
+// three pieces, attends group 0 and starts its output all-to-all before it waits for group 1's
+// pieces, the first group's output flies while a later group is attended, and the last group's
+// first part while its second is attended. In backward the second part's output gradient
+// leaves first and each earlier one only once the later one's has arrived; the gradients of the
+// last group's pieces leave before rank 0 waits for the second group's output gradient, i.e.
+// while the earlier groups' backward is still to run. A count that does
 // not divide the heads per rank, or one given to another schedule or strategy, is refused
 // before any collective.
 TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttended) {
@@ -370,11 +414,12 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
   cfg.algorithm = "ulysses";
   cfg.schedule = CPSchedule::kAsync;
   cfg.ulysses_head_groups = 3;
+  cfg.ulysses_row_parts = 2;
   const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
   const std::vector<std::string> pieces = {"all_to_all(cp)[1,4,24,8]", "all_to_all(cp)[1,2,24,8]",
                                            "all_to_all(cp)[1,2,24,6]"};
   for (const auto& sched : f.schedules) {
-    ASSERT_EQ(sched.size(), 24u) << ::testing::PrintToString(sched);
+    ASSERT_EQ(sched.size(), 26u) << ::testing::PrintToString(sched);
     // Group by group on the wire, the roles in handoff order (this module's is V, K, Q): the
     // first three are one piece of each role, and the next groups repeat them.
     EXPECT_EQ(std::set<std::string>(sched.begin(), sched.begin() + 3),
@@ -382,16 +427,21 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
         << ::testing::PrintToString(sched);
     for (size_t i = 3; i < 9; ++i)
       EXPECT_EQ(sched[i], sched[i % 3]) << i << " in " << ::testing::PrintToString(sched);
-    for (size_t i = 9; i < 12; ++i)
-      EXPECT_EQ(sched[i], "all_to_all(cp)[1,2,48,6]");
+    for (size_t i = 9; i < 13; ++i)
+      EXPECT_EQ(sched[i], i < 11 ? "all_to_all(cp)[1,2,48,6]" : "all_to_all(cp)[1,2,24,6]");
+    EXPECT_EQ(sched[13], "all_to_all(cp)[1,4,12,6]");  // part 1's output gradient first
+    EXPECT_EQ(sched[14], "all_to_all(cp)[1,4,12,6]");
+    EXPECT_EQ(sched[15], "all_to_all(cp)[1,4,24,6]");
   }
-  // Forward: 12 launches and waits; backward: 12 launches (the last group's output gradient,
-  // then each earlier group's once the later one's has arrived, the pieces' gradients as their
-  // group's backward ends), 12 waits (3 output gradients, then the pieces' at the projections).
-  ASSERT_EQ(count_between(f.a2a_launch, 0, f.forward_end), 12);
-  ASSERT_EQ(count_between(f.a2a_wait, 0, f.forward_end), 12);
-  ASSERT_EQ(f.a2a_launch.size(), 24u);
-  ASSERT_EQ(f.a2a_wait.size(), 24u);
+  // Forward: 13 launches and waits; backward: 13 launches (the last group's second part's
+  // output gradient, then each earlier one once the later one's has arrived, the pieces'
+  // gradients as their group's backward ends), 13 waits (4 output gradients, then the pieces'
+  // at the projections).
+  const size_t b = 13;
+  ASSERT_EQ(count_between(f.a2a_launch, 0, f.forward_end), 13);
+  ASSERT_EQ(count_between(f.a2a_wait, 0, f.forward_end), 13);
+  ASSERT_EQ(f.a2a_launch.size(), 26u);
+  ASSERT_EQ(f.a2a_wait.size(), 26u);
   EXPECT_GE(f.a2a_launch[3], f.a2a_wait[2])
       << "the later groups' pieces must be held until group 0's have been waited for";
   EXPECT_LT(f.a2a_launch[8], f.attention_begin.back())
@@ -402,11 +452,19 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
       << "group 0's output all-to-all must start before group 1's pieces are waited for";
   EXPECT_LT(f.a2a_launch[9], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group is attended";
-  EXPECT_LE(f.a2a_launch[12 + 3], f.a2a_wait[12 + 1])
-      << "the last group's gradients must leave before the second output gradient is awaited";
-  EXPECT_GE(f.a2a_launch[12 + 1], f.a2a_wait[12])
-      << "the second output gradient must leave only once the first has arrived";
+  EXPECT_LT(f.a2a_launch[11], f.attention_begin.back())
+      << "the last group's first row part must fly while its second is attended";
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_GE(f.a2a_launch[b + i], f.a2a_wait[b + i - 1])
+        << "output gradient " << i << " must leave only once the one before has arrived";
+  }
+  EXPECT_LE(f.a2a_launch[b + 3], f.a2a_wait[b + 2])
+      << "the last group's gradients must leave before the second group's output gradient is "
+         "awaited";
 
+  cfg.ulysses_row_parts = -1;
+  HP_EXPECT_ERROR(normalize(cfg, p), "cp_config.ulysses_row_parts=-1 must be >= 0");
+  cfg.ulysses_row_parts = 2;
   cfg.ulysses_head_groups = 4;
   HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, kNkv),
                   "cp_config.ulysses_head_groups=4 does not divide the 6 query and 3 key/value "
@@ -422,6 +480,17 @@ TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttend
   HP_EXPECT_ERROR(normalize(cfg, 4),
                   "applies to algorithm=ulysses, hybrid, usp or all_gather with schedule=async "
                   "(got ring, async)");
+  // Row parts belong to async ulysses alone.
+  cfg.ulysses_head_groups = 0;
+  cfg.algorithm = "hybrid";
+  cfg.ulysses_degree = 2;
+  HP_EXPECT_ERROR(normalize(cfg, 4),
+                  "cp_config.ulysses_row_parts=2 applies to algorithm=ulysses with "
+                  "schedule=async (got hybrid, async); drop it or use the async ulysses schedule");
+  cfg.algorithm = "ulysses";
+  cfg.ulysses_degree.reset();
+  cfg.schedule = CPSchedule::kSync;
+  HP_EXPECT_ERROR(normalize(cfg, p), "(got ulysses, sync)");
 }
 
 // Async all_gather in head groups (12 query and 6 K/V heads; automatic = 6 groups, which the

@@ -212,6 +212,7 @@ TEST(CostModel, AsyncUlyssesHidesTheLaterGroupsPiecesAndOutputs) {
   auto grouped = config("ulysses"), single = config("ulysses");
   grouped.schedule = single.schedule = cp::CPSchedule::kAsync;
   single.ulysses_head_groups = 1;
+  grouped.ulysses_row_parts = single.ulysses_row_parts = 1;  // the next test adds them
   EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 2, 2), 2);
   const auto a = predict_cp_step(slow, grouped, 4, w), one = predict_cp_step(slow, single, 4, w);
   // Per rank, per tensor of width H * D: the local positions, (U-1)/U of them moved.
@@ -224,6 +225,34 @@ TEST(CostModel, AsyncUlyssesHidesTheLaterGroupsPiecesAndOutputs) {
   EXPECT_NEAR(one.exposed_comm_s - a.exposed_comm_s, pieces + output / 2, 1e-9 * forward_in);
   EXPECT_DOUBLE_EQ(a.comm_s, one.comm_s);
   EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
+}
+
+// Async ulysses sends its last head group's output in R row parts (automatic: 2 where each
+// keeps 2048 of the rank's rows), each flying while the next is attended: of the G R sends all
+// but one hide, so 2 parts with 2 groups hide 3/4 of the output all-to-alls instead of 1/2.
+TEST(CostModel, AsyncUlyssesHidesAllRowPartsOfTheLastGroupButOne) {
+  auto slow = synthetic(1.0 / 25e6);
+  auto w = workload();
+  auto parts = config("ulysses"), whole = config("ulysses");
+  parts.schedule = whole.schedule = cp::CPSchedule::kAsync;
+  whole.ulysses_row_parts = 1;
+  EXPECT_EQ(cp::ulysses_row_parts_of(parts, w.seq / 4), 2) << "4096 rows per rank";
+  EXPECT_EQ(cp::ulysses_row_parts_of(parts, 4095), 1) << "parts under 2048 rows";
+  EXPECT_EQ(cp::ulysses_row_parts_of(whole, w.seq / 4), 1);
+  auto many = parts;
+  many.ulysses_row_parts = 9;
+  EXPECT_EQ(cp::ulysses_row_parts_of(many, 5), 5) << "at most one part per row";
+  const auto a = predict_cp_step(slow, parts, 4, w), one = predict_cp_step(slow, whole, 4, w);
+  const double bytes = 4.0 * (w.seq / 4) * w.heads * w.head_dim * 3 / 4;
+  const double output = 2 * slow.fit("all_to_all", 4).time(bytes);
+  EXPECT_NEAR(one.exposed_comm_s - a.exposed_comm_s, output / 4, 1e-9 * output);
+  EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
+  // Only ulysses: the other strategies refuse the field (normalize) and ignore the count here.
+  auto usp = config("usp", false, 2);
+  usp.schedule = cp::CPSchedule::kAsync;
+  const auto u1 = predict_cp_step(slow, usp, 4, w);
+  usp.ulysses_row_parts = 4;
+  EXPECT_DOUBLE_EQ(predict_cp_step(slow, usp, 4, w).exposed_comm_s, u1.exposed_comm_s);
 }
 
 // Async all_gather in G head groups (8 K/V heads: G = 8 automatic; P = 4, no projections): the

@@ -77,6 +77,14 @@ struct ContextParallelConfig {
   // (the co group's whole K/V instead of at most two blocks). false (the default): at most two
   // blocks alive, the blocks travel again in backward.
   bool ring_keep_blocks = false;
+  // Async ulysses: the last head group's output all-to-all in this many row parts (each rank's
+  // chunk cut into equal row ranges; part m attended for every chunk, then sent while part m + 1
+  // is attended), so what nothing hides at the end of forward and the start of backward is one
+  // part's all-to-all, not the whole group's. Each part costs one attention call per chunk.
+  // 0: automatic (2 where each part keeps at least 2048 rows, else 1: measured on the 1 Gbit/s
+  // link, 2 parts exposed 0.06 s less at P = 4, S = 16384 and cost 0.035 s at S = 4096, where
+  // each part is 512 rows; docs/benchmarks.md); 1: the group's output in one all-to-all.
+  int64_t ulysses_row_parts = 0;
 };
 
 const std::string& to_string(const CPAlgorithm& a);  // the strategy name
@@ -117,6 +125,11 @@ int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv,
                                int64_t cp_size = 0);
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
+// The row parts of async ulysses' last head group for a rank's `local_seq` rows:
+// c.ulysses_row_parts when set (at most local_seq), else 2 where each part keeps at least
+// kUlyssesMinRowsPerPart rows, else 1.
+inline constexpr int64_t kUlyssesMinRowsPerPart = 2048;
+int64_t ulysses_row_parts_of(const ContextParallelConfig& c, int64_t local_seq);
 
 // Head divisibility with the local head counts after TP (a Ulysses degree U > 1 needs q and kv
 // heads divisible by U; K/V heads fewer than U only with kv_head_policy=repeat and U % kv == 0;

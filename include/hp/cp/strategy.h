@@ -76,6 +76,8 @@ struct CPRuntimeContext {
   bool async_always_local_first = false;
   // Ring and usp (ContextParallelConfig::ring_keep_blocks).
   bool ring_keep_blocks = false;
+  // Async ulysses (ContextParallelConfig::ulysses_row_parts; 0: auto).
+  int64_t ulysses_row_parts = 0;
   // Async schedule: the runtime skipped this call's moves at the handoff points, because the
   // options announced before the projections made them useless (CPStrategy::skips_moves).
   bool moves_skipped = false;
