@@ -52,6 +52,7 @@ struct Args {
   std::string kv_head_policy = "error";
   std::vector<int64_t> cu_seqlens;  // empty: no documents
   int64_t head_groups = 0;
+  int64_t row_parts = 0;
   bool ring_keep_blocks = false;
 };
 
@@ -78,6 +79,11 @@ void add_options(CLI::App& app, Args& a) {
                  "gathers) per head group, pipelined with the groups' attention; usp: output "
                  "all-to-alls per group; all_gather: K/V gathers per group (0: auto)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--ulysses-row-parts", a.row_parts,
+                 "async ulysses: the last head group's output all-to-all in this many row parts, "
+                 "each sent while the next is attended (0: automatic, 2 where each part keeps "
+                 "2048 rows; 1: whole)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
                "accumulators (all_gather's bytes and memory)");
@@ -98,6 +104,7 @@ hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   c.load_balance = a.load_balance;
   c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
   c.ulysses_head_groups = a.head_groups;
+  c.ulysses_row_parts = a.row_parts;
   c.ring_keep_blocks = a.ring_keep_blocks;
   // all_gather balances contiguous shards by swapping; every other balanced strategy
   // (hybrid, ring, usp) balances data-order shards only.
@@ -287,9 +294,9 @@ int main(int argc, char** argv) {
                " applies to --attention dsa");
     }
     if (attention != "softmax") {
-      for (const char* flag :
-           {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter", "--mixer",
-            "--kv-head-policy", "--ulysses-head-groups", "--ring-keep-blocks"}) {
+      for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
+                               "--mixer", "--kv-head-policy", "--ulysses-head-groups",
+                               "--ulysses-row-parts", "--ring-keep-blocks"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather and "

@@ -136,7 +136,7 @@ void resolve(Args& a) {
     a.auto_algo = true;
   }
   if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance ||
-      a.kv_head_policy != "error" || a.head_groups != 0 || a.ring_keep_blocks) {
+      a.kv_head_policy != "error" || a.head_groups != 0 || a.row_parts != 0 || a.ring_keep_blocks) {
     hp::cp::ContextParallelConfig c;
     c.algorithm = hp::cp::parse_algorithm(a.algo);
     c.schedule = hp::cp::parse_schedule(a.schedule);
@@ -144,6 +144,7 @@ void resolve(Args& a) {
     c.load_balance = a.load_balance;
     c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
     c.ulysses_head_groups = a.head_groups;
+    c.ulysses_row_parts = a.row_parts;
     c.ring_keep_blocks = a.ring_keep_blocks;
     o.cp_config = c;
   }

@@ -35,6 +35,11 @@ void add_layout_options(CLI::App& app, Args& a) {
                  "co-group K/V gathers) fly while another group is attended; usp: its outputs; "
                  "all_gather: its K/V gathers (0: automatic, 1: none)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--ulysses-row-parts", a.row_parts,
+                 "async ulysses: the last head group's output all-to-all in this many row parts, "
+                 "each sent while the next is attended (0: automatic, 2 where each part keeps "
+                 "2048 rows; 1: whole)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
                "accumulators (all_gather's bytes and memory)");

@@ -35,6 +35,7 @@ struct Args {
   std::string attention = "softmax";
   std::string kv_head_policy = "error";
   int64_t head_groups = 0;
+  int64_t row_parts = 0;
   bool ring_keep_blocks = false;
   std::string arch = "qwen3";
   double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's

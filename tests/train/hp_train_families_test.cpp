@@ -110,6 +110,9 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"ring_kept_blocks",
                "--nproc 2 --cp 2 --cp-algo ring --load-balance --ring-keep-blocks", "qwen3",
                "ring_keep_blocks=true"},
+        Layout{"ulysses_row_parts_async",
+               "--nproc 2 --cp 2 --cp-algo ulysses --schedule async --ulysses-row-parts 2", "qwen3",
+               "ulysses_row_parts=2"},
         Layout{"usp_kept_blocks_async",
                "--nproc 4 --cp 4 --cp-algo usp --ulysses-degree 2 --schedule async "
                "--ring-keep-blocks",
