@@ -112,7 +112,7 @@ def _document_ids(mask, q, layout, group_size):
 def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulysses_degree=None,
                                causal=False, layout="bshd", load_balance=False, schedule="sync",
                                scale=None, mask=None, kv_head_policy="error", head_groups=0,
-                               primitive="blockwise", ring_keep_blocks=False):
+                               primitive="blockwise", ring_keep_blocks=False, row_parts=0):
     """Attention of this rank's queries over the whole sequence held by ``group``'s ranks.
 
     q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] (``layout='bshd'``; ``'bnsd'``: heads before
@@ -135,6 +135,9 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     ring_keep_blocks: ring or usp, forward keeps the K/V blocks that arrived so backward sends
     only the dK/dV accumulators (all_gather's bytes and memory with the ring's overlap).
     ``algorithm='auto'`` weighs it with the rest and sets it when the kept ring ranks first.
+    row_parts: async ulysses, the last head group's output all-to-all in that many row parts,
+    each sent while the next is attended (0: automatic, 2 where each part keeps 2048 of the
+    rank's rows; 1: whole).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -156,7 +159,7 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
         algorithm, ulysses_degree, schedule, ring_keep_blocks, _ = _auto[key]
     args = (algorithm, ulysses_degree, bool(causal), layout, bool(load_balance), schedule,
             None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive,
-            bool(ring_keep_blocks))
+            bool(ring_keep_blocks), int(row_parts))
     key = (g,) + args
     attn = _attention.get(key)
     if attn is None:  # installed once per configuration (it must outlive its backward)
@@ -270,7 +273,7 @@ def plan(world_size, **options):
     dp_shard, dp_replicate, ep, seq_len, batch, the model sizes (layers, hidden, heads, kv_heads,
     head_dim, ffn, vocab, experts, top_k, layer_pattern, mixer, value_heads), the CP choice
     (algorithm, ulysses_degree, schedule, load_balance, kv_head_policy, head_groups,
-    ring_keep_blocks) and the
+    ring_keep_blocks, row_parts) and the
     per-layer-type CP (linear_cp_mode, state_exchange, mla_cp).
 
     Returns a dict: summary, mesh, cp, modules (path -> kind), ep, has_moe,

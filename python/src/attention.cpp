@@ -42,6 +42,7 @@ struct CPAttentionArgs {
   int64_t head_groups = 0;
   std::string primitive = "blockwise";
   bool ring_keep_blocks = false;
+  int64_t row_parts = 0;
 };
 
 bool is_bshd(const std::string& layout) {
@@ -65,6 +66,7 @@ class CPAttention {
     c.kv_head_policy = cp::parse_kv_head_policy(a.kv_head_policy);
     c.ulysses_head_groups = a.head_groups;
     c.ring_keep_blocks = a.ring_keep_blocks;
+    c.ulysses_row_parts = a.row_parts;
     const int64_t p = group_->group()->size();
     auto config = cp::normalize(c, p);
     if (!config) return;  // one rank: the plain primitive
@@ -232,20 +234,21 @@ py::tuple linear_attention(TorchGroup& g, const std::string& kind, const std::st
 
 void bind_attention(py::module_& m) {
   py::class_<CPAttention, std::shared_ptr<CPAttention>>(m, "CPAttention")
-      .def(py::init([](std::shared_ptr<TorchGroup> group, const std::string& algorithm,
-                       std::optional<int64_t> ulysses_degree, bool causal,
-                       const std::string& layout, bool load_balance, const std::string& schedule,
-                       std::optional<double> scale, const std::string& kv_head_policy,
-                       int64_t head_groups, const std::string& primitive, bool ring_keep_blocks) {
-             CPAttentionArgs a{algorithm,    ulysses_degree, causal,          layout,
-                               load_balance, schedule,       scale,           kv_head_policy,
-                               head_groups,  primitive,      ring_keep_blocks};
-             return std::make_shared<CPAttention>(std::move(group), a);
-           }),
-           py::arg("group"), py::arg("algorithm"), py::arg("ulysses_degree"), py::arg("causal"),
-           py::arg("layout"), py::arg("load_balance"), py::arg("schedule"), py::arg("scale"),
-           py::arg("kv_head_policy"), py::arg("head_groups"), py::arg("primitive"),
-           py::arg("ring_keep_blocks") = false)
+      .def(
+          py::init([](std::shared_ptr<TorchGroup> group, const std::string& algorithm,
+                      std::optional<int64_t> ulysses_degree, bool causal, const std::string& layout,
+                      bool load_balance, const std::string& schedule, std::optional<double> scale,
+                      const std::string& kv_head_policy, int64_t head_groups,
+                      const std::string& primitive, bool ring_keep_blocks, int64_t row_parts) {
+            CPAttentionArgs a{
+                algorithm, ulysses_degree, causal,      layout,    load_balance,     schedule,
+                scale,     kv_head_policy, head_groups, primitive, ring_keep_blocks, row_parts};
+            return std::make_shared<CPAttention>(std::move(group), a);
+          }),
+          py::arg("group"), py::arg("algorithm"), py::arg("ulysses_degree"), py::arg("causal"),
+          py::arg("layout"), py::arg("load_balance"), py::arg("schedule"), py::arg("scale"),
+          py::arg("kv_head_policy"), py::arg("head_groups"), py::arg("primitive"),
+          py::arg("ring_keep_blocks") = false, py::arg("row_parts") = 0)
       .def(
           "__call__",
           [](CPAttention& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

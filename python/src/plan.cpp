@@ -61,9 +61,9 @@ const std::map<std::string, Setter>& setters() {
   };
   return s;
 }
-const std::vector<std::string> kCPKeys = {"algorithm",       "ulysses_degree", "schedule",
-                                          "load_balance",    "kv_head_policy", "head_groups",
-                                          "ring_keep_blocks"};
+const std::vector<std::string> kCPKeys = {"algorithm",        "ulysses_degree", "schedule",
+                                          "load_balance",     "kv_head_policy", "head_groups",
+                                          "ring_keep_blocks", "row_parts"};
 
 std::string valid_keys() {
   std::string out = "arch";
@@ -98,6 +98,7 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
         c.kv_head_policy = cp::parse_kv_head_policy(value.cast<std::string>());
       if (key == "head_groups") c.ulysses_head_groups = value.cast<int64_t>();
       if (key == "ring_keep_blocks") c.ring_keep_blocks = value.cast<bool>();
+      if (key == "row_parts") c.ulysses_row_parts = value.cast<int64_t>();
       continue;
     }
     auto it = setters().find(key);

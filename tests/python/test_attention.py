@@ -49,6 +49,10 @@ def cases(p):
         if algorithm in ("ring", "usp"):  # forward keeps the blocks, backward sends accumulators
             yield dict(algorithm=algorithm, causal=True, layout="bnsd", schedule="async",
                        load_balance=True, ring_keep_blocks=True)
+        if algorithm == "ulysses":  # the last head group's output in 3 row parts
+            for causal in (False, True):
+                yield dict(algorithm=algorithm, causal=causal, layout="bshd", schedule="async",
+                           load_balance=False, row_parts=3)
 
 
 def run_case(rank, p, case, seed, hkv=HKV, mask=None, dtype=torch.float64):

@@ -27,6 +27,8 @@ def test_plan_summary():
     moe = hp.plan(4, arch="qwen3-moe", cp=2, dp_shard=2, ep=4, experts=8, seq_len=64)
     assert "ep=4" in moe["summary"], moe["summary"]
     assert moe["ep"] == 4 and moe["has_moe"]
+    parts = hp.plan(2, cp=2, algorithm="ulysses", schedule="async", row_parts=2)
+    assert "ulysses_row_parts=2" in parts["cp"], parts["cp"]
 
 
 # (world size, options, the same layout as hp-train flags; None: hp-train refuses it earlier,
@@ -39,6 +41,8 @@ ILLEGAL = [
     (3, dict(cp=3, seq_len=512), ["--nproc", "3", "--cp", "3", "--seq-len", "512"]),
     (4, dict(arch="qwen3-moe", experts=6, ep=4, dp_shard=4),
      ["--nproc", "4", "--arch", "qwen3-moe", "--experts", "6", "--ep", "4", "--dp-shard", "4"]),
+    (2, dict(cp=2, algorithm="ulysses", row_parts=2),
+     ["--nproc", "2", "--cp", "2", "--cp-algo", "ulysses", "--ulysses-row-parts", "2"]),
 ]
 
 
