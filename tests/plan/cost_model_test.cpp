@@ -201,6 +201,18 @@ TEST(CostModel, AsyncUspHidesTheOutputAllToAllsOfAllGroupsButOne) {
             one.exposed_comm_s);
 }
 
+cp::ContextParallelConfig async_ulysses() {
+  auto c = config("ulysses");
+  c.schedule = cp::CPSchedule::kAsync;
+  return c;
+}
+
+// Bytes one Ulysses all-to-all of a width-H*D tensor sends per rank at P = 4: the local
+// positions, (U-1)/U of them moved.
+double ulysses_a2a_bytes(const CPWorkload& w) {
+  return 4.0 * (w.seq / 4) * w.heads * w.head_dim * 3 / 4;
+}
+
 // Async ulysses in G head groups (P = 4, 2 heads per rank: G = 2): Q, K and V travel in one
 // all-to-all per group, so besides the output all-to-alls of all groups but one, the later
 // groups' Q, K, V pieces (forward) and dQ, dK, dV (backward) hide behind the earlier groups'
@@ -209,14 +221,12 @@ TEST(CostModel, AsyncUlyssesHidesTheLaterGroupsPiecesAndOutputs) {
   // A link slow enough that the own diagonal blocks cannot hide the input all-to-alls.
   auto slow = synthetic(1.0 / 25e6);
   auto w = workload();
-  auto grouped = config("ulysses"), single = config("ulysses");
-  grouped.schedule = single.schedule = cp::CPSchedule::kAsync;
+  auto grouped = async_ulysses(), single = async_ulysses();
   single.ulysses_head_groups = 1;
   grouped.ulysses_row_parts = single.ulysses_row_parts = 1;  // the next test adds them
   EXPECT_EQ(cp::ulysses_head_groups_of(grouped, 2, 2), 2);
   const auto a = predict_cp_step(slow, grouped, 4, w), one = predict_cp_step(slow, single, 4, w);
-  // Per rank, per tensor of width H * D: the local positions, (U-1)/U of them moved.
-  const double bytes = 4.0 * (w.seq / 4) * w.heads * w.head_dim * 3 / 4;
+  const double bytes = ulysses_a2a_bytes(w);
   const auto& a2a = slow.fit("all_to_all", 4);
   const double forward_in = 3 * a2a.time(bytes), output = 2 * a2a.time(bytes);
   const double pieces = forward_in * 2 / 2;
@@ -233,8 +243,7 @@ TEST(CostModel, AsyncUlyssesHidesTheLaterGroupsPiecesAndOutputs) {
 TEST(CostModel, AsyncUlyssesHidesAllRowPartsOfTheLastGroupButOne) {
   auto slow = synthetic(1.0 / 25e6);
   auto w = workload();
-  auto parts = config("ulysses"), whole = config("ulysses");
-  parts.schedule = whole.schedule = cp::CPSchedule::kAsync;
+  auto parts = async_ulysses(), whole = async_ulysses();
   whole.ulysses_row_parts = 1;
   EXPECT_EQ(cp::ulysses_row_parts_of(parts, w.seq / 4), 2) << "4096 rows per rank";
   EXPECT_EQ(cp::ulysses_row_parts_of(parts, 4095), 1) << "parts under 2048 rows";
@@ -243,8 +252,7 @@ TEST(CostModel, AsyncUlyssesHidesAllRowPartsOfTheLastGroupButOne) {
   many.ulysses_row_parts = 9;
   EXPECT_EQ(cp::ulysses_row_parts_of(many, 5), 5) << "at most one part per row";
   const auto a = predict_cp_step(slow, parts, 4, w), one = predict_cp_step(slow, whole, 4, w);
-  const double bytes = 4.0 * (w.seq / 4) * w.heads * w.head_dim * 3 / 4;
-  const double output = 2 * slow.fit("all_to_all", 4).time(bytes);
+  const double output = 2 * slow.fit("all_to_all", 4).time(ulysses_a2a_bytes(w));
   EXPECT_NEAR(one.exposed_comm_s - a.exposed_comm_s, output / 4, 1e-9 * output);
   EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
   // Only ulysses: the other strategies refuse the field (normalize) and ignore the count here.
