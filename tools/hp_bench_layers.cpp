@@ -66,6 +66,12 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_flag("--ring-keep-blocks", a.bench.config.ring_keep_blocks,
                 "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
                 "accumulators (all_gather's bytes and memory)");
+  cmd->add_option_function<std::string>(
+      "--ring-backward",
+      [&a](const std::string& v) { a.bench.config.ring_backward = hp::cp::parse_ring_backward(v); },
+      "ring, usp: what the backward passes around the ring: blocks (the K/V blocks again with "
+      "their dK/dV accumulators), queries ([q | dout] and the statistics with their dQ "
+      "accumulators), or auto (the fewer bytes; default)");
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
                   "with the one under test; its result comes first");
@@ -166,6 +172,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"ulysses_row_parts", a.bench.config.ulysses_row_parts},
                     {"always_local_first", a.bench.config.async_always_local_first},
                     {"ring_keep_blocks", r.ring_keep_blocks},
+                    {"ring_backward", hp::cp::to_string(a.bench.config.ring_backward)},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},

@@ -54,6 +54,7 @@ struct Args {
   int64_t head_groups = 0;
   int64_t row_parts = 0;
   bool ring_keep_blocks = false;
+  std::string ring_backward = "auto";
 };
 
 void add_options(CLI::App& app, Args& a) {
@@ -87,6 +88,8 @@ void add_options(CLI::App& app, Args& a) {
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
                "accumulators (all_gather's bytes and memory)");
+  app.add_option("--ring-backward", a.ring_backward,
+                 "ring, usp: what the backward passes around the ring: auto | blocks | queries");
   app.add_option("--cu-seqlens", a.cu_seqlens,
                  "packed documents: global boundaries 0,L1,L1+L2,... (the same for every row)")
       ->delimiter(',');
@@ -106,6 +109,7 @@ hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   c.ulysses_head_groups = a.head_groups;
   c.ulysses_row_parts = a.row_parts;
   c.ring_keep_blocks = a.ring_keep_blocks;
+  c.ring_backward = hp::cp::parse_ring_backward(a.ring_backward);
   // all_gather balances contiguous shards by swapping; every other balanced strategy
   // (hybrid, ring, usp) balances data-order shards only.
   const std::string form = !a.lb_form.empty()       ? a.lb_form

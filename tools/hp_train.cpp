@@ -136,7 +136,8 @@ void resolve(Args& a) {
     a.auto_algo = true;
   }
   if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance ||
-      a.kv_head_policy != "error" || a.head_groups != 0 || a.row_parts != 0 || a.ring_keep_blocks) {
+      a.kv_head_policy != "error" || a.head_groups != 0 || a.row_parts != 0 || a.ring_keep_blocks ||
+      a.ring_backward != "auto") {
     hp::cp::ContextParallelConfig c;
     c.algorithm = hp::cp::parse_algorithm(a.algo);
     c.schedule = hp::cp::parse_schedule(a.schedule);
@@ -146,6 +147,7 @@ void resolve(Args& a) {
     c.ulysses_head_groups = a.head_groups;
     c.ulysses_row_parts = a.row_parts;
     c.ring_keep_blocks = a.ring_keep_blocks;
+    c.ring_backward = hp::cp::parse_ring_backward(a.ring_backward);
     o.cp_config = c;
   }
 }

@@ -43,6 +43,8 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_flag("--ring-keep-blocks", a.ring_keep_blocks,
                "ring, usp: keep the K/V blocks from forward, so backward sends only the dK/dV "
                "accumulators (all_gather's bytes and memory)");
+  app.add_option("--ring-backward", a.ring_backward,
+                 "ring, usp: what the backward passes around the ring: auto | blocks | queries");
   app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
   app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");

@@ -37,6 +37,7 @@ struct Args {
   int64_t head_groups = 0;
   int64_t row_parts = 0;
   bool ring_keep_blocks = false;
+  std::string ring_backward = "auto";
   std::string arch = "qwen3";
   double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
   std::string host_allocator = "caching";

@@ -112,7 +112,8 @@ def _document_ids(mask, q, layout, group_size):
 def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulysses_degree=None,
                                causal=False, layout="bshd", load_balance=False, schedule="sync",
                                scale=None, mask=None, kv_head_policy="error", head_groups=0,
-                               primitive="blockwise", ring_keep_blocks=False, row_parts=0):
+                               primitive="blockwise", ring_keep_blocks=False, row_parts=0,
+                               ring_backward="auto"):
     """Attention of this rank's queries over the whole sequence held by ``group``'s ranks.
 
     q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] (``layout='bshd'``; ``'bnsd'``: heads before
@@ -138,6 +139,10 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     row_parts: async ulysses, the last head group's output all-to-all in that many row parts,
     each sent while the next is attended (0: automatic, 2 where each part keeps 2048 of the
     rank's rows; 1: whole).
+    ring_backward: ring or usp, what the backward passes around the ring: 'blocks' (the K/V
+    blocks again with their dK/dV accumulators), 'queries' ([q | dout] and the softmax
+    statistics with their dQ accumulators; dK/dV stay home) or 'auto' (whichever sends fewer
+    bytes: the queries for multi-head attention, the blocks for GQA).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -159,7 +164,7 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
         algorithm, ulysses_degree, schedule, ring_keep_blocks, _ = _auto[key]
     args = (algorithm, ulysses_degree, bool(causal), layout, bool(load_balance), schedule,
             None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive,
-            bool(ring_keep_blocks), int(row_parts))
+            bool(ring_keep_blocks), int(row_parts), ring_backward)
     key = (g,) + args
     attn = _attention.get(key)
     if attn is None:  # installed once per configuration (it must outlive its backward)
@@ -273,7 +278,7 @@ def plan(world_size, **options):
     dp_shard, dp_replicate, ep, seq_len, batch, the model sizes (layers, hidden, heads, kv_heads,
     head_dim, ffn, vocab, experts, top_k, layer_pattern, mixer, value_heads), the CP choice
     (algorithm, ulysses_degree, schedule, load_balance, kv_head_policy, head_groups,
-    ring_keep_blocks, row_parts) and the
+    ring_keep_blocks, row_parts, ring_backward) and the
     per-layer-type CP (linear_cp_mode, state_exchange, mla_cp).
 
     Returns a dict: summary, mesh, cp, modules (path -> kind), ep, has_moe,

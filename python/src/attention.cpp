@@ -43,6 +43,7 @@ struct CPAttentionArgs {
   std::string primitive = "blockwise";
   bool ring_keep_blocks = false;
   int64_t row_parts = 0;
+  std::string ring_backward = "auto";
 };
 
 bool is_bshd(const std::string& layout) {
@@ -67,6 +68,7 @@ class CPAttention {
     c.ulysses_head_groups = a.head_groups;
     c.ring_keep_blocks = a.ring_keep_blocks;
     c.ulysses_row_parts = a.row_parts;
+    c.ring_backward = cp::parse_ring_backward(a.ring_backward);
     const int64_t p = group_->group()->size();
     auto config = cp::normalize(c, p);
     if (!config) return;  // one rank: the plain primitive
@@ -234,21 +236,23 @@ py::tuple linear_attention(TorchGroup& g, const std::string& kind, const std::st
 
 void bind_attention(py::module_& m) {
   py::class_<CPAttention, std::shared_ptr<CPAttention>>(m, "CPAttention")
-      .def(
-          py::init([](std::shared_ptr<TorchGroup> group, const std::string& algorithm,
-                      std::optional<int64_t> ulysses_degree, bool causal, const std::string& layout,
-                      bool load_balance, const std::string& schedule, std::optional<double> scale,
-                      const std::string& kv_head_policy, int64_t head_groups,
-                      const std::string& primitive, bool ring_keep_blocks, int64_t row_parts) {
-            CPAttentionArgs a{
-                algorithm, ulysses_degree, causal,      layout,    load_balance,     schedule,
-                scale,     kv_head_policy, head_groups, primitive, ring_keep_blocks, row_parts};
-            return std::make_shared<CPAttention>(std::move(group), a);
-          }),
-          py::arg("group"), py::arg("algorithm"), py::arg("ulysses_degree"), py::arg("causal"),
-          py::arg("layout"), py::arg("load_balance"), py::arg("schedule"), py::arg("scale"),
-          py::arg("kv_head_policy"), py::arg("head_groups"), py::arg("primitive"),
-          py::arg("ring_keep_blocks") = false, py::arg("row_parts") = 0)
+      .def(py::init([](std::shared_ptr<TorchGroup> group, const std::string& algorithm,
+                       std::optional<int64_t> ulysses_degree, bool causal,
+                       const std::string& layout, bool load_balance, const std::string& schedule,
+                       std::optional<double> scale, const std::string& kv_head_policy,
+                       int64_t head_groups, const std::string& primitive, bool ring_keep_blocks,
+                       int64_t row_parts, const std::string& ring_backward) {
+             CPAttentionArgs a{
+                 algorithm,        ulysses_degree, causal,         layout,      load_balance,
+                 schedule,         scale,          kv_head_policy, head_groups, primitive,
+                 ring_keep_blocks, row_parts,      ring_backward};
+             return std::make_shared<CPAttention>(std::move(group), a);
+           }),
+           py::arg("group"), py::arg("algorithm"), py::arg("ulysses_degree"), py::arg("causal"),
+           py::arg("layout"), py::arg("load_balance"), py::arg("schedule"), py::arg("scale"),
+           py::arg("kv_head_policy"), py::arg("head_groups"), py::arg("primitive"),
+           py::arg("ring_keep_blocks") = false, py::arg("row_parts") = 0,
+           py::arg("ring_backward") = "auto")
       .def(
           "__call__",
           [](CPAttention& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -63,7 +63,7 @@ const std::map<std::string, Setter>& setters() {
 }
 const std::vector<std::string> kCPKeys = {"algorithm",        "ulysses_degree", "schedule",
                                           "load_balance",     "kv_head_policy", "head_groups",
-                                          "ring_keep_blocks", "row_parts"};
+                                          "ring_keep_blocks", "row_parts",      "ring_backward"};
 
 std::string valid_keys() {
   std::string out = "arch";
@@ -99,6 +99,8 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
       if (key == "head_groups") c.ulysses_head_groups = value.cast<int64_t>();
       if (key == "ring_keep_blocks") c.ring_keep_blocks = value.cast<bool>();
       if (key == "row_parts") c.ulysses_row_parts = value.cast<int64_t>();
+      if (key == "ring_backward")
+        c.ring_backward = cp::parse_ring_backward(value.cast<std::string>());
       continue;
     }
     auto it = setters().find(key);

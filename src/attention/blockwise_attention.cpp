@@ -472,9 +472,12 @@ class BlockwiseAttention final : public AttentionPrimitive {
     auto p = detail::validate(q, k, v, options, "attention 'blockwise' (backward_from_stats)");
     const std::vector<int64_t> rows{p.batch, p.q_heads, p.q_len};
     const std::vector<int64_t> outs{p.batch, p.q_heads, p.q_len, p.v_dim};
-    HP_CHECK(out.sizes() == outs && dout.sizes() == outs, "backward_from_stats: out ", out.sizes(),
-             " and dout ", dout.sizes(), " must be [B, Nq, Sq, Dv] = ", at::IntArrayRef(outs),
-             " (the merged output of the call q belongs to)");
+    const bool given_delta = out.sizes() == rows;  // rowsum(dout * out), already reduced
+    HP_CHECK((given_delta || out.sizes() == outs) && dout.sizes() == outs,
+             "backward_from_stats: out ", out.sizes(), " and dout ", dout.sizes(),
+             " must be [B, Nq, Sq, Dv] = ", at::IntArrayRef(outs),
+             " (the merged output of the call q belongs to; out may also be its row sums against "
+             "dout, [B, Nq, Sq])");
     HP_CHECK(lse.sizes() == rows, "backward_from_stats: lse ", lse.sizes(),
              " must be [B, Nq, Sq] = ", at::IntArrayRef(rows),
              " (the merged lse of the call q belongs to)");
@@ -482,7 +485,7 @@ class BlockwiseAttention final : public AttentionPrimitive {
     const auto ct = st->problem.compute_dtype;
     auto c = [ct](const at::Tensor& x) { return x.detach().to(ct).contiguous(); };
     auto d = c(dout);
-    auto delta = (d * out.detach().to(ct)).sum(-1);
+    auto delta = given_delta ? c(out) : (d * out.detach().to(ct)).sum(-1);
     auto row_max = c(lse);
     return run_backward(*st, c(q), c(k), c(v), d, row_max, at::ones_like(row_max), delta,
                         q.scalar_type());

@@ -142,7 +142,7 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
         CPRuntimeOptions{spec.module_path, layout, config.load_balance, config.load_balance_form,
                          async, config.kv_head_policy, config.ulysses_head_groups,
                          config.async_always_local_first, config.ring_keep_blocks,
-                         config.ulysses_row_parts});
+                         config.ring_backward, config.ulysses_row_parts});
     host.install(adapter->slot(), runtime);
     auto* installed = static_cast<CPRuntime*>(host.installed(adapter->slot()));
     auto shared = std::static_pointer_cast<CPRuntime>(installed->shared_from_this());

@@ -32,6 +32,17 @@ KVHeadPolicy parse_kv_head_policy(const std::string& s) {
   HP_CHECK(false, "kv_head_policy '", s, "' is not valid; valid: error, repeat");
 }
 
+const char* to_string(RingBackward b) {
+  return b == RingBackward::kAuto ? "auto" : b == RingBackward::kBlocks ? "blocks" : "queries";
+}
+
+RingBackward parse_ring_backward(const std::string& s) {
+  for (auto b : {RingBackward::kAuto, RingBackward::kBlocks, RingBackward::kQueries}) {
+    if (s == to_string(b)) return b;
+  }
+  HP_CHECK(false, "ring_backward '", s, "' is not valid; valid: auto, blocks, queries");
+}
+
 bool repeats_kv(KVHeadPolicy policy, int64_t u, int64_t kv_heads) {
   return policy == KVHeadPolicy::kRepeat && u > 1 && kv_heads % u != 0;
 }
@@ -106,10 +117,18 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
            "cp_config.ulysses_row_parts=", c.ulysses_row_parts,
            " applies to algorithm=ulysses with schedule=async (got ", c.algorithm.name(), ", ",
            to_string(c.schedule), "); drop it or use the async ulysses schedule");
-  HP_CHECK(!c.ring_keep_blocks || c.algorithm.name() == CPAlgorithm::kRing ||
-               c.algorithm.name() == CPAlgorithm::kUsp,
+  const bool ring_like =
+      c.algorithm.name() == CPAlgorithm::kRing || c.algorithm.name() == CPAlgorithm::kUsp;
+  HP_CHECK(!c.ring_keep_blocks || ring_like,
            "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp (got ",
            c.algorithm.name(), "); drop it or use ring or usp");
+  HP_CHECK(c.ring_backward == RingBackward::kAuto || ring_like,
+           "cp_config.ring_backward=", to_string(c.ring_backward),
+           " applies to algorithm=ring or usp (got ", c.algorithm.name(),
+           "); drop it or use ring or usp");
+  HP_CHECK(!(c.ring_keep_blocks && c.ring_backward == RingBackward::kQueries),
+           "cp_config.ring_backward=queries with ring_keep_blocks=true: kept blocks send only the "
+           "dK/dV accumulators, so the queries have nothing to save; drop one of the two");
   strategy->normalize(c, cp_size);
   HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
                      strategy->name(), "' left an invalid ulysses_degree");
@@ -217,6 +236,9 @@ std::string describe(const ContextParallelConfig& c, int64_t cp_size) {
       " load_balance=", c.load_balance ? "true" : "false",
       c.kv_head_policy == KVHeadPolicy::kRepeat ? " kv_head_policy=repeat" : "",
       c.ring_keep_blocks ? " ring_keep_blocks=true" : "",
+      c.ring_backward != RingBackward::kAuto
+          ? common::str_cat(" ring_backward=", to_string(c.ring_backward))
+          : "",
       c.ulysses_row_parts > 0 ? common::str_cat(" ulysses_row_parts=", c.ulysses_row_parts) : "");
 }
 

@@ -189,15 +189,17 @@ struct RingGroup {
   std::vector<std::vector<int64_t>> chunks;  // [member] -> chunk ids
   int64_t chunk_len = 0;
   bool keep_blocks = false;  // ContextParallelConfig::ring_keep_blocks
+  RingBackward backward = RingBackward::kAuto;  // ContextParallelConfig::ring_backward
 };
 // Attention of q against the K/V blocks of every member of `ring`, each block shifted on while
 // the one here is attended; merged by log-sum-exp. Its backward passes the blocks around again
-// with their dK/dV accumulators, so no rank ever holds more than two K/V blocks; with
-// keep_blocks, forward keeps the blocks that arrived and only the accumulators travel in
-// backward. The ring strategy runs it over the CP group, usp over the co-groups after its
-// Ulysses all-to-all. `after_first_step` (optional) runs once in forward, when the first step is
-// done and the block of the next member has landed (usp launches its later groups' pieces
-// there, so they do not share the link with the first shift).
+// with their dK/dV accumulators, so no rank ever holds more than two K/V blocks, or (where
+// ring_moves_queries) each member's queries, output gradient and statistics the other way with
+// their dQ accumulators; with keep_blocks, forward keeps the blocks that arrived and only the
+// accumulators travel in backward. The ring strategy runs it over the CP group, usp over the
+// co-groups after its Ulysses all-to-all. `after_first_step` (optional) runs once in forward, when
+// the first step is done and the block of the next member has landed (usp launches its later
+// groups' pieces there, so they do not share the link with the first shift).
 at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring,
                        const std::function<void()>& after_first_step = nullptr);

@@ -28,14 +28,22 @@
 //     holds), so in backward only the accumulators travel (each flying while the next kept
 //     block's gradients compute) and the own block's calls all run after the ring, hiding the
 //     last hop.
+//   the queries travel instead (ring_backward=queries, or auto where that is fewer bytes:
+//     volume.h, ring_moves_queries): this rank's [q | dout] and [lse | delta] (delta =
+//     rowsum(dout * out)) go the other way round, to rank r-1:
+//     step i = 1 .. J, the bundle of rank r+i is here (shifted on while it is used): its calls
+//       against this rank's own K/V add dK/dV here and dQ to an accumulator that arrives from
+//       rank r+1 (none at step 1) and follows the bundle; after step J it goes home (a shift
+//       by J). dK/dV never leave their rank. The own block's calls hide the first shift and the
+//       last hop, as above.
 // Memory: the saved q, k, v, out, lse of this rank, and at most two K/V blocks (the one here and
 // the one arriving) in forward and in backward (never the whole sequence). The own block's
 // calls keep their autograd graph from forward (over one contiguous copy of each own key
 // chunk, shared by the calls that read it): only the blocks that travelled are recomputed.
 // From the statistics, forward keeps nothing beyond the saved q, k, v, out, lse.
 // Bytes: forward P-1 blocks; backward P-1 blocks and P-1 accumulators of the same size, or the
-// accumulators alone with ring_keep_blocks (with documents J instead of P-1: the formula is
-// their upper bound).
+// accumulators alone with ring_keep_blocks, or P-1 query bundles and dQ accumulators (with
+// documents J instead of P-1: the formula is their upper bound).
 #include <limits>
 #include <memory>
 #include <utility>
@@ -82,8 +90,11 @@ class RingStrategy final : public CPStrategy {
   }
   int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t p,
                                   const AttentionShape& s, int64_t) const override {
-    // P-1 accumulator shifts, and the blocks again unless forward kept them.
-    return (c.ring_keep_blocks ? 1 : 2) * (p - 1) * block_bytes(p, s);
+    // P-1 steps: the blocks again and their accumulators (the accumulators alone where forward
+    // kept the blocks), or the queries' bundles and their dQ accumulators.
+    const RingHeads h{s.q_heads, s.kv_heads, s.qk_dim, s.v_dim_or_qk(), s.element_size};
+    return (p - 1) * (s.seq / p) * s.batch *
+           ring_backward_bytes_per_position(c.ring_backward, c.ring_keep_blocks, h);
   }
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kSend, comm::OpKind::kRecv};
@@ -95,7 +106,8 @@ class RingStrategy final : public CPStrategy {
     const auto& t = *ctx.topology;
     const bool balanced = ctx.load_balance && t.cp_size > 1;
     if (balanced) detail::check_head_tail(q, ctx);
-    detail::RingGroup ring{t.cp, t.cp_rank, t.cp_size, 0, {}, 0, ctx.ring_keep_blocks};
+    detail::RingGroup ring{
+        t.cp, t.cp_rank, t.cp_size, 0, {}, 0, ctx.ring_keep_blocks, ctx.ring_backward};
     const int64_t s = q.size(ctx.layout.seq_dim);
     for (int64_t r = 0; r < t.cp_size; ++r) {
       ring.chunks.push_back(balanced ? load_balance_chunks(r, t.cp_size) : std::vector{r});
@@ -130,6 +142,7 @@ struct RingPlan {
   int64_t dk = 0;           // last dim of k (the [k | v] buffer splits there)
   int64_t last_step = 0;    // J: the last step whose block some rank attends (last_needed_step)
   bool from_stats = false;  // backward from the merged out/lse (call.offers_grads_from_stats)
+  bool queries = false;     // backward: the queries travel (ring_moves_queries), not the blocks
 
   // Chunk ids (of the global sequence cut into `len`-row chunks) of the rows `rank` holds.
   const std::vector<int64_t>& chunk_ids(int64_t rank) const { return ring.chunks[rank]; }
@@ -346,21 +359,45 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &o = saved[3], &m = saved[4];
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(o);
+    // delta = rowsum(dout * out) in the statistics' frame and dtype (what the primitive's
+    // backward reads of the output).
+    auto delta = [&] { return (dout.to(m.scalar_type()) * o.to(m.scalar_type())).sum(-1, true); };
+    if (plan->queries) return queries_backward(*plan, saved, dout, delta(), *kept);
     if (plan->from_stats) return stats_backward(*plan, saved, dout, blocks);
+    const auto delta_rows = delta();
     auto dq = at::zeros_like(q);
     const int64_t p = plan->ring.size, r = plan->ring.rank;
     auto block_shape = saved[1].sizes().vec();
     block_shape.back() += saved[2].size(-1);
     // This rank's block: its own queries' share of dK/dV stays here.
     auto dkv = at::zeros(block_shape, saved[1].options());
+    // One call's gradients: dq into its query rows, dK/dV into `to` (a [k | v] block).
+    auto place = [&](const Pair& pair, const attention::AttentionGrads& g, at::Tensor& to) {
+      if (g.dq.defined()) query_rows(*plan, dq, pair).add_(g.dq);
+      auto slot = plan->chunk(to, pair.kc);
+      if (g.dk.defined()) slot.narrow(-1, 0, plan->dk).add_(g.dk);
+      if (g.dv.defined()) slot.narrow(-1, plan->dk, slot.size(-1) - plan->dk).add_(g.dv);
+    };
     auto compute = [&](const at::Tensor& kv, int64_t src, at::Tensor& dkv_out) {
-      for (const auto& pair : pairs_for(*plan, src))
-        block_backward(*plan, q, kv, o, m, dout, pair, dq, dkv_out);
+      for (const auto& pair : pairs_for(*plan, src)) {
+        at::AutoGradMode grad_on(true);  // recomputed: the block travelled
+        auto qi = query_rows(*plan, q, pair).detach().requires_grad_(true);
+        auto kc = key_part(*plan, kv, pair.kc).detach().requires_grad_(true);
+        auto vc = value_part(*plan, kv, pair.kc).detach().requires_grad_(true);
+        auto res = (*plan->call)(qi, kc, vc, pair.st);
+        place(pair,
+              seeded_grad(*plan, qi, kc, vc, res, query_rows(*plan, m, pair),
+                          query_rows(*plan, delta_rows, pair), query_rows(*plan, dout, pair)),
+              dkv_out);
+      }
     };
     auto own_half = [&](int half) {  // the kept calls: no recompute
       for (auto& c : *kept) {
         if (c.half != half) continue;
-        seeded_grad(*plan, c.qi, c.kc, c.vc, c.r, o, m, dout, c.pair, dq, dkv);
+        place(c.pair,
+              seeded_grad(*plan, c.qi, c.kc, c.vc, c.r, query_rows(*plan, m, c.pair),
+                          query_rows(*plan, delta_rows, c.pair), query_rows(*plan, dout, c.pair)),
+              dkv);
         c = KeptCall{};  // its graph is spent: free it now
       }
     };
@@ -453,41 +490,113 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     lse = total;
   }
 
-  // The gradients of one call of a block that travelled, recomputed (seeded_grad).
-  static void block_backward(const RingPlan& plan, const at::Tensor& q, const at::Tensor& kv,
-                             const at::Tensor& o, const at::Tensor& m, const at::Tensor& dout,
-                             const Pair& pair, at::Tensor& dq, at::Tensor& dkv) {
-    at::AutoGradMode grad_on(true);
-    auto qi = query_rows(plan, q, pair).detach().requires_grad_(true);
-    auto kc = key_part(plan, kv, pair.kc).detach().requires_grad_(true);
-    auto vc = value_part(plan, kv, pair.kc).detach().requires_grad_(true);
-    auto r = (*plan.call)(qi, kc, vc, pair.st);
-    seeded_grad(plan, qi, kc, vc, r, o, m, dout, pair, dq, dkv);
-  }
-
   // One call's gradients from its graph: with O = sum_b w_b o_b, w_b = exp(lse_b - L),
-  //   dO/do_b = w_b,   d<dO, O>/dlse_b = w_b <dO, o_b - O>   (per row)
-  // handed to the call's own autograd; dq into `dq`, dK/dV into `dkv` (both chunk slices).
-  static void seeded_grad(const RingPlan& plan, const at::Tensor& qi, const at::Tensor& kc,
-                          const at::Tensor& vc, const attention::AttentionResult& r,
-                          const at::Tensor& o, const at::Tensor& m, const at::Tensor& dout,
-                          const Pair& pair, at::Tensor& dq, at::Tensor& dkv) {
+  //   dO/do_b = w_b,   d<dO, O>/dlse_b = w_b (<dO, o_b> - delta),  delta = <dO, O>   (per row)
+  // handed to the call's own autograd. `big_l`, `delta` (statistics' frame and dtype) and `d_o`
+  // are the rows of the call's queries; {dq, dk, dv} as the leaves qi, kc, vc (undefined where
+  // the graph does not reach one).
+  static attention::AttentionGrads seeded_grad(const RingPlan& plan, const at::Tensor& qi,
+                                               const at::Tensor& kc, const at::Tensor& vc,
+                                               const attention::AttentionResult& r,
+                                               const at::Tensor& big_l, const at::Tensor& delta,
+                                               const at::Tensor& d_o) {
     const auto& l = plan.layout;
     at::AutoGradMode grad_on(true);
-    auto big_l = query_rows(plan, m, pair), big_o = query_rows(plan, o, pair);
-    auto d_o = query_rows(plan, dout, pair);
     auto w = at::exp(detail::lse_like_out(r.lse.detach(), l) - big_l);
     w = at::where(big_l.isneginf(), at::zeros_like(w), w);
-    auto g_out = (d_o * w.to(d_o.scalar_type()));
-    auto g_lse = (w * (d_o * (r.out.detach() - big_o)).sum(-1, true).to(w.scalar_type()));
+    auto g_out = d_o * w.to(d_o.scalar_type());
+    auto dot = (d_o.to(w.scalar_type()) * r.out.detach().to(w.scalar_type())).sum(-1, true);
+    auto g_lse = w * (dot - delta);
     auto g = torch::autograd::grad({r.out, r.lse}, {qi, kc, vc},
                                    {g_out, detail::lse_to_primitive(g_lse, l)},
                                    /*retain_graph=*/false, /*create_graph=*/false,
                                    /*allow_unused=*/true);
-    if (g[0].defined()) query_rows(plan, dq, pair).add_(g[0]);
-    auto slot = plan.chunk(dkv, pair.kc);
-    if (g[1].defined()) slot.narrow(-1, 0, plan.dk).add_(g[1]);
-    if (g[2].defined()) slot.narrow(-1, plan.dk, slot.size(-1) - plan.dk).add_(g[2]);
+    return {g[0], g[1], g[2]};
+  }
+
+  // The backward with the queries travelling (plan.queries; the sketch atop this file): this
+  // rank's [q | dout] and [lse | delta] go to rank r-1 and on, each member attends them
+  // against its own K/V (from the statistics, or recomputed where the primitive offers none),
+  // keeps the dK/dV and adds the dQ to the accumulator that follows them home.
+  static variable_list queries_backward(const RingPlan& plan, const variable_list& saved,
+                                        const at::Tensor& dout, const at::Tensor& delta,
+                                        std::vector<KeptCall>& kept) {
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &m = saved[4];
+    const auto& l = plan.layout;
+    auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+    const int64_t p = plan.ring.size, r = plan.ring.rank, last = plan.last_step;
+    const int64_t dqk = q.size(-1);
+    // One call's gradients: dq into `dq_to`'s query rows; dK/dV into this rank's own chunks
+    // (from the statistics they cover the chunk's first rows only: added at row 0).
+    auto place = [&](const Pair& pair, const attention::AttentionGrads& g,
+                     const at::Tensor& dq_to) {
+      if (g.dq.defined()) query_rows(plan, dq_to, pair).add_(g.dq);
+      if (g.dk.defined())
+        plan.chunk(dk, pair.kc).narrow(l.seq_dim, 0, g.dk.size(l.seq_dim)).add_(g.dk);
+      if (g.dv.defined())
+        plan.chunk(dv, pair.kc).narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
+    };
+    // The calls of a bundle's queries (`qd` = [q | dout], `st` = [lse | delta] of their member)
+    // against the own K/V.
+    auto attend = [&](const Pair& pair, const at::Tensor& qd, const at::Tensor& st,
+                      const at::Tensor& dq_to) {
+      auto rows = query_rows(plan, qd, pair), stats = query_rows(plan, st, pair);
+      auto qi = rows.narrow(-1, 0, dqk), d_o = rows.narrow(-1, dqk, rows.size(-1) - dqk);
+      auto big_l = stats.narrow(-1, 0, 1), dl = stats.narrow(-1, 1, 1);
+      auto kc = plan.chunk(k, pair.kc), vc = plan.chunk(v, pair.kc);
+      if (plan.from_stats) {
+        place(pair,
+              plan.call->grads_from_stats(qi, kc, vc, dl.squeeze(-1),
+                                          detail::lse_to_primitive(big_l, l), d_o, pair.st),
+              dq_to);
+        return;
+      }
+      at::AutoGradMode grad_on(true);
+      auto qx = qi.detach().requires_grad_(true), kx = kc.detach().requires_grad_(true),
+           vx = vc.detach().requires_grad_(true);
+      auto res = (*plan.call)(qx, kx, vx, pair.st);
+      place(pair, seeded_grad(plan, qx, kx, vx, res, big_l, dl, d_o), dq_to);
+    };
+    auto qd = at::cat({q, dout.to(q.scalar_type())}, -1).contiguous();
+    auto st = at::cat({m, delta}, -1).contiguous();
+    auto own_half = [&](int half) {
+      if (plan.from_stats) {
+        for (const auto& pair : pairs_for(plan, r, half))
+          attend(pair, qd, st, dq);
+        return;
+      }
+      for (auto& c : kept) {  // graphs kept from forward: no recompute
+        if (c.half != half) continue;
+        place(c.pair,
+              seeded_grad(plan, c.qi, c.kc, c.vc, c.r, query_rows(plan, m, c.pair),
+                          query_rows(plan, delta, c.pair), query_rows(plan, dout, c.pair)),
+              dq);
+        c = KeptCall{};  // its graph is spent: free it now
+      }
+    };
+    // Both parts of the bundle travel to rank r-1; the Pendings hold them until they land.
+    auto shift_bundle = [&](const at::Tensor& a, const at::Tensor& b) {
+      auto first = comm::shift_async(*plan.ring.group, a, -1);  // in this order on every rank
+      return std::make_pair(std::move(first), comm::shift_async(*plan.ring.group, b, -1));
+    };
+    std::pair<comm::Pending, comm::Pending> next;
+    if (last >= 1) next = shift_bundle(qd, st);
+    own_half(0);             // hides the first shift
+    comm::Pending arriving;  // the dQ accumulator of the bundle here, from rank r+1
+    for (int64_t step = 1; step <= last; ++step) {
+      auto here_qd = next.first(), here_st = next.second();  // the queries of rank r + step
+      if (step < last) next = shift_bundle(here_qd, here_st);
+      auto acc = at::zeros_like(q);
+      for (const auto& pair : pairs_between(plan, (r + step) % p, r))
+        attend(pair, here_qd, here_st, acc);
+      if (arriving) acc.add_(arriving());
+      // On to rank r-1 with the bundle; after the last step home to rank r + last.
+      arriving =
+          comm::shift_async(*plan.ring.group, acc, step < last ? -1 : static_cast<int>(last));
+    }
+    own_half(1);  // hides the accumulator's last hop
+    if (arriving) dq += arriving();
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -511,6 +620,10 @@ at::Tensor detail::ring_attend(const at::Tensor& q, const at::Tensor& k, const a
   plan->dk = k.size(-1);
   plan->last_step = last_needed_step(*plan);
   plan->from_stats = call.offers_grads_from_stats();
+  plan->queries =
+      ring.size > 1 && ring_moves_queries(ring.backward, ring.keep_blocks,
+                                          RingHeads{q.size(l.heads_dim), k.size(l.heads_dim),
+                                                    q.size(-1), v.size(-1), q.element_size()});
   return RingAttentionFn::apply(q, k, v, std::shared_ptr<const RingPlan>(std::move(plan)),
                                 after_first_step);
 }

@@ -11,7 +11,8 @@
 //   pairs chunks by their ids: every rank does the same causal work
 //   out [B, N/U, S/C, Dv] -- A2A in cp_ulysses --> [B, N, S/P, Dv]
 //   backward: the ring's backward (blocks again, each with its dK/dV accumulator; only the
-//   accumulators with ring_keep_blocks), then the inverse all-to-alls.
+//   accumulators with ring_keep_blocks; or each co-rank's queries the other way with their dQ
+//   accumulators, ring_backward), then the inverse all-to-alls.
 //   Async: the all-to-alls start at the handoff points; the ring overlaps itself. With
 //   cp_config.ulysses_head_groups = G > 1 (automatic: 2 where it divides the heads) the heads
 //   run in G groups: Q, K, V travel in one all-to-all per group (split_for_move, as ulysses),
@@ -44,15 +45,18 @@ class UspStrategy final : public detail::UlyssesMoves {
     return {comm::OpKind::kAllToAll, comm::OpKind::kSend, comm::OpKind::kRecv};
   }
   // Forward: the default composition (the ring's C-1 shifts move what an all-gather across the
-  // groups would). Backward: the same (the inverse all-to-alls and the C-1 accumulator shifts,
-  // one block each), plus the blocks again unless the ring keeps them (ring_keep_blocks).
+  // groups would). Backward: the inverse all-to-alls, and the ring's C-1 backward steps in place
+  // of its forward shifts (volume.h: ring_backward_bytes_per_position, over the ring's heads).
   int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t p,
                                   const AttentionShape& s, int64_t cp_rank) const override {
     const int64_t u = ulysses_degree_of(c, p), groups = p / u;
     const int64_t heads = repeats_kv(c.kv_head_policy, u, s.kv_heads) ? 1 : s.kv_heads / u;
-    const int64_t block =
-        (s.seq / groups) * heads * (s.qk_dim + s.v_dim_or_qk()) * s.batch * s.element_size;
-    return forward_bytes_per_rank(c, p, s, cp_rank) + (c.ring_keep_blocks ? 0 : groups - 1) * block;
+    const int64_t positions = (s.seq / groups) * s.batch;
+    const int64_t block = positions * heads * (s.qk_dim + s.v_dim_or_qk()) * s.element_size;
+    const RingHeads h{s.q_heads / u, heads, s.qk_dim, s.v_dim_or_qk(), s.element_size};
+    const int64_t step =
+        positions * ring_backward_bytes_per_position(c.ring_backward, c.ring_keep_blocks, h);
+    return forward_bytes_per_rank(c, p, s, cp_rank) + (groups - 1) * (step - block);
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -118,7 +122,8 @@ class UspStrategy final : public detail::UlyssesMoves {
   // caller sets head_offset.
   static detail::RingGroup ring_of(int64_t held, const CPRuntimeContext& ctx) {
     const auto& t = *ctx.topology;
-    detail::RingGroup ring{t.co, t.co_rank, t.colossal_degree, 0, {}, 0, ctx.ring_keep_blocks};
+    detail::RingGroup ring{t.co, t.co_rank, t.colossal_degree,    0,
+                           {},   0,         ctx.ring_keep_blocks, ctx.ring_backward};
     // After the all-to-all a co-rank holds its Ulysses group's shards in rank order: the
     // contiguous range c of C, or (head-tail balance) the two chunks of each member.
     const int64_t u = t.ulysses_degree, p = t.cp_size;

@@ -229,18 +229,27 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   double ring_exposed = 0;
   if (c > 1 && ring) {
     // C-1 shifts of the [k | v] block forward; backward the blocks again (unless forward kept
-    // them: ring_keep_blocks) and C-1 accumulators. Each shift flies while a block is
-    // attended: exposed is what a step's transfers take beyond the step's attention (forward 1
-    // unit; backward 2.5, and 3.5 where the block's forward is recomputed).
+    // them: ring_keep_blocks) and C-1 accumulators, or (where the queries travel: cp/volume.h,
+    // ring_moves_queries) C-1 shifts each of [q | dout], [lse | delta] and the dQ accumulator.
+    // Each shift flies while a block is attended: exposed is what a step's transfers take
+    // beyond the step's attention (forward 1 unit; backward 2.5, and 3.5 where the block's
+    // forward is recomputed).
+    const auto& a2a = cal.fit("all_to_all", p);
     const double block = local * 2 * hkv * e;
-    const double shift = cal.fit("all_to_all", p).time(block);
+    const double shift = a2a.time(block);
     const double unit = one_pass_s / 3.5 / static_cast<double>(c);  // one forward of one step
     const double fwd_step = unit, bwd_step = (recompute ? 3.5 : 2.5) * unit;
     const double steps = static_cast<double>(c - 1);
-    const double bwd_shifts = config.ring_keep_blocks ? 1 : 2;
-    late += (1 + bwd_shifts) * steps * shift;
-    ring_exposed = steps * std::max(0.0, shift - fwd_step) +
-                   steps * std::max(0.0, bwd_shifts * shift - bwd_step);
+    const cp::RingHeads ring_heads{w.heads / u, std::max<int64_t>(1, w.kv_heads / u), w.head_dim,
+                                   w.head_dim, 4};
+    const double bwd_shift =
+        cp::ring_moves_queries(config.ring_backward, config.ring_keep_blocks, ring_heads)
+            ? a2a.time(local * 2 * h * e) + a2a.time(local * 2 * w.heads * e) +
+                  a2a.time(local * h * e)
+            : (config.ring_keep_blocks ? 1 : 2) * shift;
+    late += steps * (shift + bwd_shift);
+    ring_exposed =
+        steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, bwd_shift - bwd_step);
   } else if (c > 1) {
     const double n = local * hkv * e;  // per rank, per tensor
     const auto& ag = cal.fit("all_gather", p);

@@ -3,7 +3,9 @@
 // (dq) and placed (dk, dv), equal the float64 reference's autograd gradients of the whole
 // call. Causal pieces with their offsets (the ring's shapes: one piece fully before the
 // queries, one on the diagonal), GQA, tiles that do not divide the pieces; float32 against
-// the float64 reference; primitives that offer none refuse with a message.
+// the float64 reference; the same with the merged output given as its row sums against dout
+// (what the ring sends when the queries travel); primitives that offer none refuse with a
+// message.
 #include <string>
 #include <vector>
 
@@ -34,7 +36,7 @@ struct Piece {
 // Queries at key positions [q_at, q_at + Sq) of a key sequence of `skv`, causal or not, the
 // keys cut into `pieces`.
 void check(at::ScalarType dtype, bool causal, int64_t q_at, int64_t skv,
-           const std::vector<Piece>& pieces, double tol) {
+           const std::vector<Piece>& pieces, double tol, bool by_delta = false) {
   const int64_t sq = skv - q_at;
   auto q = rnd(1, {2, 4, sq, 8}, dtype), k = rnd(2, {2, 2, skv, 8}, dtype),
        v = rnd(3, {2, 2, skv, 6}, dtype), dout = rnd(4, {2, 4, sq, 6}, dtype);
@@ -49,6 +51,11 @@ void check(at::ScalarType dtype, bool causal, int64_t q_at, int64_t skv,
   const auto& prim = AttentionRegistry::builtin().get("blockwise");
   ASSERT_TRUE(prim.offers_backward_from_stats());
   auto stats = prim.forward(q, k, v, whole);  // the merged statistics the pieces share
+  // rowsum(dout * out) [B, Nq, Sq], in the statistics' dtype, in place of the output.
+  auto out =
+      by_delta
+          ? (dout.to(at::kDouble) * stats.out.to(at::kDouble)).sum(-1).to(stats.lse.scalar_type())
+          : stats.out;
   auto dq = at::zeros_like(q);
   std::vector<at::Tensor> dk, dv;
   for (const auto& p : pieces) {
@@ -58,7 +65,7 @@ void check(at::ScalarType dtype, bool causal, int64_t q_at, int64_t skv,
     o.block_q = 5;  // tiles that do not divide the pieces
     o.block_kv = 7;
     auto g = prim.backward_from_stats(q, k.slice(2, p.begin, p.end), v.slice(2, p.begin, p.end),
-                                      stats.out, stats.lse, dout, o);
+                                      out, stats.lse, dout, o);
     ASSERT_EQ(g.dq.scalar_type(), dtype);
     ASSERT_EQ(g.dk.sizes(), k.slice(2, p.begin, p.end).sizes());
     dq += g.dq;
@@ -66,7 +73,7 @@ void check(at::ScalarType dtype, bool causal, int64_t q_at, int64_t skv,
     dv.push_back(g.dv);
   }
   const std::string what = std::string(causal ? "causal" : "dense") + " " + c10::toString(dtype) +
-                           " q_at=" + std::to_string(q_at);
+                           " q_at=" + std::to_string(q_at) + (by_delta ? " from delta" : "");
   expect_close(dq.to(at::kDouble), rq.grad(), what + " dq", tol, tol);
   expect_close(at::cat(dk, 2).to(at::kDouble), rk.grad(), what + " dk", tol, tol);
   expect_close(at::cat(dv, 2).to(at::kDouble), rv.grad(), what + " dv", tol, tol);
@@ -80,6 +87,12 @@ TEST(BackwardFromStats, PiecesSumToTheWholeCallsGradients) {
   check(at::kDouble, true, 24, 64, {{0, 5}, {5, 11}, {11, 64}}, 1e-10);
   check(at::kDouble, false, 0, 50, {{0, 17}, {17, 50}}, 1e-10);
   check(at::kFloat, true, 24, 64, {{0, 24}, {24, 64}}, 2e-4);
+}
+
+TEST(BackwardFromStats, TheOutputsRowSumsAgainstDoutServeInItsPlace) {
+  check(at::kDouble, true, 24, 64, {{0, 5}, {5, 11}, {11, 64}}, 1e-10, /*by_delta=*/true);
+  check(at::kDouble, false, 0, 50, {{0, 17}, {17, 50}}, 1e-10, /*by_delta=*/true);
+  check(at::kFloat, true, 24, 64, {{0, 24}, {24, 64}}, 2e-4, /*by_delta=*/true);
 }
 
 TEST(BackwardFromStats, RefusedWhereNotOfferedAndOnWrongStatistics) {

@@ -15,6 +15,10 @@
 
 namespace hp::cp::testing {
 
+// The float64 tests' shapes: GQA (12 query heads, 6 K/V heads), 48 positions (shards of 16 at
+// P = 3), and a value head dim of its own (Dqk 8, Dv 6, as MLA's 192 / 128).
+constexpr int64_t kNq = 12, kNkv = 6, kS = 48, kDqk = 8, kDv = 6;
+
 inline at::Tensor f64(uint64_t seed, at::IntArrayRef shape) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randn(shape, gen, at::kDouble);

@@ -18,13 +18,9 @@
 namespace hp::cp {
 namespace {
 
-using hp::cp::testing::apply_cp;
-using hp::cp::testing::Direct;
-using hp::cp::testing::f64;
+using namespace hp::cp::testing;  // NOLINT: the float64 tests' module, inputs and shapes
 using hp::testing::expect_close;
 using hp::testing::run_ranks;
-
-constexpr int64_t kNq = 12, kNkv = 6, kS = 48, kDqk = 8, kDv = 6;
 
 // How the call's schedule learns of the documents.
 enum class When { kSync, kAsyncAnnounced, kAsyncUnannounced };

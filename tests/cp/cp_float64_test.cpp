@@ -27,14 +27,11 @@
 namespace hp::cp {
 namespace {
 
-using hp::cp::testing::apply_cp;
-using hp::cp::testing::Direct;
-using hp::cp::testing::f64;
-using hp::cp::testing::quiet;
+using namespace hp::cp::testing;  // NOLINT: the float64 tests' module, inputs and shapes
 using hp::testing::expect_close;
 using hp::testing::run_ranks;
 
-constexpr int64_t kB = 2, kNq = 12, kNkv = 6, kS = 48, kDqk = 8, kDv = 6;
+constexpr int64_t kB = 2;
 
 struct Case {
   std::string algorithm;
@@ -47,12 +44,17 @@ struct Case {
   int64_t row_parts = 0;            // async ulysses (0: automatic)
   bool always_local_first = false;  // async all_gather and hybrid
   bool keep_blocks = false;         // ring, usp
+  RingBackward ring_backward = RingBackward::kAuto;  // ring, usp
   std::string primitive = "blockwise";
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
     if (primitive != "blockwise") n += " primitive=" + primitive;
     if (always_local_first) n += " always_local_first";
     if (keep_blocks) n += " keep_blocks";
+    if (ring_backward != RingBackward::kAuto)
+      n += std::string(" ring_backward=") + to_string(ring_backward);
+    if (kv_heads != kNkv && kv_policy != KVHeadPolicy::kRepeat)
+      n += " kv_heads=" + std::to_string(kv_heads);
     if (head_groups > 0) n += " head_groups=" + std::to_string(head_groups);
     if (row_parts > 0) n += " row_parts=" + std::to_string(row_parts);
     if (load_balance) n += std::string("+lb:") + to_string(form);
@@ -74,6 +76,7 @@ ContextParallelConfig config_for(const Case& c, int p, CPSchedule schedule) {
   if (schedule == CPSchedule::kAsync) cfg.ulysses_row_parts = c.row_parts;
   cfg.async_always_local_first = c.always_local_first;
   cfg.ring_keep_blocks = c.keep_blocks;
+  cfg.ring_backward = c.ring_backward;
   return *normalize(cfg, p);
 }
 
@@ -218,6 +221,30 @@ TEST(CPFloat64, RingRecomputesWhereThePrimitiveOffersNoStatsBackward) {
     run_grid(c, {2, 3});
   }
   Case u{"usp", 2};
+  u.primitive = "math";
+  run_grid(u, {4});
+}
+// ring_backward=queries: each rank's [q | dout] and [lse | delta] travel the other way with
+// their dQ accumulators, dK/dV stay home; from the merged statistics (blockwise) and recomputed
+// (math, the own block's graphs kept from forward), balanced and not, GQA (the test's 12 / 6
+// heads, where auto keeps the blocks) and multi-head (12 / 12, where auto takes the queries), and
+// through usp's rings. ring_backward=blocks on multi-head keeps the blocks travelling.
+TEST(CPFloat64, RingQueriesTravel) {
+  for (bool lb : {false, true}) {
+    Case c{"ring", std::nullopt, lb, LoadBalanceForm::kDataOrder};
+    c.ring_backward = RingBackward::kQueries;
+    run_grid(c, {2, 3, 4});
+    c.primitive = "math";
+    run_grid(c, {3});
+    Case mha{"ring", std::nullopt, lb, LoadBalanceForm::kDataOrder};
+    mha.kv_heads = kNq;
+    run_grid(mha, {2, 4});
+    mha.ring_backward = RingBackward::kBlocks;
+    run_grid(mha, {3});
+  }
+  Case u{"usp", 2, true, LoadBalanceForm::kDataOrder};
+  u.ring_backward = RingBackward::kQueries;
+  run_grid(u, {4});
   u.primitive = "math";
   run_grid(u, {4});
 }
@@ -766,168 +793,6 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
       EXPECT_TRUE(out[0][5][13].isnan().all().item<bool>()) << what;
       EXPECT_EQ(out.isnan().any(-1).sum().item<int64_t>(), 1) << what;
     }
-  }
-}
-
-void run_ring_schedule(bool keep);
-
-// The ring's schedule: P-1 shifts of this rank's [k | v] block forward (receive from the previous
-// rank, send to the next). Backward passes the blocks the same way again: the first shift,
-// then per step the next block's shift and the dK/dV accumulator's (the same shape), the last
-// step only the accumulator's, which brings it home: 2(P-1) shifts. With ring_keep_blocks
-// forward is the same and backward shifts only the P-1 accumulators (all_gather's bytes).
-// Counted bytes equal the forward and backward formulas, and the gradients the float64
-// reference (CPFloat64.Ring, CPFloat64.RingKeepBlocks). Kept blocks apply to ring and usp only.
-// A second backward through the same graph is refused.
-TEST(RingSchedule, ForwardShiftsBlocksBackwardShiftsBlocksAndAccumulators) {
-  for (bool keep : {false, true}) {
-    SCOPED_TRACE(keep ? "ring_keep_blocks" : "blocks travel again");
-    run_ring_schedule(keep);
-  }
-  ContextParallelConfig cfg;
-  cfg.ring_keep_blocks = true;
-  HP_EXPECT_ERROR(normalize(cfg, 2),
-                  "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp (got "
-                  "all_gather); drop it or use ring or usp");
-}
-
-void run_ring_schedule(bool keep) {
-  const int p = 3;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "ring";
-  cfg.ring_keep_blocks = keep;
-  const auto norm = *normalize(cfg, p);
-  run_ranks(p, [&](comm::World& w) {
-    Direct m(true);
-    apply_cp(m, w, norm, /*handoffs=*/false);
-    const int64_t r = w.rank(), prev = (r + p - 1) % p, next = (r + 1) % p;
-    auto mine = [&](const at::Tensor& full) {
-      return shard_sequence(full, 2, r, p, false).requires_grad_(true);
-    };
-    auto q = mine(f64(1, {1, kNq, kS, kDqk})), k = mine(f64(2, {1, kNkv, kS, kDqk})),
-         v = mine(f64(3, {1, kNkv, kS, kDv}));
-    auto& rec = *w.context().recorder;
-    rec.clear();
-    w.context().counters.reset();
-    auto out = m.forward(q, k, v);
-    const std::string block = "[1,6,16,14]";  // [k | v]: Dqk 8 + Dv 6
-    std::vector<std::string> step{"recv(cp,peer=" + std::to_string(prev) + ")" + block,
-                                  "send(cp,peer=" + std::to_string(next) + ")" + block};
-    std::vector<std::string> fwd, bwd;
-    for (int i = 0; i < p - 1; ++i)
-      fwd.insert(fwd.end(), step.begin(), step.end());
-    for (int i = 0; i < (keep ? 1 : 2) * (p - 1); ++i)
-      bwd.insert(bwd.end(), step.begin(), step.end());
-    EXPECT_EQ(rec.schedule(), fwd);
-    const AttentionShape shape{kS, kNq, kNkv, kDqk, 1, 8, kDv};
-    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
-    rec.clear();
-    w.context().counters.reset();
-    out.sum().backward({}, /*retain_graph=*/true);
-    EXPECT_EQ(rec.schedule(), bwd);
-    EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(norm, p, shape));
-    // Its backward freed what it kept: a second one is refused before it communicates.
-    rec.clear();
-    HP_EXPECT_ERROR(out.sum().backward(), "ring attention: this call's backward already ran");
-    EXPECT_TRUE(rec.schedule().empty());
-  });
-}
-
-// With packed documents the ring stops after the last step whose block some rank attends (every
-// rank computes it from the global document ids): documents that are the shards move nothing;
-// documents {0..19}, {20..47} at P=3 (causal, shards of 16) need one step (rank 1 sees rank 0's
-// keys, rank 2 only rank 1's), so forward shifts one block, and backward shifts it again and sends
-// its accumulator straight home (two ranks back: a shift by 2). Outputs and gradients equal the
-// single-process reference (CPFloat64.PackedDocumentsEqualEachDocumentAlone covers J between 0
-// and P-1 at P=4 as well).
-TEST(RingSchedule, BlocksNoRankAttendsNeverTravel) {
-  const int p = 3;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "ring";
-  const auto norm = *normalize(cfg, p);
-  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
-             v = f64(3, {1, kNkv, kS, kDv});
-  for (const std::vector<int64_t>& cu : {std::vector<int64_t>{0, 16, 32, kS}, {0, 20, kS}}) {
-    const bool one_step = cu.size() == 3;
-    auto ids = attention::document_ids_from_cu_seqlens(cu, kS);
-    Direct ref(true, ids);
-    auto rq = q.clone().requires_grad_(true), rk = k.clone().requires_grad_(true),
-         rv = v.clone().requires_grad_(true);
-    auto ref_out = ref.forward(rq, rk, rv);
-    ref_out.sum().backward();
-    std::vector<at::Tensor> outs(p), dqs(p), dks(p);
-    run_ranks(p, [&](comm::World& w) {
-      Direct m(true, ids);
-      apply_cp(m, w, norm, /*handoffs=*/false);
-      const int64_t r = w.rank();
-      auto mine = [&](const at::Tensor& full) {
-        return shard_sequence(full, 2, r, p, false).requires_grad_(true);
-      };
-      auto lq = mine(q), lk = mine(k), lv = mine(v);
-      auto& rec = *w.context().recorder;
-      rec.clear();
-      auto out = m.forward(lq, lk, lv);
-      const std::string block = "[1,6,16,14]";  // [k | v]: Dqk 8 + Dv 6
-      auto shift = [&](int by) {
-        return std::vector<std::string>{
-            "recv(cp,peer=" + std::to_string((r + p - by) % p) + ")" + block,
-            "send(cp,peer=" + std::to_string((r + by) % p) + ")" + block};
-      };
-      std::vector<std::string> fwd, bwd;
-      if (one_step) {
-        auto s1 = shift(1), s2 = shift(2);
-        fwd.insert(fwd.end(), s1.begin(), s1.end());
-        bwd.insert(bwd.end(), s1.begin(), s1.end());
-        bwd.insert(bwd.end(), s2.begin(), s2.end());
-      }
-      EXPECT_EQ(rec.schedule(), fwd) << "documents " << cu.size() - 1;
-      rec.clear();
-      out.sum().backward();
-      EXPECT_EQ(rec.schedule(), bwd) << "documents " << cu.size() - 1;
-      outs[r] = out.detach();
-      dqs[r] = lq.grad();
-      dks[r] = lk.grad();
-    });
-    expect_close(unshard_sequence(outs, 2, false), ref_out.detach(), "out", 1e-10, 1e-10);
-    expect_close(unshard_sequence(dqs, 2, false), rq.grad(), "dq", 1e-10, 1e-10);
-    expect_close(unshard_sequence(dks, 2, false), rk.grad(), "dk", 1e-10, 1e-10);
-  }
-}
-
-// Skipped, not masked: blocks above the causal diagonal and blocks no document spans are never
-// computed. Keys and values there are NaN; a ring that computed and then masked them would turn
-// the output (or dq) of the queries that cannot see them into NaN.
-TEST(RingSchedule, BlocksAboveTheDiagonalAndAcrossDocumentsAreNeverComputed) {
-  const int p = 3;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "ring";
-  const auto norm = *normalize(cfg, p);
-  // causal: rank 0 (positions 0..15) must not touch ranks 1, 2; documents {0..31}, {32..47}
-  // (not causal): rank 2 must not touch ranks 0, 1.
-  for (bool causal : {true, false}) {
-    auto ids = attention::document_ids_from_cu_seqlens({0, 32, kS}, kS);
-    const int64_t clean_rank = causal ? 0 : 2;
-    auto k = f64(2, {1, kNkv, kS, kDqk}), v = f64(3, {1, kNkv, kS, kDv});
-    auto poison = [&](at::Tensor& t) {
-      auto nan = std::numeric_limits<double>::quiet_NaN();
-      (causal ? t.slice(2, 16) : t.slice(2, 0, 32)).fill_(nan);
-    };
-    poison(k);
-    poison(v);
-    run_ranks(p, [&](comm::World& w) {
-      Direct m(causal, causal ? at::Tensor() : ids);
-      apply_cp(m, w, norm, /*handoffs=*/false);
-      auto mine = [&](const at::Tensor& full) {
-        return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(true);
-      };
-      auto q = mine(f64(1, {1, kNq, kS, kDqk}));
-      auto out = m.forward(q, mine(k), mine(v));
-      out.sum().backward();
-      if (w.rank() == clean_rank) {
-        EXPECT_FALSE(out.isnan().any().item<bool>()) << (causal ? "causal" : "documents");
-        EXPECT_FALSE(q.grad().isnan().any().item<bool>()) << (causal ? "causal" : "documents");
-      }
-    });
   }
 }
 

@@ -63,6 +63,8 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
         Case{"usp", 4, 2, "sdpa_qkv", false, " --load-balance"},
         Case{"ring", 3, 0, "sdpa_hf", false, " --load-balance --load-balance-form data_order"},
         Case{"ring", 4, 0, "sdpa_qkv", false, " --load-balance --ring-keep-blocks"},
+        Case{"ring", 3, 0, "sdpa_hf", true, " --ring-backward queries"},
+        Case{"usp", 4, 2, "sdpa_qkv", false, " --load-balance --ring-backward blocks"},
         Case{"ulysses", 2, 0, "sdpa_qkv", true, " --schedule async --ulysses-head-groups 2"},
         Case{"ulysses", 4, 0, "sdpa_hf", false, " --schedule async --ulysses-row-parts 3"}}) {
     auto lay = [&](const at::Tensor& t) { return c.bshd ? t.transpose(1, 2).contiguous() : t; };
@@ -189,7 +191,8 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   const std::string base = std::string(HP_CP_RUN_BINARY) + " --input " + dir +
                            "/bad_in.pt --output " + dir + "/bad_out.pt";
   // Each refused before any compute (exit 1), the message naming what to change;
-  // --ulysses-head-groups, --ulysses-row-parts and --ring-keep-blocks reach the configuration
+  // --ulysses-head-groups, --ulysses-row-parts, --ring-keep-blocks and --ring-backward reach the
+  // configuration
   // (checked there).
   const std::pair<const char*, const char*> refused[] = {
       {" --cp 2 --schedule later", "cp schedule 'later' is not valid; valid: sync, async"},
@@ -200,6 +203,10 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
        "cp_config.ulysses_head_groups=3 does not divide"},
       {" --cp 2 --ring-keep-blocks",
        "cp_config.ring_keep_blocks=true applies to algorithm=ring or usp"},
+      {" --cp 2 --ring-backward queries",
+       "cp_config.ring_backward=queries applies to algorithm=ring or usp"},
+      {" --cp 2 --cp-algo ring --ring-backward kv",
+       "ring_backward 'kv' is not valid; valid: auto, blocks, queries"},
       {" --cp 2 --cp-algo ulysses --ulysses-row-parts 2",
        "cp_config.ulysses_row_parts=2 applies to algorithm=ulysses with schedule=async (got "
        "ulysses, sync)"}};

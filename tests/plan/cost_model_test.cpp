@@ -46,6 +46,13 @@ cp::ContextParallelConfig config(const char* algo, bool lb = false, int64_t u = 
   return c;
 }
 
+// The ring with its blocks travelling again in backward (ring_backward=blocks).
+cp::ContextParallelConfig ring_blocks() {
+  auto c = config("ring", true);
+  c.ring_backward = cp::RingBackward::kBlocks;
+  return c;
+}
+
 TEST(CostModel, CollectiveLinesGoThroughTwoSizesOrThroughTheOriginWhenNoiseFlipsThem) {
   bool origin = true;
   // 1 MiB in 1.5 ms, 8 MiB in 8.5 ms: 1 ms per MiB, 0.5 ms latency.
@@ -347,8 +354,8 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   auto slow = synthetic(1.0 / 125e6);
   auto w = workload();
   w.projections = false;
-  auto ring = predict_cp_step(slow, config("ring", true), 4, w);
-  auto ring_async = config("ring", true);
+  auto ring = predict_cp_step(slow, ring_blocks(), 4, w);
+  auto ring_async = ring_blocks();
   ring_async.schedule = cp::CPSchedule::kAsync;
   EXPECT_DOUBLE_EQ(predict_cp_step(slow, ring_async, 4, w).step_s, ring.step_s);
   auto ag = predict_cp_step(slow, config("all_gather", true), 4, w);
@@ -361,13 +368,13 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   // Kept blocks (ring_keep_blocks): only the accumulators travel in backward, 2(P-1) blocks in
   // all, all_gather's bytes; each backward shift is one block behind a step's attention, so on
   // a link slow enough for the ring to expose time, less is exposed; the compute is the same.
-  auto kept_cfg = config("ring", true);
+  auto kept_cfg = ring_blocks();
   kept_cfg.ring_keep_blocks = true;
   EXPECT_EQ(predict_cp_step(slow, kept_cfg, 4, w).name, "ring(kept)/sync");
   EXPECT_NEAR(predict_cp_step(slow, kept_cfg, 4, w).comm_s, 6 * fit.time(block),
               1e-9 * ring.comm_s);
   auto slower = synthetic(1.0 / 10e6);
-  const auto ring_slower = predict_cp_step(slower, config("ring", true), 4, w);
+  const auto ring_slower = predict_cp_step(slower, ring_blocks(), 4, w);
   const auto kept = predict_cp_step(slower, kept_cfg, 4, w);
   const double shift = slower.fit("all_to_all", 4).time(block);
   const double fwd_step = ag.compute_s / 3.5 / 4;  // one step's forward attention
@@ -376,6 +383,31 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   EXPECT_NEAR(kept.exposed_comm_s, 3 * (shift - fwd_step) + 3 * (shift - 2.5 * fwd_step),
               1e-9 * kept.comm_s);
   EXPECT_NEAR(ring_slower.exposed_comm_s - kept.exposed_comm_s, 3 * shift, 1e-9 * kept.comm_s);
+}
+
+// Multi-head (8 / 8 at D = 64): ring_backward auto sends the queries in backward, per step
+// [q | dout], [lse | delta] and the dQ accumulator (3D + 2 floats per head and position against
+// the blocks' 4D): fewer bytes and, on a link slow enough to expose them, less exposed; the same
+// compute. With GQA (8 / 2) the blocks are fewer bytes and auto keeps them.
+TEST(CostModel, TheRingsBackwardSendsTheQueriesWhereThatIsFewerBytes) {
+  auto slower = synthetic(1.0 / 10e6);
+  auto w = workload();
+  w.projections = false;
+  const auto queries = predict_cp_step(slower, config("ring", true), 4, w);
+  const auto blocks = predict_cp_step(slower, ring_blocks(), 4, w);
+  const auto& fit = slower.fit("all_to_all", 4);
+  const double local = w.seq / 4.0, h = 8.0 * 64, e = 4;
+  const double block = e * local * 2 * h;
+  EXPECT_NEAR(queries.comm_s,
+              3 * fit.time(block) + 3 * (fit.time(e * local * 2 * h) + fit.time(e * local * 2 * 8) +
+                                         fit.time(e * local * h)),
+              1e-9 * queries.comm_s);
+  EXPECT_NEAR(blocks.comm_s, 9 * fit.time(block), 1e-9 * blocks.comm_s);
+  EXPECT_LT(queries.exposed_comm_s, blocks.exposed_comm_s);
+  EXPECT_DOUBLE_EQ(queries.compute_s, blocks.compute_s);
+  const auto gqa = workload(8, 2);
+  EXPECT_DOUBLE_EQ(predict_cp_step(slower, config("ring", true), 4, gqa).comm_s,
+                   predict_cp_step(slower, ring_blocks(), 4, gqa).comm_s);
 }
 
 // Where the primitive offers no backward from statistics (ring_recomputes), the ring's compute

@@ -49,6 +49,9 @@ def cases(p):
         if algorithm in ("ring", "usp"):  # forward keeps the blocks, backward sends accumulators
             yield dict(algorithm=algorithm, causal=True, layout="bnsd", schedule="async",
                        load_balance=True, ring_keep_blocks=True)
+            # multi-head here: auto sends the queries in backward; the blocks on request
+            yield dict(algorithm=algorithm, causal=True, layout="bshd", schedule="sync",
+                       load_balance=True, ring_backward="blocks")
         if algorithm == "ulysses":  # the last head group's output in 3 row parts
             for causal in (False, True):
                 yield dict(algorithm=algorithm, causal=causal, layout="bshd", schedule="async",

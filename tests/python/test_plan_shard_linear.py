@@ -29,6 +29,8 @@ def test_plan_summary():
     assert moe["ep"] == 4 and moe["has_moe"]
     parts = hp.plan(2, cp=2, algorithm="ulysses", schedule="async", row_parts=2)
     assert "ulysses_row_parts=2" in parts["cp"], parts["cp"]
+    ring = hp.plan(2, cp=2, algorithm="ring", ring_backward="queries")
+    assert "ring_backward=queries" in ring["cp"], ring["cp"]
 
 
 # (world size, options, the same layout as hp-train flags; None: hp-train refuses it earlier,
@@ -43,6 +45,9 @@ ILLEGAL = [
      ["--nproc", "4", "--arch", "qwen3-moe", "--experts", "6", "--ep", "4", "--dp-shard", "4"]),
     (2, dict(cp=2, algorithm="ulysses", row_parts=2),
      ["--nproc", "2", "--cp", "2", "--cp-algo", "ulysses", "--ulysses-row-parts", "2"]),
+    (2, dict(cp=2, algorithm="ring", ring_keep_blocks=True, ring_backward="queries"),
+     ["--nproc", "2", "--cp", "2", "--cp-algo", "ring", "--ring-keep-blocks", "--ring-backward",
+      "queries"]),
 ]
 
 

@@ -110,6 +110,8 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"ring_kept_blocks",
                "--nproc 2 --cp 2 --cp-algo ring --load-balance --ring-keep-blocks", "qwen3",
                "ring_keep_blocks=true"},
+        Layout{"ring_queries_backward", "--nproc 2 --cp 2 --cp-algo ring --ring-backward queries",
+               "qwen3", "ring_backward=queries"},
         Layout{"ulysses_row_parts_async",
                "--nproc 2 --cp 2 --cp-algo ulysses --schedule async --ulysses-row-parts 2", "qwen3",
                "ulysses_row_parts=2"},

@@ -78,10 +78,13 @@ class AttentionPrimitive {
   //   p = exp(s - lse),  dS = p * (dout v^T - rowsum(dout * out)),  dq = dS k,  dk = dS^T q,
   //   dv = p^T dout   (s the scaled, masked scores of this piece; rows with lse = -inf: zero)
   // Summing dq over the pieces and placing each piece's dk/dv gives the whole call's gradients,
-  // with no forward recomputed per piece. `options` describe this piece (causal offsets, masks)
-  // as forward() takes them. p is rebuilt from the float32 lse (float inputs), not from the
-  // forward's row max and sum: like a merge by lse (above), it carries a relative error of up
-  // to ~2^-24 |lse|, which only matters at extreme logit scales (|scores| ~ 1e5).
+  // with no forward recomputed per piece. `out` may instead be given as its row sums against
+  // `dout`, delta = rowsum(dout * out) [B, Nq, Sq] (all the backward reads of it: a caller that
+  // moves the statistics to another rank sends that, not the output). `options` describe this
+  // piece (causal offsets, masks) as forward() takes them. p is rebuilt from the float32 lse (float
+  // inputs), not from the forward's row max and sum: like a merge by lse (above), it carries a
+  // relative error of up to ~2^-24 |lse|, which only matters at extreme logit scales (|scores| ~
+  // 1e5).
   virtual bool offers_backward_from_stats() const { return false; }
   virtual AttentionGrads backward_from_stats(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, const at::Tensor& out,

@@ -30,7 +30,8 @@ using AttentionFn = std::function<AttentionResult(const at::Tensor& q, const at:
                                                   const at::Tensor& v, const AttentionOptions&)>;
 // The gradients of one piece of an AttentionFn's call from the whole call's merged statistics
 // (AttentionPrimitive::backward_from_stats), for the same function: (q, k, v, out, lse, dout,
-// options). Empty where the function offers none.
+// options); `out` in the function's layout, or rowsum(dout * out) with that last dim summed
+// away. Empty where the function offers none.
 using StatsBackwardFn = std::function<AttentionGrads(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& dout, const AttentionOptions&)>;

@@ -46,6 +46,18 @@ enum class LoadBalanceForm { kDataOrder, kRuntimeSwap };
 // Needs U % kv_heads == 0. Q and the output still travel by all-to-all.
 enum class KVHeadPolicy { kError, kRepeat };
 
+// What the ring's backward (ring and usp) passes around the ring (volume.h has the bytes):
+//   kBlocks   each rank's [k | v] block again, followed by its dK/dV accumulator (the forward's
+//             direction);
+//   kQueries  each rank's [q | dout] and [lse | rowsum(dout * out)] the other way, followed by
+//             its dQ accumulator; dK/dV never leave their rank. Fewer bytes where the query heads'
+//             Q, dO and dQ weigh less than two passes of K/V: multi-head attention at D = 64
+//             sends (3D + 2) per head against 4D;
+//   kAuto     whichever of the two sends fewer bytes for the call's shapes (kBlocks on a tie).
+// Kept blocks (ring_keep_blocks) send only the dK/dV accumulators, fewer than either: the
+// queries stay home there.
+enum class RingBackward { kAuto, kBlocks, kQueries };
+
 struct ContextParallelConfig {
   CPAlgorithm algorithm = CPAlgorithm::kAllGather;
   CPSchedule schedule = CPSchedule::kSync;
@@ -77,6 +89,9 @@ struct ContextParallelConfig {
   // (the co group's whole K/V instead of at most two blocks). false (the default): at most two
   // blocks alive, the blocks travel again in backward.
   bool ring_keep_blocks = false;
+  // Ring and usp: what the backward passes around the ring (RingBackward; kQueries is refused
+  // with ring_keep_blocks).
+  RingBackward ring_backward = RingBackward::kAuto;
   // Async ulysses: the last head group's output all-to-all in this many row parts (each rank's
   // chunk cut into equal row ranges; part m attended for every chunk, then sent while part m + 1
   // is attended), so what nothing hides at the end of forward and the start of backward is one
@@ -92,6 +107,7 @@ const char* to_string(CPSchedule s);                 // "sync", "async"
 const char* to_string(AsyncFallback f);              // "error", "sync"
 const char* to_string(LoadBalanceForm f);            // "data_order", "runtime_swap"
 const char* to_string(KVHeadPolicy p);               // "error", "repeat"
+const char* to_string(RingBackward b);               // "auto", "blocks", "queries"
 
 // Parse the string forms; errors list the valid values. Algorithms are the names of
 // `strategies` (null: StrategyRegistry::builtin()).
@@ -99,6 +115,7 @@ CPAlgorithm parse_algorithm(const std::string& s, const StrategyRegistry* strate
 CPSchedule parse_schedule(const std::string& s);
 AsyncFallback parse_async_fallback(const std::string& s);
 KVHeadPolicy parse_kv_head_policy(const std::string& s);
+RingBackward parse_ring_backward(const std::string& s);
 
 // The one legacy conversion from a bare Ulysses degree: 1 -> all_gather, == cp -> ulysses,
 // in between -> hybrid with that degree.

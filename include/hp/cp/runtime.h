@@ -24,6 +24,7 @@ struct CPRuntimeOptions {
   int64_t ulysses_head_groups = 0;        // async ulysses, usp, all_gather (ContextParallelConfig)
   bool async_always_local_first = false;  // async all_gather, hybrid (ContextParallelConfig)
   bool ring_keep_blocks = false;          // ring, usp (ContextParallelConfig)
+  RingBackward ring_backward = RingBackward::kAuto;  // ring, usp (ContextParallelConfig)
   int64_t ulysses_row_parts = 0;          // async ulysses (ContextParallelConfig)
 };
 

@@ -74,8 +74,9 @@ struct CPRuntimeContext {
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid (ContextParallelConfig::async_always_local_first).
   bool async_always_local_first = false;
-  // Ring and usp (ContextParallelConfig::ring_keep_blocks).
+  // Ring and usp (ContextParallelConfig::ring_keep_blocks, ring_backward).
   bool ring_keep_blocks = false;
+  RingBackward ring_backward = RingBackward::kAuto;
   // Async ulysses (ContextParallelConfig::ulysses_row_parts; 0: auto).
   int64_t ulysses_row_parts = 0;
   // Async schedule: the runtime skipped this call's moves at the handoff points, because the
@@ -139,8 +140,10 @@ class AttentionCall {
   bool offers_grads_from_stats() const { return static_cast<bool>(from_stats_); }
   // The gradients of one block's call (as operator() would run it for `state`) from the
   // merged `out` and `lse` (primitive frame, [B, N, Sq]) of all the blocks its queries attend,
-  // and `dout`: no forward recomputed. dk, dv cover k's first rows only where the causal cut
-  // drops keys past the block's last query (their gradient is zero): add them at row 0.
+  // and `dout`: no forward recomputed. `out` (in ctx.layout) may be given as rowsum(dout * out)
+  // with its last dim summed away (what the ring sends when the queries travel). dk, dv cover
+  // k's first rows only where the causal cut drops keys past the block's last query (their
+  // gradient is zero): add them at row 0.
   attention::AttentionGrads grads_from_stats(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, const at::Tensor& out,
                                              const at::Tensor& lse, const at::Tensor& dout,

@@ -36,12 +36,30 @@ int64_t forward_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_s
                                const AttentionShape& shape, int64_t cp_rank = 0,
                                const StrategyRegistry* strategies = nullptr);
 // Backward bytes (CPStrategy::backward_bytes_per_rank): the inverse collectives move the same
-// bytes again (reduce-scatter / inverse all-to-alls / the swaps), except the ring's backward,
-// which passes the blocks around again with one dK/dV accumulator each: 2(P-1) blocks (usp: its
-// ring piece likewise over the C groups).
+// bytes again (reduce-scatter / inverse all-to-alls / the swaps), except the ring's backward
+// (usp: its ring piece over the C groups), P-1 steps of ring_backward_bytes_per_position for
+// each of the S/P positions a rank holds (times the batch).
 int64_t backward_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
                                 const AttentionShape& shape, int64_t cp_rank = 0,
                                 const StrategyRegistry* strategies = nullptr);
+// The heads of one ring (usp: after its all-to-all), as the ring's backward weighs them.
+struct RingHeads {
+  int64_t heads = 0, kv_heads = 0;  // query and K/V heads on the ring
+  int64_t qk_dim = 0, v_dim = 0;
+  int64_t element_size = 4;  // q, k, v, dout; the statistics (lse, delta) take 8 where it is 8,
+                             // else 4 (float32)
+};
+// What one ring step of the backward sends per position (`choice`: ContextParallelConfig::
+// ring_backward, `keep_blocks`: its ring_keep_blocks):
+//   blocks    2 kv_heads (Dqk + Dv) e   the [k | v] block and its dK/dV accumulator (kept blocks:
+//             the accumulator alone, kv_heads (Dqk + Dv) e)
+//   queries   heads ((2 Dqk + Dv) e + 2 e_stats)   [q | dout], [lse | delta] and the dQ
+//             accumulator
+int64_t ring_backward_bytes_per_position(RingBackward choice, bool keep_blocks, const RingHeads& h);
+// Whether the ring's backward passes the queries: `choice` kQueries, or kAuto where that sends
+// fewer bytes than the blocks (never with kept blocks).
+bool ring_moves_queries(RingBackward choice, bool keep_blocks, const RingHeads& h);
+
 // Forward + backward: what one training step of the layer sends per rank.
 int64_t step_bytes_per_rank(const ContextParallelConfig& config, int64_t cp_size,
                             const AttentionShape& shape, int64_t cp_rank = 0,
