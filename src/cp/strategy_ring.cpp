@@ -536,13 +536,14 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       if (g.dv.defined())
         plan.chunk(dv, pair.kc).narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
     };
-    // The calls of a bundle's queries (`qd` = [q | dout], `st` = [lse | delta] of their member)
-    // against the own K/V.
-    auto attend = [&](const Pair& pair, const at::Tensor& qd, const at::Tensor& st,
-                      const at::Tensor& dq_to) {
-      auto rows = query_rows(plan, qd, pair), stats = query_rows(plan, st, pair);
-      auto qi = rows.narrow(-1, 0, dqk), d_o = rows.narrow(-1, dqk, rows.size(-1) - dqk);
-      auto big_l = stats.narrow(-1, 0, 1), dl = stats.narrow(-1, 1, 1);
+    // One call of a member's queries against the own K/V: its q, dout and statistics (lse,
+    // delta; [..., 1] in the output's frame) are this rank's or a bundle's views.
+    struct Queries {
+      at::Tensor q, dout, lse, delta;
+    };
+    auto attend = [&](const Pair& pair, const Queries& x, const at::Tensor& dq_to) {
+      auto qi = query_rows(plan, x.q, pair), d_o = query_rows(plan, x.dout, pair);
+      auto big_l = query_rows(plan, x.lse, pair), dl = query_rows(plan, x.delta, pair);
       auto kc = plan.chunk(k, pair.kc), vc = plan.chunk(v, pair.kc);
       if (plan.from_stats) {
         place(pair,
@@ -557,12 +558,16 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       auto res = (*plan.call)(qx, kx, vx, pair.st);
       place(pair, seeded_grad(plan, qx, kx, vx, res, big_l, dl, d_o), dq_to);
     };
-    auto qd = at::cat({q, dout.to(q.scalar_type())}, -1).contiguous();
-    auto st = at::cat({m, delta}, -1).contiguous();
+    // A bundle as it travels: [q | dout] and [lse | delta].
+    auto unpack = [&](const at::Tensor& qd, const at::Tensor& st) {
+      return Queries{qd.narrow(-1, 0, dqk), qd.narrow(-1, dqk, qd.size(-1) - dqk),
+                     st.narrow(-1, 0, 1), st.narrow(-1, 1, 1)};
+    };
+    const Queries own{q, dout, m, delta};
     auto own_half = [&](int half) {
       if (plan.from_stats) {
         for (const auto& pair : pairs_for(plan, r, half))
-          attend(pair, qd, st, dq);
+          attend(pair, own, dq);
         return;
       }
       for (auto& c : kept) {  // graphs kept from forward: no recompute
@@ -580,15 +585,19 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       return std::make_pair(std::move(first), comm::shift_async(*plan.ring.group, b, -1));
     };
     std::pair<comm::Pending, comm::Pending> next;
-    if (last >= 1) next = shift_bundle(qd, st);
+    if (last >= 1) {  // the own bundle: a copy alive only until its shift has landed
+      next = shift_bundle(at::cat({q, dout.to(q.scalar_type())}, -1).contiguous(),
+                          at::cat({m, delta}, -1).contiguous());
+    }
     own_half(0);             // hides the first shift
     comm::Pending arriving;  // the dQ accumulator of the bundle here, from rank r+1
     for (int64_t step = 1; step <= last; ++step) {
       auto here_qd = next.first(), here_st = next.second();  // the queries of rank r + step
       if (step < last) next = shift_bundle(here_qd, here_st);
       auto acc = at::zeros_like(q);
+      const auto here = unpack(here_qd, here_st);
       for (const auto& pair : pairs_between(plan, (r + step) % p, r))
-        attend(pair, here_qd, here_st, acc);
+        attend(pair, here, acc);
       if (arriving) acc.add_(arriving());
       // On to rank r-1 with the bundle; after the last step home to rank r + last.
       arriving =

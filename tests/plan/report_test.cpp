@@ -51,10 +51,16 @@ int64_t cp_layer_bytes(const json& m) {
   const int64_t e = 4;
   if (m["algorithm"] == "all_gather") return 2 * (2 * s * hkv * e * (p - 1) / p);
   if (m["algorithm"] == "ulysses") return 2 * ((2 * h + 2 * hkv) * (s / p) * e * (p - 1) / p);
-  // ring: P-1 block shifts forward; backward the blocks again (unless kept: ring_keep_blocks)
-  // and P-1 dK/dV accumulators.
-  if (m["algorithm"] == "ring")
-    return (m["ring_keep_blocks"].get<bool>() ? 2 : 3) * (p - 1) * (s / p) * 2 * hkv * e;
+  // ring: P-1 block shifts forward; backward P-1 steps of the dK/dV accumulator after the
+  // block again (the accumulator alone where forward kept the blocks: ring_keep_blocks), or of
+  // [q | dout], [lse | delta] (float32) and the dQ accumulator, whichever is fewer bytes
+  // (ring_backward auto).
+  if (m["algorithm"] == "ring") {
+    const int64_t block = 2 * hkv * e, queries = 3 * h * e + 2 * m["heads"].get<int64_t>() * 4;
+    const int64_t backward =
+        m["ring_keep_blocks"].get<bool>() ? block : std::min(2 * block, queries);
+    return (p - 1) * (s / p) * (block + backward);
+  }
   ADD_FAILURE() << "no formula here for " << m["algorithm"];
   return -1;
 }
