@@ -188,7 +188,7 @@ struct RingGroup {
   int64_t head_offset = 0;
   std::vector<std::vector<int64_t>> chunks;  // [member] -> chunk ids
   int64_t chunk_len = 0;
-  bool keep_blocks = false;  // ContextParallelConfig::ring_keep_blocks
+  bool keep_blocks = false;                     // ContextParallelConfig::ring_keep_blocks
   RingBackward backward = RingBackward::kAuto;  // ContextParallelConfig::ring_backward
 };
 // Attention of q against the K/V blocks of every member of `ring`, each block shifted on while

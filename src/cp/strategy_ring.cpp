@@ -58,6 +58,7 @@
 #include "hp/common/capsule.h"
 #include "hp/common/check.h"
 #include "hp/cp/sequence.h"
+#include "ring_plan.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -129,76 +130,16 @@ class RingStrategy final : public CPStrategy {
 
 namespace {
 
+using detail::ring::KeptCall;
+using detail::ring::Pair;
+using detail::ring::pairs_between;
+using detail::ring::pairs_for;
+using detail::ring::queries_backward;
+using detail::ring::query_rows;
+using detail::ring::RingPlan;
+using detail::ring::seeded_grad;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// What forward and backward share: the call (a copy), where the ring runs and the chunking.
-struct RingPlan {
-  std::shared_ptr<const AttentionCall> call;
-  QKVLayout layout;
-  detail::RingGroup ring;
-  int64_t s = 0;            // local sequence length
-  int64_t len = 0;          // rows per chunk (ring.chunk_len)
-  int64_t dk = 0;           // last dim of k (the [k | v] buffer splits there)
-  int64_t last_step = 0;    // J: the last step whose block some rank attends (last_needed_step)
-  bool from_stats = false;  // backward from the merged out/lse (call.offers_grads_from_stats)
-  bool queries = false;     // backward: the queries travel (ring_moves_queries), not the blocks
-
-  // Chunk ids (of the global sequence cut into `len`-row chunks) of the rows `rank` holds.
-  const std::vector<int64_t>& chunk_ids(int64_t rank) const { return ring.chunks[rank]; }
-  at::Tensor chunk(const at::Tensor& x, size_t i) const {
-    return x.narrow(layout.seq_dim, static_cast<int64_t>(i) * len, len);
-  }
-};
-
-// One attention call of a step: query chunk `qi` of this rank against key chunk `kc` of the
-// block here.
-struct Pair {
-  size_t qi = 0, kc = 0;
-  int64_t row0 = 0, rows = 0;  // the query rows of chunk qi the call takes
-  CallState st;
-};
-
-// Rows [row0, row0 + rows) of query chunk qi of x.
-at::Tensor query_rows(const RingPlan& plan, const at::Tensor& x, const Pair& pair) {
-  return plan.chunk(x, pair.qi).narrow(plan.layout.seq_dim, pair.row0, pair.rows);
-}
-
-// The calls of ring member `dst`'s queries against the block of member `src`: causal blocks
-// above the diagonal and blocks no packed document spans are left out (never computed). `half`
-// 0 / 1 keeps the first / second half of every query chunk's rows (-1: all rows). Positions are
-// global, so any member can tell what any other attends.
-std::vector<Pair> pairs_between(const RingPlan& plan, int64_t dst, int64_t src, int half = -1) {
-  const bool causal = plan.call->options().causal;
-  const auto &queries = plan.chunk_ids(dst), &keys = plan.chunk_ids(src);
-  std::vector<Pair> out;
-  for (size_t kc = 0; kc < keys.size(); ++kc) {
-    for (size_t qi = 0; qi < queries.size(); ++qi) {
-      if (causal && keys[kc] > queries[qi]) continue;
-      const int64_t first = plan.len / 2;
-      Pair pair{qi,
-                kc,
-                half == 1 ? first : 0,
-                half < 0    ? plan.len
-                : half == 0 ? first
-                            : plan.len - first,
-                {}};
-      if (pair.rows == 0) continue;
-      pair.st.local_seq = plan.s;
-      pair.st.head_offset = plan.ring.head_offset;
-      pair.st.causal = {(queries[qi] - keys[kc]) * plan.len + pair.row0, pair.rows, plan.len};
-      pair.st.kv_start = keys[kc] * plan.len;
-      if (plan.call->hidden(pair.st)) continue;
-      out.push_back(pair);
-    }
-  }
-  return out;
-}
-
-// This rank's calls at the step that holds the block of member `src`.
-std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
-  return pairs_between(plan, plan.ring.rank, src, half);
-}
 
 // J: P-1, or with packed documents the last ring step whose block some member attends (step j
 // brings member d the block of member d - j). Every member computes the same J from the global
@@ -222,16 +163,6 @@ at::Tensor value_part(const RingPlan& plan, const at::Tensor& kv, size_t kc) {
   return c.narrow(-1, plan.dk, c.size(-1) - plan.dk);
 }
 
-// One call of the own block whose autograd graph is kept from forward: its K/V are this rank's
-// inputs (one contiguous copy per key chunk, shared), so keeping it costs little more than its
-// partial output, and its backward needs no recompute. `half` 0 / 1: the half of the own block's
-// calls run before / after the ring.
-struct KeptCall {
-  Pair pair;
-  int half = 0;
-  at::Tensor qi, kc, vc;  // the leaves the call ran on
-  attention::AttentionResult r;
-};
 using KeptCalls = std::shared_ptr<std::vector<KeptCall>>;
 
 // The [k | v] block of each backward step 1..J: kept from forward (ring_keep_blocks; each
@@ -488,124 +419,6 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     };
     out = out * weight(lse) + o * weight(l);
     lse = total;
-  }
-
-  // One call's gradients from its graph: with O = sum_b w_b o_b, w_b = exp(lse_b - L),
-  //   dO/do_b = w_b,   d<dO, O>/dlse_b = w_b (<dO, o_b> - delta),  delta = <dO, O>   (per row)
-  // handed to the call's own autograd. `big_l`, `delta` (statistics' frame and dtype) and `d_o`
-  // are the rows of the call's queries; {dq, dk, dv} as the leaves qi, kc, vc (undefined where
-  // the graph does not reach one).
-  static attention::AttentionGrads seeded_grad(const RingPlan& plan, const at::Tensor& qi,
-                                               const at::Tensor& kc, const at::Tensor& vc,
-                                               const attention::AttentionResult& r,
-                                               const at::Tensor& big_l, const at::Tensor& delta,
-                                               const at::Tensor& d_o) {
-    const auto& l = plan.layout;
-    at::AutoGradMode grad_on(true);
-    auto w = at::exp(detail::lse_like_out(r.lse.detach(), l) - big_l);
-    w = at::where(big_l.isneginf(), at::zeros_like(w), w);
-    auto g_out = d_o * w.to(d_o.scalar_type());
-    auto dot = (d_o.to(w.scalar_type()) * r.out.detach().to(w.scalar_type())).sum(-1, true);
-    auto g_lse = w * (dot - delta);
-    auto g = torch::autograd::grad({r.out, r.lse}, {qi, kc, vc},
-                                   {g_out, detail::lse_to_primitive(g_lse, l)},
-                                   /*retain_graph=*/false, /*create_graph=*/false,
-                                   /*allow_unused=*/true);
-    return {g[0], g[1], g[2]};
-  }
-
-  // The backward with the queries travelling (plan.queries; the sketch atop this file): this
-  // rank's [q | dout] and [lse | delta] go to rank r-1 and on, each member attends them
-  // against its own K/V (from the statistics, or recomputed where the primitive offers none),
-  // keeps the dK/dV and adds the dQ to the accumulator that follows them home.
-  static variable_list queries_backward(const RingPlan& plan, const variable_list& saved,
-                                        const at::Tensor& dout, const at::Tensor& delta,
-                                        std::vector<KeptCall>& kept) {
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &m = saved[4];
-    const auto& l = plan.layout;
-    auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-    const int64_t p = plan.ring.size, r = plan.ring.rank, last = plan.last_step;
-    const int64_t dqk = q.size(-1);
-    // One call's gradients: dq into `dq_to`'s query rows; dK/dV into this rank's own chunks
-    // (from the statistics they cover the chunk's first rows only: added at row 0).
-    auto place = [&](const Pair& pair, const attention::AttentionGrads& g,
-                     const at::Tensor& dq_to) {
-      if (g.dq.defined()) query_rows(plan, dq_to, pair).add_(g.dq);
-      if (g.dk.defined())
-        plan.chunk(dk, pair.kc).narrow(l.seq_dim, 0, g.dk.size(l.seq_dim)).add_(g.dk);
-      if (g.dv.defined())
-        plan.chunk(dv, pair.kc).narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
-    };
-    // One call of a member's queries against the own K/V: its q, dout and statistics (lse,
-    // delta; [..., 1] in the output's frame) are this rank's or a bundle's views.
-    struct Queries {
-      at::Tensor q, dout, lse, delta;
-    };
-    auto attend = [&](const Pair& pair, const Queries& x, const at::Tensor& dq_to) {
-      auto qi = query_rows(plan, x.q, pair), d_o = query_rows(plan, x.dout, pair);
-      auto big_l = query_rows(plan, x.lse, pair), dl = query_rows(plan, x.delta, pair);
-      auto kc = plan.chunk(k, pair.kc), vc = plan.chunk(v, pair.kc);
-      if (plan.from_stats) {
-        place(pair,
-              plan.call->grads_from_stats(qi, kc, vc, dl.squeeze(-1),
-                                          detail::lse_to_primitive(big_l, l), d_o, pair.st),
-              dq_to);
-        return;
-      }
-      at::AutoGradMode grad_on(true);
-      auto qx = qi.detach().requires_grad_(true), kx = kc.detach().requires_grad_(true),
-           vx = vc.detach().requires_grad_(true);
-      auto res = (*plan.call)(qx, kx, vx, pair.st);
-      place(pair, seeded_grad(plan, qx, kx, vx, res, big_l, dl, d_o), dq_to);
-    };
-    // A bundle as it travels: [q | dout] and [lse | delta].
-    auto unpack = [&](const at::Tensor& qd, const at::Tensor& st) {
-      return Queries{qd.narrow(-1, 0, dqk), qd.narrow(-1, dqk, qd.size(-1) - dqk),
-                     st.narrow(-1, 0, 1), st.narrow(-1, 1, 1)};
-    };
-    const Queries own{q, dout, m, delta};
-    auto own_half = [&](int half) {
-      if (plan.from_stats) {
-        for (const auto& pair : pairs_for(plan, r, half))
-          attend(pair, own, dq);
-        return;
-      }
-      for (auto& c : kept) {  // graphs kept from forward: no recompute
-        if (c.half != half) continue;
-        place(c.pair,
-              seeded_grad(plan, c.qi, c.kc, c.vc, c.r, query_rows(plan, m, c.pair),
-                          query_rows(plan, delta, c.pair), query_rows(plan, dout, c.pair)),
-              dq);
-        c = KeptCall{};  // its graph is spent: free it now
-      }
-    };
-    // Both parts of the bundle travel to rank r-1; the Pendings hold them until they land.
-    auto shift_bundle = [&](const at::Tensor& a, const at::Tensor& b) {
-      auto first = comm::shift_async(*plan.ring.group, a, -1);  // in this order on every rank
-      return std::make_pair(std::move(first), comm::shift_async(*plan.ring.group, b, -1));
-    };
-    std::pair<comm::Pending, comm::Pending> next;
-    if (last >= 1) {  // the own bundle: a copy alive only until its shift has landed
-      next = shift_bundle(at::cat({q, dout.to(q.scalar_type())}, -1).contiguous(),
-                          at::cat({m, delta}, -1).contiguous());
-    }
-    own_half(0);             // hides the first shift
-    comm::Pending arriving;  // the dQ accumulator of the bundle here, from rank r+1
-    for (int64_t step = 1; step <= last; ++step) {
-      auto here_qd = next.first(), here_st = next.second();  // the queries of rank r + step
-      if (step < last) next = shift_bundle(here_qd, here_st);
-      auto acc = at::zeros_like(q);
-      const auto here = unpack(here_qd, here_st);
-      for (const auto& pair : pairs_between(plan, (r + step) % p, r))
-        attend(pair, here, acc);
-      if (arriving) acc.add_(arriving());
-      // On to rank r-1 with the bundle; after the last step home to rank r + last.
-      arriving =
-          comm::shift_async(*plan.ring.group, acc, step < last ? -1 : static_cast<int>(last));
-    }
-    own_half(1);  // hides the accumulator's last hop
-    if (arriving) dq += arriving();
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 };
 

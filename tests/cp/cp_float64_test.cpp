@@ -40,10 +40,10 @@ struct Case {
   LoadBalanceForm form = LoadBalanceForm::kDataOrder;
   int64_t kv_heads = kNkv;
   KVHeadPolicy kv_policy = KVHeadPolicy::kError;
-  int64_t head_groups = 0;          // async ulysses, usp (0: automatic)
-  int64_t row_parts = 0;            // async ulysses (0: automatic)
-  bool always_local_first = false;  // async all_gather and hybrid
-  bool keep_blocks = false;         // ring, usp
+  int64_t head_groups = 0;                           // async ulysses, usp (0: automatic)
+  int64_t row_parts = 0;                             // async ulysses (0: automatic)
+  bool always_local_first = false;                   // async all_gather and hybrid
+  bool keep_blocks = false;                          // ring, usp
   RingBackward ring_backward = RingBackward::kAuto;  // ring, usp
   std::string primitive = "blockwise";
   std::string name() const {

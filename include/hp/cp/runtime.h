@@ -25,7 +25,7 @@ struct CPRuntimeOptions {
   bool async_always_local_first = false;  // async all_gather, hybrid (ContextParallelConfig)
   bool ring_keep_blocks = false;          // ring, usp (ContextParallelConfig)
   RingBackward ring_backward = RingBackward::kAuto;  // ring, usp (ContextParallelConfig)
-  int64_t ulysses_row_parts = 0;          // async ulysses (ContextParallelConfig)
+  int64_t ulysses_row_parts = 0;                     // async ulysses (ContextParallelConfig)
 };
 
 class CPRuntime final : public attention::AttentionInterceptor,
