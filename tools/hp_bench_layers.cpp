@@ -74,7 +74,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
       "accumulators), or auto (the fewer bytes; default)");
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
-                  "with the one under test; its result comes first");
+                  "with the one under test; its result comes first. contiguous (with "
+                  "--load-balance, either schedule): the same layer on contiguous shards, so "
+                  "the ratio is what head-tail balance buys");
   cmd->add_flag("--reference-step", a.bench.reference_step,
                 "after each round of timed steps, time the reference step (blockwise attention "
                 "fwd+bwd, causal, S=2048, H=8, D=64, on every rank at once): the machine's "

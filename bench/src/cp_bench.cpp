@@ -304,9 +304,23 @@ std::optional<cp::ContextParallelConfig> paired_config(const CPBenchOptions& o,
                                                        const cp::ContextParallelConfig& config,
                                                        int64_t p) {
   if (o.paired_with.empty()) return std::nullopt;
+  if (o.paired_with == "contiguous") {
+    // The same layer, schedule and shape with contiguous shards: what head-tail balance buys,
+    // step against step.
+    HP_CHECK(config.load_balance && o.documents == 0,
+             "hp-bench cp: --paired-with contiguous pairs a balanced layer with the same layer on "
+             "contiguous shards (got --load-balance ",
+             config.load_balance ? "on" : "off", ", --documents ", o.documents,
+             "); add --load-balance and drop --documents");
+    auto c = config;
+    c.load_balance = false;
+    auto n = cp::normalize(c, p).value_or(cp::ContextParallelConfig{});
+    cp::check_sequence(n, p, o.seq);
+    return n;
+  }
   HP_CHECK(o.paired_with == "all_gather" || o.paired_with == "ulysses" || o.paired_with == "ring",
            "hp-bench cp: --paired-with=", o.paired_with,
-           " is not supported; use all_gather, ulysses or ring");
+           " is not supported; use all_gather, ulysses, ring or contiguous");
   HP_CHECK(config.schedule == cp::CPSchedule::kSync && o.documents == 0,
            "hp-bench cp: --paired-with pairs two sync layers without documents (got --schedule ",
            cp::to_string(config.schedule), ", --documents ", o.documents,
@@ -368,12 +382,16 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
     for (auto& r : out)
       r.reference_step_s = median(reference);
   }
-  if (paired) out[1].paired_speedup = paired_ratio(variants[0], variants[1]);
+  // The paired layer's result first, then [sync,] this layer's.
+  const size_t base = paired ? 1 : 0;
+  if (paired) out.back().paired_speedup = paired_ratio(variants[0], variants.back());
   if (async) {
-    if (out[0].exposed_comm_s > 0) {
-      out[1].overlap_fraction = std::max(0.0, 1.0 - out[1].exposed_comm_s / out[0].exposed_comm_s);
+    auto &sync_r = out[base], &async_r = out[base + 1];
+    if (sync_r.exposed_comm_s > 0) {
+      async_r.overlap_fraction =
+          std::max(0.0, 1.0 - async_r.exposed_comm_s / sync_r.exposed_comm_s);
     }
-    out[1].async_speedup = paired_ratio(variants[0], variants[stride]);
+    async_r.async_speedup = paired_ratio(variants[base * stride], variants[base * stride + stride]);
   }
   return out;
 }

@@ -368,7 +368,9 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
   EXPECT_EQ(res[0]["reference_step_s"], res[1]["reference_step_s"]) << r.out;
   // Refused before any rank starts: an algorithm it does not pair, an async or packed layer.
   for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
-           {"--paired-with hybrid", "--paired-with=hybrid is not supported"},
+           {"--paired-with hybrid",
+            "--paired-with=hybrid is not supported; use all_gather, "
+            "ulysses, ring or contiguous"},
            {"--paired-with ulysses --schedule async",
             "--paired-with pairs two sync layers without documents"},
            {"--paired-with ulysses --documents 2",
@@ -378,6 +380,43 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
     EXPECT_NE(bad.rc, 0) << flags;
     EXPECT_NE(bad.out.find(expect), std::string::npos) << bad.out;
   }
+}
+
+// --paired-with contiguous: the same layer and schedule on contiguous shards, timed in
+// alternation with the balanced one; under async the balanced sync layer runs too, and the
+// sync/async ratio stays between the balanced pair while the last result carries the balance
+// ratio. Refused without --load-balance.
+TEST(CPBench, PairedWithContiguousTimesTheSameLayerUnbalanced) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
+                          "--iters 2 --cp-algo all_gather --load-balance --schedule async "
+                          "--paired-with contiguous --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 3u) << r.out;
+  EXPECT_EQ(res[0]["load_balance"], false);
+  EXPECT_EQ(res[0]["schedule"], "async");
+  EXPECT_EQ(res[1]["load_balance"], true);
+  EXPECT_EQ(res[1]["schedule"], "sync");
+  EXPECT_EQ(res[2]["load_balance"], true);
+  EXPECT_EQ(res[2]["schedule"], "async");
+  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << r.out;
+  EXPECT_EQ(res[1]["paired_speedup"], 0.0) << r.out;
+  EXPECT_GT(res[2]["paired_speedup"].get<double>(), 0) << r.out;
+  EXPECT_EQ(res[0]["async_speedup"], 0.0) << r.out;
+  EXPECT_EQ(res[1]["async_speedup"], 0.0) << r.out;
+  EXPECT_GT(res[2]["async_speedup"].get<double>(), 0) << r.out;
+  for (const auto& x : res) {
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
+    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << r.out;
+  }
+  auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " cp --seq 512 --heads 2 --cp 2 --iters 1 "
+                                      "--paired-with contiguous");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--paired-with contiguous pairs a balanced layer"), std::string::npos)
+      << bad.out;
 }
 
 // Under the caching host allocator (the tools' default) a timed step repeats the one before it

@@ -26,6 +26,8 @@ struct CPBenchOptions {
   // "all_gather" | "ulysses" | "ring" (sync, no documents): that algorithm's layer on the same
   // shape (balanced where it can be when this one is) is timed in alternation with this one.
   // What the cost model's calibration compares strategies with, free of the machine's drift.
+  // "contiguous" (a balanced layer, either schedule, no documents): the same layer on
+  // contiguous shards, so paired_speedup is what head-tail balance buys.
   std::string paired_with;
   // After each round of the layers' timed steps, every rank runs the reference step
   // (attention_bench.h) at once; its slowest rank's time is recorded like a layer step. What the
@@ -96,7 +98,8 @@ struct CPBenchResult {
 // documents, every timed step is followed by one of the same layer without documents. All
 // layers are alive during the run and their steps alternate: sync, [sync without documents,]
 // async, [async without documents,] sync, ... With paired_with, that layer's result comes
-// first and its steps alternate with this one's.
+// first and its steps alternate with this one's (paired with contiguous under async: the
+// contiguous async layer, then the balanced sync and async ones; the last carries the ratio).
 std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchOptions& options);
 
 // The layer `options.paired_with` names for `config` at P ranks, checked against the shape;
