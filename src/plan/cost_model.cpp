@@ -51,6 +51,7 @@ std::string to_json(const Calibration& c) {
   j["overlap_budget"] = c.overlap_budget;
   j["seconds_per_token"] = c.seconds_per_token;
   j["async_seconds_per_token"] = c.async_seconds_per_token;
+  j["ulysses_async_seconds_per_token"] = c.ulysses_async_seconds_per_token;
   j["ring_seconds_per_token_step"] = c.ring_seconds_per_token_step;
   for (const auto& [kind, by_p] : c.collectives) {
     for (const auto& [p, f] : by_p) {
@@ -72,6 +73,8 @@ Calibration calibration_from_json(const std::string& text) {
   c.overlap_budget = j.value("overlap_budget", 0.5);
   c.seconds_per_token = j.value("seconds_per_token", 0.0);
   c.async_seconds_per_token = j.value("async_seconds_per_token", 0.0);
+  c.ulysses_async_seconds_per_token =
+      j.value("ulysses_async_seconds_per_token", c.async_seconds_per_token);
   c.ring_seconds_per_token_step = j.value("ring_seconds_per_token_step", 0.0);
   for (const auto& [kind, by_p] : j.at("collectives").items()) {
     for (const auto& [p, f] : by_p.items()) {
@@ -356,9 +359,13 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
         cal.ring_seconds_per_token_step * b * local * static_cast<double>(c - 1) / share;
   }
   // What async costs on the rank's core where it launches collectives at the handoffs (the
-  // ring's async schedule is its sync one).
-  if (async && early + co_gathers > 0)
-    out.compute_s += cal.async_seconds_per_token * b * local / share;
+  // ring's async schedule is its sync one); Ulysses has its own fit.
+  if (async && early + co_gathers > 0) {
+    const double per_token = config.algorithm == cp::CPAlgorithm::kUlysses
+                                 ? cal.ulysses_async_seconds_per_token
+                                 : cal.async_seconds_per_token;
+    out.compute_s += per_token * b * local / share;
+  }
   out.step_s = out.compute_s + out.exposed_comm_s;
   return out;
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "hp/model/qwen3.h"
 #include "hp/plan/cost_model.h"
@@ -299,7 +300,7 @@ TEST(CostModel, AsyncAllGatherInHeadGroupsHidesEachHalfBehindItsOwnPass) {
 // The async schedule's own cost: async all_gather pays async_seconds_per_token per local token
 // on top of the sync compute, so on a fast link (little to hide) sync ranks first and on a slow
 // one async still does; the ring's async schedule is its sync one and pays nothing. Without
-// the overhead async never ranks below sync.
+// the overhead async never ranks below sync. Async Ulysses pays its own fit.
 TEST(CostModel, AsyncPaysItsOverheadAndSyncWinsWhereLittleIsHidden) {
   auto w = workload();
   w.load_balance = true;
@@ -314,6 +315,14 @@ TEST(CostModel, AsyncPaysItsOverheadAndSyncWinsWhereLittleIsHidden) {
     const auto async = predict_cp_step(*cal, async_cfg, 2, w);
     EXPECT_NEAR(async.compute_s - free_async.compute_s, 5e-5 * (w.seq / 2), 1e-9);
     EXPECT_DOUBLE_EQ(async.exposed_comm_s, free_async.exposed_comm_s);
+    auto ulysses_async = config("ulysses");
+    ulysses_async.schedule = cp::CPSchedule::kAsync;
+    cal->ulysses_async_seconds_per_token = 0;
+    const auto free_ulysses = predict_cp_step(*cal, ulysses_async, 2, w);
+    cal->ulysses_async_seconds_per_token = 2e-5;
+    const auto paying_ulysses = predict_cp_step(*cal, ulysses_async, 2, w);
+    EXPECT_NEAR(paying_ulysses.compute_s - free_ulysses.compute_s, 2e-5 * (w.seq / 2), 1e-9);
+    EXPECT_DOUBLE_EQ(predict_cp_step(*cal, async_cfg, 2, w).step_s, async.step_s);
     auto ring_async = config("ring", true);
     ring_async.schedule = cp::CPSchedule::kAsync;
     EXPECT_DOUBLE_EQ(predict_cp_step(*cal, ring_async, 2, w).step_s,
@@ -461,12 +470,18 @@ TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   auto c = synthetic(2e-9);
   c.inputs_json = R"({"comm":[{"command":"hp-bench comm --nproc 2"}]})";
   c.async_seconds_per_token = 3e-5;
+  c.ulysses_async_seconds_per_token = 1.5e-5;
   c.ring_seconds_per_token_step = 1.1e-4;
   const std::string path = ::testing::TempDir() + "/hp_cal/calibration-test.json";
   save_calibration(path, c);
   auto back = load_calibration(path);
   EXPECT_EQ(back.link, "test");
   EXPECT_DOUBLE_EQ(back.async_seconds_per_token, 3e-5);
+  EXPECT_DOUBLE_EQ(back.ulysses_async_seconds_per_token, 1.5e-5);
+  // A file from before the Ulysses fit: Ulysses pays the general one.
+  auto j = nlohmann::json::parse(to_json(c));
+  j.erase("ulysses_async_seconds_per_token");
+  EXPECT_DOUBLE_EQ(calibration_from_json(j.dump()).ulysses_async_seconds_per_token, 3e-5);
   EXPECT_DOUBLE_EQ(back.ring_seconds_per_token_step, 1.1e-4);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 4).seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 8).seconds_per_byte, 2e-9);  // nearest measured P

@@ -194,6 +194,13 @@ TEST(Report, CalibrateAutoAndReport) {
   const double share = std::min(1.0, calibration["cores"].get<double>() / 2.0);
   EXPECT_DOUBLE_EQ(calibration["async_seconds_per_token"].get<double>(),
                    std::max(0.0, fit["lost_s"].get<double>()) * share / 2048.0);
+  // Ulysses' own, from its own pairs.
+  const auto& ufit = calibration["inputs"]["ulysses_async_overhead"];
+  EXPECT_NE(ufit["command"].get<std::string>().find("--cp-algo ulysses"), std::string::npos)
+      << ufit;
+  EXPECT_GT(ufit["sync_over_async_paired"].get<double>(), 0) << ufit;
+  EXPECT_DOUBLE_EQ(calibration["ulysses_async_seconds_per_token"].get<double>(),
+                   std::max(0.0, ufit["lost_s"].get<double>()) * share / 2048.0);
 
   // auto: every legal candidate predicted (positive), the cheapest chosen, and that one runs.
   auto a = hp::testing::run_command(

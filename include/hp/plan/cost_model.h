@@ -14,9 +14,10 @@
 //               projection work that follows them (up to `overlap_budget` of it) and behind
 //               attention on local data (all_gather: 1/P of it; ulysses: 1/P^2)
 //             (the ring's async schedule is its sync one)
-//     compute += async_seconds_per_token x local tokens / core share, for an async schedule
-//             that launches collectives at the handoffs (what it costs beyond sync: so that
-//             where there is little to hide, sync wins)
+//     compute += async_seconds_per_token (ulysses: ulysses_async_seconds_per_token) x local
+//             tokens / core share, for an async schedule that launches collectives at the
+//             handoffs (what it costs beyond sync: so that where there is little to hide, sync
+//             wins)
 //     step    = compute + exposed + seconds_per_token x local tokens / core share
 #pragma once
 
@@ -63,6 +64,11 @@ struct Calibration {
   // local token at one core: fitted by hp-bench calibrate from sync and async steps timed in
   // pairs. Per token, not per flop: at S = 4096 and 16384 it was the same per token.
   double async_seconds_per_token = 0;
+  // The same for async Ulysses, fitted the same way from its own pairs: it attends each head
+  // group in one call, with no local/remote split to merge, and paid about half of
+  // all_gather's at S = 4096 in every report (docs/benchmarks.md). A calibration file from
+  // before it takes async_seconds_per_token.
+  double ulysses_async_seconds_per_token = 0;
   // What each ring step costs beyond its flops (the call per block, the lse merge, the wait
   // for the neighbour's block), seconds per local token per step at one core: fitted by
   // hp-bench calibrate from sync ring steps timed in alternation with sync Ulysses steps (the
