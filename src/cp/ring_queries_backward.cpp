@@ -65,83 +65,94 @@ std::vector<at::Tensor> queries_backward(const RingPlan& plan, const std::vector
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   const int64_t p = plan.ring.size, r = plan.ring.rank, last = plan.last_step;
   const int64_t dqk = q.size(-1);
-  // One call's gradients: dq into `dq_to`'s query rows; dK/dV into this rank's own chunks
-  // (from the statistics they cover the chunk's first rows only: added at row 0).
-  auto place = [&](const Pair& pair, const attention::AttentionGrads& g, const at::Tensor& dq_to) {
-    if (g.dq.defined()) query_rows(plan, dq_to, pair).add_(g.dq);
+  // One call of a member's queries against the own K/V, given the call's rows of q, dout and
+  // the statistics (lse, delta; [..., 1] in the output's frame): its dq into `dq_rows`, its
+  // dK/dV into this rank's own chunks (from the statistics they cover the chunk's first rows
+  // only: added at row 0).
+  auto attend = [&](const Pair& pair, const at::Tensor& qi, const at::Tensor& d_o,
+                    const at::Tensor& big_l, const at::Tensor& dl, const at::Tensor& dq_rows) {
+    auto kc = plan.chunk(k, pair.kc), vc = plan.chunk(v, pair.kc);
+    attention::AttentionGrads g;
+    if (plan.from_stats) {
+      g = plan.call->grads_from_stats(qi, kc, vc, dl.squeeze(-1), lse_to_primitive(big_l, l), d_o,
+                                      pair.st);
+    } else {
+      at::AutoGradMode grad_on(true);
+      auto qx = qi.detach().requires_grad_(true), kx = kc.detach().requires_grad_(true),
+           vx = vc.detach().requires_grad_(true);
+      auto res = (*plan.call)(qx, kx, vx, pair.st);
+      g = seeded_grad(plan, qx, kx, vx, res, big_l, dl, d_o);
+    }
+    if (g.dq.defined()) dq_rows.add_(g.dq);
     if (g.dk.defined())
       plan.chunk(dk, pair.kc).narrow(l.seq_dim, 0, g.dk.size(l.seq_dim)).add_(g.dk);
     if (g.dv.defined())
       plan.chunk(dv, pair.kc).narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
   };
-  // One call of a member's queries against the own K/V: its q, dout and statistics (lse,
-  // delta; [..., 1] in the output's frame) are this rank's or a bundle's views.
-  struct Queries {
-    at::Tensor q, dout, lse, delta;
-  };
-  auto attend = [&](const Pair& pair, const Queries& x, const at::Tensor& dq_to) {
-    auto qi = query_rows(plan, x.q, pair), d_o = query_rows(plan, x.dout, pair);
-    auto big_l = query_rows(plan, x.lse, pair), dl = query_rows(plan, x.delta, pair);
-    auto kc = plan.chunk(k, pair.kc), vc = plan.chunk(v, pair.kc);
-    if (plan.from_stats) {
-      place(pair,
-            plan.call->grads_from_stats(qi, kc, vc, dl.squeeze(-1), lse_to_primitive(big_l, l), d_o,
-                                        pair.st),
-            dq_to);
-      return;
-    }
-    at::AutoGradMode grad_on(true);
-    auto qx = qi.detach().requires_grad_(true), kx = kc.detach().requires_grad_(true),
-         vx = vc.detach().requires_grad_(true);
-    auto res = (*plan.call)(qx, kx, vx, pair.st);
-    place(pair, seeded_grad(plan, qx, kx, vx, res, big_l, dl, d_o), dq_to);
-  };
-  // A bundle as it travels: [q | dout] and [lse | delta].
-  auto unpack = [&](const at::Tensor& qd, const at::Tensor& st) {
-    return Queries{qd.narrow(-1, 0, dqk), qd.narrow(-1, dqk, qd.size(-1) - dqk),
-                   st.narrow(-1, 0, 1), st.narrow(-1, 1, 1)};
-  };
-  const Queries own{q, dout, m, delta};
   auto own_half = [&](int half) {
     if (plan.from_stats) {
-      for (const auto& pair : pairs_for(plan, r, half))
-        attend(pair, own, dq);
+      for (const auto& pair : pairs_for(plan, r, half)) {
+        attend(pair, query_rows(plan, q, pair), query_rows(plan, dout, pair),
+               query_rows(plan, m, pair), query_rows(plan, delta, pair),
+               query_rows(plan, dq, pair));
+      }
       return;
     }
     for (auto& c : kept) {  // graphs kept from forward: no recompute
       if (c.half != half) continue;
-      place(c.pair,
-            seeded_grad(plan, c.qi, c.kc, c.vc, c.r, query_rows(plan, m, c.pair),
-                        query_rows(plan, delta, c.pair), query_rows(plan, dout, c.pair)),
-            dq);
+      auto g = seeded_grad(plan, c.qi, c.kc, c.vc, c.r, query_rows(plan, m, c.pair),
+                           query_rows(plan, delta, c.pair), query_rows(plan, dout, c.pair));
+      if (g.dq.defined()) query_rows(plan, dq, c.pair).add_(g.dq);
+      if (g.dk.defined()) plan.chunk(dk, c.pair.kc).add_(g.dk);
+      if (g.dv.defined()) plan.chunk(dv, c.pair.kc).add_(g.dv);
       c = KeptCall{};  // its graph is spent: free it now
     }
   };
-  // Both parts of the bundle travel to rank r-1; the Pendings hold them until they land.
-  auto shift_bundle = [&](const at::Tensor& a, const at::Tensor& b) {
-    auto first = comm::shift_async(*plan.ring.group, a, -1);  // in this order on every rank
-    return std::make_pair(std::move(first), comm::shift_async(*plan.ring.group, b, -1));
+  // A bundle travels one query chunk at a time (head-tail balance: two), each as [q | dout]
+  // and [lse | delta], so a step waits only for the chunk its next calls read and forwards it
+  // at once; each chunk's dQ accumulator follows it. Pair::row0 and rows index within a chunk.
+  const size_t nq = plan.chunk_ids(r).size();
+  auto rows = [&](const at::Tensor& chunk, const Pair& pair, int64_t from, int64_t width) {
+    return chunk.narrow(l.seq_dim, pair.row0, pair.rows).narrow(-1, from, width);
   };
-  std::pair<comm::Pending, comm::Pending> next;
-  if (last >= 1) {  // the own bundle: a copy alive only until its shift has landed
-    next = shift_bundle(at::cat({q, dout.to(q.scalar_type())}, -1).contiguous(),
-                        at::cat({m, delta}, -1).contiguous());
+  // [step][chunk] in flight: the bundle's two parts; the accumulators.
+  std::vector<std::pair<comm::Pending, comm::Pending>> next(nq);
+  if (last >= 1) {  // the own bundle, per chunk: copies alive only until their shifts land
+    for (size_t qi = 0; qi < nq; ++qi) {
+      auto qd =
+          at::cat({plan.chunk(q, qi), plan.chunk(dout, qi).to(q.scalar_type())}, -1).contiguous();
+      auto st = at::cat({plan.chunk(m, qi), plan.chunk(delta, qi)}, -1).contiguous();
+      next[qi].first = comm::shift_async(*plan.ring.group, qd, -1);  // this order on every rank
+      next[qi].second = comm::shift_async(*plan.ring.group, st, -1);
+    }
   }
-  own_half(0);             // hides the first shift
-  comm::Pending arriving;  // the dQ accumulator of the bundle here, from rank r+1
+  own_half(0);                              // hides the first shift
+  std::vector<comm::Pending> arriving(nq);  // the dQ accumulators of the chunks here
   for (int64_t step = 1; step <= last; ++step) {
-    auto here_qd = next.first(), here_st = next.second();  // the queries of rank r + step
-    if (step < last) next = shift_bundle(here_qd, here_st);
-    auto acc = at::zeros_like(q);
-    const auto here = unpack(here_qd, here_st);
-    for (const auto& pair : pairs_between(plan, (r + step) % p, r))
-      attend(pair, here, acc);
-    if (arriving) acc.add_(arriving());
-    // On to rank r-1 with the bundle; after the last step home to rank r + last.
-    arriving = comm::shift_async(*plan.ring.group, acc, step < last ? -1 : static_cast<int>(last));
+    const int64_t from = (r + step) % p;  // the queries of rank r + step
+    const auto pairs = pairs_between(plan, from, r);
+    for (size_t qi = 0; qi < nq; ++qi) {
+      auto qd = next[qi].first(), st = next[qi].second();
+      if (step < last) {
+        next[qi].first = comm::shift_async(*plan.ring.group, qd, -1);
+        next[qi].second = comm::shift_async(*plan.ring.group, st, -1);
+      }
+      auto acc = at::zeros_like(qd.narrow(-1, 0, dqk));
+      for (const auto& pair : pairs) {
+        if (pair.qi != qi) continue;
+        attend(pair, rows(qd, pair, 0, dqk), rows(qd, pair, dqk, qd.size(-1) - dqk),
+               rows(st, pair, 0, 1), rows(st, pair, 1, 1), rows(acc, pair, 0, dqk));
+      }
+      if (arriving[qi]) acc.add_(arriving[qi]());
+      // On to rank r-1 with its chunk; after the last step home to rank r + last.
+      arriving[qi] =
+          comm::shift_async(*plan.ring.group, acc, step < last ? -1 : static_cast<int>(last));
+    }
   }
-  own_half(1);  // hides the accumulator's last hop
-  if (arriving) dq += arriving();
+  own_half(1);  // hides the accumulators' last hop
+  for (size_t qi = 0; qi < nq; ++qi) {
+    if (arriving[qi]) plan.chunk(dq, qi).add_(arriving[qi]());
+  }
   return {dq, dk, dv, at::Tensor(), at::Tensor()};
 }
 

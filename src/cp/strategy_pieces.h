@@ -197,8 +197,8 @@ struct RingGroup {
 // ring_moves_queries) each member's queries, output gradient and statistics the other way with
 // their dQ accumulators; with keep_blocks, forward keeps the blocks that arrived and only the
 // accumulators travel in backward. The ring strategy runs it over the CP group, usp over the
-// co-groups after its Ulysses all-to-all. `after_first_step` (optional) runs once in forward, when
-// the first step is done and the block of the next member has landed (usp launches its later
+// co-groups after its Ulysses all-to-all. `after_first_step` (optional) runs once in forward,
+// when the block of the next member has landed, every chunk of it (usp launches its later
 // groups' pieces there, so they do not share the link with the first shift).
 at::Tensor ring_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const QKVLayout& layout, const RingGroup& ring,

@@ -1,20 +1,23 @@
 // ring: K/V blocks travel around the CP group by point-to-point shifts while each rank attends
 // its queries to the block it holds; partial results merged by log-sum-exp.
 //
-//   buffer = [k | v] of this rank's shard (one tensor travels per step)
-//   step i = 0 .. P-1 (the block of rank (r - i) mod P is here):
-//     start the shift of the buffer to rank r+1 (async), then attend the block it holds:
+//   buffer = [k | v] of this rank's shard, one contiguous tensor per key chunk (head-tail
+//     balance: two), each travelling on its own
+//   step i = 0 .. P-1 (the block of rank (r - i) mod P is here), chunk by chunk:
+//     wait for the chunk (not the whole block), start its shift to rank r+1 (async), then
+//     attend it (the step's other chunk still arriving meanwhile):
 //       causal, key block after the query block: skipped (never computed)
 //       causal, the diagonal: causal mask;  key block before: unmasked;  not causal: unmasked
 //       packed documents: a block no document spans with the query chunk is skipped too
-//     wait for the next block (the transfer overlaps the attention of the current one)
+//     (each chunk's transfer overlaps the attention of the chunks before it)
 //   packed documents: the ring stops after the last step J whose block some rank attends (every
 //     rank computes J from the global document ids): blocks no rank sees never travel (J = 0:
 //     nothing moves). Without documents J = P-1.
 //   out, lse merged by log-sum-exp as the blocks arrive (one custom autograd node)
 //   head-tail balance (data-order shards: chunks 2r and 2P-2r-1): each of the two query chunks
 //   against each of the two key chunks of the block, by their chunk ids.
-//   backward: the blocks travel the same way again, each followed by a dK/dV accumulator:
+//   backward: the blocks travel the same way again (whole), each followed by a dK/dV
+//     accumulator:
 //     where the primitive offers backward_from_stats (blockwise), each visible call's dQ, dK, dV
 //     come straight from the merged (out, lse) and dO: nothing recomputed, no graph kept;
 //     otherwise (the recomputing form)
@@ -30,7 +33,8 @@
 //     last hop.
 //   the queries travel instead (ring_backward=queries, or auto where that is fewer bytes:
 //     volume.h, ring_moves_queries): this rank's [q | dout] and [lse | delta] (delta =
-//     rowsum(dout * out)) go the other way round, to rank r-1:
+//     rowsum(dout * out)) go the other way round, to rank r-1, one query chunk at a time
+//     (as the blocks above; each chunk's dQ accumulator follows it):
 //     step i = 1 .. J, the bundle of rank r+i is here (shifted on while it is used): its calls
 //       against this rank's own K/V add dK/dV here and dQ to an accumulator that arrives from
 //       rank r+1 (none at step 1) and follows the bundle; after step J it goes home (a shift
@@ -225,11 +229,34 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     auto blocks = std::make_shared<std::vector<at::Tensor>>();
     if (plan->ring.keep_blocks && grad && plan->last_step >= 1)
       blocks->resize(static_cast<size_t>(plan->last_step + 1));
-    auto kv = at::cat({k, v}, -1).contiguous();
+    // The block here, one contiguous [k | v] per key chunk (head-tail balance: two). Each
+    // chunk travels on its own: a step waits only for the chunk its next calls read, forwards
+    // it at once and attends it while the step's other chunk still arrives.
+    const size_t nk = plan->chunk_ids(plan->ring.rank).size();
+    std::vector<at::Tensor> held(nk);
+    {
+      auto own = at::cat({k, v}, -1);
+      for (size_t kc = 0; kc < nk; ++kc)
+        held[kc] = plan->chunk(own, kc).contiguous();
+    }
+    std::vector<comm::Pending> arriving(nk);
     for (int64_t step = 0; step <= plan->last_step; ++step) {
       const int64_t src = (plan->ring.rank - step + plan->ring.size) % plan->ring.size;
-      comm::Pending next;
-      if (step < plan->last_step) next = comm::shift_async(*plan->ring.group, kv, 1);
+      std::vector<comm::Pending> next(nk);
+      const auto pairs = pairs_for(*plan, src);
+      for (size_t kc = 0; kc < nk; ++kc) {
+        if (step > 0) held[kc] = arriving[kc]();  // at most two blocks alive unless kept
+        // The first shift has landed (all its chunks): usp launches its next group's pieces.
+        if (step == 1 && kc + 1 == nk && after_first_step) after_first_step();
+        if (step < plan->last_step) next[kc] = comm::shift_async(*plan->ring.group, held[kc], 1);
+        if (step == 0 && keep) continue;  // below, all chunks at once
+        for (const auto& pair : pairs) {
+          if (pair.kc != kc) continue;
+          add(pair,
+              (*plan->call)(query_rows(*plan, q, pair), held[kc].narrow(-1, 0, plan->dk),
+                            held[kc].narrow(-1, plan->dk, held[kc].size(-1) - plan->dk), pair.st));
+        }
+      }
       if (step == 0 && keep) {
         // The own block, in the two halves its backward runs in, with autograd on. Each key
         // chunk's K and V leaves are made contiguous once and shared by the calls that read
@@ -254,17 +281,11 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
             kept->push_back(std::move(c));
           }
         }
-      } else {
-        for (const auto& pair : pairs_for(*plan, src)) {
-          add(pair, (*plan->call)(query_rows(*plan, q, pair), key_part(*plan, kv, pair.kc),
-                                  value_part(*plan, kv, pair.kc), pair.st));
-        }
       }
-      if (next) {
-        kv = next();  // at most two blocks alive (the one here and the one arriving) unless kept
-        if (!blocks->empty()) (*blocks)[static_cast<size_t>(step + 1)] = kv;
-      }
-      if (step == 0 && after_first_step) after_first_step();
+      if (step >= 1 && !blocks->empty())
+        (*blocks)[static_cast<size_t>(step)] = nk == 1 ? held[0] : at::cat(held, l.seq_dim);
+      arriving = std::move(next);
+      if (step == 0 && plan->last_step == 0 && after_first_step) after_first_step();
     }
     for (size_t i = 0; i < nq; ++i) {  // every query chunk meets its own keys (never hidden)
       HP_INTERNAL_ASSERT(out[i].defined(), "ring: query chunk ", i, " attended no block");

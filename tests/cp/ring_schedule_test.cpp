@@ -157,6 +157,64 @@ TEST(RingSchedule, QueriesTravelTheOtherWayWithTheirDQAccumulators) {
                   "ring_backward 'kv' is not valid; valid: auto, blocks, queries");
 }
 
+// With head-tail balance every block and every query bundle is two chunks, and each travels on
+// its own, so a step waits only for the chunk its next calls read and forwards it at once. P=3
+// (chunks of 8 rows): forward shifts [k | v] chunk 0 then chunk 1 at each of the two steps;
+// the queries backward shifts each chunk's [q | dout] and [lse | delta] first, then per step,
+// chunk by chunk, that chunk's bundle on (not at the last step) and its dQ accumulator.
+// Counted bytes equal the formulas (the same bytes as whole blocks); the numerics:
+// CPFloat64.Ring and CPFloat64.RingQueriesTravel (balanced, P = 2, 3, 4).
+TEST(RingSchedule, BalancedChunksTravelOneAtATime) {
+  const int p = 3;
+  auto cfg = ring_config(p, false, RingBackward::kQueries);
+  cfg.load_balance = true;
+  cfg.load_balance_form = LoadBalanceForm::kDataOrder;
+  const auto norm = *normalize(cfg, p);
+  const AttentionShape shape{kS, kNq, kNkv, kDqk, 1, 8, kDv};
+  run_ranks(p, [&](comm::World& w) {
+    Direct m(true);
+    apply_cp(m, w, norm, /*handoffs=*/false);
+    const int64_t r = w.rank(), prev = (r + p - 1) % p, next = (r + 1) % p;
+    auto mine = [&](const at::Tensor& full) {
+      return shard_sequence(full, 2, r, p, true).requires_grad_(true);
+    };
+    auto q = mine(f64(1, {1, kNq, kS, kDqk})), k = mine(f64(2, {1, kNkv, kS, kDqk})),
+         v = mine(f64(3, {1, kNkv, kS, kDv}));
+    auto& rec = *w.context().recorder;
+    rec.clear();
+    w.context().counters.reset();
+    auto out = m.forward(q, k, v);
+    auto shift = [&](int64_t from, int64_t to, const std::string& shape_text) {
+      return std::vector<std::string>{"recv(cp,peer=" + std::to_string(from) + ")" + shape_text,
+                                      "send(cp,peer=" + std::to_string(to) + ")" + shape_text};
+    };
+    std::vector<std::string> fwd, bwd;
+    auto add = [](std::vector<std::string>& to, const std::vector<std::string>& x) {
+      to.insert(to.end(), x.begin(), x.end());
+    };
+    for (int i = 0; i < 2 * (p - 1); ++i)  // two steps, two chunks each
+      add(fwd, shift(prev, next, "[1,6,8,14]"));
+    EXPECT_EQ(rec.schedule(), fwd);
+    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
+    rec.clear();
+    w.context().counters.reset();
+    out.sum().backward();
+    for (int c = 0; c < 2; ++c) {  // the own bundle, chunk by chunk
+      add(bwd, shift(next, prev, "[1,12,8,14]"));
+      add(bwd, shift(next, prev, "[1,12,8,2]"));
+    }
+    for (int c = 0; c < 2; ++c) {  // step 1: each chunk on, then its accumulator
+      add(bwd, shift(next, prev, "[1,12,8,14]"));
+      add(bwd, shift(next, prev, "[1,12,8,2]"));
+      add(bwd, shift(next, prev, "[1,12,8,8]"));
+    }
+    for (int c = 0; c < 2; ++c)  // step 2: the accumulators home (P-1 on: the previous rank)
+      add(bwd, shift(next, prev, "[1,12,8,8]"));
+    EXPECT_EQ(rec.schedule(), bwd);
+    EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(norm, p, shape));
+  });
+}
+
 // With packed documents the ring stops after the last step whose block some rank attends (every
 // rank computes it from the global document ids): documents that are the shards move nothing;
 // documents {0..19}, {20..47} at P=3 (causal, shards of 16) need one step (rank 1 sees rank 0's
