@@ -340,32 +340,38 @@ TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
       << bad.out;
 }
 
+// `hp-bench cp` with `args` (and --json): its results, of which there must be `n`.
+nlohmann::json paired_results(const std::string& args, size_t n) {
+  auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) + " cp " + args + " --json");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  auto res = r.rc == 0 ? last_json(r.out)["results"] : nlohmann::json::array();
+  EXPECT_EQ(res.size(), n) << r.out;
+  return res.size() == n ? res : nlohmann::json();
+}
+
 // --paired-with: the named algorithm's layer (sync, balanced where it can be) timed in
 // alternation with the one under test; its result first, the ratio on the second; each keeps
 // its own bytes (the ring's 3 blocks of P-1 against Ulysses' all-to-alls) and balance.
 TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
-  const std::string cmd = std::string(HP_BENCH_BINARY) +
-                          " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
-                          "--iters 2 --cp-algo ring --load-balance --paired-with ulysses "
-                          "--reference-step --json";
-  auto r = hp::testing::run_command(cmd);
-  ASSERT_EQ(r.rc, 0) << r.out;
-  auto res = last_json(r.out)["results"];
-  ASSERT_EQ(res.size(), 2u) << r.out;
+  auto res = paired_results(
+      "--seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 --iters 2 --cp-algo ring "
+      "--load-balance --paired-with ulysses --reference-step",
+      2);
+  ASSERT_FALSE(res.is_null());
   EXPECT_EQ(res[0]["algorithm"], "ulysses");
   EXPECT_EQ(res[1]["algorithm"], "ring");
   EXPECT_EQ(res[0]["load_balance"], false);
   EXPECT_EQ(res[1]["load_balance"], true);
-  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << r.out;
-  EXPECT_GT(res[1]["paired_speedup"].get<double>(), 0) << r.out;
+  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << res;
+  EXPECT_GT(res[1]["paired_speedup"].get<double>(), 0) << res;
   for (const auto& x : res) {
-    EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
-    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << r.out;
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << res;
+    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << res;
   }
-  EXPECT_NE(res[0]["comm_bytes_per_rank"], res[1]["comm_bytes_per_rank"]) << r.out;
+  EXPECT_NE(res[0]["comm_bytes_per_rank"], res[1]["comm_bytes_per_rank"]) << res;
   // --reference-step: one reference time per run, on every result.
-  EXPECT_GT(res[0]["reference_step_s"].get<double>(), 0) << r.out;
-  EXPECT_EQ(res[0]["reference_step_s"], res[1]["reference_step_s"]) << r.out;
+  EXPECT_GT(res[0]["reference_step_s"].get<double>(), 0) << res;
+  EXPECT_EQ(res[0]["reference_step_s"], res[1]["reference_step_s"]) << res;
   // Refused before any rank starts: an algorithm it does not pair, an async or packed layer.
   for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
            {"--paired-with hybrid",
@@ -387,29 +393,26 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
 // sync/async ratio stays between the balanced pair while the last result carries the balance
 // ratio. Refused without --load-balance.
 TEST(CPBench, PairedWithContiguousTimesTheSameLayerUnbalanced) {
-  const std::string cmd = std::string(HP_BENCH_BINARY) +
-                          " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
-                          "--iters 2 --cp-algo all_gather --load-balance --schedule async "
-                          "--paired-with contiguous --json";
-  auto r = hp::testing::run_command(cmd);
-  ASSERT_EQ(r.rc, 0) << r.out;
-  auto res = last_json(r.out)["results"];
-  ASSERT_EQ(res.size(), 3u) << r.out;
+  auto res = paired_results(
+      "--seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 --iters 2 --cp-algo "
+      "all_gather --load-balance --schedule async --paired-with contiguous",
+      3);
+  ASSERT_FALSE(res.is_null());
   EXPECT_EQ(res[0]["load_balance"], false);
   EXPECT_EQ(res[0]["schedule"], "async");
   EXPECT_EQ(res[1]["load_balance"], true);
   EXPECT_EQ(res[1]["schedule"], "sync");
   EXPECT_EQ(res[2]["load_balance"], true);
   EXPECT_EQ(res[2]["schedule"], "async");
-  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << r.out;
-  EXPECT_EQ(res[1]["paired_speedup"], 0.0) << r.out;
-  EXPECT_GT(res[2]["paired_speedup"].get<double>(), 0) << r.out;
-  EXPECT_EQ(res[0]["async_speedup"], 0.0) << r.out;
-  EXPECT_EQ(res[1]["async_speedup"], 0.0) << r.out;
-  EXPECT_GT(res[2]["async_speedup"].get<double>(), 0) << r.out;
+  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << res;
+  EXPECT_EQ(res[1]["paired_speedup"], 0.0) << res;
+  EXPECT_GT(res[2]["paired_speedup"].get<double>(), 0) << res;
+  EXPECT_EQ(res[0]["async_speedup"], 0.0) << res;
+  EXPECT_EQ(res[1]["async_speedup"], 0.0) << res;
+  EXPECT_GT(res[2]["async_speedup"].get<double>(), 0) << res;
   for (const auto& x : res) {
-    EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
-    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << r.out;
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << res;
+    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << res;
   }
   auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
                                       " cp --seq 512 --heads 2 --cp 2 --iters 1 "
