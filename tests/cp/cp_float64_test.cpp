@@ -363,8 +363,9 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool ba
 // the node behind its output: with the math primitive that node is a reshape, and the matmuls
 // and softmax of its backward run after it. Sync all_gather, P = 2, one call per rank. The
 // event begins as the engine takes the call's first node (with the hook on `out`, which runs
-// just before that node), ends before the last of q, k, v has its gradient, and covers most of
-// the time from the output's gradient to q's (the rank's q is used by that call only).
+// just before that node; within 1 ms, or a quarter of the span on a loaded machine), ends before
+// the last of q, k, v has its gradient, and covers most of the time from the output's gradient to
+// q's (the rank's q is used by that call only).
 TEST(CPTrace, EachCallsBackwardSpansItsWholeGraph) {
   for (const std::string primitive : {"math", "blockwise"}) {
     auto tracer = std::make_shared<common::Tracer>();
@@ -406,7 +407,10 @@ TEST(CPTrace, EachCallsBackwardSpansItsWholeGraph) {
       const auto& t = grad_at[rank];
       EXPECT_EQ(e.name, "attention_backward");
       ASSERT_TRUE(t[0] > 0 && t[1] > t[0]) << primitive << " rank " << rank;
-      EXPECT_LE(std::abs(e.begin_us - t[0]), 1000) << primitive << " rank " << rank;
+      // Begins with the call's first node: within 1 ms of out's hook, or a quarter of the
+      // backward's span where a loaded machine (ASan in CI) stretches it (2.3 ms seen once).
+      const int64_t slack = std::max<int64_t>(1000, (t[1] - t[0]) / 4);
+      EXPECT_LE(std::abs(e.begin_us - t[0]), slack) << primitive << " rank " << rank;
       EXPECT_LE(e.end_us, std::max({t[1], t[2], t[3]})) << primitive << " rank " << rank;
       EXPECT_GE(e.end_us - e.begin_us, (t[1] - t[0]) / 2)
           << primitive << " rank " << rank << ": the event covers " << e.end_us - e.begin_us
