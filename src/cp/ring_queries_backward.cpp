@@ -65,10 +65,18 @@ std::vector<at::Tensor> queries_backward(const RingPlan& plan, const std::vector
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   const int64_t p = plan.ring.size, r = plan.ring.rank, last = plan.last_step;
   const int64_t dqk = q.size(-1);
+  // One call's gradients: dq into `dq_rows`, dK/dV into this rank's own chunks (from the
+  // statistics they cover the chunk's first rows only: added at row 0).
+  auto place = [&](const Pair& pair, const attention::AttentionGrads& g,
+                   const at::Tensor& dq_rows) {
+    if (g.dq.defined()) dq_rows.add_(g.dq);
+    if (g.dk.defined())
+      plan.chunk(dk, pair.kc).narrow(l.seq_dim, 0, g.dk.size(l.seq_dim)).add_(g.dk);
+    if (g.dv.defined())
+      plan.chunk(dv, pair.kc).narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
+  };
   // One call of a member's queries against the own K/V, given the call's rows of q, dout and
-  // the statistics (lse, delta; [..., 1] in the output's frame): its dq into `dq_rows`, its
-  // dK/dV into this rank's own chunks (from the statistics they cover the chunk's first rows
-  // only: added at row 0).
+  // the statistics (lse, delta; [..., 1] in the output's frame).
   auto attend = [&](const Pair& pair, const at::Tensor& qi, const at::Tensor& d_o,
                     const at::Tensor& big_l, const at::Tensor& dl, const at::Tensor& dq_rows) {
     auto kc = plan.chunk(k, pair.kc), vc = plan.chunk(v, pair.kc);
@@ -83,11 +91,7 @@ std::vector<at::Tensor> queries_backward(const RingPlan& plan, const std::vector
       auto res = (*plan.call)(qx, kx, vx, pair.st);
       g = seeded_grad(plan, qx, kx, vx, res, big_l, dl, d_o);
     }
-    if (g.dq.defined()) dq_rows.add_(g.dq);
-    if (g.dk.defined())
-      plan.chunk(dk, pair.kc).narrow(l.seq_dim, 0, g.dk.size(l.seq_dim)).add_(g.dk);
-    if (g.dv.defined())
-      plan.chunk(dv, pair.kc).narrow(l.seq_dim, 0, g.dv.size(l.seq_dim)).add_(g.dv);
+    place(pair, g, dq_rows);
   };
   auto own_half = [&](int half) {
     if (plan.from_stats) {
@@ -100,11 +104,10 @@ std::vector<at::Tensor> queries_backward(const RingPlan& plan, const std::vector
     }
     for (auto& c : kept) {  // graphs kept from forward: no recompute
       if (c.half != half) continue;
-      auto g = seeded_grad(plan, c.qi, c.kc, c.vc, c.r, query_rows(plan, m, c.pair),
-                           query_rows(plan, delta, c.pair), query_rows(plan, dout, c.pair));
-      if (g.dq.defined()) query_rows(plan, dq, c.pair).add_(g.dq);
-      if (g.dk.defined()) plan.chunk(dk, c.pair.kc).add_(g.dk);
-      if (g.dv.defined()) plan.chunk(dv, c.pair.kc).add_(g.dv);
+      place(c.pair,
+            seeded_grad(plan, c.qi, c.kc, c.vc, c.r, query_rows(plan, m, c.pair),
+                        query_rows(plan, delta, c.pair), query_rows(plan, dout, c.pair)),
+            query_rows(plan, dq, c.pair));
       c = KeptCall{};  // its graph is spent: free it now
     }
   };
