@@ -192,6 +192,46 @@ bool detail::remote_keys_hidden(const AttentionCall& call, int64_t size, int64_t
 
 namespace {
 
+// The caller's contiguous shard: queries at r * s_local, keys over `kv_len` positions.
+QueryPart local_part(const at::Tensor& q, const CPRuntimeContext& ctx, int64_t kv_len) {
+  const int64_t s_local = q.size(ctx.layout.seq_dim);
+  QueryPart part{q, {}};
+  part.state.local_seq = s_local;
+  part.state.causal = {ctx.topology->cp_rank * s_local, s_local, kv_len};
+  return part;
+}
+
+// The query parts of the caller's shard, at their global positions in `total`.
+std::vector<QueryPart> shard_parts(const at::Tensor& q, const CPRuntimeContext& ctx,
+                                   int64_t total) {
+  return ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
+                          : std::vector{local_part(q, ctx, total)};
+}
+
+}  // namespace
+
+bool detail::rank_keys_hidden(const AttentionCall& call, int64_t total,
+                              const CPRuntimeContext& ctx) {
+  const auto& t = *ctx.topology;
+  const bool runtime_swap =
+      ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
+  if (t.cp_size == 1 || runtime_swap || !can_split_call(call)) return false;
+  const auto chunks = [&](int64_t r) {
+    return ctx.load_balance ? load_balance_chunks(r, t.cp_size) : std::vector<int64_t>{r};
+  };
+  return remote_keys_hidden(call, t.cp_size, total, chunks);
+}
+
+at::Tensor detail::rank_local_attention(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const AttentionCall& call,
+                                        const CPRuntimeContext& ctx) {
+  const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
+  auto outs = attend_local_first(shard_parts(q, ctx, total), k, v, total, call, {});
+  return ctx.load_balance ? head_tail_restore(outs, ctx) : outs[0];
+}
+
+namespace {
+
 class AllGatherStrategy final : public CPStrategy {
  public:
   std::string name() const override { return "all_gather"; }
@@ -278,20 +318,13 @@ class AllGatherStrategy final : public CPStrategy {
   // all-gather and no reduce-scatter are needed (each rank attends its own chunks).
   bool skips_moves(const AttentionCall& call, int64_t total,
                    const CPRuntimeContext& ctx) const override {
-    const auto& t = *ctx.topology;
-    const bool runtime_swap =
-        ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
-    if (t.cp_size == 1 || runtime_swap || !can_split_call(call)) return false;
-    const auto chunks = [&](int64_t r) {
-      return ctx.load_balance ? load_balance_chunks(r, t.cp_size) : std::vector<int64_t>{r};
-    };
-    return detail::remote_keys_hidden(call, t.cp_size, total, chunks);
+    return detail::rank_keys_hidden(call, total, ctx);
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionCall& call, const CPRuntimeContext& ctx) const override {
     const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
-    if (skips_moves(call, total, ctx)) return local_only(q, k, v, call, ctx);
+    if (skips_moves(call, total, ctx)) return detail::rank_local_attention(q, k, v, call, ctx);
     return CPStrategy::run_sync(q, k, v, call, ctx);
   }
 
@@ -299,7 +332,7 @@ class AllGatherStrategy final : public CPStrategy {
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
     // The runtime started no gather at the handoffs (announced documents, skips_moves).
-    if (ctx.moves_skipped) return local_only(q, k, v, call, ctx);
+    if (ctx.moves_skipped) return detail::rank_local_attention(q, k, v, call, ctx);
     const bool runtime_swap =
         ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
     if (!can_split_call(call) || runtime_swap || ctx.topology->cp_size == 1) {
@@ -309,32 +342,12 @@ class AllGatherStrategy final : public CPStrategy {
   }
 
  private:
-  // The caller's contiguous shard: queries at r * s_local, all gathered keys.
-  static QueryPart local_part(const at::Tensor& q, const CPRuntimeContext& ctx, int64_t kv_len) {
-    const int64_t s_local = q.size(ctx.layout.seq_dim);
-    QueryPart part{q, {}};
-    part.state.local_seq = s_local;
-    part.state.causal = {ctx.topology->cp_rank * s_local, s_local, kv_len};
-    return part;
-  }
-
-  // Each rank's query parts against its own K/V chunks only (skips_moves holds).
-  static at::Tensor local_only(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const AttentionCall& call, const CPRuntimeContext& ctx) {
-    const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
-    std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
-                                                    : std::vector{local_part(q, ctx, total)};
-    auto outs = detail::attend_local_first(parts, k, v, total, call, {});
-    return ctx.load_balance ? detail::head_tail_restore(outs, ctx) : outs[0];
-  }
-
   at::Tensor overlapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const AttentionCall& call, const CPRuntimeContext& ctx,
                         const ArrivedFn& arrived) const {
     const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
     // Query parts with their global ranges; the local K/V chunks sit at the same positions.
-    std::vector<QueryPart> parts = ctx.load_balance ? detail::head_tail_parts(q, ctx, total)
-                                                    : std::vector{local_part(q, ctx, total)};
+    const auto parts = shard_parts(q, ctx, total);
     const int64_t hd = ctx.layout.heads_dim;
     return overlapped_in_groups(parts, q, k, v, total, head_groups(k.size(hd), ctx), call, ctx,
                                 arrived);

@@ -32,6 +32,10 @@
 //            and g+1's held chunks are attended) -> 3 -> its output A2A starts and flies on
 //   the outputs come back as heads (heads_from_groups). Backward runs the last group first;
 //   each group's reduce-scatters and dQ, dK, dV pieces leave as soon as its backward is done.
+// Packed documents that hide every other co-rank's keys from the queries each co-rank holds
+// after the A2A (co_keys_hidden, decided alike by all ranks from the global ids): no co-group
+// all-gather and no reduce-scatter, in either schedule; each rank attends the chunks it holds
+// (the A2As still run: the heads must move whatever the documents).
 #include <ATen/ATen.h>
 
 #include "hp/comm/async_transfer.h"
@@ -57,6 +61,23 @@ class HybridStrategy final : public detail::UlyssesMoves {
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kAllGather, comm::OpKind::kReduceScatter};
   }
+  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
+    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/false); out.defined()) return out;
+    const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
+    if (!co_keys_hidden(call, total, ctx)) return CPStrategy::run_sync(q, k, v, call, ctx);
+    check_inputs(q, ctx, "CP strategy 'hybrid': q");
+    at::Tensor moved[3] = {q, k, v};
+    for (auto role : moved_roles()) {
+      auto& x = moved[static_cast<int>(role)];
+      x = move(role, x, ctx);
+    }
+    select_repeated_kv(moved[1], moved[2], ctx);
+    const int64_t head_offset = ctx.topology->ulysses_rank * moved[0].size(ctx.layout.heads_dim);
+    return held_only(held_parts(moved[0], q.size(ctx.layout.seq_dim), total, head_offset, ctx),
+                     moved[1], moved[2], total, call, ctx);
+  }
+
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const CPRuntimeContext& ctx) const override {
     PreparedQKV p{k, v, {}};
@@ -84,6 +105,7 @@ class HybridStrategy final : public detail::UlyssesMoves {
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
+    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/true); out.defined()) return out;
     if (!can_split_call(call) || ctx.topology->colossal_degree == 1) {
       return CPStrategy::run_async(q, k, v, call, ctx, arrived);
     }
@@ -96,6 +118,7 @@ class HybridStrategy final : public detail::UlyssesMoves {
     const int64_t groups =
         repeated ? 1 : detail::head_groups(ctx, CPAlgorithm::kHybrid, nq, k.size(hd) / u);
     const int64_t gq = nq / groups;
+    const bool co_hidden = co_keys_hidden(call, total, ctx);
     detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, u, t.ulysses_rank, hd),
         ka(arrived.pieces(QKVRole::kK, k), k, groups, u, t.ulysses_rank, hd),
         va(arrived.pieces(QKVRole::kV, v), v, groups, u, t.ulysses_rank, hd);
@@ -111,6 +134,16 @@ class HybridStrategy final : public detail::UlyssesMoves {
     };
     std::vector<comm::InFlight> moving;
     for (int64_t g = 0; g < groups; ++g) {
+      const auto parts =
+          held_parts(qa.moved(g), q.size(seq), total, t.ulysses_rank * nq + g * gq, ctx);
+      if (co_hidden) {
+        auto kg = ka.moved(g), vg = va.moved(g);
+        select_repeated_kv(kg, vg, ctx);
+        auto out = held_only(parts, kg, vg, total, call, ctx, /*restore=*/groups == 1);
+        if (groups == 1) return out;
+        moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, t.ulysses));
+        continue;
+      }
       if (static_cast<int64_t>(flights.size()) == g) launch(g);
       auto& [k_flight, v_flight] = flights[g];
       auto gathered = [&, g] {
@@ -127,8 +160,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
         const bool v_landed = vf.landed();
         return k_landed && v_landed;
       };
-      const auto parts =
-          held_parts(qa.moved(g), q.size(seq), total, t.ulysses_rank * nq + g * gq, ctx);
       auto outs = detail::attend_local_first(parts, k_flight.emitted(), v_flight.emitted(), total,
                                              call, gathered, landed);
       auto out = outs.size() == 1 ? outs[0] : at::cat(outs, seq);
@@ -140,6 +171,35 @@ class HybridStrategy final : public detail::UlyssesMoves {
   }
 
  private:
+  // Whether the call's packed documents hide, from the queries every co-rank holds after the
+  // A2A, every key the other co-ranks hold: then the co-group collectives are not needed.
+  // Co-rank c holds the chunks of ranks cU .. cU+U-1 (balanced) or block c of S/C.
+  static bool co_keys_hidden(const AttentionCall& call, int64_t total,
+                             const CPRuntimeContext& ctx) {
+    const auto& t = *ctx.topology;
+    if (t.colossal_degree == 1 || !can_split_call(call)) return false;
+    const auto chunks = [&](int64_t c) {
+      if (!ctx.load_balance) return std::vector<int64_t>{c};
+      std::vector<int64_t> ids;
+      for (int64_t j = 0; j < t.ulysses_degree; ++j) {
+        for (int64_t id : load_balance_chunks(c * t.ulysses_degree + j, t.cp_size))
+          ids.push_back(id);
+      }
+      return ids;
+    };
+    return detail::remote_keys_hidden(call, t.colossal_degree, total, chunks);
+  }
+
+  // The held query parts against the held K/V chunks only (co_keys_hidden holds); `restore`:
+  // the output's A2A back to the caller's shard, else the held output (a head group's).
+  at::Tensor held_only(const std::vector<QueryPart>& parts, const at::Tensor& k,
+                       const at::Tensor& v, int64_t total, const AttentionCall& call,
+                       const CPRuntimeContext& ctx, bool restore = true) const {
+    auto outs = detail::attend_local_first(parts, k, v, total, call, {});
+    auto out = outs.size() == 1 ? outs[0] : at::cat(outs, ctx.layout.seq_dim);
+    return restore ? UlyssesMoves::restore_output({out}, PreparedQKV{}, ctx) : out;
+  }
+
   // The query parts of what this rank holds after the A2A (q [.., S/C, ..] of its N/U heads):
   // its co block at co_rank * S/C, or under head-tail balance one part per chunk of its
   // Ulysses group's members (rank cU+j: chunks 2r and 2P-2r-1), in the order they are held.

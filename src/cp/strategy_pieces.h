@@ -51,6 +51,16 @@ std::vector<at::Tensor> attend_local_first(const std::vector<QueryPart>& parts, 
 // without documents.
 bool remote_keys_hidden(const AttentionCall& call, int64_t size, int64_t total,
                         const std::function<std::vector<int64_t>(int64_t)>& chunks);
+// remote_keys_hidden over the CP group with each rank's own shard (block r, or under data-order
+// head-tail balance chunks 2r and 2P-2r-1): then no strategy needs to move anything, and each
+// rank attends its own shard with every head (rank_local_attention). False on one rank, with
+// the runtime-swap balance form (its shards hold other chunks) and for calls that cannot be
+// split. all_gather, ulysses, hybrid and usp answer skips_moves with it.
+bool rank_keys_hidden(const AttentionCall& call, int64_t total, const CPRuntimeContext& ctx);
+// The caller's query shard against its own K/V shard only, every head here, no collective
+// (rank_keys_hidden holds): the shard's query parts at their global positions.
+at::Tensor rank_local_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const AttentionCall& call, const CPRuntimeContext& ctx);
 
 // ---- Ulysses piece (strategy_ulysses.cpp) ----
 // seq -> head all-to-all over `group` of size U: [.., S_l, .., N, ..] -> [.., U*S_l, .., N/U, ..].
@@ -158,8 +168,18 @@ class UlyssesMoves : public CPStrategy {
   // head-group count (async ulysses, usp) dividing the heads per rank.
   void check_inputs(const at::Tensor& x, const CPRuntimeContext& ctx,
                     const std::string& who) const override;
+  // Packed documents that hide every other rank's keys from every rank's queries
+  // (rank_keys_hidden): the heads need not move at all.
+  bool skips_moves(const AttentionCall& call, int64_t total,
+                   const CPRuntimeContext& ctx) const override;
 
  protected:
+  // Where nothing moves for this call (sync: skips_moves; async: the handoffs skipped their
+  // A2As, ctx.moves_skipped), each rank's own shard attended with all its heads
+  // (rank_local_attention); otherwise an undefined tensor and the strategy runs as usual.
+  at::Tensor own_shard_only(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionCall& call, const CPRuntimeContext& ctx,
+                            bool async) const;
   // kv_head_policy=repeat with K/V heads fewer than U: K/V were all-gathered along the sequence
   // in the Ulysses group (every head, once); keep the one head this rank's query heads read.
   void select_repeated_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) const;

@@ -20,6 +20,9 @@
 //   ring shift has landed, and travel while group g's ring goes on), and its
 //   output all-to-all starts as soon as it is done and flies while the next group's ring runs;
 //   in backward the later groups' inverse all-to-alls fly while the earlier rings run back.
+//   Packed documents: the ring stops after the last step some co-rank needs (none travel when
+//   the documents keep every co-rank's queries to its own keys); where they keep every rank's
+//   queries to its own shard, nothing moves at all (rank_keys_hidden, as ulysses).
 #include <ATen/ATen.h>
 
 #include "hp/common/check.h"
@@ -61,6 +64,7 @@ class UspStrategy final : public detail::UlyssesMoves {
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionCall& call, const CPRuntimeContext& ctx) const override {
+    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/false); out.defined()) return out;
     check_inputs(q, ctx, "usp");
     return attend_moved(move(QKVRole::kQ, q, ctx), move(QKVRole::kK, k, ctx),
                         move(QKVRole::kV, v, ctx), call, ctx);
@@ -75,6 +79,7 @@ class UspStrategy final : public detail::UlyssesMoves {
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
+    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/true); out.defined()) return out;
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
     const int64_t hd = l.heads_dim, u = t.ulysses_degree, nq = q.size(hd) / u;

@@ -310,10 +310,11 @@ class CPStrategy {
   }
 
   // Whether `call` (over a sequence of `total` tokens) needs none of the moves: every query
-  // part attends only keys this rank holds (all_gather with packed documents that hide every
-  // other rank's keys). Decided alike on every rank, from global facts only. The async
-  // schedule asks it at the first handoff, for announced options (AttentionHost::announce),
-  // and then starts no collective; run_async then finds ctx.moves_skipped set.
+  // part attends only keys this rank holds (all_gather, ulysses, hybrid and usp with packed
+  // documents that hide every other rank's keys: the heads need not move either). Decided alike on
+  // every rank, from global facts only. The async schedule asks it at the first handoff, for
+  // announced options (AttentionHost::announce), and then starts no collective; run_async then
+  // finds ctx.moves_skipped set.
   virtual bool skips_moves(const AttentionCall& /*call*/, int64_t /*total*/,
                            const CPRuntimeContext& /*ctx*/) const {
     return false;
