@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <new>
 #include <vector>
@@ -137,13 +138,24 @@ void HostBlockCache::give_back(int64_t off, int64_t size) {
 
 void HostBlockCache::enforce_resident_bound() {
   const double limit = options_.max_resident_over_peak * static_cast<double>(stats_.budget_bytes);
-  // Largest free ranges first; each once.
+  // Resident bytes over either bound, in whole pages (0: within both).
+  auto excess = [&] {
+    const double over = static_cast<double>(stats_.live_bytes + cached()) - limit;
+    const int64_t by_peak = over > 0 ? static_cast<int64_t>(std::ceil(over)) : 0;
+    const int64_t e = std::max(by_peak, cached() - options_.max_cached_bytes);
+    return e > 0 ? (e + page_ - 1) / page_ * page_ : int64_t(0);
+  };
+  // Largest free ranges first, each once, and of each only as much of its tail as the bounds
+  // need: a range given back whole is faulted in again whole by the next step that takes it,
+  // where a step that overshoots the bound by a little then faults in only that little
+  // (allocations take the front of a range).
   for (auto it = free_by_size_.rbegin(); it != free_by_size_.rend(); ++it) {
-    if (static_cast<double>(stats_.live_bytes + cached()) <= limit &&
-        cached() <= options_.max_cached_bytes) {
-      break;
+    const int64_t size = it->first, off = it->second;
+    for (int64_t n = 0, need = excess(); need > 0 && n < size; need = excess()) {
+      n = std::min(size, n + need);  // a tail already cold frees nothing: take more of it
+      give_back(off + size - n, n);
     }
-    give_back(it->second, it->first);
+    if (excess() == 0) break;
   }
 }
 
@@ -237,7 +249,7 @@ void HostBlockCache::free(void* p) {
       }
     }
     insert_free(off, size);
-    if (cached() > options_.max_cached_bytes) give_back(off, size);
+    enforce_resident_bound();  // (only the cap can be crossed here: live + cached is unchanged)
     return;
   }
   void* base = base_of(p);

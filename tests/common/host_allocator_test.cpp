@@ -166,14 +166,18 @@ TEST(HostBlockCache, CachedBytesStayUnderTheirCapAndReleaseGivesThemBack) {
   void* b = cache.allocate(4 * kMiB);
   cache.free(a);
   EXPECT_EQ(cache.stats().cached_bytes, 4 * kMiB);
-  cache.free(b);  // merged with a: 8 would exceed the cap of 6, so its pages go back
+  cache.free(b);  // merged with a: 8 would exceed the cap of 6, so the range's last 2 go back
   auto s = cache.stats();
-  EXPECT_EQ(s.cached_bytes, 0);
+  EXPECT_EQ(s.cached_bytes, 6 * kMiB);
   EXPECT_EQ(s.evictions, 1);
-  void* c = cache.allocate(4 * kMiB);  // the range is reused, its pages faulted in again
+  void* c = cache.allocate(4 * kMiB);  // the range's resident front is reused: no fresh page
   EXPECT_EQ(c, a);
-  EXPECT_EQ(cache.stats().system_bytes, 12 * kMiB);
+  EXPECT_EQ(cache.stats().system_bytes, 8 * kMiB);
+  void* d = cache.allocate(4 * kMiB);  // the rest: 2 resident, the 2 given back faulted in
+  EXPECT_EQ(d, b);
+  EXPECT_EQ(cache.stats().system_bytes, 10 * kMiB);
   cache.free(c);
+  cache.free(d);
   cache.release();
   s = cache.stats();
   EXPECT_EQ(s.cached_bytes, 0);
