@@ -5,6 +5,8 @@
 //        | strategy.run_async(q, k, v, call, arrived)  async: the moved roles' collectives
 //                                          started at their handoff points; `arrived` pops
 //                                          their slots
+//        | rank_local_attention(q, k, v, call)         nothing to move (strategy.skips_moves:
+//                                          sync at the call, async at the announced handoffs)
 #include "hp/cp/runtime.h"
 
 #include <optional>
@@ -12,6 +14,7 @@
 #include "hp/common/check.h"
 #include "hp/common/shape.h"
 #include "hp/cp/config.h"
+#include "strategy_pieces.h"
 
 namespace hp::cp {
 CPRuntime::CPRuntime(std::shared_ptr<const CPAdapter> adapter,
@@ -97,8 +100,8 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
   validate(q, k, v, options);
   ++calls_in_forward_;
   AttentionCall call(options, inner, *adapter_, *strategy_, ctx_, from_stats);
+  const int64_t total = q.size(ctx_.layout.seq_dim) * ctx_.topology->cp_size;
   if (ctx_.moves_skipped) {
-    const int64_t total = q.size(ctx_.layout.seq_dim) * ctx_.topology->cp_size;
     HP_CHECK(strategy_->skips_moves(call, total, ctx_), "async CP on module '", module_path_, "' (",
              strategy_->name(), "): the options announced before the projections (",
              announced_ && announced_->documents ? "packed documents" : "no documents",
@@ -109,7 +112,10 @@ attention::AttentionResult CPRuntime::intercept_with_stats(
              "announce nothing");
   }
   at::Tensor out;
-  if (async_) {
+  if (async_ ? ctx_.moves_skipped : strategy_->skips_moves(call, total, ctx_)) {
+    strategy_->check_inputs(q, ctx_, common::str_cat("CP strategy '", strategy_->name(), "': q"));
+    out = detail::rank_local_attention(q, k, v, call, ctx_);
+  } else if (async_) {
     ArrivedFn arrived(
         [this](QKVRole role, const at::Tensor& x) {
           auto pieces = state_->consume(role, x);

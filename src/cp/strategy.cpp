@@ -287,14 +287,21 @@ at::Tensor CPStrategy::restore_output(const std::vector<at::Tensor>& outs, const
   return outs[0];
 }
 
-PreparedQKV CPStrategy::prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const CPRuntimeContext& ctx) const {
+std::array<at::Tensor, 3> CPStrategy::move_qkv(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v,
+                                               const CPRuntimeContext& ctx) const {
   check_inputs(q, ctx, common::str_cat("CP strategy '", name(), "': q"));
-  at::Tensor moved[3] = {q, k, v};
+  std::array<at::Tensor, 3> moved{q, k, v};
   for (auto role : moved_roles()) {
     auto& x = moved[static_cast<int>(role)];
     x = move(role, x, ctx);
   }
+  return moved;
+}
+
+PreparedQKV CPStrategy::prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const CPRuntimeContext& ctx) const {
+  auto moved = move_qkv(q, k, v, ctx);
   return finish(q, moved[0], moved[1], moved[2], ctx);
 }
 

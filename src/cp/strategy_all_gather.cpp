@@ -321,18 +321,9 @@ class AllGatherStrategy final : public CPStrategy {
     return detail::rank_keys_hidden(call, total, ctx);
   }
 
-  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
-    const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
-    if (skips_moves(call, total, ctx)) return detail::rank_local_attention(q, k, v, call, ctx);
-    return CPStrategy::run_sync(q, k, v, call, ctx);
-  }
-
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    // The runtime started no gather at the handoffs (announced documents, skips_moves).
-    if (ctx.moves_skipped) return detail::rank_local_attention(q, k, v, call, ctx);
     const bool runtime_swap =
         ctx.load_balance && ctx.load_balance_form == LoadBalanceForm::kRuntimeSwap;
     if (!can_split_call(call) || runtime_swap || ctx.topology->cp_size == 1) {

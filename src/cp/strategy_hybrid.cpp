@@ -63,15 +63,9 @@ class HybridStrategy final : public detail::UlyssesMoves {
   }
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionCall& call, const CPRuntimeContext& ctx) const override {
-    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/false); out.defined()) return out;
     const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
     if (!co_keys_hidden(call, total, ctx)) return CPStrategy::run_sync(q, k, v, call, ctx);
-    check_inputs(q, ctx, "CP strategy 'hybrid': q");
-    at::Tensor moved[3] = {q, k, v};
-    for (auto role : moved_roles()) {
-      auto& x = moved[static_cast<int>(role)];
-      x = move(role, x, ctx);
-    }
+    auto moved = move_qkv(q, k, v, ctx);
     select_repeated_kv(moved[1], moved[2], ctx);
     const int64_t head_offset = ctx.topology->ulysses_rank * moved[0].size(ctx.layout.heads_dim);
     return held_only(held_parts(moved[0], q.size(ctx.layout.seq_dim), total, head_offset, ctx),
@@ -105,7 +99,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/true); out.defined()) return out;
     if (!can_split_call(call) || ctx.topology->colossal_degree == 1) {
       return CPStrategy::run_async(q, k, v, call, ctx, arrived);
     }

@@ -55,7 +55,8 @@ bool remote_keys_hidden(const AttentionCall& call, int64_t size, int64_t total,
 // head-tail balance chunks 2r and 2P-2r-1): then no strategy needs to move anything, and each
 // rank attends its own shard with every head (rank_local_attention). False on one rank, with
 // the runtime-swap balance form (its shards hold other chunks) and for calls that cannot be
-// split. all_gather, ulysses, hybrid and usp answer skips_moves with it.
+// split. all_gather, ulysses, hybrid and usp answer skips_moves with it, and the runtime then
+// calls rank_local_attention instead of run_sync / run_async.
 bool rank_keys_hidden(const AttentionCall& call, int64_t total, const CPRuntimeContext& ctx);
 // The caller's query shard against its own K/V shard only, every head here, no collective
 // (rank_keys_hidden holds): the shard's query parts at their global positions.
@@ -174,12 +175,6 @@ class UlyssesMoves : public CPStrategy {
                    const CPRuntimeContext& ctx) const override;
 
  protected:
-  // Where nothing moves for this call (sync: skips_moves; async: the handoffs skipped their
-  // A2As, ctx.moves_skipped), each rank's own shard attended with all its heads
-  // (rank_local_attention); otherwise an undefined tensor and the strategy runs as usual.
-  at::Tensor own_shard_only(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const AttentionCall& call, const CPRuntimeContext& ctx,
-                            bool async) const;
   // kv_head_policy=repeat with K/V heads fewer than U: K/V were all-gathered along the sequence
   // in the Ulysses group (every head, once); keep the one head this rank's query heads read.
   void select_repeated_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) const;

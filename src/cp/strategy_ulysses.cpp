@@ -26,9 +26,9 @@
 //   queries [r*s, (r+1)*s)    x diagonal (local, first) + keys [0, r*s) (+ [(r+1)*s, S) dense)
 //   queries [(r+1)*s, S)      x keys [0, S)     (causal, offset (r+1)*s)
 // Packed documents that hide every other rank's keys from every rank's queries
-// (rank_keys_hidden; hybrid and usp alike): no all-to-all at all, each rank attends its own
-// shard with every head (sync: decided at the call; async: at the first handoff, where the
-// module announced the call's options).
+// (rank_keys_hidden; hybrid and usp alike): no all-to-all at all, the runtime has each rank
+// attend its own shard with every head (skips_moves; sync: decided at the call; async: at the
+// first handoff, where the module announced the call's options).
 #include <ATen/ATen.h>
 
 #include "hp/comm/async_transfer.h"
@@ -188,15 +188,6 @@ void detail::UlyssesMoves::select_repeated_kv(at::Tensor& k, at::Tensor& v,
 bool detail::UlyssesMoves::skips_moves(const AttentionCall& call, int64_t total,
                                        const CPRuntimeContext& ctx) const {
   return rank_keys_hidden(call, total, ctx);
-}
-
-at::Tensor detail::UlyssesMoves::own_shard_only(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v, const AttentionCall& call,
-                                                const CPRuntimeContext& ctx, bool async) const {
-  const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
-  if (async ? !ctx.moves_skipped : !skips_moves(call, total, ctx)) return {};
-  check_inputs(q, ctx, common::str_cat("CP strategy '", name(), "': q"));
-  return rank_local_attention(q, k, v, call, ctx);
 }
 
 at::Tensor detail::UlyssesMoves::restore_output(const std::vector<at::Tensor>& outs,
@@ -382,16 +373,9 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     return split_head_groups(x, ctx, CPAlgorithm::kUlysses);
   }
 
-  at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const AttentionCall& call, const CPRuntimeContext& ctx) const override {
-    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/false); out.defined()) return out;
-    return CPStrategy::run_sync(q, k, v, call, ctx);
-  }
-
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/true); out.defined()) return out;
     if (!can_split_call(call) || ctx.topology->cp_size == 1 || repeated_kv(ctx)) {
       return CPStrategy::run_async(q, k, v, call, ctx, arrived);
     }

@@ -64,7 +64,6 @@ class UspStrategy final : public detail::UlyssesMoves {
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionCall& call, const CPRuntimeContext& ctx) const override {
-    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/false); out.defined()) return out;
     check_inputs(q, ctx, "usp");
     return attend_moved(move(QKVRole::kQ, q, ctx), move(QKVRole::kK, k, ctx),
                         move(QKVRole::kV, v, ctx), call, ctx);
@@ -79,7 +78,6 @@ class UspStrategy final : public detail::UlyssesMoves {
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    if (auto out = own_shard_only(q, k, v, call, ctx, /*async=*/true); out.defined()) return out;
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
     const int64_t hd = l.heads_dim, u = t.ulysses_degree, nq = q.size(hd) / u;

@@ -27,6 +27,7 @@
 // differentiable (backward = inverse collective).
 #pragma once
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
@@ -309,12 +310,13 @@ class CPStrategy {
     return state.causal;
   }
 
-  // Whether `call` (over a sequence of `total` tokens) needs none of the moves: every query
-  // part attends only keys this rank holds (all_gather, ulysses, hybrid and usp with packed
-  // documents that hide every other rank's keys: the heads need not move either). Decided alike on
-  // every rank, from global facts only. The async schedule asks it at the first handoff, for
-  // announced options (AttentionHost::announce), and then starts no collective; run_async then
-  // finds ctx.moves_skipped set.
+  // Whether `call` (over a sequence of `total` tokens) needs none of the moves: the caller's
+  // query shard attends only its own K/V shard (all_gather, ulysses, hybrid and usp with packed
+  // documents that hide every other rank's keys: the heads need not move either). Decided alike
+  // on every rank, from global facts only. Where it holds, the runtime runs neither run_sync nor
+  // run_async: each rank attends its own shard with every head (rank_local_attention, internal
+  // to cp/). Sync asks at the call; async at the first handoff, for announced options
+  // (AttentionHost::announce), and then starts no collective (ctx.moves_skipped).
   virtual bool skips_moves(const AttentionCall& /*call*/, int64_t /*total*/,
                            const CPRuntimeContext& /*ctx*/) const {
     return false;
@@ -332,7 +334,10 @@ class CPStrategy {
                                const AttentionCall& call, const CPRuntimeContext& ctx,
                                const ArrivedFn& arrived) const;
 
-  // check_inputs(q), then every moved role moved, then finish (the sync half of run_sync).
+  // check_inputs(q), then every moved role moved: {q, k, v} as attention's inputs before finish.
+  std::array<at::Tensor, 3> move_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const CPRuntimeContext& ctx) const;
+  // move_qkv, then finish (the sync half of run_sync).
   PreparedQKV prepare_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const CPRuntimeContext& ctx) const;
 };
