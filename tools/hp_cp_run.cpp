@@ -240,6 +240,7 @@ nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& confi
   hp::cp::AttentionShape shape{q.size(x.seq),    q.size(x.head),
                                x.k.size(x.head), q.size(3),
                                q.size(0),        static_cast<int64_t>(q.element_size())};
+  shape.causal = a.causal;
   std::vector<int64_t> theory_per_rank(a.cp_size, 0);
   for (int r = 0; a.cp_size > 1 && r < a.cp_size; ++r) {
     theory_per_rank[r] = hp::cp::step_bytes_per_rank(config, a.cp_size, shape, r);

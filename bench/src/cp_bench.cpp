@@ -270,6 +270,7 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
   r.wire_bytes_per_rank = emulated_link_rate() ? var.wire / p / o.iters : -1;
   r.comm_bytes_per_rank = var.bytes;
   cp::AttentionShape shape{o.seq, o.heads, o.kv_heads, o.head_dim, o.batch, 4};
+  shape.causal = o.causal;
   r.comm_bytes_theory = p > 1 ? cp::step_bytes_per_rank(var.config, p, shape) : 0;
   for (int64_t i = 0; i < p; ++i) {
     r.peak_rss_per_rank.push_back(static_cast<int64_t>(all[i][0].item<double>()));

@@ -113,6 +113,21 @@ Pending shift_async(Group& g, const at::Tensor& t, int offset) {
   };
 }
 
+Pending shift_legs_async(Group& g, const at::Tensor& t, const at::Tensor& recv_like, int offset) {
+  const int p = g.size();
+  const int to = ((g.rank() + offset) % p + p) % p, from = ((g.rank() - offset) % p + p) % p;
+  HP_CHECK(to != g.rank(), "shift_legs_async: offset ", offset, " is a multiple of the size of ",
+           g.describe(), ": nothing would travel; skip the call");
+  std::shared_ptr<CommHandle> r, s;
+  if (recv_like.defined())
+    r = std::make_shared<CommHandle>(recv_async(g, recv_like.sizes(), recv_like.options(), from));
+  if (t.defined()) s = std::make_shared<CommHandle>(send_async(g, t, to));
+  return [r, s] {
+    if (s) s->wait();
+    return r ? r->wait() : at::Tensor();
+  };
+}
+
 namespace {
 
 Group& checked(const GroupPtr& g, const char* fn) {

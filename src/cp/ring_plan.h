@@ -6,12 +6,41 @@
 #include <memory>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 
 #include "hp/attention/attention.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp::detail::ring {
+
+// Where the chunks of one kind travel (the sketch atop strategy_ring.cpp): all of them one way
+// round, `dir` +1 (member r to r+1) or -1, each only as far as the last member on its way that
+// attends it (causal: a head-tail tail chunk only to the members before it).
+struct Routes {
+  int dir = 1;
+  int64_t size = 1;
+  std::vector<std::vector<int64_t>> hops;  // [origin member][chunk] -> members it reaches, 0..P-1
+  int64_t last = 0;                        // the largest hops: the ring's steps
+
+  // The member whose chunks `rank` holds at `step` (step 0: its own).
+  int64_t origin_at(int64_t rank, int64_t step) const {
+    return ((rank - dir * step) % size + size) % size;
+  }
+  int64_t hops_of(int64_t origin, size_t c) const { return hops[static_cast<size_t>(origin)][c]; }
+  // Chunk c of origin_at(rank, step) is at `rank` at `step` / goes on from there.
+  bool here(int64_t rank, int64_t step, size_t c) const {
+    return step <= hops_of(origin_at(rank, step), c);
+  }
+  bool moves_on(int64_t rank, int64_t step, size_t c) const {
+    return step < hops_of(origin_at(rank, step), c);
+  }
+};
+
+// What a receive of a chunk shaped like `x` needs (its sizes and options), without keeping x's
+// memory: a view of one element.
+inline at::Tensor shape_like(const at::Tensor& x) {
+  return at::zeros({}, x.options()).expand(x.sizes());
+}
 
 // What forward and backward share: the call (a copy), where the ring runs and the chunking.
 struct RingPlan {
@@ -21,7 +50,8 @@ struct RingPlan {
   int64_t s = 0;            // local sequence length
   int64_t len = 0;          // rows per chunk (ring.chunk_len)
   int64_t dk = 0;           // last dim of k (the [k | v] buffer splits there)
-  int64_t last_step = 0;    // J: the last step whose block some rank attends (last_needed_step)
+  Routes keys;              // the [k | v] chunks (forward; the blocks backward)
+  Routes bundles;           // the query bundles (plan.queries)
   bool from_stats = false;  // backward from the merged out/lse (call.offers_grads_from_stats)
   bool queries = false;     // backward: the queries travel (ring_moves_queries), not the blocks
 
@@ -51,6 +81,12 @@ inline at::Tensor query_rows(const RingPlan& plan, const at::Tensor& x, const Pa
 // global, so any member can tell what any other attends.
 std::vector<Pair> pairs_between(const RingPlan& plan, int64_t dst, int64_t src, int half = -1);
 
+// The routes of the K/V chunks (`queries` false: a member's chunk goes where that member's
+// keys are attended) or of the query bundles (true: where its queries attend): for each
+// direction the hops every chunk needs, and the direction with fewer in all (ties: `preferred`).
+// Every member computes the same routes from the global positions, without communication.
+Routes plan_routes(const RingPlan& plan, bool queries, int preferred);
+
 // This rank's calls at the step that holds the block of member `src`.
 inline std::vector<Pair> pairs_for(const RingPlan& plan, int64_t src, int half = -1) {
   return pairs_between(plan, plan.ring.rank, src, half);
@@ -78,9 +114,10 @@ attention::AttentionGrads seeded_grad(const RingPlan& plan, const at::Tensor& qi
                                       const at::Tensor& delta, const at::Tensor& d_o);
 
 // The backward with the queries travelling (plan.queries; the sketch atop strategy_ring.cpp):
-// this rank's [q | dout] and [lse | delta] go to rank r-1 and on, each member attends them
-// against its own K/V (from the statistics, or recomputed where the primitive offers none),
-// keeps the dK/dV and adds the dQ to the accumulator that follows them home. `saved`: the
+// this rank's [q | dout] and [lse | delta] travel their routes (plan.bundles), each member on
+// the way attends them against its own K/V (from the statistics, or recomputed where the
+// primitive offers none), keeps the dK/dV and adds the dQ to the accumulator that follows them
+// and goes home from the route's last member. `saved`: the
 // forward's q, k, v, out, lse (output frame); `delta` = rowsum(dout * out) in lse's frame and
 // dtype; `kept`: the own block's calls with their graphs (recomputing form; spent here).
 // Returns the ring node's gradients {dq, dk, dv, {}, {}}.

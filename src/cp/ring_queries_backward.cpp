@@ -3,6 +3,7 @@
 // data movement is sketched atop strategy_ring.cpp).
 #include "ring_plan.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -40,6 +41,41 @@ std::vector<Pair> pairs_between(const RingPlan& plan, int64_t dst, int64_t src, 
   return out;
 }
 
+Routes plan_routes(const RingPlan& plan, bool queries, int preferred) {
+  const int64_t p = plan.ring.size;
+  // Whether member d attends chunk c of member o (its keys; or its queries, against d's keys).
+  auto needs = [&](int64_t d, int64_t o, size_t c) {
+    for (const auto& pair : queries ? pairs_between(plan, o, d) : pairs_between(plan, d, o)) {
+      if ((queries ? pair.qi : pair.kc) == c) return true;
+    }
+    return false;
+  };
+  auto routes_for = [&](int dir) {
+    Routes out{dir, p, std::vector<std::vector<int64_t>>(static_cast<size_t>(p)), 0};
+    for (int64_t o = 0; o < p; ++o) {
+      for (size_t c = 0; c < plan.chunk_ids(o).size(); ++c) {
+        int64_t hops = 0;
+        for (int64_t i = 1; i < p; ++i) {
+          if (needs(((o + dir * i) % p + p) % p, o, c)) hops = i;
+        }
+        out.hops[static_cast<size_t>(o)].push_back(hops);
+        out.last = std::max(out.last, hops);
+      }
+    }
+    return out;
+  };
+  auto total = [](const Routes& r) {
+    int64_t n = 0;
+    for (const auto& h : r.hops) {
+      for (int64_t x : h)
+        n += x;
+    }
+    return n;
+  };
+  auto mine = routes_for(preferred), other = routes_for(-preferred);
+  return total(other) < total(mine) ? other : mine;
+}
+
 attention::AttentionGrads seeded_grad(const RingPlan& plan, const at::Tensor& qi,
                                       const at::Tensor& kc, const at::Tensor& vc,
                                       const attention::AttentionResult& r, const at::Tensor& big_l,
@@ -63,7 +99,7 @@ std::vector<at::Tensor> queries_backward(const RingPlan& plan, const std::vector
   const auto &q = saved[0], &k = saved[1], &v = saved[2], &m = saved[4];
   const auto& l = plan.layout;
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-  const int64_t p = plan.ring.size, r = plan.ring.rank, last = plan.last_step;
+  const int64_t r = plan.ring.rank;
   const int64_t dqk = q.size(-1);
   // One call's gradients: dq into `dq_rows`, dK/dV into this rank's own chunks (from the
   // statistics they cover the chunk's first rows only: added at row 0).
@@ -113,49 +149,81 @@ std::vector<at::Tensor> queries_backward(const RingPlan& plan, const std::vector
   };
   // A bundle travels one query chunk at a time (head-tail balance: two), each as [q | dout]
   // and [lse | delta], so a step waits only for the chunk its next calls read and forwards it
-  // at once; each chunk's dQ accumulator follows it. Pair::row0 and rows index within a chunk.
+  // at once; each chunk's dQ accumulator follows it, and goes home from the last member on its
+  // route (plan.bundles). Pair::row0 and rows index within a chunk.
+  const auto& route = plan.bundles;
+  auto& group = *plan.ring.group;
   const size_t nq = plan.chunk_ids(r).size();
   auto rows = [&](const at::Tensor& chunk, const Pair& pair, int64_t from, int64_t width) {
     return chunk.narrow(l.seq_dim, pair.row0, pair.rows).narrow(-1, from, width);
   };
-  // [step][chunk] in flight: the bundle's two parts; the accumulators.
+  // The shapes of the bundles' parts that arrive and of their dQ accumulators.
+  std::vector<at::Tensor> qd_like(nq), st_like(nq), dq_like(nq);
+  for (size_t qi = 0; qi < nq; ++qi) {
+    auto shape = plan.chunk(q, qi).sizes().vec();
+    dq_like[qi] = shape_like(plan.chunk(q, qi));
+    shape.back() += dout.size(-1);
+    qd_like[qi] = at::zeros({}, q.options()).expand(shape);
+    shape.back() = 2;
+    st_like[qi] = at::zeros({}, m.options()).expand(shape);
+  }
+  // Chunk qi's two parts in flight to this rank, each leg only where the route runs.
   std::vector<std::pair<comm::Pending, comm::Pending>> next(nq);
-  if (last >= 1) {  // the own bundle, per chunk: copies alive only until their shifts land
+  auto shift_on = [&](int64_t step, size_t qi, const at::Tensor& qd, const at::Tensor& st) {
+    const bool on = route.moves_on(r, step, qi), in = route.here(r, step + 1, qi);
+    next[qi].first = comm::shift_legs_async(group, on ? qd : at::Tensor(),
+                                            in ? qd_like[qi] : at::Tensor(), route.dir);
+    next[qi].second = comm::shift_legs_async(group, on ? st : at::Tensor(),
+                                             in ? st_like[qi] : at::Tensor(), route.dir);
+  };
+  // The own bundle, alive only until its first shifts land; this order on every rank.
+  if (route.last >= 1) {
     for (size_t qi = 0; qi < nq; ++qi) {
-      auto qd =
-          at::cat({plan.chunk(q, qi), plan.chunk(dout, qi).to(q.scalar_type())}, -1).contiguous();
-      auto st = at::cat({plan.chunk(m, qi), plan.chunk(delta, qi)}, -1).contiguous();
-      next[qi].first = comm::shift_async(*plan.ring.group, qd, -1);  // this order on every rank
-      next[qi].second = comm::shift_async(*plan.ring.group, st, -1);
+      shift_on(
+          0, qi,
+          at::cat({plan.chunk(q, qi), plan.chunk(dout, qi).to(q.scalar_type())}, -1).contiguous(),
+          at::cat({plan.chunk(m, qi), plan.chunk(delta, qi)}, -1).contiguous());
     }
   }
-  own_half(0);                              // hides the first shift
-  std::vector<comm::Pending> arriving(nq);  // the dQ accumulators of the chunks here
-  for (int64_t step = 1; step <= last; ++step) {
-    const int64_t from = (r + step) % p;  // the queries of rank r + step
+  own_half(0);  // hides the first shift
+  // The dQ accumulators: from the member before on the route; home to this rank; sent home.
+  std::vector<comm::Pending> acc_in(nq), home(nq), homeward;
+  for (int64_t step = 1; step <= route.last; ++step) {
+    const int64_t from = route.origin_at(r, step);  // the queries of that member are here
     const auto pairs = pairs_between(plan, from, r);
     for (size_t qi = 0; qi < nq; ++qi) {
-      auto qd = next[qi].first(), st = next[qi].second();
-      if (step < last) {
-        next[qi].first = comm::shift_async(*plan.ring.group, qd, -1);
-        next[qi].second = comm::shift_async(*plan.ring.group, st, -1);
+      auto qd = next[qi].first(), st = next[qi].second();  // undefined where not routed here
+      const bool on = route.moves_on(r, step, qi);
+      if (step < route.last) shift_on(step, qi, qd, st);
+      at::Tensor acc;
+      if (qd.defined()) {
+        acc = at::zeros(dq_like[qi].sizes(), dq_like[qi].options());
+        for (const auto& pair : pairs) {
+          if (pair.qi != qi) continue;
+          attend(pair, rows(qd, pair, 0, dqk), rows(qd, pair, dqk, qd.size(-1) - dqk),
+                 rows(st, pair, 0, 1), rows(st, pair, 1, 1), rows(acc, pair, 0, dqk));
+        }
       }
-      auto acc = at::zeros_like(qd.narrow(-1, 0, dqk));
-      for (const auto& pair : pairs) {
-        if (pair.qi != qi) continue;
-        attend(pair, rows(qd, pair, 0, dqk), rows(qd, pair, dqk, qd.size(-1) - dqk),
-               rows(st, pair, 0, 1), rows(st, pair, 1, 1), rows(acc, pair, 0, dqk));
+      auto before = acc_in[qi] ? acc_in[qi]() : at::Tensor();
+      if (before.defined()) acc.add_(before);
+      // On with its chunk, or home (a shift back by `step`) after the last member it meets.
+      if (step < route.last) {
+        acc_in[qi] = comm::shift_legs_async(
+            group, on ? acc : at::Tensor(),
+            route.here(r, step + 1, qi) ? dq_like[qi] : at::Tensor(), route.dir);
       }
-      if (arriving[qi]) acc.add_(arriving[qi]());
-      // On to rank r-1 with its chunk; after the last step home to rank r + last.
-      arriving[qi] =
-          comm::shift_async(*plan.ring.group, acc, step < last ? -1 : static_cast<int>(last));
+      auto back = comm::shift_legs_async(group, acc.defined() && !on ? acc : at::Tensor(),
+                                         route.hops_of(r, qi) == step ? dq_like[qi] : at::Tensor(),
+                                         -route.dir * static_cast<int>(step));
+      (route.hops_of(r, qi) == step ? home[qi] : homeward.emplace_back()) = std::move(back);
     }
   }
   own_half(1);  // hides the accumulators' last hop
   for (size_t qi = 0; qi < nq; ++qi) {
-    if (arriving[qi]) plan.chunk(dq, qi).add_(arriving[qi]());
+    if (home[qi]) plan.chunk(dq, qi).add_(home[qi]());
   }
+  for (auto& sent : homeward)
+    sent();
   return {dq, dk, dv, at::Tensor(), at::Tensor()};
 }
 

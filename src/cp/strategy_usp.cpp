@@ -27,6 +27,7 @@
 
 #include "hp/common/check.h"
 #include "hp/cp/sequence.h"
+#include "hp/cp/volume.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp {
@@ -47,19 +48,24 @@ class UspStrategy final : public detail::UlyssesMoves {
   std::vector<comm::OpKind> required_ops() const override {
     return {comm::OpKind::kAllToAll, comm::OpKind::kSend, comm::OpKind::kRecv};
   }
-  // Forward: the default composition (the ring's C-1 shifts move what an all-gather across the
-  // groups would). Backward: the inverse all-to-alls, and the ring's C-1 backward steps in place
-  // of its forward shifts (volume.h: ring_backward_bytes_per_position, over the ring's heads).
+  // The default composition counts the ring's C-1 shifts as an all-gather across the groups
+  // would move them; the routes send a causal layer's chunks only where they are attended
+  // (volume.h: ring_forward_bytes over the ring's heads, co-rank cp_rank / U). Backward: the
+  // inverse all-to-alls, and the ring's backward in place of its forward.
+  int64_t forward_bytes_per_rank(const ContextParallelConfig& c, int64_t p, const AttentionShape& s,
+                                 int64_t cp_rank) const override {
+    const auto r = ring_part(c, p, s, cp_rank);
+    return CPStrategy::forward_bytes_per_rank(c, p, s, cp_rank) -
+           ring_forward_bytes(r.chunks, r.member, r.positions, r.heads, false) +
+           ring_forward_bytes(r.chunks, r.member, r.positions, r.heads, s.causal);
+  }
   int64_t backward_bytes_per_rank(const ContextParallelConfig& c, int64_t p,
                                   const AttentionShape& s, int64_t cp_rank) const override {
-    const int64_t u = ulysses_degree_of(c, p), groups = p / u;
-    const int64_t heads = repeats_kv(c.kv_head_policy, u, s.kv_heads) ? 1 : s.kv_heads / u;
-    const int64_t positions = (s.seq / groups) * s.batch;
-    const int64_t block = positions * heads * (s.qk_dim + s.v_dim_or_qk()) * s.element_size;
-    const RingHeads h{s.q_heads / u, heads, s.qk_dim, s.v_dim_or_qk(), s.element_size};
-    const int64_t step =
-        positions * ring_backward_bytes_per_position(c.ring_backward, c.ring_keep_blocks, h);
-    return forward_bytes_per_rank(c, p, s, cp_rank) + (groups - 1) * (step - block);
+    const auto r = ring_part(c, p, s, cp_rank);
+    return CPStrategy::forward_bytes_per_rank(c, p, s, cp_rank) -
+           ring_forward_bytes(r.chunks, r.member, r.positions, r.heads, false) +
+           ring_backward_bytes(c.ring_backward, c.ring_keep_blocks, r.chunks, r.member, r.positions,
+                               r.heads, s.causal);
   }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -121,6 +127,22 @@ class UspStrategy final : public detail::UlyssesMoves {
     return restore_output({out}, PreparedQKV{}, ctx);
   }
 
+  // The ring across the C groups as the byte formulas see it.
+  struct RingPart {
+    std::vector<std::vector<int64_t>> chunks;
+    int64_t member = 0, positions = 0;
+    RingHeads heads;
+  };
+  static RingPart ring_part(const ContextParallelConfig& c, int64_t p, const AttentionShape& s,
+                            int64_t cp_rank) {
+    const int64_t u = ulysses_degree_of(c, p), groups = p / u;
+    const int64_t kv = repeats_kv(c.kv_head_policy, u, s.kv_heads) ? 1 : s.kv_heads / u;
+    return {ring_member_chunks(p, u, c.load_balance && groups > 1),
+            cp_rank / u,
+            (s.seq / groups) * s.batch,
+            {s.q_heads / u, kv, s.qk_dim, s.v_dim_or_qk(), s.element_size}};
+  }
+
   // The ring over the co group for `held` positions per rank after the all-to-all (S/C); the
   // caller sets head_offset.
   static detail::RingGroup ring_of(int64_t held, const CPRuntimeContext& ctx) {
@@ -129,15 +151,8 @@ class UspStrategy final : public detail::UlyssesMoves {
                            {},   0,         ctx.ring_keep_blocks, ctx.ring_backward};
     // After the all-to-all a co-rank holds its Ulysses group's shards in rank order: the
     // contiguous range c of C, or (head-tail balance) the two chunks of each member.
-    const int64_t u = t.ulysses_degree, p = t.cp_size;
-    for (int64_t c = 0; c < t.colossal_degree; ++c) {
-      std::vector<int64_t> ids;
-      for (int64_t j = 0; ctx.load_balance && j < u; ++j) {
-        for (int64_t id : load_balance_chunks(c * u + j, p))
-          ids.push_back(id);
-      }
-      ring.chunks.push_back(ctx.load_balance ? ids : std::vector{c});
-    }
+    const int64_t u = t.ulysses_degree;
+    ring.chunks = ring_member_chunks(t.cp_size, u, ctx.load_balance);
     ring.chunk_len = ctx.load_balance ? held / (2 * u) : held;
     return ring;
   }

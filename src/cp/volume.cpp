@@ -1,5 +1,6 @@
 #include "hp/cp/volume.h"
 
+#include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
 
 namespace hp::cp {
@@ -20,8 +21,8 @@ int64_t backward_bytes_per_rank(const ContextParallelConfig& config, int64_t p,
 
 namespace {
 
-int64_t blocks_bytes(const RingHeads& h, bool keep) {
-  return (keep ? 1 : 2) * h.kv_heads * (h.qk_dim + h.v_dim) * h.element_size;
+int64_t kv_bytes_per_position(const RingHeads& h) {
+  return h.kv_heads * (h.qk_dim + h.v_dim) * h.element_size;
 }
 int64_t queries_bytes(const RingHeads& h) {
   const int64_t stats = h.element_size == 8 ? 8 : 4;
@@ -32,13 +33,98 @@ int64_t queries_bytes(const RingHeads& h) {
 
 bool ring_moves_queries(RingBackward choice, bool keep_blocks, const RingHeads& h) {
   if (keep_blocks || choice == RingBackward::kBlocks) return false;
-  return choice == RingBackward::kQueries || queries_bytes(h) < blocks_bytes(h, false);
+  return choice == RingBackward::kQueries || queries_bytes(h) < 2 * kv_bytes_per_position(h);
 }
 
-int64_t ring_backward_bytes_per_position(RingBackward choice, bool keep_blocks,
-                                         const RingHeads& h) {
-  return ring_moves_queries(choice, keep_blocks, h) ? queries_bytes(h)
-                                                    : blocks_bytes(h, keep_blocks);
+std::vector<std::vector<int64_t>> ring_member_chunks(int64_t p, int64_t u, bool balanced) {
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t c = 0; c < p / u; ++c) {
+    std::vector<int64_t> ids;
+    for (int64_t j = 0; balanced && j < u; ++j) {
+      for (int64_t id : load_balance_chunks(c * u + j, p))
+        ids.push_back(id);
+    }
+    out.push_back(balanced ? ids : std::vector<int64_t>{c});
+  }
+  return out;
+}
+
+RingChunkCounts ring_chunk_counts(const std::vector<std::vector<int64_t>>& chunks, int64_t member,
+                                  bool causal, bool queries) {
+  const auto n = static_cast<int64_t>(chunks.size());
+  auto at = [&](int64_t m) { return chunks[static_cast<size_t>((m % n + n) % n)]; };
+  // Whether member d attends chunk id x of another member.
+  auto needs = [&](int64_t d, int64_t x) {
+    for (int64_t y : at(d)) {
+      if (!causal || (queries ? y <= x : x <= y)) return true;
+    }
+    return false;
+  };
+  // [origin][chunk] -> hops in direction dir (the last member on the way that needs it).
+  auto hops = [&](int dir) {
+    std::vector<std::vector<int64_t>> h(static_cast<size_t>(n));
+    for (int64_t o = 0; o < n; ++o) {
+      for (int64_t x : at(o)) {
+        int64_t last = 0;
+        for (int64_t i = 1; i < n; ++i) {
+          if (needs(o + dir * i, x)) last = i;
+        }
+        h[static_cast<size_t>(o)].push_back(last);
+      }
+    }
+    return h;
+  };
+  auto total = [](const std::vector<std::vector<int64_t>>& h) {
+    int64_t t = 0;
+    for (const auto& row : h) {
+      for (int64_t x : row)
+        t += x;
+    }
+    return t;
+  };
+  const int preferred = queries ? -1 : 1;  // ties: keys forward, queries back
+  auto mine = hops(preferred), other = hops(-preferred);
+  const bool flip = total(other) < total(mine);
+  const int dir = flip ? -preferred : preferred;
+  const auto& h = flip ? other : mine;
+  RingChunkCounts out;
+  for (int64_t o = 0; o < n; ++o) {
+    for (int64_t last : h[static_cast<size_t>(o)]) {
+      for (int64_t i = 0; i < last; ++i) {  // held at step i by member o + dir i, sent on
+        const int64_t holder = ((o + dir * i) % n + n) % n;
+        if (holder == member) ++out.sends;
+        if ((holder + dir + n) % n == member) ++out.arrivals;
+      }
+    }
+  }
+  return out;
+}
+
+namespace {
+
+int64_t chunk_positions(const std::vector<std::vector<int64_t>>& chunks, int64_t positions) {
+  return positions / static_cast<int64_t>(chunks.front().size());
+}
+
+}  // namespace
+
+int64_t ring_forward_bytes(const std::vector<std::vector<int64_t>>& chunks, int64_t member,
+                           int64_t positions, const RingHeads& h, bool causal) {
+  return ring_chunk_counts(chunks, member, causal, false).sends *
+         chunk_positions(chunks, positions) * kv_bytes_per_position(h);
+}
+
+int64_t ring_backward_bytes(RingBackward choice, bool keep_blocks,
+                            const std::vector<std::vector<int64_t>>& chunks, int64_t member,
+                            int64_t positions, const RingHeads& h, bool causal) {
+  const int64_t chunk = chunk_positions(chunks, positions);
+  if (ring_moves_queries(choice, keep_blocks, h)) {
+    const auto n = ring_chunk_counts(chunks, member, causal, true);
+    const int64_t dq = h.heads * h.qk_dim * h.element_size;  // the dQ accumulator
+    return chunk * (n.sends * (queries_bytes(h) - dq) + n.arrivals * dq);
+  }
+  const auto n = ring_chunk_counts(chunks, member, causal, false);
+  return chunk * kv_bytes_per_position(h) * ((keep_blocks ? 0 : n.sends) + n.arrivals);
 }
 
 int64_t step_bytes_per_rank(const ContextParallelConfig& config, int64_t p, const AttentionShape& s,

@@ -237,9 +237,22 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     // Each shift flies while a block is attended: exposed is what a step's transfers take
     // beyond the step's attention (forward 1 unit; backward 2.5, and 3.5 where the block's
     // forward is recomputed).
+    // A causal layer's chunks travel only as far as they are attended (volume.h:
+    // ring_chunk_counts): the bytes of a step are the full block's times the members' mean
+    // share of a full pass.
+    auto share = [&](bool queries) {
+      const auto chunks = cp::ring_member_chunks(p, u, config.load_balance);
+      double sent = 0, full = 0;
+      for (int64_t m = 0; m < c; ++m) {
+        sent += static_cast<double>(cp::ring_chunk_counts(chunks, m, w.causal, queries).sends);
+        full += static_cast<double>(cp::ring_chunk_counts(chunks, m, false, queries).sends);
+      }
+      return full > 0 ? sent / full : 1.0;
+    };
+    const double kv_share = share(false);
     const auto& a2a = cal.fit("all_to_all", p);
     const double block = local * 2 * hkv * e;
-    const double shift = a2a.time(block);
+    const double shift = a2a.time(block * kv_share);
     const double unit = one_pass_s / 3.5 / static_cast<double>(c);  // one forward of one step
     const double fwd_step = unit, bwd_step = (recompute ? 3.5 : 2.5) * unit;
     const double steps = static_cast<double>(c - 1);
@@ -247,8 +260,9 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
                                    w.head_dim, 4};
     const double bwd_shift =
         cp::ring_moves_queries(config.ring_backward, config.ring_keep_blocks, ring_heads)
-            ? a2a.time(local * 2 * h * e) + a2a.time(local * 2 * w.heads * e) +
-                  a2a.time(local * h * e)
+            ? a2a.time(local * 2 * h * e * share(true)) +
+                  a2a.time(local * 2 * w.heads * e * share(true)) +
+                  a2a.time(local * h * e * share(true))
             : (config.ring_keep_blocks ? 1 : 2) * shift;
     late += steps * (shift + bwd_shift);
     ring_exposed =

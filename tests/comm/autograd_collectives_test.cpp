@@ -239,6 +239,27 @@ TEST(AsyncTransfer, StartedCollectivesTellWhenTheyHaveLanded) {
       o);
 }
 
+// A ring step in which only some members take part (the ring's routes): rank 0 only sends (to
+// rank 1), rank 1 receives from rank 0 and sends to rank 2, rank 2 only receives; a sender and
+// its receiver agree on each leg. An offset that would send a rank to itself is refused.
+TEST(AsyncTransfer, ShiftLegsRunOnlyWhereTheMembersTakePart) {
+  run_ranks(3, [](World& w) {
+    const int64_t r = w.rank();
+    auto mine = at::full({2}, static_cast<double>(r));
+    auto got =
+        shift_legs_async(w.group(), r < 2 ? mine : at::Tensor(), r > 0 ? mine : at::Tensor(), 1)();
+    if (r == 0) {
+      EXPECT_FALSE(got.defined());
+    } else {
+      EXPECT_TRUE(at::equal(got, at::full({2}, static_cast<double>(r - 1))));
+    }
+  });
+  run_ranks(2, [](World& w) {
+    HP_EXPECT_ERROR(shift_legs_async(w.group(), at::ones({1}), at::ones({1}), 2),
+                    "shift_legs_async: offset 2 is a multiple of the size of group 'world'");
+  });
+}
+
 TEST(AutogradCollectivesErrors, SameSeqAndHeadDimIsRejected) {
   run_ranks(2, [](World& w) {
     try {

@@ -102,12 +102,24 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal,
     auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, r, p, data_order); };
     auto lq = mine(q).requires_grad_(true), lk = mine(k).requires_grad_(true),
          lv = mine(v).requires_grad_(true);
-    auto out = m.forward(lq, lk, lv);
-    out.backward(mine(dout));
     const std::string what = c.name() + " " + to_string(schedule) +
                              (causal ? " causal" : " dense") +
                              (doc_ids.defined() ? " packed" : "") + " P=" + std::to_string(p) +
                              " rank " + std::to_string(r);
+    // The ring's routes (ring, usp): each rank's counted bytes equal the formula, which counts
+    // the chunks a causal layer sends only where they are attended (volume.h).
+    auto& counters = w.context().counters;
+    const bool ring = c.algorithm == "ring" || c.algorithm == "usp";
+    AttentionShape shape{kS, kNq, c.kv_heads, kDqk, kB, 8, kDv};
+    shape.causal = causal;
+    counters.reset();
+    auto out = m.forward(lq, lk, lv);
+    if (ring && !doc_ids.defined())
+      EXPECT_EQ(counters.total_bytes(), forward_bytes_per_rank(cfg, p, shape, r)) << what;
+    counters.reset();
+    out.backward(mine(dout));
+    if (ring && !doc_ids.defined())
+      EXPECT_EQ(counters.total_bytes(), backward_bytes_per_rank(cfg, p, shape, r)) << what;
     ASSERT_EQ(out.scalar_type(), at::kDouble) << what;
     ASSERT_EQ(out.size(-1), kDv) << what;
     expect_close(out, mine(ref.detach()), what + " out", 1e-10, 1e-10);
@@ -316,7 +328,7 @@ struct GroupedForward {
   std::vector<std::vector<std::string>> schedules;  // [rank]
   std::vector<int64_t> a2a_launch, a2a_wait, attention_begin;
   std::vector<int64_t> gather_launch, gather_wait, scatter_launch;  // all_gather, reduce_scatter
-  std::vector<int64_t> recv_wait;                                   // the ring's shifts
+  std::vector<int64_t> shift_wait;  // the ring's shifts (rank 0's causal blocks only leave)
   int64_t forward_end = 0;                                          // rank 0
 };
 GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false) {
@@ -351,10 +363,11 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool ba
     if (e.category == "comm_wait" && e.name == "wait all_gather")
       f.gather_wait.push_back(e.begin_us);
     if (e.category == "comm" && e.name == "reduce_scatter") f.scatter_launch.push_back(e.begin_us);
-    if (e.category == "comm_wait" && e.name == "wait recv") f.recv_wait.push_back(e.begin_us);
+    if (e.category == "comm_wait" && (e.name == "wait recv" || e.name == "wait send"))
+      f.shift_wait.push_back(e.begin_us);
   }
   for (auto* v : {&f.a2a_launch, &f.a2a_wait, &f.attention_begin, &f.gather_launch, &f.gather_wait,
-                  &f.scatter_launch, &f.recv_wait})
+                  &f.scatter_launch, &f.shift_wait})
     std::sort(v->begin(), v->end());
   return f;
 }
@@ -695,12 +708,12 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   }
   ASSERT_EQ(f.a2a_launch.size(), 12u);
   ASSERT_FALSE(f.attention_begin.empty());
-  ASSERT_FALSE(f.recv_wait.empty());
-  ASSERT_GE(f.recv_wait.size(), 2u);  // one shift per group's ring (C = 2)
-  EXPECT_GE(f.a2a_launch[3], f.recv_wait[0])
+  ASSERT_FALSE(f.shift_wait.empty());
+  ASSERT_GE(f.shift_wait.size(), 2u);  // one shift per group's ring (C = 2)
+  EXPECT_GE(f.a2a_launch[3], f.shift_wait[0])
       << "group 1's pieces must be held until group 0's first ring shift has landed";
-  EXPECT_LT(f.a2a_launch[5], f.recv_wait[1]) << "group 1's pieces must fly during group 0's ring";
-  EXPECT_GE(f.a2a_launch[7], f.recv_wait[1])
+  EXPECT_LT(f.a2a_launch[5], f.shift_wait[1]) << "group 1's pieces must fly during group 0's ring";
+  EXPECT_GE(f.a2a_launch[7], f.shift_wait[1])
       << "group 2's pieces must be held until group 1's first ring shift has landed";
   EXPECT_GT(count_between(f.attention_begin, f.a2a_wait[2], f.a2a_launch[3]), 0)
       << "group 0's own block must be attended before the later groups' pieces launch";

@@ -139,7 +139,9 @@ TEST(HpCpRun, KVHeadRepeat) {
 
 // --cu-seqlens: packed documents (one of them shorter than a shard, others across shard
 // boundaries) through ring with head-tail balance, async ulysses and usp equal every document
-// run alone; the bytes are those of the unpacked layer (documents change no communication).
+// run alone. The formula counts the unpacked layer: no rank sends more; the ring sends less
+// (its routes end where no rank attends a chunk: rank 1's chunk of positions 12..23 reaches no
+// query of rank 0's documents).
 TEST(HpCpRun, PackedDocuments) {
   const std::string dir = ::testing::TempDir();
   auto q = seeded(11, {1, 4, 48, 8}), k = seeded(12, {1, 4, 48, 8}), v = seeded(13, {1, 4, 48, 8}),
@@ -171,7 +173,12 @@ TEST(HpCpRun, PackedDocuments) {
     hp::testing::expect_close(res.at("dv").toTensor(), f(v1.grad()), args + " dv");
     auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
     EXPECT_EQ(json["documents"], 4) << r.out;
-    EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << r.out;
+    const auto counted = json["comm_bytes_per_rank"].get<std::vector<int64_t>>(),
+               bound = json["comm_bytes_theory_per_rank"].get<std::vector<int64_t>>();
+    ASSERT_EQ(counted.size(), bound.size()) << r.out;
+    for (size_t i = 0; i < counted.size(); ++i)
+      EXPECT_LE(counted[i], bound[i]) << "rank " << i << "\n" << r.out;
+    if (args.find("ring") != std::string::npos) EXPECT_LT(counted[1], bound[1]) << r.out;
   }
   auto refused = run(std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
                      " --cp 2 --cu-seqlens 0,20,10");

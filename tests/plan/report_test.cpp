@@ -51,15 +51,23 @@ int64_t cp_layer_bytes(const json& m) {
   const int64_t e = 4;
   if (m["algorithm"] == "all_gather") return 2 * (2 * s * hkv * e * (p - 1) / p);
   if (m["algorithm"] == "ulysses") return 2 * ((2 * h + 2 * hkv) * (s / p) * e * (p - 1) / p);
-  // ring: P-1 block shifts forward; backward P-1 steps of the dK/dV accumulator after the
-  // block again (the accumulator alone where forward kept the blocks: ring_keep_blocks), or of
-  // [q | dout], [lse | delta] (float32) and the dQ accumulator, whichever is fewer bytes
-  // (ring_backward auto).
+  // ring, causal, head-tail balance at P = 2, rank 0 (chunks 0 and 3 of s/4 positions): chunk 3
+  // is attended by no other rank and never leaves, and rank 1's chunks 2 and 1 both reach rank
+  // 0. Forward: chunk 0's [k | v]. Backward: chunk 0's again and the dK/dV accumulators of rank
+  // 1's two chunks (the accumulators alone where forward kept the blocks: ring_keep_blocks), or
+  // (ring_backward auto, where [q | dout], [lse | delta] (float32) and the dQ accumulator are
+  // fewer bytes per position than the blocks and their accumulators) chunk 3's [q | dout],
+  // [lse | delta] (chunk 0's queries attend no key of rank 1) and the dQ accumulators of rank
+  // 1's two query chunks.
   if (m["algorithm"] == "ring") {
-    const int64_t block = 2 * hkv * e, queries = 3 * h * e + 2 * m["heads"].get<int64_t>() * 4;
-    const int64_t backward =
-        m["ring_keep_blocks"].get<bool>() ? block : std::min(2 * block, queries);
-    return (p - 1) * (s / p) * (block + backward);
+    EXPECT_EQ(p, 2);
+    EXPECT_TRUE(m["causal"].get<bool>() && m["load_balance"].get<bool>());
+    const int64_t heads = m["heads"], kv = 2 * hkv * e, dq = h * e;
+    const int64_t bundle = 2 * h * e + 2 * heads * 4;
+    const bool keep = m["ring_keep_blocks"].get<bool>();
+    const bool queries = !keep && bundle + dq < 2 * kv;
+    const int64_t backward = keep ? 2 * kv : queries ? bundle + 2 * dq : 3 * kv;
+    return (s / 4) * (kv + backward);
   }
   ADD_FAILURE() << "no formula here for " << m["algorithm"];
   return -1;

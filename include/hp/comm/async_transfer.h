@@ -31,6 +31,13 @@ using TransferLaunch = std::function<Pending(const at::Tensor&)>;
 // One ring step started now, not differentiable (comm::shift, in flight): the Pending returns
 // what rank (rank - offset) mod P sent.
 Pending shift_async(Group& group, const at::Tensor& t, int offset);
+// One ring step in which only some members take part, each leg on its own: sends `t` to rank
+// (rank + offset) mod P where `t` is defined, and receives a tensor shaped like `recv_like`
+// from (rank - offset) mod P where that is defined. Every member of the group runs it at the
+// same point, and a sender and its receiver must agree on whether that leg runs. The Pending
+// waits for the send and returns what arrived (undefined without a receive).
+Pending shift_legs_async(Group& group, const at::Tensor& t, const at::Tensor& recv_like,
+                         int offset);
 
 // A CommHandle as a Pending (shared so the function stays copyable; a handle dropped unwaited
 // still waits in its destructor).
