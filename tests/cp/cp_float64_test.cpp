@@ -329,7 +329,7 @@ struct GroupedForward {
   std::vector<int64_t> a2a_launch, a2a_wait, attention_begin;
   std::vector<int64_t> gather_launch, gather_wait, scatter_launch;  // all_gather, reduce_scatter
   std::vector<int64_t> shift_wait;  // the ring's shifts (rank 0's causal blocks only leave)
-  int64_t forward_end = 0;                                          // rank 0
+  int64_t forward_end = 0;          // rank 0
 };
 GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false) {
   GroupedForward f;

@@ -16,7 +16,7 @@ struct AttentionShape {
   int64_t qk_dim = 0;    // per-head feature size of Q and K
   int64_t batch = 1;
   int64_t element_size = 4;
-  int64_t v_dim = 0;  // per-head feature size of V (and the output); 0: qk_dim
+  int64_t v_dim = 0;    // per-head feature size of V (and the output); 0: qk_dim
   bool causal = false;  // the ring and usp send a causal layer's chunks only where attended
   int64_t v_dim_or_qk() const { return v_dim > 0 ? v_dim : qk_dim; }
 };
