@@ -9,32 +9,10 @@
 #include <ATen/ATen.h>
 
 #include "hp/attention/attention.h"
+#include "ring_routes.h"
 #include "strategy_pieces.h"
 
 namespace hp::cp::detail::ring {
-
-// Where the chunks of one kind travel (the sketch atop strategy_ring.cpp): all of them one way
-// round, `dir` +1 (member r to r+1) or -1, each only as far as the last member on its way that
-// attends it (causal: a head-tail tail chunk only to the members before it).
-struct Routes {
-  int dir = 1;
-  int64_t size = 1;
-  std::vector<std::vector<int64_t>> hops;  // [origin member][chunk] -> members it reaches, 0..P-1
-  int64_t last = 0;                        // the largest hops: the ring's steps
-
-  // The member whose chunks `rank` holds at `step` (step 0: its own).
-  int64_t origin_at(int64_t rank, int64_t step) const {
-    return ((rank - dir * step) % size + size) % size;
-  }
-  int64_t hops_of(int64_t origin, size_t c) const { return hops[static_cast<size_t>(origin)][c]; }
-  // Chunk c of origin_at(rank, step) is at `rank` at `step` / goes on from there.
-  bool here(int64_t rank, int64_t step, size_t c) const {
-    return step <= hops_of(origin_at(rank, step), c);
-  }
-  bool moves_on(int64_t rank, int64_t step, size_t c) const {
-    return step < hops_of(origin_at(rank, step), c);
-  }
-};
 
 // What a receive of a chunk shaped like `x` needs (its sizes and options), without keeping x's
 // memory: a view of one element.

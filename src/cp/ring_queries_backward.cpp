@@ -3,7 +3,6 @@
 // data movement is sketched atop strategy_ring.cpp).
 #include "ring_plan.h"
 
-#include <algorithm>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -42,7 +41,9 @@ std::vector<Pair> pairs_between(const RingPlan& plan, int64_t dst, int64_t src, 
 }
 
 Routes plan_routes(const RingPlan& plan, bool queries, int preferred) {
-  const int64_t p = plan.ring.size;
+  std::vector<size_t> chunks;
+  for (int64_t o = 0; o < plan.ring.size; ++o)
+    chunks.push_back(plan.chunk_ids(o).size());
   // Whether member d attends chunk c of member o (its keys; or its queries, against d's keys).
   auto needs = [&](int64_t d, int64_t o, size_t c) {
     for (const auto& pair : queries ? pairs_between(plan, o, d) : pairs_between(plan, d, o)) {
@@ -50,30 +51,7 @@ Routes plan_routes(const RingPlan& plan, bool queries, int preferred) {
     }
     return false;
   };
-  auto routes_for = [&](int dir) {
-    Routes out{dir, p, std::vector<std::vector<int64_t>>(static_cast<size_t>(p)), 0};
-    for (int64_t o = 0; o < p; ++o) {
-      for (size_t c = 0; c < plan.chunk_ids(o).size(); ++c) {
-        int64_t hops = 0;
-        for (int64_t i = 1; i < p; ++i) {
-          if (needs(((o + dir * i) % p + p) % p, o, c)) hops = i;
-        }
-        out.hops[static_cast<size_t>(o)].push_back(hops);
-        out.last = std::max(out.last, hops);
-      }
-    }
-    return out;
-  };
-  auto total = [](const Routes& r) {
-    int64_t n = 0;
-    for (const auto& h : r.hops) {
-      for (int64_t x : h)
-        n += x;
-    }
-    return n;
-  };
-  auto mine = routes_for(preferred), other = routes_for(-preferred);
-  return total(other) < total(mine) ? other : mine;
+  return route_chunks(chunks, needs, preferred);
 }
 
 attention::AttentionGrads seeded_grad(const RingPlan& plan, const at::Tensor& qi,

@@ -2,6 +2,7 @@
 
 #include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
+#include "ring_routes.h"
 
 namespace hp::cp {
 
@@ -52,48 +53,26 @@ std::vector<std::vector<int64_t>> ring_member_chunks(int64_t p, int64_t u, bool 
 RingChunkCounts ring_chunk_counts(const std::vector<std::vector<int64_t>>& chunks, int64_t member,
                                   bool causal, bool queries) {
   const auto n = static_cast<int64_t>(chunks.size());
-  auto at = [&](int64_t m) { return chunks[static_cast<size_t>((m % n + n) % n)]; };
-  // Whether member d attends chunk id x of another member.
-  auto needs = [&](int64_t d, int64_t x) {
-    for (int64_t y : at(d)) {
+  std::vector<size_t> held;
+  for (const auto& ids : chunks)
+    held.push_back(ids.size());
+  // Whether member d attends chunk c of member o, by the chunks' ids (not the ring's pairs).
+  auto needs = [&](int64_t d, int64_t o, size_t c) {
+    const int64_t x = chunks[static_cast<size_t>(o)][c];
+    for (int64_t y : chunks[static_cast<size_t>(d)]) {
       if (!causal || (queries ? y <= x : x <= y)) return true;
     }
     return false;
   };
-  // [origin][chunk] -> hops in direction dir (the last member on the way that needs it).
-  auto hops = [&](int dir) {
-    std::vector<std::vector<int64_t>> h(static_cast<size_t>(n));
-    for (int64_t o = 0; o < n; ++o) {
-      for (int64_t x : at(o)) {
-        int64_t last = 0;
-        for (int64_t i = 1; i < n; ++i) {
-          if (needs(o + dir * i, x)) last = i;
-        }
-        h[static_cast<size_t>(o)].push_back(last);
-      }
-    }
-    return h;
-  };
-  auto total = [](const std::vector<std::vector<int64_t>>& h) {
-    int64_t t = 0;
-    for (const auto& row : h) {
-      for (int64_t x : row)
-        t += x;
-    }
-    return t;
-  };
-  const int preferred = queries ? -1 : 1;  // ties: keys forward, queries back
-  auto mine = hops(preferred), other = hops(-preferred);
-  const bool flip = total(other) < total(mine);
-  const int dir = flip ? -preferred : preferred;
-  const auto& h = flip ? other : mine;
+  // Ties: keys forward, queries back (as the ring's plan_routes is asked).
+  const auto routes = detail::ring::route_chunks(held, needs, queries ? -1 : 1);
   RingChunkCounts out;
   for (int64_t o = 0; o < n; ++o) {
-    for (int64_t last : h[static_cast<size_t>(o)]) {
+    for (int64_t last : routes.hops[static_cast<size_t>(o)]) {
       for (int64_t i = 0; i < last; ++i) {  // held at step i by member o + dir i, sent on
-        const int64_t holder = ((o + dir * i) % n + n) % n;
+        const int64_t holder = ((o + routes.dir * i) % n + n) % n;
         if (holder == member) ++out.sends;
-        if ((holder + dir + n) % n == member) ++out.arrivals;
+        if ((holder + routes.dir + n) % n == member) ++out.arrivals;
       }
     }
   }
