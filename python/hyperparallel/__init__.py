@@ -132,7 +132,7 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     all-to-alls too, and hybrid's co-group K/V gathers; usp: its Q/K/V pieces and a ring per
     group); async all_gather, K/V gathered in that many head groups, each group's remote keys
     attended while the later groups' travel (0: automatic; usp's automatic count is 2, or 1
-    where 2 does not divide the heads).
+    where 2 does not divide the heads or a rank holds fewer than 4096 tokens).
     ring_keep_blocks: ring or usp, forward keeps the K/V blocks that arrived so backward sends
     only the dK/dV accumulators (all_gather's bytes and memory with the ring's overlap).
     ``algorithm='auto'`` weighs it with the rest and sets it when the kept ring ranks first.

@@ -147,12 +147,19 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
 }
 
 int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv,
-                               int64_t cp_size) {
+                               int64_t cp_size, int64_t local_seq) {
   if (c.ulysses_head_groups > 0) return c.ulysses_head_groups;
   // usp: a ring per group, so at most 2 (measured at P = 4, U = 2 on the 1 Gbit/s link, with
   // Q/K/V in pieces of head groups: 2 groups hid 0.70 of the link time at S = 16384 against
-  // 0.66 with 4 and 0.57 with one, and at S = 4096 ran no slower than one; docs/benchmarks.md).
-  if (c.algorithm.name() == CPAlgorithm::kUsp) return nq % 2 == 0 && nkv % 2 == 0 ? 2 : 1;
+  // 0.66 with 4 and 0.57 with one). With fewer than kUspMinRowsForHeadGroups tokens per rank
+  // there is too little attention to hide the second ring's pieces behind, and the group
+  // holding its pieces back until the first ring's shift has landed costs more than it hides:
+  // at S = 4096, P = 4 the async step took 0.91-0.95 s with 2 groups against 0.81 s with one
+  // (and sync 0.82-0.83 s); docs/benchmarks.md.
+  if (c.algorithm.name() == CPAlgorithm::kUsp) {
+    if (local_seq > 0 && local_seq < kUspMinRowsForHeadGroups) return 1;
+    return nq % 2 == 0 && nkv % 2 == 0 ? 2 : 1;
+  }
   // all_gather: up to 8 groups, 4 at P = 2 (one call per group and chunk costs little; measured
   // at S = 16384 on the 1 Gbit/s link, P = 4: 8 groups exposed 0.95 s, 4 groups 1.05-1.12 s,
   // one 2.11 s; at P = 2 the held chunks are half the attention, and 8 groups exposed

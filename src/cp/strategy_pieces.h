@@ -94,7 +94,8 @@ at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group)
 
 // Async head groups (ulysses, hybrid, usp): the number G of groups `algorithm` runs this rank's nq
 // query and nkv K/V heads (after the all-to-all) in (ulysses_head_groups_of with
-// ctx.ulysses_head_groups; it divides both), and the groups' outputs put back together.
+// ctx.ulysses_head_groups and the rank's local_seq tokens before the all-to-all; it divides
+// both), and the groups' outputs put back together.
 // moving[g] is group g's output [.., U*S_l, .., gq, ..] started on its head->seq all-to-all in
 // the Ulysses group of `degree` ranks; waited in order, (rank j, group g, head i) is global head
 // j*G*gq + g*gq + i: [.., S_l, .., N, ..]. The last `last_group_parts` transfers are the last
@@ -102,7 +103,7 @@ at::Tensor ulysses_to_sequence(const at::Tensor& o, const comm::GroupPtr& group)
 // back together along seq. In backward each transfer's output gradient launches once the next
 // one's has arrived (comm::chain_inverse), the last one's first.
 int64_t head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
-                    int64_t nkv);
+                    int64_t nkv, int64_t local_seq = 0);
 at::Tensor heads_from_groups(std::vector<comm::InFlight>& moving, int64_t degree,
                              const QKVLayout& l, int64_t last_group_parts = 1);
 // The same from tensors: groups[g] [.., U*h, ..] holds head i of rank j's group g at j*h + i ->

@@ -169,7 +169,7 @@ std::vector<at::Tensor> detail::UlyssesMoves::split_head_groups(
   const int64_t p = ctx.topology->ulysses_degree, hd = ctx.layout.heads_dim;
   if (p == 1 || repeated_kv(ctx)) return {x};
   const int64_t n = x.size(hd) / p;
-  const int64_t groups = head_groups(ctx, algorithm, n, n);
+  const int64_t groups = head_groups(ctx, algorithm, n, n, x.size(ctx.layout.seq_dim));
   if (groups == 1) return {x};
   return split_groups(x, p, groups, hd);
 }
@@ -220,11 +220,11 @@ void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeCont
 }
 
 int64_t detail::head_groups(const CPRuntimeContext& ctx, const CPAlgorithm& algorithm, int64_t nq,
-                            int64_t nkv) {
+                            int64_t nkv, int64_t local_seq) {
   ContextParallelConfig c;
   c.algorithm = algorithm;
   c.ulysses_head_groups = ctx.ulysses_head_groups;
-  const int64_t g = ulysses_head_groups_of(c, nq, nkv, ctx.topology->cp_size);
+  const int64_t g = ulysses_head_groups_of(c, nq, nkv, ctx.topology->cp_size, local_seq);
   HP_INTERNAL_ASSERT(nq % g == 0 && nkv % g == 0, "head groups: ", g, " for ", nq, " and ", nkv,
                      " heads");
   return g;

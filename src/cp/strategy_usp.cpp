@@ -14,7 +14,8 @@
 //   accumulators with ring_keep_blocks; or each co-rank's queries the other way with their dQ
 //   accumulators, ring_backward), then the inverse all-to-alls.
 //   Async: the all-to-alls start at the handoff points; the ring overlaps itself. With
-//   cp_config.ulysses_head_groups = G > 1 (automatic: 2 where it divides the heads) the heads
+//   cp_config.ulysses_head_groups = G > 1 (automatic: 2 where it divides the heads and each
+//   rank holds at least kUspMinRowsForHeadGroups tokens) the heads
 //   run in G groups: Q, K, V travel in one all-to-all per group (split_for_move, as ulysses),
 //   group g's ring runs once its own pieces are here (group g+1's launch once group g's first
 //   ring shift has landed, and travel while group g's ring goes on), and its
@@ -87,9 +88,12 @@ class UspStrategy final : public detail::UlyssesMoves {
     const auto& t = *ctx.topology;
     const auto& l = ctx.layout;
     const int64_t hd = l.heads_dim, u = t.ulysses_degree, nq = q.size(hd) / u;
-    // usp's automatic count is at most 2 (ulysses_head_groups_of): each group costs a ring.
+    // usp's automatic count is at most 2, and 1 on short shards (ulysses_head_groups_of): each
+    // group costs a ring. (split_for_move counted the same local rows.)
     const int64_t groups =
-        repeated_kv(ctx) ? 1 : detail::head_groups(ctx, CPAlgorithm::kUsp, nq, k.size(hd) / u);
+        repeated_kv(ctx)
+            ? 1
+            : detail::head_groups(ctx, CPAlgorithm::kUsp, nq, k.size(hd) / u, q.size(l.seq_dim));
     if (groups == 1) {
       return attend_moved(arrived(QKVRole::kQ, q), arrived(QKVRole::kK, k), arrived(QKVRole::kV, v),
                           call, ctx);

@@ -302,8 +302,8 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   double ulysses_groups = 1, pieces_hidden = 0;
   const bool usp = config.algorithm == cp::CPAlgorithm::kUsp;
   if (async && (config.algorithm == cp::CPAlgorithm::kUlysses || usp)) {
-    ulysses_groups =
-        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u));
+    ulysses_groups = static_cast<double>(
+        cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u, p, w.seq / p));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
     const double forward_in = early / 2;
     pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac) * (usp ? 0.75 : 1.0);

@@ -331,7 +331,8 @@ struct GroupedForward {
   std::vector<int64_t> shift_wait;  // the ring's shifts (rank 0's causal blocks only leave)
   int64_t forward_end = 0;          // rank 0
 };
-GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false) {
+GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool backward = false,
+                               int64_t nkv = kNkv) {
   GroupedForward f;
   f.schedules.resize(p);
   auto tracer = std::make_shared<common::Tracer>();
@@ -347,8 +348,8 @@ GroupedForward grouped_forward(const ContextParallelConfig& norm, int p, bool ba
         };
         auto& rec = *w.context().recorder;
         rec.clear();
-        auto out = m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, kNkv, kS, kDqk})),
-                             mine(f64(3, {1, kNkv, kS, kDv})));
+        auto out = m.forward(mine(f64(1, {1, kNq, kS, kDqk})), mine(f64(2, {1, nkv, kS, kDqk})),
+                             mine(f64(3, {1, nkv, kS, kDv})));
         if (w.rank() == 0) f.forward_end = common::Tracer::now_us();
         if (backward) out.sum().backward();
         f.schedules[w.rank()] = rec.schedule();
@@ -723,6 +724,36 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
       << "group 0's ring must run before the later groups' pieces are waited for";
   EXPECT_LT(f.a2a_launch[6], f.attention_begin.back())
       << "the first group's output all-to-all must fly while a later group's ring runs";
+}
+
+// Async usp on short shards (automatic head groups, P=4, U=2: 6 query and 2 K/V heads per
+// rank, which 2 divides, but 12 positions per rank, under kUspMinRowsForHeadGroups): one group,
+// so Q, K and V travel in one all-to-all each, one ring runs, and one output all-to-all goes
+// back; the same with 2 groups asked sends them twice.
+TEST(UspHeadGroups, ShortShardsRunOneGroup) {
+  const int p = 4;
+  ContextParallelConfig cfg;
+  cfg.algorithm = "usp";
+  cfg.ulysses_degree = 2;
+  cfg.schedule = CPSchedule::kAsync;
+  ASSERT_LT(kS / p, kUspMinRowsForHeadGroups);
+  EXPECT_EQ(ulysses_head_groups_of(*normalize(cfg, p), 6, 2, p, kS / p), 1);
+  EXPECT_EQ(ulysses_head_groups_of(*normalize(cfg, p), 6, 2, p, kUspMinRowsForHeadGroups), 2);
+  // Every rank's all-to-alls in its forward (the same count on every rank).
+  auto a2a_count = [&](int64_t groups) {
+    cfg.ulysses_head_groups = groups;
+    const auto f = grouped_forward(*normalize(cfg, p), p, false, /*nkv=*/4);
+    std::set<int64_t> counts;
+    for (const auto& sched : f.schedules) {
+      counts.insert(std::count_if(sched.begin(), sched.end(), [](const std::string& op) {
+        return op.rfind("all_to_all(", 0) == 0;
+      }));
+    }
+    EXPECT_EQ(counts.size(), 1u) << "groups=" << groups;
+    return counts.empty() ? int64_t{-1} : *counts.begin();
+  };
+  EXPECT_EQ(a2a_count(0), 4) << "automatic: Q, K, V and the output, once each";
+  EXPECT_EQ(a2a_count(2), 8) << "2 groups asked: each of them per group";
 }
 
 // kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is sent once (gathered

@@ -184,7 +184,8 @@ TEST(CostModel, AsyncHybridInHeadGroupsExposesOneGroupsAllToAllsEachWay) {
 // automatic 2): the output all-to-alls of G - 1 groups and their inverses fly while another
 // group's ring runs, as async Ulysses' do, and so do (G-1)/G of the Q/K/V pieces, at three
 // quarters of Ulysses' share (the link carries the ring's shifts meanwhile); one group hides
-// none of them (nothing to hide behind without projections), and sync usp none either.
+// none of them (nothing to hide behind without projections), and sync usp none either. The
+// automatic count is 1 where a rank holds fewer than kUspMinRowsForHeadGroups tokens.
 TEST(CostModel, AsyncUspHidesTheOutputAllToAllsOfAllGroupsButOne) {
   auto slow = synthetic(1.0 / 125e6);
   auto w = workload();
@@ -207,6 +208,16 @@ TEST(CostModel, AsyncUspHidesTheOutputAllToAllsOfAllGroupsButOne) {
   EXPECT_DOUBLE_EQ(a.compute_s, one.compute_s);
   EXPECT_GE(predict_cp_step(slow, config("usp", false, 2), 4, w).exposed_comm_s,
             one.exposed_comm_s);
+  // The automatic count: 2 groups with S/P = 4096 tokens per rank, one on shorter shards.
+  auto automatic = grouped;
+  automatic.ulysses_head_groups = 0;
+  EXPECT_EQ(cp::ulysses_head_groups_of(automatic, 4, 4, 4, w.seq / 4), 2);
+  EXPECT_LT(predict_cp_step(slow, automatic, 4, w).exposed_comm_s, one.exposed_comm_s);
+  auto short_w = w;
+  short_w.seq = 4 * (cp::kUspMinRowsForHeadGroups - 1);
+  EXPECT_EQ(cp::ulysses_head_groups_of(automatic, 4, 4, 4, short_w.seq / 4), 1);
+  EXPECT_DOUBLE_EQ(predict_cp_step(slow, automatic, 4, short_w).exposed_comm_s,
+                   predict_cp_step(slow, single, 4, short_w).exposed_comm_s);
 }
 
 cp::ContextParallelConfig async_ulysses() {

@@ -75,7 +75,8 @@ struct ContextParallelConfig {
   // is done).
   // 0: automatic (ulysses, hybrid: the largest of 4, 3, 2 that divides the rank's query and K/V
   // heads, else 1; all_gather: the largest count up to 8 (4 at cp_size 2) that divides them;
-  // usp: 2 where it divides them, else 1, since each group costs a ring of its own);
+  // usp: 2 where it divides them and each rank holds at least kUspMinRowsForHeadGroups tokens,
+  // else 1, since each group costs a ring of its own);
   // 1: one group (the output all-to-all after all of attention).
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid: a query part whose turn comes after the K/V all-gather (hybrid:
@@ -136,11 +137,13 @@ int64_t ulysses_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 // The head groups async ulysses, hybrid, usp or all_gather runs with nq query and nkv K/V
 // heads per rank (after the all-to-all; all_gather: all of them): c.ulysses_head_groups when
 // set (the strategy checks that it divides both), else for usp 2 (1 where 2 does not divide
-// both), for all_gather over `cp_size` ranks the largest count up to min(8, 2 cp_size) that
-// divides both (0: unknown size, up to 8), else the largest of 4, 3, 2 that divides both,
-// else 1.
+// both, or where `local_seq`, the rank's tokens before the all-to-all, is known (> 0) and below
+// kUspMinRowsForHeadGroups), for all_gather over `cp_size` ranks the largest count up to min(8, 2
+// cp_size) that divides both (0: unknown size, up to 8), else the largest of 4, 3, 2 that divides
+// both, else 1.
+inline constexpr int64_t kUspMinRowsForHeadGroups = 4096;
 int64_t ulysses_head_groups_of(const ContextParallelConfig& c, int64_t nq, int64_t nkv,
-                               int64_t cp_size = 0);
+                               int64_t cp_size = 0, int64_t local_seq = 0);
 int64_t colossal_degree_of(const ContextParallelConfig& c, int64_t cp_size);
 // The row parts of async ulysses' last head group for a rank's `local_seq` rows:
 // c.ulysses_row_parts when set (at most local_seq), else 2 where each part keeps at least
