@@ -181,6 +181,8 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"step_time_s", r.step_time_s},
                     {"comm_bytes_per_rank", r.comm_bytes_per_rank},
                     {"comm_bytes_theory", r.comm_bytes_theory},
+                    {"comm_bytes_by_rank", r.comm_bytes_by_rank},
+                    {"comm_bytes_theory_by_rank", r.comm_bytes_theory_by_rank},
                     {"wire_bytes_per_rank", r.wire_bytes_per_rank},
                     {"link", hp::bench::emulated_link_rate().value_or("loopback")},
                     {"peak_rss_bytes", r.peak_rss_bytes},
@@ -208,7 +210,8 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
     std::printf(
         "hp-bench cp: %s %s cp=%lld U=%lld S=%lld H=%lld Hkv=%lld D=%lld causal=%s%s "
         "(%d thread(s) per rank)\n  step %.3f s (median, slowest rank); comm %lld "
-        "bytes/rank (formula %lld); peak RSS %.0f MiB, a step's own peak %.0f MiB, its "
+        "bytes on the busiest rank (formula %lld); peak RSS %.0f MiB, a step's own peak %.0f MiB, "
+        "its "
         "tensors' peak %.0f MiB (max rank)%s\n  exposed comm "
         "%.3f s/step%s%s\n",
         (r.algorithm + (r.ring_keep_blocks ? "(kept)" : "")).c_str(), r.schedule.c_str(),
@@ -232,7 +235,8 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
                   .c_str()
             : "",
         r.wire_bytes_per_rank >= 0
-            ? hp::common::str_cat("; on the wire ", r.wire_bytes_per_rank, " bytes/rank (link ",
+            ? hp::common::str_cat("; on the wire ", r.wire_bytes_per_rank,
+                                  " bytes/rank, mean (link ",
                                   hp::bench::emulated_link_rate().value_or("?"), ")")
                   .c_str()
             : "");

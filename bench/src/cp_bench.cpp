@@ -253,11 +253,11 @@ void time_variants(const comm::World& world, const CPBenchOptions& o,
 // The variant's result; collective over `timing` (per-rank figures are gathered).
 CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
                         comm::Group& timing) {
-  auto mine = at::tensor(
-      {static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
-       static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak), median(var.fresh)},
-      at::kDouble);
-  auto all = comm::all_gather(timing, mine.view({1, 6}), 0);
+  auto mine = at::tensor({static_cast<double>(var.peak_rss), median(var.cpu), median(var.waits),
+                          static_cast<double>(var.step_peak), static_cast<double>(var.tensor_peak),
+                          median(var.fresh), static_cast<double>(var.bytes)},
+                         at::kDouble);
+  auto all = comm::all_gather(timing, mine.view({1, 7}), 0);
   CPBenchResult r;
   r.algorithm = cp::to_string(var.config.algorithm);
   r.schedule = cp::to_string(var.config.schedule);
@@ -268,10 +268,17 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
   r.load_balance = var.config.load_balance;
   r.step_time_s = median(var.steps);
   r.wire_bytes_per_rank = emulated_link_rate() ? var.wire / p / o.iters : -1;
-  r.comm_bytes_per_rank = var.bytes;
   cp::AttentionShape shape{o.seq, o.heads, o.kv_heads, o.head_dim, o.batch, 4};
   shape.causal = o.causal;
-  r.comm_bytes_theory = p > 1 ? cp::step_bytes_per_rank(var.config, p, shape) : 0;
+  for (int64_t i = 0; i < p; ++i) {
+    r.comm_bytes_by_rank.push_back(static_cast<int64_t>(all[i][6].item<double>()));
+    r.comm_bytes_theory_by_rank.push_back(p > 1 ? cp::step_bytes_per_rank(var.config, p, shape, i)
+                                                : 0);
+  }
+  r.comm_bytes_per_rank =
+      *std::max_element(r.comm_bytes_by_rank.begin(), r.comm_bytes_by_rank.end());
+  r.comm_bytes_theory =
+      *std::max_element(r.comm_bytes_theory_by_rank.begin(), r.comm_bytes_theory_by_rank.end());
   for (int64_t i = 0; i < p; ++i) {
     r.peak_rss_per_rank.push_back(static_cast<int64_t>(all[i][0].item<double>()));
     r.attention_cpu_s_per_rank.push_back(all[i][1].item<double>());

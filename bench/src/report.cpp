@@ -303,7 +303,8 @@ std::string run_report(const ReportOptions& o) {
      << " cores: P = 2 gives each rank one core, P = 4 half a core.\n\n"
      << "![chart](chart.svg)\n\n| link | P | S | choice | step s | predicted s | rel. error | "
         "speed factor | at that speed: predicted s | rel. error | exposed comm s | hidden by "
-        "async | link busy s | hidden of link time | comm bytes/rank | on the wire/rank |\n"
+        "async | link busy s | hidden of link time | comm bytes, busiest rank | on the wire/rank, "
+        "mean |\n"
      << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& m : results["measurements"]) {
     const int64_t wire = m["wire_bytes_per_rank"];
@@ -319,7 +320,10 @@ std::string run_report(const ReportOptions& o) {
   md << "\nHidden by async: 1 - exposed async / exposed sync of the same choice (the ring hides in "
         "both schedules, so 0 there). Link busy: every rank's bytes cross the one emulated link, "
         "so it is busy P x the bytes on the wire per rank / the rate each step; hidden of link "
-        "time: 1 - exposed / link busy.\n";
+        "time: 1 - exposed / link busy. Comm bytes: what the busiest rank handed to the transport "
+        "in "
+        "one step (a causal ring's ranks differ); on the wire: what crossed the emulated link per "
+        "step / P.\n";
   md << "\nCost model: max relative error " << fixed(max_rel, 2)
      << " over the grid; at the machine's speed during each run (speed factor: the reference "
         "step timed in the run over the calibration's at the same P; the prediction's compute "

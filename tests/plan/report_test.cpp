@@ -43,22 +43,24 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
-// Forward + backward bytes one rank sends in one CP attention layer (DESIGN 5.2), written out
+// Forward + backward bytes rank `rank` sends in one CP attention layer (DESIGN 5.2), written out
 // here independently of hp::cp::forward_bytes_per_rank: fp32, batch 1, data-order balance.
-int64_t cp_layer_bytes(const json& m) {
+int64_t cp_layer_bytes(const json& m, int64_t rank) {
   const int64_t s = m["seq"], p = m["cp"], d = m["head_dim"];
   const int64_t h = m["heads"].get<int64_t>() * d, hkv = m["kv_heads"].get<int64_t>() * d;
   const int64_t e = 4;
   if (m["algorithm"] == "all_gather") return 2 * (2 * s * hkv * e * (p - 1) / p);
   if (m["algorithm"] == "ulysses") return 2 * ((2 * h + 2 * hkv) * (s / p) * e * (p - 1) / p);
-  // ring, causal, head-tail balance at P = 2, rank 0 (chunks 0 and 3 of s/4 positions): chunk 3
-  // is attended by no other rank and never leaves, and rank 1's chunks 2 and 1 both reach rank
-  // 0. Forward: chunk 0's [k | v]. Backward: chunk 0's again and the dK/dV accumulators of rank
-  // 1's two chunks (the accumulators alone where forward kept the blocks: ring_keep_blocks), or
-  // (ring_backward auto, where [q | dout], [lse | delta] (float32) and the dQ accumulator are
-  // fewer bytes per position than the blocks and their accumulators) chunk 3's [q | dout],
-  // [lse | delta] (chunk 0's queries attend no key of rank 1) and the dQ accumulators of rank
-  // 1's two query chunks.
+  // ring, causal, head-tail balance at P = 2: rank 0 holds chunks 0 and 3 of s/4 positions,
+  // rank 1 chunks 1 and 2. Chunk 3 is attended by no other rank and never leaves; chunk 0
+  // reaches rank 1, and rank 1's chunks 2 and 1 both reach rank 0. Forward: those chunks'
+  // [k | v]. Backward: the same chunks again and the dK/dV accumulators of the other rank's
+  // chunks this rank attended (rank 0: chunks 1 and 2; rank 1: chunk 0), the accumulators alone
+  // where forward kept the blocks (ring_keep_blocks), or (ring_backward auto, where [q | dout],
+  // [lse | delta] (float32) and the dQ accumulator are fewer bytes per position than the blocks
+  // and their accumulators) the query bundles of the chunks that attend the other rank's keys
+  // (rank 0: chunk 3; rank 1: chunks 1 and 2) and the dQ accumulators of the other rank's query
+  // chunks that attended this rank's keys (rank 0: chunks 1 and 2; rank 1: chunk 3).
   if (m["algorithm"] == "ring") {
     EXPECT_EQ(p, 2);
     EXPECT_TRUE(m["causal"].get<bool>() && m["load_balance"].get<bool>());
@@ -66,8 +68,13 @@ int64_t cp_layer_bytes(const json& m) {
     const int64_t bundle = 2 * h * e + 2 * heads * 4;
     const bool keep = m["ring_keep_blocks"].get<bool>();
     const bool queries = !keep && bundle + dq < 2 * kv;
-    const int64_t backward = keep ? 2 * kv : queries ? bundle + 2 * dq : 3 * kv;
-    return (s / 4) * (kv + backward);
+    // This rank's chunks that travel (as keys, and as queries that attend the other rank's
+    // keys: the same count at P = 2), and the other rank's chunks whose keys it attends.
+    const int64_t sent = rank == 0 ? 1 : 2, attended = 3 - sent;
+    const int64_t backward = keep      ? attended * kv
+                             : queries ? sent * bundle + attended * dq
+                                       : sent * kv + attended * kv;
+    return (s / 4) * (sent * kv + backward);
   }
   ADD_FAILURE() << "no formula here for " << m["algorithm"];
   return -1;
@@ -337,9 +344,13 @@ TEST(Report, CalibrateAutoAndReport) {
       max_rel_at_speed =
           std::max(max_rel_at_speed, m["prediction_rel_error_at_speed"].get<double>());
     }
-    // Bytes: counted by the comm layer = the formula, computed here and by the bench.
-    EXPECT_EQ(m["comm_bytes_per_rank"].get<int64_t>(), cp_layer_bytes(m)) << name;
-    EXPECT_EQ(m["comm_bytes_theory"].get<int64_t>(), cp_layer_bytes(m)) << name;
+    // Bytes: counted by the comm layer on every rank = the formula, computed here and by the
+    // bench; the scalars are the busiest rank's.
+    const std::vector<int64_t> by_rank = {cp_layer_bytes(m, 0), cp_layer_bytes(m, 1)};
+    EXPECT_EQ(m["comm_bytes_by_rank"].get<std::vector<int64_t>>(), by_rank) << name;
+    EXPECT_EQ(m["comm_bytes_theory_by_rank"].get<std::vector<int64_t>>(), by_rank) << name;
+    EXPECT_EQ(m["comm_bytes_per_rank"].get<int64_t>(), std::max(by_rank[0], by_rank[1])) << name;
+    EXPECT_EQ(m["comm_bytes_theory"].get<int64_t>(), std::max(by_rank[0], by_rank[1])) << name;
     EXPECT_EQ(m["wire_bytes_per_rank"].get<int64_t>(), -1) << name << ": no emulated link";
   }
   std::set<std::string> measured;

@@ -44,9 +44,14 @@ struct CPBenchResult {
   bool ring_keep_blocks = false;  // the variant's ContextParallelConfig::ring_keep_blocks
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
   double step_time_s = 0;            // median over iterations of the slowest rank
-  int64_t comm_bytes_per_rank = 0;   // measured, one step (forward + backward), rank 0
-  int64_t comm_bytes_theory = 0;     // cp::step_bytes_per_rank (forward + backward)
-  int64_t wire_bytes_per_rank = -1;  // emulated link: loopback bytes per step / P (rank 0)
+  // Bytes handed to the transport in one step (forward + backward), counted on every rank
+  // (by_rank), and cp::step_bytes_per_rank of every rank (theory_by_rank); the scalars are the
+  // busiest rank's (ranks differ where a causal ring's chunks stop early, cp/volume.h).
+  int64_t comm_bytes_per_rank = 0;
+  int64_t comm_bytes_theory = 0;
+  std::vector<int64_t> comm_bytes_by_rank, comm_bytes_theory_by_rank;
+  // Emulated link: what crossed the shaped loopback per step / P (the mean over ranks).
+  int64_t wire_bytes_per_rank = -1;
   // Max over ranks of the process's peak RSS after this layer's warm-up (which includes the
   // layers warmed up before it: for async, the sync schedule's).
   int64_t peak_rss_bytes = 0;
