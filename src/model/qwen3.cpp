@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -272,15 +275,23 @@ std::vector<hsdp::UnitSpec> Qwen3Impl::fully_shard_units() {
 
 namespace {
 
+// A module of the plan at `path` with its parameters' TP dims, no slot set.
+plan::ModuleInfo module_info(std::string path, std::map<std::string, int64_t> tp_dims = {}) {
+  plan::ModuleInfo info;
+  info.path = std::move(path);
+  info.tp_shard_dims = std::move(tp_dims);
+  return info;
+}
+
 // The MLP slot of a layer: dense (TP dims from its linears) or MoE (expert parallelism).
 plan::ModuleInfo mlp_info(const std::string& base, Qwen3DecoderLayerImpl& layer) {
   if (layer.moe) {
-    plan::ModuleInfo info{base + ".mlp", tp::tp_shard_dims(*layer.moe), std::nullopt, std::nullopt};
+    auto info = module_info(base + ".mlp", tp::tp_shard_dims(*layer.moe));
     const auto& r = layer.moe->config().router;
     info.moe = plan::MoESlotInfo{r.experts, r.top_k, layer.moe.get()};
     return info;
   }
-  return {base + ".mlp", tp::tp_shard_dims(*layer.mlp), std::nullopt, std::nullopt};
+  return module_info(base + ".mlp", tp::tp_shard_dims(*layer.mlp));
 }
 
 }  // namespace
@@ -290,10 +301,9 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
   for (size_t i = 0; i < layers.size(); ++i) {
     const std::string base = common::str_cat("layers.", i);
     auto& attn = layers[i]->self_attn;
-    out.push_back({base, {}, std::nullopt, std::nullopt});
+    out.push_back(module_info(base));
     if (auto& mla = layers[i]->mla_attn) {
-      plan::ModuleInfo info{base + ".mla_attn", tp::tp_shard_dims(*mla), std::nullopt,
-                            std::nullopt};
+      auto info = module_info(base + ".mla_attn", tp::tp_shard_dims(*mla));
       info.mla = plan::MLASlotInfo{mla->shape(), &mla->host(),
                                    mla->config().sparse ? &mla->dsa_host() : nullptr};
       out.push_back(std::move(info));
@@ -303,7 +313,9 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
     if (!attn) {
       auto& lin = layers[i]->linear_attn;
       plan::LinearSlotInfo slot{lin->shape(), &lin->host()};
-      out.push_back({base + ".linear_attn", tp::tp_shard_dims(*lin), std::nullopt, slot});
+      auto info = module_info(base + ".linear_attn", tp::tp_shard_dims(*lin));
+      info.linear = slot;
+      out.push_back(std::move(info));
       out.push_back(mlp_info(base, *layers[i]));
       continue;
     }
@@ -317,7 +329,9 @@ std::vector<plan::ModuleInfo> Qwen3Impl::plan_modules() {
     slot.handoffs = {{"q", attn->q_handoff.name()},
                      {"k", attn->k_handoff.name()},
                      {"v", attn->v_handoff.name()}};
-    out.push_back({base + ".self_attn", tp::tp_shard_dims(*attn), slot, std::nullopt});
+    auto info = module_info(base + ".self_attn", tp::tp_shard_dims(*attn));
+    info.attention = slot;
+    out.push_back(std::move(info));
     out.push_back(mlp_info(base, *layers[i]));
   }
   return out;

@@ -114,12 +114,14 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal,
     shape.causal = causal;
     counters.reset();
     auto out = m.forward(lq, lk, lv);
-    if (ring && !doc_ids.defined())
+    if (ring && !doc_ids.defined()) {
       EXPECT_EQ(counters.total_bytes(), forward_bytes_per_rank(cfg, p, shape, r)) << what;
+    }
     counters.reset();
     out.backward(mine(dout));
-    if (ring && !doc_ids.defined())
+    if (ring && !doc_ids.defined()) {
       EXPECT_EQ(counters.total_bytes(), backward_bytes_per_rank(cfg, p, shape, r)) << what;
+    }
     ASSERT_EQ(out.scalar_type(), at::kDouble) << what;
     ASSERT_EQ(out.size(-1), kDv) << what;
     expect_close(out, mine(ref.detach()), what + " out", 1e-10, 1e-10);
