@@ -6,6 +6,7 @@
 #include <array>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -323,6 +324,18 @@ TEST(CPFloat64, UlyssesRowParts) {
   }
 }
 
+// An async config of `algorithm` in `groups` head groups (0: automatic), with Ulysses degree
+// `u` where given.
+ContextParallelConfig grouped_config(const char* algorithm, int64_t groups,
+                                     std::optional<int64_t> u = std::nullopt) {
+  ContextParallelConfig cfg;
+  cfg.algorithm = algorithm;
+  cfg.ulysses_degree = u;
+  cfg.schedule = CPSchedule::kAsync;
+  cfg.ulysses_head_groups = groups;
+  return cfg;
+}
+
 // One async forward (and, with `backward`, its backward) of `norm` over p ranks (causal,
 // contiguous shards): every rank's recorded collectives in order, and rank 0's all-to-all
 // launches, waits and attention starts (sorted), split at the end of its forward.
@@ -457,10 +470,7 @@ int64_t count_between(const std::vector<int64_t>& times, int64_t from, int64_t t
 // before any collective.
 TEST(UlyssesHeadGroups, EachGroupsPiecesAndOutputTravelWhileOtherGroupsAreAttended) {
   const int p = 2;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "ulysses";
-  cfg.schedule = CPSchedule::kAsync;
-  cfg.ulysses_head_groups = 3;
+  auto cfg = grouped_config("ulysses", 3);
   cfg.ulysses_row_parts = 2;
   const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
   const std::vector<std::string> pieces = {"all_to_all(cp)[1,4,24,8]", "all_to_all(cp)[1,2,24,8]",
@@ -565,10 +575,7 @@ TEST(CPFloat64, AllGatherHeadGroups) {
 // refused before any collective.
 TEST(AllGatherHeadGroups, LaterGroupsKVTravelWhileGroupZeroIsAttended) {
   const int p = 2;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "all_gather";
-  cfg.schedule = CPSchedule::kAsync;
-  cfg.ulysses_head_groups = 3;
+  auto cfg = grouped_config("all_gather", 3);
   const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
   for (const auto& sched : f.schedules) {
     ASSERT_EQ(sched.size(), 12u) << ::testing::PrintToString(sched);
@@ -628,11 +635,7 @@ TEST(CPFloat64, HybridHeadGroups) {
 // before its last attention call.
 TEST(HybridHeadGroups, EachGroupsCoGathersAndOutputTravelWhileAnotherGroupIsAttended) {
   const int p = 4;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "hybrid";
-  cfg.ulysses_degree = 2;
-  cfg.schedule = CPSchedule::kAsync;
-  cfg.ulysses_head_groups = 3;
+  const auto cfg = grouped_config("hybrid", 3, 2);
   const auto f = grouped_forward(*normalize(cfg, p), p, /*backward=*/true);
   for (const auto& sched : f.schedules) {
     std::vector<std::string> gathers, a2a;
@@ -685,11 +688,7 @@ TEST(CPFloat64, UspHeadGroups) {
 // before its last attention call.
 TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
   const int p = 4;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "usp";
-  cfg.ulysses_degree = 2;
-  cfg.schedule = CPSchedule::kAsync;
-  cfg.ulysses_head_groups = 3;
+  const auto cfg = grouped_config("usp", 3, 2);
   const auto f = grouped_forward(*normalize(cfg, p), p);
   for (const auto& sched : f.schedules) {
     std::vector<std::string> a2a;
@@ -734,10 +733,7 @@ TEST(UspHeadGroups, EachGroupsOutputTravelsWhileTheNextRingRuns) {
 // back; the same with 2 groups asked sends them twice.
 TEST(UspHeadGroups, ShortShardsRunOneGroup) {
   const int p = 4;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "usp";
-  cfg.ulysses_degree = 2;
-  cfg.schedule = CPSchedule::kAsync;
+  auto cfg = grouped_config("usp", 0, 2);
   ASSERT_LT(kS / p, kUspMinRowsForHeadGroups);
   EXPECT_EQ(ulysses_head_groups_of(*normalize(cfg, p), 6, 2, p, kS / p), 1);
   EXPECT_EQ(ulysses_head_groups_of(*normalize(cfg, p), 6, 2, p, kUspMinRowsForHeadGroups), 2);
