@@ -321,9 +321,8 @@ std::string run_report(const ReportOptions& o) {
         "both schedules, so 0 there). Link busy: every rank's bytes cross the one emulated link, "
         "so it is busy P x the bytes on the wire per rank / the rate each step; hidden of link "
         "time: 1 - exposed / link busy. Comm bytes: what the busiest rank handed to the transport "
-        "in "
-        "one step (a causal ring's ranks differ); on the wire: what crossed the emulated link per "
-        "step / P.\n";
+        "in one step (a causal ring's ranks differ); on the wire: what crossed the emulated link "
+        "per step / P.\n";
   md << "\nCost model: max relative error " << fixed(max_rel, 2)
      << " over the grid; at the machine's speed during each run (speed factor: the reference "
         "step timed in the run over the calibration's at the same P; the prediction's compute "

@@ -43,7 +43,7 @@ struct CPBenchResult {
   std::string algorithm, schedule;
   bool ring_keep_blocks = false;  // the variant's ContextParallelConfig::ring_keep_blocks
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
-  double step_time_s = 0;            // median over iterations of the slowest rank
+  double step_time_s = 0;  // median over iterations of the slowest rank
   // Bytes handed to the transport in one step (forward + backward), counted on every rank
   // (by_rank), and cp::step_bytes_per_rank of every rank (theory_by_rank); the scalars are the
   // busiest rank's (ranks differ where a causal ring's chunks stop early, cp/volume.h).
