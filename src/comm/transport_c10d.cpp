@@ -3,6 +3,7 @@
 // c10d API is in common/torch_compat.h. Each call records the bytes it hands the backend for
 // other ranks on its PendingOp (PendingOp::bytes_sent).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -53,12 +54,16 @@ int64_t chunks_for_peers(const at::Tensor& in, int me) {
   return nbytes(in) - nbytes(in[me]);
 }
 
+// One work. With `ask_future`, its Future (where the backend offers one) stamps the completion
+// time; offers_future() says whether it did.
 class C10dPending final : public PendingOp {
  public:
-  C10dPending(compat::WorkPtr work, int64_t bytes_sent) : work_(std::move(work)) {
+  C10dPending(compat::WorkPtr work, int64_t bytes_sent, bool ask_future) : work_(std::move(work)) {
     set_bytes_sent(bytes_sent);
     done_at_ = std::make_shared<std::atomic<int64_t>>(-1);
+    if (!ask_future) return;
     if (auto fut = compat::work_future(work_)) {
+      offers_future_ = true;
       auto done_at = done_at_;
       fut->addCallback(
           [done_at](c10::ivalue::Future&) { done_at->store(common::Tracer::now_us()); });
@@ -67,10 +72,12 @@ class C10dPending final : public PendingOp {
   void wait() override { work_->wait(); }
   bool is_completed() override { return work_->isCompleted(); }
   int64_t completed_at_us() const override { return done_at_->load(); }
+  bool offers_future() const { return offers_future_; }
 
  private:
   compat::WorkPtr work_;
   std::shared_ptr<std::atomic<int64_t>> done_at_;
+  bool offers_future_ = false;
 };
 
 // Several works that complete together (the point-to-point legs of one collective).
@@ -168,7 +175,8 @@ class C10dTransport final : public Transport {
   std::unique_ptr<PendingOp> all_to_all(at::Tensor out, at::Tensor in) override {
     std::vector<int64_t> equal_splits;
     const int64_t sent = chunks_for_peers(in, rank_);
-    return wrap(backend_->alltoall_base(out, in, equal_splits, equal_splits), sent);
+    return wrap(backend_->alltoall_base(out, in, equal_splits, equal_splits), sent,
+                OpKind::kAllToAll);
   }
   std::unique_ptr<PendingOp> all_to_all_v(at::Tensor out, at::Tensor in,
                                           std::vector<int64_t> out_rows,
@@ -177,14 +185,14 @@ class C10dTransport final : public Transport {
     int64_t sent = 0;
     for (size_t j = 0; j < in_rows.size(); ++j)
       sent += static_cast<int>(j) == rank_ ? 0 : in_rows[j] * row;
-    return wrap(backend_->alltoall_base(out, in, out_rows, in_rows), sent);
+    return wrap(backend_->alltoall_base(out, in, out_rows, in_rows), sent, OpKind::kAllToAll);
   }
   std::unique_ptr<PendingOp> all_reduce(at::Tensor inout, ReduceOp op) override {
     const int64_t sent = nbytes(inout);
     std::vector<at::Tensor> tensors{std::move(inout)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    return wrap(backend_->allreduce(tensors, opts), sent);
+    return wrap(backend_->allreduce(tensors, opts), sent, OpKind::kAllReduce);
   }
   std::unique_ptr<PendingOp> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) override {
     const int64_t sent = chunks_for_peers(in, rank_);
@@ -192,22 +200,31 @@ class C10dTransport final : public Transport {
     std::vector<std::vector<at::Tensor>> inputs{in.unbind(0)};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(op);
-    return wrap(backend_->reduce_scatter(outputs, inputs, opts), sent);
+    return wrap(backend_->reduce_scatter(outputs, inputs, opts), sent, OpKind::kReduceScatter);
   }
   std::unique_ptr<PendingOp> send(at::Tensor t, int dst, int tag) override {
     const int64_t sent = nbytes(t);
     std::vector<at::Tensor> tensors{std::move(t)};
-    return wrap(backend_->send(tensors, dst, tag), sent);
+    return wrap(backend_->send(tensors, dst, tag), sent, OpKind::kSend);
   }
   std::unique_ptr<PendingOp> recv(at::Tensor t, int src, int tag) override {
     std::vector<at::Tensor> tensors{std::move(t)};
-    return wrap(backend_->recv(tensors, src, tag), 0);
+    return wrap(backend_->recv(tensors, src, tag), 0, OpKind::kRecv);
   }
-  std::unique_ptr<PendingOp> barrier() override { return wrap(backend_->barrier(), 0); }
+  std::unique_ptr<PendingOp> barrier() override {
+    return wrap(backend_->barrier(), 0, OpKind::kBarrier);
+  }
 
  private:
-  static std::unique_ptr<PendingOp> wrap(compat::WorkPtr work, int64_t sent) {
-    return std::make_unique<C10dPending>(std::move(work), sent);
+  // A backend that offers no Future for a kind of work (Gloo's send and recv in LibTorch 1.13)
+  // throws a c10::Error when asked, and building one symbolizes a backtrace: milliseconds of CPU
+  // against LibTorch's symbol table, which was 6-9% of all CPU in a usp or ring step at P = 4.
+  // So each kind is asked until its first refusal, and then no more.
+  std::unique_ptr<PendingOp> wrap(compat::WorkPtr work, int64_t sent, OpKind kind) {
+    std::atomic<bool>& offered = futures_offered_[static_cast<size_t>(kind)];
+    auto pending = std::make_unique<C10dPending>(std::move(work), sent, offered.load());
+    if (!pending->offers_future()) offered.store(false);
+    return pending;
   }
 
   // Tags of the all-gather legs live above the user point-to-point tags.
@@ -218,6 +235,9 @@ class C10dTransport final : public Transport {
   std::string name_;
   int rank_;
   int64_t gather_seq_ = 0;
+  // Per OpKind (kBarrier is the last): whether its works may still offer a Future (wrap).
+  std::array<std::atomic<bool>, static_cast<size_t>(OpKind::kBarrier) + 1> futures_offered_{
+      true, true, true, true, true, true, true};
 };
 
 }  // namespace
