@@ -391,8 +391,11 @@ std::vector<CPPrediction> rank_cp_configs(const Calibration& c, int64_t p, const
   HP_CHECK(!out.empty(), "--cp-algo auto: no CP algorithm is legal for cp=", p, ", heads=", w.heads,
            ", kv_heads=", w.kv_heads, ", seq=", w.seq,
            "; change the sizes (see the errors of an explicit --cp-algo)");
-  std::stable_sort(out.begin(), out.end(),
-                   [](const auto& a, const auto& b) { return a.step_s < b.step_s; });
+  // Equal steps (the rings, kept or not, sync or async, where every shift hides): the choice
+  // whose collectives take less link time first, the one a busier link slows least.
+  std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.step_s != b.step_s ? a.step_s < b.step_s : a.comm_s < b.comm_s;
+  });
   return out;
 }
 
@@ -420,8 +423,11 @@ std::vector<StateExchangePrediction> rank_state_exchanges(const Calibration& c, 
     e->step_s = e->comm_s + e->fold_s;
   }
   std::vector<StateExchangePrediction> out{ag, p2p};
-  std::stable_sort(out.begin(), out.end(),
-                   [](const auto& a, const auto& b) { return a.step_s < b.step_s; });
+  // Equal steps (the rings, kept or not, sync or async, where every shift hides): the choice
+  // whose collectives take less link time first, the one a busier link slows least.
+  std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.step_s != b.step_s ? a.step_s < b.step_s : a.comm_s < b.comm_s;
+  });
   return out;
 }
 

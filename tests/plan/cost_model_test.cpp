@@ -411,6 +411,35 @@ TEST(CostModel, TheRingHidesItsShiftsBehindItsBlocks) {
   EXPECT_NEAR(ring_slower.exposed_comm_s - kept.exposed_comm_s, 3 * shift, 1e-9 * kept.comm_s);
 }
 
+// On a link fast enough for every ring shift to hide, the ring and the kept ring, sync and async,
+// all predict the same step; the ranking puts the kept ring first (fewer bytes: 2(P-1) blocks
+// against the ring's), so a busier link than the calibrated one slows auto's choice least.
+TEST(CostModel, EqualStepsRankTheChoiceWithLessLinkTimeFirst) {
+  auto fast = synthetic(1.0 / 100e9);
+  auto w = workload();
+  w.load_balance = true;
+  const auto ranked = rank_cp_configs(fast, 2, w);
+  const auto first_ring = std::find_if(ranked.begin(), ranked.end(), [](const CPPrediction& x) {
+    return x.config.algorithm == cp::CPAlgorithm::kRing;
+  });
+  ASSERT_NE(first_ring, ranked.end());
+  int rings = 0;
+  for (const auto& x : ranked) {
+    if (x.config.algorithm != cp::CPAlgorithm::kRing) continue;
+    ++rings;
+    EXPECT_DOUBLE_EQ(x.step_s, first_ring->step_s) << x.name;
+    EXPECT_LE(first_ring->comm_s, x.comm_s) << x.name;
+  }
+  EXPECT_EQ(rings, 4);
+  EXPECT_TRUE(first_ring->config.ring_keep_blocks) << first_ring->name;
+  for (size_t i = 1; i < ranked.size(); ++i) {
+    EXPECT_LE(ranked[i - 1].step_s, ranked[i].step_s);
+    if (ranked[i - 1].step_s == ranked[i].step_s) {
+      EXPECT_LE(ranked[i - 1].comm_s, ranked[i].comm_s) << ranked[i].name;
+    }
+  }
+}
+
 // Multi-head (8 / 8 at D = 64): ring_backward auto sends the queries in backward, per step
 // [q | dout], [lse | delta] and the dQ accumulator (3D + 2 floats per head and position against
 // the blocks' 4D): fewer bytes and, on a link slow enough to expose them, less exposed; the same

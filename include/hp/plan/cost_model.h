@@ -117,7 +117,8 @@ struct CPPrediction {
 std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkload& w);
 CPPrediction predict_cp_step(const Calibration& c, const cp::ContextParallelConfig& config,
                              int64_t p, const CPWorkload& w);
-// Predictions for every legal choice, fastest first.
+// Predictions for every legal choice, fastest first; of equal steps, the one whose collectives
+// take less link time first.
 std::vector<CPPrediction> rank_cp_configs(const Calibration& c, int64_t p, const CPWorkload& w);
 std::string describe(const CPPrediction& p);  // one log line
 
