@@ -238,7 +238,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     HP_CHECK(first == 1,
              "hp-train: --validate compares a whole run from step 1; do not combine "
              "it with --resume");
-    const auto v = validate_against_reference(world, run, corpus, plan, result.steps);
+    const auto v = validate_against_reference(world, run, corpus, result.steps);
     result.max_abs_loss_diff = v.max_abs_loss_diff;
     result.max_rel_grad_diff = v.max_rel_grad_diff;
   }

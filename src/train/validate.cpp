@@ -18,7 +18,6 @@ namespace {
 // The reference's max |loss difference| over the run and max relative gradient difference
 // after step 1, against the distributed run's.
 Validation compare_with_reference(const Runner& run, const Corpus& corpus,
-                                  const plan::ShardingPlan& plan,
                                   const std::vector<StepMetrics>& steps) {
   const TrainOptions& o = run.o;
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -51,11 +50,10 @@ Validation compare_with_reference(const Runner& run, const Corpus& corpus,
 }  // namespace
 
 Validation validate_against_reference(const comm::World& world, const Runner& run,
-                                      const Corpus& corpus, const plan::ShardingPlan& plan,
-                                      const std::vector<StepMetrics>& steps) {
+                                      const Corpus& corpus, const std::vector<StepMetrics>& steps) {
   Validation v;
   if (world.rank() == 0) {
-    v = compare_with_reference(run, corpus, plan, steps);
+    v = compare_with_reference(run, corpus, steps);
     std::printf(
         "hp-train: validate: max |loss - reference| over %lld steps = %.3g; max "
         "relative gradient difference after step 1 = %.3g\n",

@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "hp/comm/world.h"
-#include "hp/plan/plan.h"
 #include "hp/train/trainer.h"
 #include "runner.h"
 
@@ -20,7 +19,6 @@ struct Validation {
 // (the distributed run's metrics from step 1), compares the losses and `run.first_grads` with
 // it, and prints the result; the other ranks wait and return zeros.
 Validation validate_against_reference(const comm::World& world, const Runner& run,
-                                      const Corpus& corpus, const plan::ShardingPlan& plan,
-                                      const std::vector<StepMetrics>& steps);
+                                      const Corpus& corpus, const std::vector<StepMetrics>& steps);
 
 }  // namespace hp::train

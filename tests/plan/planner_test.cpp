@@ -39,8 +39,9 @@ class ToyNet : public torch::nn::Module, public Plannable {
     slot.host = &host;
     slot.adapter = "flex_hf";
     slot.handoffs = {{"q", "emit_q"}, {"k", "emit_k"}, {"v", "emit_v"}};
-    return {{"blocks.0", {}, std::nullopt, std::nullopt},
-            {"blocks.0.mixer", tp::tp_shard_dims(*this), slot, std::nullopt}};
+    return {{"blocks.0", {}, std::nullopt, std::nullopt, std::nullopt, std::nullopt},
+            {"blocks.0.mixer", tp::tp_shard_dims(*this), slot, std::nullopt, std::nullopt,
+             std::nullopt}};
   }
   void check_tp(int64_t tp_size) const override {
     HP_CHECK(6 % tp_size == 0 && 3 % tp_size == 0, "ToyNet: heads 6/3 over tp_size=", tp_size);
