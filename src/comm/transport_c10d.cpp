@@ -138,7 +138,10 @@ template <class Backend>
 class C10dTransport final : public Transport {
  public:
   C10dTransport(c10::intrusive_ptr<Backend> backend, std::string name, int rank)
-      : backend_(std::move(backend)), name_(std::move(name)), rank_(rank) {}
+      : backend_(std::move(backend)), name_(std::move(name)), rank_(rank) {
+    for (auto& offered : futures_offered_)
+      offered.store(true);
+  }
 
   std::string backend_name() const override { return name_; }
   bool has_native_reduce_scatter() const override {
@@ -236,8 +239,7 @@ class C10dTransport final : public Transport {
   int rank_;
   int64_t gather_seq_ = 0;
   // Per OpKind (kBarrier is the last): whether its works may still offer a Future (wrap).
-  std::array<std::atomic<bool>, static_cast<size_t>(OpKind::kBarrier) + 1> futures_offered_{
-      true, true, true, true, true, true, true};
+  std::array<std::atomic<bool>, static_cast<size_t>(OpKind::kBarrier) + 1> futures_offered_;
 };
 
 }  // namespace

@@ -423,11 +423,8 @@ std::vector<StateExchangePrediction> rank_state_exchanges(const Calibration& c, 
     e->step_s = e->comm_s + e->fold_s;
   }
   std::vector<StateExchangePrediction> out{ag, p2p};
-  // Equal steps (the rings, kept or not, sync or async, where every shift hides): the choice
-  // whose collectives take less link time first, the one a busier link slows least.
-  std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a.step_s != b.step_s ? a.step_s < b.step_s : a.comm_s < b.comm_s;
-  });
+  std::stable_sort(out.begin(), out.end(),
+                   [](const auto& a, const auto& b) { return a.step_s < b.step_s; });
   return out;
 }
 
