@@ -61,6 +61,15 @@ plan::CPWorkload calibration_workload(int64_t seq, int64_t p) {
   return w;
 }
 
+// What one pair of ring and Ulysses steps says about the ring (run_calibration).
+struct RingPair {
+  nlohmann::json record;  // the inputs and results, for the calibration's inputs
+  double attention = 0;   // the ring's attention at Ulysses' measured rate, s
+  double compute = 0;     // the ring's step less its measured wait, projections, per-token term
+  double scale = 1;       // its measured wait over the model's
+  double share = 1, local = 0;  // core share and local tokens of a rank
+};
+
 // The share of a core each of P ranks gets on the calibrated machine.
 double core_share(const plan::Calibration& c, int64_t p) {
   return std::min(1.0, static_cast<double>(c.cores) / static_cast<double>(p));
@@ -154,6 +163,8 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   // than one process alone (page faults, comm threads, the other rank on the machine: 1.3-1.5x
   // on a 2-core VM with the AVX-512 tile GEMM, where a single length's residual, counted per
   // token, once grew 20x and moved every prediction), the linear part what remains per token.
+  // The longer run alternates its Ulysses steps with balanced ring steps (the ring's fit below).
+  nlohmann::json ring_pairs;
   {
     constexpr int64_t p = 2;
     struct Point {
@@ -166,10 +177,13 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     cp::ContextParallelConfig cfg;
     cfg.algorithm = cp::CPAlgorithm::kUlysses;
     for (int64_t seq : {int64_t{2048}, int64_t{8192}}) {
+      const bool paired = seq == 8192;
       const auto [cmd, j] = run_cp(common::str_cat(
-          "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ulysses ",
-          "--schedule sync --projections --causal --iters 5 --reference-step"));
-      if (seq == 2048) record_reference(p, j);
+          "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ",
+          paired ? "ring --load-balance --paired-with ulysses" : "ulysses",
+          " --schedule sync --projections --causal --iters 5", paired ? "" : " --reference-step"));
+      if (paired) ring_pairs = {{"command", cmd}, {"result", j}};
+      if (!paired) record_reference(p, j);
       plan::CPWorkload w = calibration_workload(seq, p);
       const auto with = plan::predict_cp_step(flops, *cp::normalize(cfg, p), p, w);
       w.projections = false;
@@ -207,23 +221,18 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
                           {"attention_gflops", c.attention_gflops},
                           {"seconds_per_token", c.seconds_per_token}};
   }
-  // The ring's cost per local token per step: sync ring steps (balanced, P = 4, so C - 1 = 3
-  // steps) timed in alternation with sync Ulysses steps (S = 4096, causal, projections), which
-  // do the same attention work per rank. Ulysses' compute (its step minus its exposed wait and
-  // the predicted projections and per-token term) is its attention; the ring's step is
+  // The ring, from sync ring steps (balanced) timed in alternation with sync Ulysses steps
+  // (causal, projections), which do the same attention work per rank; the ring's step is
   // Ulysses' over the paired ratio (median of 5), so a slow spell of the machine hits both
-  // alike. What the ring's step takes beyond that attention times its flop ratio (1: hp-bench
-  // runs the blockwise primitive, whose ring backward recomputes nothing), the projections, the
-  // per-token term and the shifts the model leaves exposed, per local token per step at one core:
-  // the model's residual, as for seconds_per_token (the measured ring waits, recorded too, are not
-  // what the model adds back).
-  {
-    constexpr int64_t p = 4, seq = 4096;
-    const auto [cmd, j] = run_cp(common::str_cat(
-        "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ring ",
-        "--load-balance --paired-with ulysses --schedule sync --projections --causal --iters 5 ",
-        "--reference-step"));
-    record_reference(p, j);
+  // alike. Ulysses' compute (its step minus its measured wait and the predicted projections and
+  // per-token term) is its attention; the ring's, likewise, over it times the flop ratio (1:
+  // hp-bench runs the blockwise primitive, whose ring backward recomputes nothing) is
+  // ring_attention_factor (P = 2, S = 8192: the ring's shifts mostly hidden, its attention
+  // long). The ring's measured wait over the one the model predicts is ring_exposed_scale at P
+  // (P = 2 there, P = 4 from the pairs at S = 4096), and what the ring's step at P = 4 takes
+  // beyond its scaled attention, the projections, the per-token term and its wait, per local
+  // token per step at one core, is ring_seconds_per_token_step.
+  auto ring_pair = [&](int64_t p, int64_t seq, const std::string& cmd, const nlohmann::json& j) {
     const auto& u = j["results"][0];
     const auto& r = j["results"][1];
     const double u_step = u["step_time_s"], ratio = r["paired_speedup"];
@@ -235,38 +244,71 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     rcfg.algorithm = cp::CPAlgorithm::kRing;
     rcfg.load_balance = true;
     rcfg.load_balance_form = cp::LoadBalanceForm::kDataOrder;
-    plan::Calibration flops = c;  // flops only
+    plan::Calibration flops = c;  // flops only, the scale at P not yet applied
     flops.seconds_per_token = 0;
     flops.ring_seconds_per_token_step = 0;
+    flops.ring_exposed_scale[p] = 1;
     auto predict = [&](const cp::ContextParallelConfig& cfg, bool projections) {
       plan::CPWorkload wp = w;
       wp.projections = projections;
       return plan::predict_cp_step(flops, *cp::normalize(cfg, p), p, wp);
     };
-    auto compute = [&](const cp::ContextParallelConfig& cfg, bool projections) {
-      return predict(cfg, projections).compute_s;
-    };
-    const double ring_exposed = predict(rcfg, true).exposed_comm_s;
     const double share = core_share(c, p);
     const double local = static_cast<double>(seq / p);
     // The projections and the per-token term: the same for both.
-    const double rest =
-        compute(ucfg, true) - compute(ucfg, false) + c.seconds_per_token * local / share;
+    const double rest = predict(ucfg, true).compute_s - predict(ucfg, false).compute_s +
+                        c.seconds_per_token * local / share;
     const double u_attn = u_step - u["exposed_comm_s"].get<double>() - rest;
-    const double ring_attn = u_attn * compute(rcfg, false) / compute(ucfg, false);
-    const double beyond = ring_step - ring_exposed - rest - ring_attn;
+    // The ring's attention at Ulysses' measured rate (its factor taken out again).
+    const double ring_attn = u_attn * predict(rcfg, false).compute_s / c.ring_attention_factor /
+                             predict(ucfg, false).compute_s;
+    const double ring_wait = r["exposed_comm_s"];
+    const double ring_compute = ring_step - ring_wait - rest;
+    const double predicted_wait = predict(rcfg, true).exposed_comm_s;
+    // Where the model hides every shift (loopback), or noise left no wait, the scale stays 1.
+    const double scale =
+        predicted_wait > 1e-3 ? std::clamp(ring_wait / predicted_wait, 0.1, 2.0) : 1.0;
+    nlohmann::json rec = {{"command", cmd},
+                          {"ulysses_step_s", u_step},
+                          {"ulysses_exposed_comm_s", u["exposed_comm_s"]},
+                          {"ulysses_over_ring_paired", ratio},
+                          {"ring_exposed_comm_s", ring_wait},
+                          {"ring_exposed_predicted_s", predicted_wait},
+                          {"ring_exposed_scale", scale},
+                          {"projections_and_tokens_s", rest},
+                          {"ring_attention_at_ulysses_rate_s", ring_attn},
+                          {"ring_compute_s", ring_compute}};
+    return RingPair{rec, ring_attn, ring_compute, scale, share, local};
+  };
+  {
+    constexpr int64_t p = 2, seq = 8192;
+    const std::string cmd = ring_pairs["command"];
+    // The factor first (the model's wait depends on it), then the scale with it.
+    const auto first = ring_pair(p, seq, cmd, ring_pairs["result"]);
+    c.ring_attention_factor = first.attention > 0 && first.compute > 0
+                                  ? std::clamp(first.compute / first.attention, 0.5, 3.0)
+                                  : 1.0;
+    auto fit = ring_pair(p, seq, cmd, ring_pairs["result"]);
+    c.ring_exposed_scale[p] = fit.scale;
+    fit.record["ring_attention_factor"] = c.ring_attention_factor;
+    inputs["ring_attention"] = fit.record;
+  }
+  {
+    constexpr int64_t p = 4, seq = 4096;
+    const auto [cmd, j] = run_cp(common::str_cat(
+        "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 --cp-algo ring ",
+        "--load-balance --paired-with ulysses --schedule sync --projections --causal --iters 5 ",
+        "--reference-step"));
+    record_reference(p, j);
+    auto fit = ring_pair(p, seq, cmd, j);
+    c.ring_exposed_scale[p] = fit.scale;
+    const double beyond = fit.compute - fit.attention * c.ring_attention_factor;
     c.ring_seconds_per_token_step =
-        std::max(0.0, beyond) * share / (local * static_cast<double>(p - 1));
-    inputs["ring_steps"] = {{"command", cmd},
-                            {"ulysses_step_s", u_step},
-                            {"ulysses_exposed_comm_s", u["exposed_comm_s"]},
-                            {"ulysses_over_ring_paired", ratio},
-                            {"ring_exposed_comm_s", r["exposed_comm_s"]},
-                            {"ring_exposed_predicted_s", ring_exposed},
-                            {"projections_and_tokens_s", rest},
-                            {"ring_attention_s", ring_attn},
-                            {"beyond_s", beyond},
-                            {"ring_seconds_per_token_step", c.ring_seconds_per_token_step}};
+        std::max(0.0, beyond) * fit.share / (fit.local * static_cast<double>(p - 1));
+    fit.record["ring_attention_s"] = fit.attention * c.ring_attention_factor;
+    fit.record["beyond_s"] = beyond;
+    fit.record["ring_seconds_per_token_step"] = c.ring_seconds_per_token_step;
+    inputs["ring_steps"] = fit.record;
   }
   // The async schedule's own cost: sync and async steps timed in pairs (S = 4096, P = 2,
   // projections), all_gather balanced and Ulysses. What async lost against sync beyond the

@@ -30,6 +30,20 @@ const CollectiveFit& Calibration::fit(const std::string& kind, int64_t world_siz
   return *best;
 }
 
+double Calibration::ring_exposed_scale_at(int64_t world_size) const {
+  // The scale for this world size, else the nearest measured one, else none (1).
+  double best = 1;
+  int64_t best_gap = -1;
+  for (const auto& [p, scale] : ring_exposed_scale) {
+    const int64_t gap = std::llabs(p - world_size);
+    if (best_gap < 0 || gap < best_gap) {
+      best = scale;
+      best_gap = gap;
+    }
+  }
+  return best;
+}
+
 CollectiveFit fit_collective_line(double small_bytes, double small_s, double large_bytes,
                                   double large_s, bool* through_origin) {
   HP_CHECK(large_bytes > small_bytes && small_bytes > 0,
@@ -53,6 +67,9 @@ std::string to_json(const Calibration& c) {
   j["async_seconds_per_token"] = c.async_seconds_per_token;
   j["ulysses_async_seconds_per_token"] = c.ulysses_async_seconds_per_token;
   j["ring_seconds_per_token_step"] = c.ring_seconds_per_token_step;
+  j["ring_attention_factor"] = c.ring_attention_factor;
+  for (const auto& [p, scale] : c.ring_exposed_scale)
+    j["ring_exposed_scale"][std::to_string(p)] = scale;
   for (const auto& [kind, by_p] : c.collectives) {
     for (const auto& [p, f] : by_p) {
       j["collectives"][kind][std::to_string(p)] = {{"latency_s", f.latency_s},
@@ -76,6 +93,11 @@ Calibration calibration_from_json(const std::string& text) {
   c.ulysses_async_seconds_per_token =
       j.value("ulysses_async_seconds_per_token", c.async_seconds_per_token);
   c.ring_seconds_per_token_step = j.value("ring_seconds_per_token_step", 0.0);
+  c.ring_attention_factor = j.value("ring_attention_factor", 1.0);
+  if (j.contains("ring_exposed_scale")) {
+    for (const auto& [p, scale] : j["ring_exposed_scale"].items())
+      c.ring_exposed_scale[std::stoll(p)] = scale.get<double>();
+  }
   for (const auto& [kind, by_p] : j.at("collectives").items()) {
     for (const auto& [p, f] : by_p.items()) {
       c.collectives[kind][std::stoll(p)] = {f.at("latency_s"), f.at("seconds_per_byte")};
@@ -209,6 +231,9 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const double busy_cores = std::min<double>(cal.cores, ranks);
   double attn_s = std::max(full_attn / (cal.attention_gflops * 1e9 * busy_cores),
                            attn_flops / (cal.attention_gflops * 1e9));
+  // The ring's attention beside its shifts (ring and usp): the measured factor, in the work
+  // each shift hides behind too.
+  if (ring) attn_s *= cal.ring_attention_factor;
   // Where the primitive offers no backward from statistics, the ring's backward recomputes the
   // forward of the C-1 blocks that travelled (1 of the 3.5 forward units again on (C-1)/C of
   // the work; cp/strategy_ring.cpp).
@@ -266,7 +291,8 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
             : (config.ring_keep_blocks ? 1 : 2) * shift;
     late += steps * (shift + bwd_shift);
     ring_exposed =
-        steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, bwd_shift - bwd_step);
+        (steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, bwd_shift - bwd_step)) *
+        cal.ring_exposed_scale_at(p);
   } else if (c > 1) {
     const double n = local * hkv * e;  // per rank, per tensor
     const auto& ag = cal.fit("all_gather", p);
@@ -373,9 +399,10 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
         cal.ring_seconds_per_token_step * b * local * static_cast<double>(c - 1) / share;
   }
   // What async costs on the rank's core where it launches collectives at the handoffs (the
-  // ring's async schedule is its sync one); Ulysses has its own fit.
+  // ring's async schedule is its sync one); Ulysses has its own fit, and usp, whose early
+  // collectives are the same all-to-alls (it gathers nothing), pays it too.
   if (async && early + co_gathers > 0) {
-    const double per_token = config.algorithm == cp::CPAlgorithm::kUlysses
+    const double per_token = config.algorithm == cp::CPAlgorithm::kUlysses || usp
                                  ? cal.ulysses_async_seconds_per_token
                                  : cal.async_seconds_per_token;
     out.compute_s += per_token * b * local / share;

@@ -333,6 +333,14 @@ TEST(CostModel, AsyncPaysItsOverheadAndSyncWinsWhereLittleIsHidden) {
     cal->ulysses_async_seconds_per_token = 2e-5;
     const auto paying_ulysses = predict_cp_step(*cal, ulysses_async, 2, w);
     EXPECT_NEAR(paying_ulysses.compute_s - free_ulysses.compute_s, 2e-5 * (w.seq / 2), 1e-9);
+    // usp's early collectives are Ulysses' all-to-alls: it pays Ulysses' fit, not all_gather's.
+    auto usp_async = config("usp", false, 2);
+    usp_async.schedule = cp::CPSchedule::kAsync;
+    const auto paying_usp = predict_cp_step(*cal, usp_async, 4, w);
+    cal->ulysses_async_seconds_per_token = 0;
+    const auto free_usp = predict_cp_step(*cal, usp_async, 4, w);
+    EXPECT_NEAR(paying_usp.compute_s - free_usp.compute_s, 2e-5 * (w.seq / 4), 1e-9);
+    cal->ulysses_async_seconds_per_token = 2e-5;
     EXPECT_DOUBLE_EQ(predict_cp_step(*cal, async_cfg, 2, w).step_s, async.step_s);
     auto ring_async = config("ring", true);
     ring_async.schedule = cp::CPSchedule::kAsync;
@@ -512,12 +520,50 @@ TEST(CostModel, TheRingPaysItsRecomputeAndItsMeasuredCostPerStep) {
                      predict_cp_step(base, other, 4, w).step_s);
 }
 
+// The ring's measured attention factor lengthens the attention of ring and usp (and the work
+// their shifts hide behind); the measured exposure scale at P multiplies what the shifts leave
+// exposed (the nearest measured P where P is absent). Neither touches the other strategies.
+TEST(CostModel, TheRingsAttentionFactorAndExposureScaleApplyToTheRingsOnly) {
+  auto base = synthetic(1.0 / 10e6, /*cores=*/2);
+  auto w = workload();
+  w.load_balance = true;
+  w.projections = false;
+  const auto ring = config("ring", true), usp = config("usp", false, 2);
+  const auto r0 = predict_cp_step(base, ring, 4, w);
+  const auto u0 = predict_cp_step(base, usp, 4, w);
+  ASSERT_GT(r0.exposed_comm_s, 0);
+  auto slow = base;
+  slow.ring_attention_factor = 1.25;
+  const auto r1 = predict_cp_step(slow, ring, 4, w);
+  EXPECT_NEAR(r1.compute_s, 1.25 * r0.compute_s, 1e-9 * r0.compute_s);
+  EXPECT_NEAR(predict_cp_step(slow, usp, 4, w).compute_s, 1.25 * u0.compute_s, 1e-9 * u0.compute_s);
+  EXPECT_LT(r1.exposed_comm_s, r0.exposed_comm_s);  // longer blocks hide more of each shift
+  EXPECT_DOUBLE_EQ(r1.comm_s, r0.comm_s);
+  auto scaled = base;
+  scaled.ring_exposed_scale = {{2, 0.5}, {4, 0.8}};
+  EXPECT_DOUBLE_EQ(scaled.ring_exposed_scale_at(4), 0.8);
+  EXPECT_DOUBLE_EQ(scaled.ring_exposed_scale_at(3), 0.5);  // nearest (2 and 4 tie: the lower)
+  EXPECT_DOUBLE_EQ(scaled.ring_exposed_scale_at(8), 0.8);
+  EXPECT_DOUBLE_EQ(base.ring_exposed_scale_at(4), 1.0);  // none measured
+  const auto r2 = predict_cp_step(scaled, ring, 4, w);
+  EXPECT_NEAR(r2.exposed_comm_s, 0.8 * r0.exposed_comm_s, 1e-12);
+  EXPECT_DOUBLE_EQ(r2.compute_s, r0.compute_s);
+  for (const auto& other :
+       {config("all_gather", true), config("ulysses"), config("hybrid", false, 2)}) {
+    for (const auto* cal : {&slow, &scaled})
+      EXPECT_DOUBLE_EQ(predict_cp_step(*cal, other, 4, w).step_s,
+                       predict_cp_step(base, other, 4, w).step_s);
+  }
+}
+
 TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   auto c = synthetic(2e-9);
   c.inputs_json = R"({"comm":[{"command":"hp-bench comm --nproc 2"}]})";
   c.async_seconds_per_token = 3e-5;
   c.ulysses_async_seconds_per_token = 1.5e-5;
   c.ring_seconds_per_token_step = 1.1e-4;
+  c.ring_attention_factor = 1.12;
+  c.ring_exposed_scale = {{2, 0.7}, {4, 0.9}};
   const std::string path = ::testing::TempDir() + "/hp_cal/calibration-test.json";
   save_calibration(path, c);
   auto back = load_calibration(path);
@@ -529,6 +575,15 @@ TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   j.erase("ulysses_async_seconds_per_token");
   EXPECT_DOUBLE_EQ(calibration_from_json(j.dump()).ulysses_async_seconds_per_token, 3e-5);
   EXPECT_DOUBLE_EQ(back.ring_seconds_per_token_step, 1.1e-4);
+  EXPECT_DOUBLE_EQ(back.ring_attention_factor, 1.12);
+  EXPECT_EQ(back.ring_exposed_scale, c.ring_exposed_scale);
+  // A file from before the ring's fits: factor 1, no scale.
+  j = nlohmann::json::parse(to_json(c));
+  j.erase("ring_attention_factor");
+  j.erase("ring_exposed_scale");
+  const auto old_file = calibration_from_json(j.dump());
+  EXPECT_DOUBLE_EQ(old_file.ring_attention_factor, 1.0);
+  EXPECT_TRUE(old_file.ring_exposed_scale.empty());
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 4).seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 8).seconds_per_byte, 2e-9);  // nearest measured P
   EXPECT_NE(back.inputs_json.find("hp-bench comm --nproc 2"), std::string::npos);

@@ -179,20 +179,51 @@ TEST(Report, CalibrateAutoAndReport) {
     }
     EXPECT_GE(reproduced, 1) << overhead;
   }
-  // The ring's cost per local token per step, fitted from ring steps paired with Ulysses steps
-  // at P = 4 (3 steps of 1024 local tokens, half a core each), recorded with its inputs.
+  // The ring's attention factor (P = 2, S = 8192) and its measured waits over the model's (P = 2
+  // and P = 4), from ring steps paired with Ulysses steps, recorded with their inputs: the
+  // ring's compute is its paired step less its measured wait, the projections and the per-token
+  // term.
+  auto expect_ring_pair = [&](const json& ring, int p) {
+    EXPECT_GT(ring["ulysses_over_ring_paired"].get<double>(), 0) << ring;
+    EXPECT_NEAR(
+        ring["ring_compute_s"].get<double>(),
+        ring["ulysses_step_s"].get<double>() / ring["ulysses_over_ring_paired"].get<double>() -
+            ring["ring_exposed_comm_s"].get<double>() -
+            ring["projections_and_tokens_s"].get<double>(),
+        1e-9);
+    const double predicted = ring["ring_exposed_predicted_s"].get<double>();
+    const double scale =
+        predicted > 1e-3
+            ? std::clamp(ring["ring_exposed_comm_s"].get<double>() / predicted, 0.1, 2.0)
+            : 1.0;
+    EXPECT_DOUBLE_EQ(ring["ring_exposed_scale"].get<double>(), scale) << ring;
+    EXPECT_DOUBLE_EQ(calibration["ring_exposed_scale"][std::to_string(p)].get<double>(), scale);
+  };
+  {
+    const auto& ring = calibration["inputs"]["ring_attention"];
+    EXPECT_NE(ring["command"].get<std::string>().find("--cp 2 --seq 8192"), std::string::npos);
+    expect_ring_pair(ring, 2);
+    const double attention = ring["ring_attention_at_ulysses_rate_s"].get<double>();
+    const double compute = ring["ring_compute_s"].get<double>();
+    const double factor =
+        attention > 0 && compute > 0 ? std::clamp(compute / attention, 0.5, 3.0) : 1.0;
+    EXPECT_DOUBLE_EQ(calibration["ring_attention_factor"].get<double>(), factor) << ring;
+  }
+  // The ring's cost per local token per step at P = 4 (3 steps of 1024 local tokens, half a
+  // core each): what its compute takes beyond its attention at the factor.
   {
     const auto& ring = calibration["inputs"]["ring_steps"];
-    EXPECT_GT(ring["ulysses_over_ring_paired"].get<double>(), 0) << ring;
+    expect_ring_pair(ring, 4);
     const double share = std::min(1.0, calibration["cores"].get<double>() / 4.0);
     EXPECT_DOUBLE_EQ(calibration["ring_seconds_per_token_step"].get<double>(),
                      std::max(0.0, ring["beyond_s"].get<double>()) * share / (1024.0 * 3));
-    EXPECT_NEAR(
-        ring["beyond_s"].get<double>(),
-        ring["ulysses_step_s"].get<double>() / ring["ulysses_over_ring_paired"].get<double>() -
-            ring["ring_exposed_predicted_s"].get<double>() -
-            ring["projections_and_tokens_s"].get<double>() - ring["ring_attention_s"].get<double>(),
-        1e-9);
+    EXPECT_NEAR(ring["ring_attention_s"].get<double>(),
+                ring["ring_attention_at_ulysses_rate_s"].get<double>() *
+                    calibration["ring_attention_factor"].get<double>(),
+                1e-9);
+    EXPECT_NEAR(ring["beyond_s"].get<double>(),
+                ring["ring_compute_s"].get<double>() - ring["ring_attention_s"].get<double>(),
+                1e-9);
   }
   // The reference step the report times again beside each grid case.
   {

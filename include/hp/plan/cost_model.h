@@ -13,8 +13,10 @@
 //     exposed = comm (sync); async: the collectives it launches early hide behind the
 //               projection work that follows them (up to `overlap_budget` of it) and behind
 //               attention on local data (all_gather: 1/P of it; ulysses: 1/P^2)
-//             (the ring's async schedule is its sync one)
-//     compute += async_seconds_per_token (ulysses: ulysses_async_seconds_per_token) x local
+//             (the ring's async schedule is its sync one; its shifts hide behind its blocks'
+//             attention, and what they do not hide is scaled by the measured
+//             ring_exposed_scale at P; its attention runs at ring_attention_factor x the rate)
+//     compute += async_seconds_per_token (ulysses, usp: ulysses_async_seconds_per_token) x local
 //             tokens / core share, for an async schedule that launches collectives at the
 //             handoffs (what it costs beyond sync: so that where there is little to hide, sync
 //             wins)
@@ -69,15 +71,31 @@ struct Calibration {
   // all_gather's at S = 4096 in every report (docs/benchmarks.md). A calibration file from
   // before it takes async_seconds_per_token.
   double ulysses_async_seconds_per_token = 0;
-  // What each ring step costs beyond its flops (the call per block, the lse merge, the wait
-  // for the neighbour's block), seconds per local token per step at one core: fitted by
-  // hp-bench calibrate from sync ring steps timed in alternation with sync Ulysses steps (the
-  // same attention work per rank), so the machine's drift cancels. Per token, not per flop: at
-  // S = 4096, 8192 and 16384, P = 2 and 4, it came out at 0.6-1.3e-4 s, not growing with S.
+  // What each ring step costs beyond its flops at ring_attention_factor (the call per block,
+  // the lse merge, the wait for the neighbour's block), seconds per local token per step at one
+  // core: fitted by hp-bench calibrate from sync ring steps at P = 4 timed in alternation with
+  // sync Ulysses steps (the same attention work per rank), so the machine's drift cancels.
+  // Before the transport stopped asking Gloo's point-to-point works for a Future (each refusal
+  // built a c10::Error) it came out at 0.6-1.3e-4 s at S = 4096-16384; since, 0-7e-6 s.
   double ring_seconds_per_token_step = 0;
+  // The ring's attention (ring and usp) over the attention the rate above predicts for its
+  // flops: fitted by hp-bench calibrate from ring steps timed in alternation with Ulysses steps
+  // at P = 2, S = 8192 (the same attention work per rank, the measured waits taken out). Its
+  // blocks arrive while it computes, and the transfers' CPU and the calls per key chunk cost
+  // it 10-15% beside Ulysses at S = 4096, 8192 and 16384 (a share of its attention, not a
+  // cost per token: docs/benchmarks.md). It also lengthens the work each shift hides behind.
+  double ring_attention_factor = 1;
+  // Per world size: the ring's measured waits over those the step model predicts (same
+  // calibration runs: P = 2 from the S = 8192 pairs, P = 4 from the S = 4096 pairs). The model
+  // charges each shift whole against one block's attention; the ranks' unequal routes (a
+  // causal head-tail rank sends one chunk, its partner two) and the chunk-by-chunk waits hide
+  // more, most at P = 2 (measured 0.3-0.6 of the model there, 0.8-0.9 at P = 4). The nearest
+  // measured P where a world size is absent; 1 where none is.
+  std::map<int64_t, double> ring_exposed_scale;
   std::string inputs_json = "{}";  // what the calibration ran (commands, sizes, raw results)
 
   const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;
+  double ring_exposed_scale_at(int64_t world_size) const;
 };
 
 std::string to_json(const Calibration& c);
