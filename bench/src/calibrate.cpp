@@ -310,37 +310,28 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     fit.record["ring_seconds_per_token_step"] = c.ring_seconds_per_token_step;
     inputs["ring_steps"] = fit.record;
   }
-  // The async schedule's own cost: sync and async steps timed in pairs (projections), all_gather
-  // balanced and Ulysses, at P = 2 (S = 4096) and P = 4 (S = 8192). What async lost against
-  // sync beyond the waits it removed, per local token at one core.
-  auto async_overhead = [&](int64_t p, int64_t seq, const std::string& algorithm_args,
-                            const std::string& key) {
-    const auto [cmd, j] = run_cp(common::str_cat(
-        "--cp ", p, " --seq ", seq, " --heads 8 --kv-heads 8 --head-dim 64 ", algorithm_args,
-        " --schedule async --projections --causal "
-        "--iters 5"));
+  // The async schedule's own cost: sync and async steps timed in pairs (S = 4096, P = 2,
+  // projections), all_gather balanced and Ulysses. What async lost against sync beyond the
+  // waits it removed, per local token at one core.
+  auto async_overhead = [&](const std::string& algorithm_args, const char* key) {
+    const auto [cmd, j] = run_cp(
+        common::str_cat("--cp 2 --seq 4096 --heads 8 --kv-heads 8 --head-dim 64 ", algorithm_args,
+                        " --schedule async --projections --causal --iters 5"));
     const auto& sync = j["results"][0];
     const auto& async = j["results"][1];
     const double sync_s = sync["step_time_s"], ratio = async["async_speedup"];
     const double hidden =
         std::max(0.0, sync["exposed_comm_s"].get<double>() - async["exposed_comm_s"].get<double>());
     const double lost = sync_s / ratio - sync_s + hidden;
-    const double per_token = std::max(0.0, lost) * core_share(c, p) /
-                             (static_cast<double>(seq) / static_cast<double>(p));
+    const double per_token = std::max(0.0, lost) * core_share(c, 2) / (4096.0 / 2.0);
     inputs[key] = {
         {"command", cmd},          {"sync_step_s", sync_s}, {"sync_over_async_paired", ratio},
         {"hidden_wait_s", hidden}, {"lost_s", lost},        {"seconds_per_token", per_token}};
     return per_token;
   };
-  for (const auto& [p, seq] : {std::pair<int64_t, int64_t>{2, 4096}, {4, 8192}}) {
-    const std::string suffix = p == 2 ? "" : "_p" + std::to_string(p);
-    c.async_seconds_per_token_at[p] =
-        async_overhead(p, seq, "--cp-algo all_gather --load-balance", "async_overhead" + suffix);
-    c.ulysses_async_seconds_per_token_at[p] =
-        async_overhead(p, seq, "--cp-algo ulysses", "ulysses_async_overhead" + suffix);
-  }
-  c.async_seconds_per_token = c.async_seconds_per_token_at[2];
-  c.ulysses_async_seconds_per_token = c.ulysses_async_seconds_per_token_at[2];
+  c.async_seconds_per_token =
+      async_overhead("--cp-algo all_gather --load-balance", "async_overhead");
+  c.ulysses_async_seconds_per_token = async_overhead("--cp-algo ulysses", "ulysses_async_overhead");
   c.inputs_json = inputs.dump();
   return c;
 }

@@ -31,19 +31,6 @@ const T* nearest_world_size(const std::map<int64_t, T>& by_p, int64_t world_size
   return best;
 }
 
-void write_by_p(nlohmann::json& j, const char* key, const std::map<int64_t, double>& by_p) {
-  for (const auto& [p, v] : by_p)
-    j[key][std::to_string(p)] = v;
-}
-
-std::map<int64_t, double> read_by_p(const nlohmann::json& j, const char* key) {
-  std::map<int64_t, double> out;
-  if (!j.contains(key)) return out;
-  for (const auto& [p, v] : j[key].items())
-    out[std::stoll(p)] = v.get<double>();
-  return out;
-}
-
 }  // namespace
 
 const CollectiveFit& Calibration::fit(const std::string& kind, int64_t world_size) const {
@@ -56,13 +43,6 @@ const CollectiveFit& Calibration::fit(const std::string& kind, int64_t world_siz
 double Calibration::ring_exposed_scale_at(int64_t world_size) const {
   const double* scale = nearest_world_size(ring_exposed_scale, world_size);
   return scale != nullptr ? *scale : 1.0;
-}
-
-double Calibration::async_seconds_per_token_for(bool ulysses, int64_t world_size) const {
-  const double* at = nearest_world_size(
-      ulysses ? ulysses_async_seconds_per_token_at : async_seconds_per_token_at, world_size);
-  if (at != nullptr) return *at;
-  return ulysses ? ulysses_async_seconds_per_token : async_seconds_per_token;
 }
 
 CollectiveFit fit_collective_line(double small_bytes, double small_s, double large_bytes,
@@ -89,9 +69,8 @@ std::string to_json(const Calibration& c) {
   j["ulysses_async_seconds_per_token"] = c.ulysses_async_seconds_per_token;
   j["ring_seconds_per_token_step"] = c.ring_seconds_per_token_step;
   j["ring_attention_factor"] = c.ring_attention_factor;
-  write_by_p(j, "ring_exposed_scale", c.ring_exposed_scale);
-  write_by_p(j, "async_seconds_per_token_at", c.async_seconds_per_token_at);
-  write_by_p(j, "ulysses_async_seconds_per_token_at", c.ulysses_async_seconds_per_token_at);
+  for (const auto& [p, scale] : c.ring_exposed_scale)
+    j["ring_exposed_scale"][std::to_string(p)] = scale;
   for (const auto& [kind, by_p] : c.collectives) {
     for (const auto& [p, f] : by_p) {
       j["collectives"][kind][std::to_string(p)] = {{"latency_s", f.latency_s},
@@ -116,9 +95,10 @@ Calibration calibration_from_json(const std::string& text) {
       j.value("ulysses_async_seconds_per_token", c.async_seconds_per_token);
   c.ring_seconds_per_token_step = j.value("ring_seconds_per_token_step", 0.0);
   c.ring_attention_factor = j.value("ring_attention_factor", 1.0);
-  c.ring_exposed_scale = read_by_p(j, "ring_exposed_scale");
-  c.async_seconds_per_token_at = read_by_p(j, "async_seconds_per_token_at");
-  c.ulysses_async_seconds_per_token_at = read_by_p(j, "ulysses_async_seconds_per_token_at");
+  if (j.contains("ring_exposed_scale")) {
+    for (const auto& [p, scale] : j["ring_exposed_scale"].items())
+      c.ring_exposed_scale[std::stoll(p)] = scale.get<double>();
+  }
   for (const auto& [kind, by_p] : j.at("collectives").items()) {
     for (const auto& [p, f] : by_p.items()) {
       c.collectives[kind][std::stoll(p)] = {f.at("latency_s"), f.at("seconds_per_byte")};
@@ -423,8 +403,9 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // ring's async schedule is its sync one); Ulysses has its own fit, and usp, whose early
   // collectives are the same all-to-alls (it gathers nothing), pays it too.
   if (async && early + co_gathers > 0) {
-    const double per_token =
-        cal.async_seconds_per_token_for(config.algorithm == cp::CPAlgorithm::kUlysses || usp, p);
+    const double per_token = config.algorithm == cp::CPAlgorithm::kUlysses || usp
+                                 ? cal.ulysses_async_seconds_per_token
+                                 : cal.async_seconds_per_token;
     out.compute_s += per_token * b * local / share;
   }
   out.step_s = out.compute_s + out.exposed_comm_s;

@@ -347,30 +347,6 @@ TEST(CostModel, AsyncPaysItsOverheadAndSyncWinsWhereLittleIsHidden) {
     EXPECT_DOUBLE_EQ(predict_cp_step(*cal, ring_async, 2, w).step_s,
                      predict_cp_step(*cal, config("ring", true), 2, w).step_s);
   }
-  // Fitted per world size: each P pays its own (the nearest measured P where absent), and the
-  // single fields serve only a file without them.
-  auto by_p = slow;
-  by_p.async_seconds_per_token = 1.0;  // ignored once any P is measured
-  by_p.async_seconds_per_token_at = {{2, 1e-5}, {4, 4e-5}};
-  by_p.ulysses_async_seconds_per_token_at = {{2, 5e-6}, {4, 2e-5}};
-  EXPECT_DOUBLE_EQ(by_p.async_seconds_per_token_for(false, 2), 1e-5);
-  EXPECT_DOUBLE_EQ(by_p.async_seconds_per_token_for(false, 8), 4e-5);
-  EXPECT_DOUBLE_EQ(by_p.async_seconds_per_token_for(true, 4), 2e-5);
-  EXPECT_DOUBLE_EQ(slow.async_seconds_per_token_for(false, 4), slow.async_seconds_per_token);
-  auto free_p = by_p;
-  free_p.async_seconds_per_token_at = {{2, 0}, {4, 0}};
-  free_p.ulysses_async_seconds_per_token_at = {{2, 0}, {4, 0}};
-  auto ulysses_async = config("ulysses");
-  ulysses_async.schedule = cp::CPSchedule::kAsync;
-  for (int64_t p : {2, 4}) {
-    const double local = static_cast<double>(w.seq / p);
-    EXPECT_NEAR(predict_cp_step(by_p, async_cfg, p, w).compute_s -
-                    predict_cp_step(free_p, async_cfg, p, w).compute_s,
-                (p == 2 ? 1e-5 : 4e-5) * local, 1e-9);
-    EXPECT_NEAR(predict_cp_step(by_p, ulysses_async, p, w).compute_s -
-                    predict_cp_step(free_p, ulysses_async, p, w).compute_s,
-                (p == 2 ? 5e-6 : 2e-5) * local, 1e-9);
-  }
   const auto choice = [&](const Calibration& cal) {
     std::vector<std::string> names;
     for (const auto& r : rank_cp_configs(cal, 2, w))
@@ -588,8 +564,6 @@ TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   c.ring_seconds_per_token_step = 1.1e-4;
   c.ring_attention_factor = 1.12;
   c.ring_exposed_scale = {{2, 0.7}, {4, 0.9}};
-  c.async_seconds_per_token_at = {{2, 3e-5}, {4, 6e-5}};
-  c.ulysses_async_seconds_per_token_at = {{2, 1.5e-5}, {4, 4e-5}};
   const std::string path = ::testing::TempDir() + "/hp_cal/calibration-test.json";
   save_calibration(path, c);
   auto back = load_calibration(path);
@@ -603,19 +577,13 @@ TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   EXPECT_DOUBLE_EQ(back.ring_seconds_per_token_step, 1.1e-4);
   EXPECT_DOUBLE_EQ(back.ring_attention_factor, 1.12);
   EXPECT_EQ(back.ring_exposed_scale, c.ring_exposed_scale);
-  EXPECT_EQ(back.async_seconds_per_token_at, c.async_seconds_per_token_at);
-  EXPECT_EQ(back.ulysses_async_seconds_per_token_at, c.ulysses_async_seconds_per_token_at);
   // A file from before the ring's fits: factor 1, no scale.
   j = nlohmann::json::parse(to_json(c));
   j.erase("ring_attention_factor");
   j.erase("ring_exposed_scale");
-  j.erase("async_seconds_per_token_at");
-  j.erase("ulysses_async_seconds_per_token_at");
   const auto old_file = calibration_from_json(j.dump());
   EXPECT_DOUBLE_EQ(old_file.ring_attention_factor, 1.0);
   EXPECT_TRUE(old_file.ring_exposed_scale.empty());
-  EXPECT_DOUBLE_EQ(old_file.async_seconds_per_token_for(false, 4), 3e-5);  // the single fields
-  EXPECT_DOUBLE_EQ(old_file.async_seconds_per_token_for(true, 4), 1.5e-5);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 4).seconds_per_byte, 2e-9);
   EXPECT_DOUBLE_EQ(back.fit("all_to_all", 8).seconds_per_byte, 2e-9);  // nearest measured P
   EXPECT_NE(back.inputs_json.find("hp-bench comm --nproc 2"), std::string::npos);

@@ -16,8 +16,7 @@
 //             (the ring's async schedule is its sync one; its shifts hide behind its blocks'
 //             attention, and what they do not hide is scaled by the measured
 //             ring_exposed_scale at P; its attention runs at ring_attention_factor x the rate)
-//     compute += async_seconds_per_token (ulysses, usp: ulysses_async_seconds_per_token; both
-//             per measured P) x local
+//     compute += async_seconds_per_token (ulysses, usp: ulysses_async_seconds_per_token) x local
 //             tokens / core share, for an async schedule that launches collectives at the
 //             handoffs (what it costs beyond sync: so that where there is little to hide, sync
 //             wins)
@@ -72,12 +71,6 @@ struct Calibration {
   // all_gather's at S = 4096 in every report (docs/benchmarks.md). A calibration file from
   // before it takes async_seconds_per_token.
   double ulysses_async_seconds_per_token = 0;
-  // Both per world size, each measured P (hp-bench calibrate: P = 2 at S = 4096, the fields
-  // above, and P = 4 at S = 8192): with two ranks to a core the comm threads take more of it,
-  // and at P = 4 async paid 2-3x the P = 2 cost per token at S = 4096 and 16384
-  // (docs/benchmarks.md). The nearest measured P where a world size is absent; the fields above
-  // where none is (a file from before).
-  std::map<int64_t, double> async_seconds_per_token_at, ulysses_async_seconds_per_token_at;
   // What each ring step costs beyond its flops at ring_attention_factor (the call per block,
   // the lse merge, the wait for the neighbour's block), seconds per local token per step at one
   // core: fitted by hp-bench calibrate from sync ring steps at P = 4 timed in alternation with
@@ -103,9 +96,6 @@ struct Calibration {
 
   const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;
   double ring_exposed_scale_at(int64_t world_size) const;
-  // The async schedule's cost per local token at one core on `world_size` ranks (Ulysses' fit
-  // or all_gather's).
-  double async_seconds_per_token_for(bool ulysses, int64_t world_size) const;
 };
 
 std::string to_json(const Calibration& c);
