@@ -228,10 +228,10 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   // per-token term) is its attention; the ring's, likewise, over it times the flop ratio (1:
   // hp-bench runs the blockwise primitive, whose ring backward recomputes nothing) is
   // ring_attention_factor (P = 2, S = 8192: the ring's shifts mostly hidden, its attention
-  // long). The ring's measured wait over the one the model predicts is ring_exposed_scale at P
-  // (P = 2 there, P = 4 from the pairs at S = 4096), and what the ring's step at P = 4 takes
-  // beyond its scaled attention, the projections, the per-token term and its wait, per local
-  // token per step at one core, is ring_seconds_per_token_step.
+  // long). The ring's measured wait over the one the model predicts is ring_exposed_scale for
+  // a ring of P members (2 there, 4 from the pairs at P = 4, S = 4096), and what the ring's step at
+  // P = 4 takes beyond its scaled attention, the projections, the per-token term and its wait, per
+  // local token per step at one core, is ring_seconds_per_token_step.
   auto ring_pair = [&](int64_t p, int64_t seq, const std::string& cmd, const nlohmann::json& j) {
     const auto& u = j["results"][0];
     const auto& r = j["results"][1];

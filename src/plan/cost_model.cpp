@@ -40,8 +40,8 @@ const CollectiveFit& Calibration::fit(const std::string& kind, int64_t world_siz
   return *nearest_world_size(it->second, world_size);
 }
 
-double Calibration::ring_exposed_scale_at(int64_t world_size) const {
-  const double* scale = nearest_world_size(ring_exposed_scale, world_size);
+double Calibration::ring_exposed_scale_at(int64_t ring_size) const {
+  const double* scale = nearest_world_size(ring_exposed_scale, ring_size);
   return scale != nullptr ? *scale : 1.0;
 }
 
@@ -293,7 +293,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     late += steps * (shift + bwd_shift);
     ring_exposed =
         (steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, bwd_shift - bwd_step)) *
-        cal.ring_exposed_scale_at(p);
+        cal.ring_exposed_scale_at(c);
   } else if (c > 1) {
     const double n = local * hkv * e;  // per rank, per tensor
     const auto& ag = cal.fit("all_gather", p);

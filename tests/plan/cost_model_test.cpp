@@ -521,8 +521,9 @@ TEST(CostModel, TheRingPaysItsRecomputeAndItsMeasuredCostPerStep) {
 }
 
 // The ring's measured attention factor lengthens the attention of ring and usp (and the work
-// their shifts hide behind); the measured exposure scale at P multiplies what the shifts leave
-// exposed (the nearest measured P where P is absent). Neither touches the other strategies.
+// their shifts hide behind); the measured exposure scale for the ring's size multiplies what
+// the shifts leave exposed (the nearest measured size where it is absent; usp at P = 4, U = 2
+// runs rings of two). Neither touches the other strategies.
 TEST(CostModel, TheRingsAttentionFactorAndExposureScaleApplyToTheRingsOnly) {
   auto base = synthetic(1.0 / 10e6, /*cores=*/2);
   auto w = workload();
@@ -548,6 +549,14 @@ TEST(CostModel, TheRingsAttentionFactorAndExposureScaleApplyToTheRingsOnly) {
   const auto r2 = predict_cp_step(scaled, ring, 4, w);
   EXPECT_NEAR(r2.exposed_comm_s, 0.8 * r0.exposed_comm_s, 1e-12);
   EXPECT_DOUBLE_EQ(r2.compute_s, r0.compute_s);
+  // usp's exposed time is its all-to-alls' and its rings' (of two members): only the latter
+  // scale, by the scale for two.
+  auto none = base;
+  none.ring_exposed_scale = {{2, 0.0}};
+  const double usp_rings = u0.exposed_comm_s - predict_cp_step(none, usp, 4, w).exposed_comm_s;
+  ASSERT_GT(usp_rings, 0);
+  EXPECT_NEAR(predict_cp_step(scaled, usp, 4, w).exposed_comm_s,
+              u0.exposed_comm_s - 0.5 * usp_rings, 1e-12);
   for (const auto& other :
        {config("all_gather", true), config("ulysses"), config("hybrid", false, 2)}) {
     for (const auto* cal : {&slow, &scaled})

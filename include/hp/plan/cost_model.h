@@ -15,7 +15,8 @@
 //               attention on local data (all_gather: 1/P of it; ulysses: 1/P^2)
 //             (the ring's async schedule is its sync one; its shifts hide behind its blocks'
 //             attention, and what they do not hide is scaled by the measured
-//             ring_exposed_scale at P; its attention runs at ring_attention_factor x the rate)
+//             ring_exposed_scale at its size; its attention runs at ring_attention_factor x the
+//             rate)
 //     compute += async_seconds_per_token (ulysses, usp: ulysses_async_seconds_per_token) x local
 //             tokens / core share, for an async schedule that launches collectives at the
 //             handoffs (what it costs beyond sync: so that where there is little to hide, sync
@@ -85,17 +86,19 @@ struct Calibration {
   // it 10-15% beside Ulysses at S = 4096, 8192 and 16384 (a share of its attention, not a
   // cost per token: docs/benchmarks.md). It also lengthens the work each shift hides behind.
   double ring_attention_factor = 1;
-  // Per world size: the ring's measured waits over those the step model predicts (same
-  // calibration runs: P = 2 from the S = 8192 pairs, P = 4 from the S = 4096 pairs). The model
-  // charges each shift whole against one block's attention; the ranks' unequal routes (a
-  // causal head-tail rank sends one chunk, its partner two) and the chunk-by-chunk waits hide
-  // more, most at P = 2 (measured 0.3-0.6 of the model there, 0.8-0.9 at P = 4). The nearest
-  // measured P where a world size is absent; 1 where none is.
+  // Per ring size C (the ring's members: P for the ring, P / U for usp): the ring's measured
+  // waits over those the step model predicts (same calibration runs, rings of all P ranks:
+  // C = 2 from the S = 8192 pairs, C = 4 from the S = 4096 pairs). The model charges each shift
+  // whole against one block's attention; the ranks' unequal routes (in a causal head-tail ring
+  // of two, one member sends one chunk, its partner two) and the chunk-by-chunk waits hide
+  // more, most in a ring of two (measured 0.6-0.7 of the model there, 0.9 with four; usp at
+  // P = 4, U = 2 runs rings of two). The nearest measured size where one is absent; 1 where
+  // none is.
   std::map<int64_t, double> ring_exposed_scale;
   std::string inputs_json = "{}";  // what the calibration ran (commands, sizes, raw results)
 
   const CollectiveFit& fit(const std::string& kind, int64_t world_size) const;
-  double ring_exposed_scale_at(int64_t world_size) const;
+  double ring_exposed_scale_at(int64_t ring_size) const;
 };
 
 std::string to_json(const Calibration& c);
