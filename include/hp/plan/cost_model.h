@@ -91,7 +91,7 @@ struct Calibration {
   // C = 2 from the S = 8192 pairs, C = 4 from the S = 4096 pairs). The model charges each shift
   // whole against one block's attention; the ranks' unequal routes (in a causal head-tail ring
   // of two, one member sends one chunk, its partner two) and the chunk-by-chunk waits hide
-  // more, most in a ring of two (measured 0.6-0.7 of the model there, 0.9 with four; usp at
+  // more, most in a ring of two (measured 0.4-0.7 of the model there, 0.9 with four; usp at
   // P = 4, U = 2 runs rings of two). The nearest measured size where one is absent; 1 where
   // none is.
   std::map<int64_t, double> ring_exposed_scale;
