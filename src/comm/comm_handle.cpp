@@ -129,6 +129,14 @@ at::Tensor CommHandle::wait() {
   return fn ? fn() : at::Tensor();
 }
 
+CommHandle CommHandle::then(std::function<at::Tensor(const at::Tensor&)> next) && {
+  HP_CHECK(valid(), "CommHandle::then on an empty or already waited handle");
+  state_->continuation = [before = std::move(state_->continuation), next = std::move(next)] {
+    return next(before ? before() : at::Tensor());
+  };
+  return std::move(*this);
+}
+
 bool CommHandle::valid() const {
   return state_ != nullptr && !state_->waited;
 }

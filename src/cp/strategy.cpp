@@ -237,10 +237,11 @@ int64_t CPStrategy::forward_bytes_per_rank(const ContextParallelConfig& config, 
   const int64_t hk = s.kv_heads * s.qk_dim, hv = s.kv_heads * s.v_dim_or_qk();
   const int64_t u = ulysses_degree_of(config, p), c = p / u;
   if (repeats_kv(config.kv_head_policy, u, s.kv_heads)) {
-    // Q and the output by all-to-all; K/V all-gathered in the Ulysses group (every head once),
-    // then one head (D + Dv per position) gathered across the C groups.
+    // Q and the output by all-to-all; K/V by an all-to-all that hands each of the U - 1 other
+    // ranks of the Ulysses group the one head it reads (D + Dv per position), then that head
+    // gathered across the C groups.
     const int64_t a2a = (h + ho) * (s.seq / p) * e / u * (u - 1);
-    const int64_t in_group = (hk + hv) * (s.seq / p) * e * (u - 1);
+    const int64_t in_group = (s.qk_dim + s.v_dim_or_qk()) * (s.seq / p) * e * (u - 1);
     const int64_t across = c > 1 ? (s.qk_dim + s.v_dim_or_qk()) * (s.seq / c) * e * (c - 1) : 0;
     return a2a + in_group + across;
   }

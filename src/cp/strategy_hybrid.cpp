@@ -66,7 +66,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
     const int64_t total = q.size(ctx.layout.seq_dim) * ctx.topology->cp_size;
     if (!co_keys_hidden(call, total, ctx)) return CPStrategy::run_sync(q, k, v, call, ctx);
     auto moved = move_qkv(q, k, v, ctx);
-    select_repeated_kv(moved[1], moved[2], ctx);
     const int64_t head_offset = ctx.topology->ulysses_rank * moved[0].size(ctx.layout.heads_dim);
     return held_only(held_parts(moved[0], q.size(ctx.layout.seq_dim), total, head_offset, ctx),
                      moved[1], moved[2], total, call, ctx);
@@ -75,7 +74,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const CPRuntimeContext& ctx) const override {
     PreparedQKV p{k, v, {}};
-    select_repeated_kv(p.k, p.v, ctx);
     detail::gather_kv(p.k, p.v, ctx.topology->co, ctx.layout);
     detail::natural_order_kv(p.k, p.v, ctx);
     p.parts = held_parts(q, q_local.size(ctx.layout.seq_dim), p.k.size(ctx.layout.seq_dim),
@@ -121,7 +119,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
     flights.reserve(groups);
     auto launch = [&](int64_t g) {
       auto kg = ka.moved(g), vg = va.moved(g);
-      select_repeated_kv(kg, vg, ctx);
       auto k_flight = comm::all_gather_start(kg, seq, t.co);  // K first, then V
       flights.emplace_back(std::move(k_flight), comm::all_gather_start(vg, seq, t.co));
     };
@@ -131,7 +128,6 @@ class HybridStrategy final : public detail::UlyssesMoves {
           held_parts(qa.moved(g), q.size(seq), total, t.ulysses_rank * nq + g * gq, ctx);
       if (co_hidden) {
         auto kg = ka.moved(g), vg = va.moved(g);
-        select_repeated_kv(kg, vg, ctx);
         auto out = held_only(parts, kg, vg, total, call, ctx, /*restore=*/groups == 1);
         if (groups == 1) return out;
         moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, t.ulysses));

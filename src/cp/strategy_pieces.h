@@ -176,9 +176,8 @@ class UlyssesMoves : public CPStrategy {
                    const CPRuntimeContext& ctx) const override;
 
  protected:
-  // kv_head_policy=repeat with K/V heads fewer than U: K/V were all-gathered along the sequence
-  // in the Ulysses group (every head, once); keep the one head this rank's query heads read.
-  void select_repeated_kv(at::Tensor& k, at::Tensor& v, const CPRuntimeContext& ctx) const;
+  // kv_head_policy=repeat with K/V heads fewer than U: move() sends every rank only the one
+  // head its query heads read, so the moved K/V hold one head.
   bool repeated_kv(const CPRuntimeContext& ctx) const;
   // split_for_move in head groups (async ulysses, hybrid): x's heads per rank in
   // head_groups(ctx, algorithm) pieces, piece g holding every rank's group g; x whole for one

@@ -134,29 +134,49 @@ bool detail::UlyssesMoves::repeated_kv(const CPRuntimeContext& ctx) const {
   return repeats_kv(ctx.kv_head_policy, ctx.topology->ulysses_degree, ctx.kv_heads);
 }
 
-// K and V take the repeat path (kv_head_policy=repeat, fewer heads than U): an all-gather of
-// the sequence in the Ulysses group instead of the all-to-all; finish() keeps one head.
+namespace {
+
+// K and V on the repeat path (kv_head_policy=repeat, h < U heads; U % h == 0, checked): head j
+// repeated for the U / h ranks that read it (ranks j U / h .. (j + 1) U / h - 1), so the
+// seq -> head all-to-all hands every rank exactly its one head: (U - 1) S/P positions of one
+// head leave a rank, not the h heads an all-gather would send. Its gradient comes back the
+// same way and the repeats are summed (sum_repeats).
+at::Tensor repeat_for_ranks(const at::Tensor& x, const CPRuntimeContext& ctx) {
+  const int64_t hd = ctx.layout.heads_dim;
+  return x.repeat_interleave(ctx.topology->ulysses_degree / x.size(hd), hd);
+}
+
+// The gradient of repeat_for_ranks' output [.., U, ..] -> [.., heads, ..].
+at::Tensor sum_repeats(const at::Tensor& g, int64_t heads, int64_t hd) {
+  auto shape = g.sizes().vec();
+  shape[hd] = heads;
+  shape.insert(shape.begin() + hd + 1, g.size(hd) / heads);
+  return g.reshape(shape).sum(hd + 1);
+}
+
+}  // namespace
+
 at::Tensor detail::UlyssesMoves::move(QKVRole role, const at::Tensor& x,
                                       const CPRuntimeContext& ctx) const {
-  if (role != QKVRole::kQ && repeated_kv(ctx))
-    return gather_seq(x, ctx.topology->ulysses, ctx.layout);
-  return scatter_heads(x, ctx.topology->ulysses, ctx.layout);
+  const bool repeat = role != QKVRole::kQ && repeated_kv(ctx);
+  return scatter_heads(repeat ? repeat_for_ranks(x, ctx) : x, ctx.topology->ulysses, ctx.layout);
 }
 
 comm::CommHandle detail::UlyssesMoves::move_async(QKVRole role, const at::Tensor& x,
                                                   const CPRuntimeContext& ctx) const {
-  if (role != QKVRole::kQ && repeated_kv(ctx)) {
-    return gather_seq_async(x, ctx.topology->ulysses, ctx.layout);
-  }
-  return scatter_heads_async(x, ctx.topology->ulysses, ctx.layout);
+  const bool repeat = role != QKVRole::kQ && repeated_kv(ctx);
+  return scatter_heads_async(repeat ? repeat_for_ranks(x.detach(), ctx) : x, ctx.topology->ulysses,
+                             ctx.layout);
 }
 
 comm::CommHandle detail::UlyssesMoves::move_grad_async(QKVRole role, const at::Tensor& g,
                                                        const CPRuntimeContext& ctx) const {
-  if (role != QKVRole::kQ && repeated_kv(ctx)) {
-    return gather_seq_grad_async(g, ctx.topology->ulysses, ctx.layout);
-  }
-  return scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
+  auto back = scatter_heads_grad_async(g, ctx.topology->ulysses, ctx.layout);
+  if (role == QKVRole::kQ || !repeated_kv(ctx)) return back;
+  return std::move(back).then(
+      [heads = ctx.kv_heads, hd = ctx.layout.heads_dim](const at::Tensor& arrived) {
+        return sum_repeats(arrived, heads, hd);
+      });
 }
 
 at::Tensor detail::UlyssesMoves::join_moved(QKVRole, const std::vector<at::Tensor>& moved,
@@ -172,17 +192,6 @@ std::vector<at::Tensor> detail::UlyssesMoves::split_head_groups(
   const int64_t groups = head_groups(ctx, algorithm, n, n, x.size(ctx.layout.seq_dim));
   if (groups == 1) return {x};
   return split_groups(x, p, groups, hd);
-}
-
-void detail::UlyssesMoves::select_repeated_kv(at::Tensor& k, at::Tensor& v,
-                                              const CPRuntimeContext& ctx) const {
-  if (!repeated_kv(ctx)) return;
-  const auto& t = *ctx.topology;
-  const int64_t heads = k.size(ctx.layout.heads_dim);
-  // U % heads == 0 (checked): ranks j*U/heads .. (j+1)*U/heads - 1 read K/V head j.
-  const int64_t mine = t.ulysses_rank / (t.ulysses_degree / heads);
-  k = k.narrow(ctx.layout.heads_dim, mine, 1);
-  v = v.narrow(ctx.layout.heads_dim, mine, 1);
 }
 
 bool detail::UlyssesMoves::skips_moves(const AttentionCall& call, int64_t total,
@@ -356,8 +365,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   PreparedQKV finish(const at::Tensor& q_local, const at::Tensor& q, const at::Tensor& k_moved,
                      const at::Tensor& v_moved, const CPRuntimeContext& ctx) const override {
     const auto& l = ctx.layout;
-    auto k = k_moved, v = v_moved;
-    select_repeated_kv(k, v, ctx);
+    const auto &k = k_moved, &v = v_moved;
     QueryPart part{q, {}};
     part.state.local_seq = q_local.size(l.seq_dim);
     part.state.causal = {0, q.size(l.seq_dim), k.size(l.seq_dim)};

@@ -124,7 +124,6 @@ class UspStrategy final : public detail::UlyssesMoves {
  private:
   at::Tensor attend_moved(const at::Tensor& q, at::Tensor k, at::Tensor v,
                           const AttentionCall& call, const CPRuntimeContext& ctx) const {
-    select_repeated_kv(k, v, ctx);
     auto ring = ring_of(q.size(ctx.layout.seq_dim), ctx);
     ring.head_offset = ctx.topology->ulysses_rank * q.size(ctx.layout.heads_dim);
     auto out = detail::ring_attend(q, k, v, call, ctx.layout, ring);

@@ -460,7 +460,7 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
 // What kv_head_policy=repeat sends: Q and the output by all-to-all, K and V once each by an
 // all-gather in the Ulysses group; counted bytes equal the formula. Without the option the
 // error names it.
-TEST(KVHeadPolicy, RepeatSendsEachHeadOnceAndTheDefaultRefuses) {
+TEST(KVHeadPolicy, RepeatHandsEachRankOnlyTheHeadItReadsAndTheDefaultRefuses) {
   const int p = 4;
   ContextParallelConfig cfg;
   cfg.algorithm = "ulysses";
@@ -489,11 +489,17 @@ TEST(KVHeadPolicy, RepeatSendsEachHeadOnceAndTheDefaultRefuses) {
     rec.clear();
     w.context().counters.reset();
     m.forward(q, k, v);
-    // q [1, 12, S/P, D] by all-to-all; k and v [1, 2, S/P, .] gathered; the output back.
+    // q [1, 12, S/P, D] by all-to-all; k and v [1, 2, S/P, .] with each head repeated for its
+    // two readers, [1, 4, S/P, .], so the all-to-all hands every rank only its one head; the
+    // output back.
     EXPECT_EQ(rec.schedule(),
-              (std::vector<std::string>{"all_to_all(cp)[1,12,12,8]", "all_gather(cp)[1,2,12,8]",
-                                        "all_gather(cp)[1,2,12,6]", "all_to_all(cp)[1,3,48,6]"}));
+              (std::vector<std::string>{"all_to_all(cp)[1,12,12,8]", "all_to_all(cp)[1,4,12,8]",
+                                        "all_to_all(cp)[1,4,12,6]", "all_to_all(cp)[1,3,48,6]"}));
     const AttentionShape shape{kS, kNq, 2, kDqk, 1, 8, kDv};
+    // Q and the output: 3 of 4 quarters of 12 heads x 12 positions (D 8, Dv 6, 8 bytes); K
+    // and V: one head's 12 positions to each of the 3 other ranks (an all-gather: two heads).
+    EXPECT_EQ(w.context().counters.total_bytes(),
+              (12 * 8 + 12 * 6) * 12 * 8 / 4 * 3 + (8 + 6) * 12 * 8 * 3);
     EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
   });
 }

@@ -40,6 +40,9 @@ class CommHandle {
   ~CommHandle();
 
   at::Tensor wait();
+  // This handle, with `next` applied to the result wait() returns (a reshape or a reduction
+  // of what arrived); only a handle that has not been waited.
+  CommHandle then(std::function<at::Tensor(const at::Tensor&)> next) &&;
   bool valid() const;         // holds a collective that has not been waited yet
   bool is_completed() const;  // the backend finished (wait() would not block)
 

@@ -40,10 +40,10 @@ enum class AsyncFallback { kError, kSync };
 //                 runs two sub-attentions and swaps the outputs back.
 enum class LoadBalanceForm { kDataOrder, kRuntimeSwap };
 
-// K/V heads fewer than the Ulysses degree U: kError refuses (the default); kRepeat sends each K/V
-// head once (an all-gather of the K/V sequence inside the Ulysses group instead of their
-// all-to-all) and each rank takes, after the exchange, the one K/V head its query heads read.
-// Needs U % kv_heads == 0. Q and the output still travel by all-to-all.
+// K/V heads fewer than the Ulysses degree U: kError refuses (the default); kRepeat hands every
+// rank of the Ulysses group, in the K/V all-to-all, only the one K/V head its query heads read
+// (head j to ranks j U / kv_heads ..), so a position of one head leaves a rank once per reader
+// and no rank receives a head it does not read. Needs U % kv_heads == 0.
 enum class KVHeadPolicy { kError, kRepeat };
 
 // What the ring's backward (ring and usp) passes around the ring (volume.h has the bytes):

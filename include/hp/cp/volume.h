@@ -27,9 +27,9 @@ struct AttentionShape {
 //   ulysses     (2h + 2h_kv) * (S/P) * e * (P-1)/P
 //   hybrid      (2h + 2h_kv) * (S/P) * e * (U-1)/U  +  2 * S * h_kv * e * (C-1)/(C*U)
 //   (with a value head dim of its own, the output's h and V's h_kv count Dv, not Dqk)
-//   kv_head_policy=repeat with h_kv heads fewer than U: Q and the output as above, K and V
-//     all-gathered in the Ulysses group, 2 * h_kv * (S/P) * e * (U-1), then one head across
-//     the C groups, 2 * D * (S/C) * e * (C-1)
+//   kv_head_policy=repeat with h_kv heads fewer than U: Q and the output as above, K and V by
+//     an all-to-all that hands each other rank of the Ulysses group only the one head it reads,
+//     2 * D * (S/P) * e * (U-1), then that head across the C groups, 2 * D * (S/C) * e * (C-1)
 //   + head-tail load balance in the runtime-swap form: the query tail and the output tail
 //     travel to the mirror rank, 2 * (S/2P) * h * e (nothing on the middle rank of an odd P)
 //   ring        the [k | v] chunks this rank sends (ring_chunk_counts; not causal: P-1 blocks of
