@@ -36,6 +36,23 @@ TEST(CommHandle, ContinuationRunsExactlyOnceAndSecondWaitIsAnError) {
   EXPECT_THROW(empty.wait(), hp::Error);
 }
 
+// then() composes after the continuation, once, at wait(); a waited or empty handle refuses it.
+TEST(CommHandle, ThenAppliesItsStepToWhatWaitReturns) {
+  auto w = World::fake(0, 2);
+  int runs = 0;
+  CommHandle h(w.group(), OpKind::kAllToAll, 0, nullptr, {}, [&] {
+    ++runs;
+    return at::arange(4, at::kFloat);
+  });
+  auto doubled = std::move(h).then([](const at::Tensor& t) { return t * 2; });
+  EXPECT_EQ(runs, 0) << "nothing runs before wait()";
+  auto summed = std::move(doubled).then([](const at::Tensor& t) { return t.view({2, 2}).sum(1); });
+  EXPECT_TRUE(at::equal(summed.wait(), at::tensor({2.0f, 10.0f})));
+  EXPECT_EQ(runs, 1);
+  EXPECT_THROW(std::move(summed).then([](const at::Tensor& t) { return t; }), hp::Error);
+  EXPECT_THROW(CommHandle().then([](const at::Tensor& t) { return t; }), hp::Error);
+}
+
 TEST(CommHandle, SeveralInFlightWaitedInAnyOrder) {
   run_ranks(3, [](World& w) {
     auto& g = w.group();
