@@ -180,6 +180,16 @@ void DSAOptions::check(const std::string& who) const {
   HP_CHECK(loss == "sparse" || loss == "dense", who, ": DSA index loss '", loss,
            "' is not valid; valid: sparse, dense");
   HP_CHECK(block_q >= 1, who, ": DSA block_q=", block_q, " must be >= 1");
+  HP_CHECK(layout == "BSND" || layout == "BNSD", who, ": DSA layout '", layout,
+           "' is not valid; valid: BSND (q [B, S, H, dq]), BNSD (q [B, H, S, dq])");
+}
+
+at::Tensor dsa_bsnd_view(const at::Tensor& t, const std::string& layout) {
+  return layout == "BNSD" && t.defined() ? t.transpose(1, 2) : t;
+}
+
+DSAIndexer dsa_bsnd_view(const DSAIndexer& index, const std::string& layout) {
+  return {dsa_bsnd_view(index.q, layout), dsa_bsnd_view(index.w, layout), index.k};
 }
 
 at::Tensor dsa_select(const DSAIndexer& index, int64_t q_offset, int64_t topk, int64_t block_q) {
@@ -299,6 +309,14 @@ DSAResult dsa_attention(const at::Tensor& q, const at::Tensor& latent, const at:
                         const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
                         int64_t q_offset, const DSAOptions& options) {
   options.check("dsa_attention");
+  if (options.layout != "BSND") {  // the kernels read BSND; the output goes back
+    auto bsnd = options;
+    bsnd.layout = "BSND";
+    auto r = dsa_attention(dsa_bsnd_view(q, options.layout).contiguous(), latent, k_rope, w_ukv,
+                           shape, dsa_bsnd_view(index, options.layout), q_offset, bsnd);
+    r.out = r.out.transpose(1, 2);
+    return r;
+  }
   HP_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
            "dsa_attention: DSA's kernels take float32 or float64 tensors, got ", q.scalar_type(),
            "; convert the inputs");

@@ -25,9 +25,17 @@ void check_dsa_cp(const std::string& who, const attention::DSAOptions& dsa,
                   const DSACPOptions& options, const at::Tensor& q, const at::Tensor& latent,
                   const at::Tensor& k_rope, const attention::DSAIndexer& index, int64_t cp_size) {
   dsa.check(who);
-  HP_CHECK(q.defined() && q.dim() == 4, who,
-           ": DSA takes BSND tensors: q must be [B, S, H, d_nope + d_rope], got ",
-           q.defined() ? q.sizes() : at::IntArrayRef{});
+  HP_CHECK(q.defined() && q.dim() == 4, who, ": DSA takes 4-D queries in its layout ", dsa.layout,
+           ": q must be ", dsa.layout == "BSND" ? "[B, S, H, " : "[B, H, S, ",
+           "d_nope + d_rope], got ", q.defined() ? q.sizes() : at::IntArrayRef{});
+  if (dsa.layout != "BSND") {  // checked as the BSND views the kernels read
+    auto bsnd = dsa;
+    bsnd.layout = "BSND";
+    check_dsa_cp(who + " (" + dsa.layout + " read as BSND)", bsnd, options,
+                 attention::dsa_bsnd_view(q, dsa.layout), latent, k_rope,
+                 attention::dsa_bsnd_view(index, dsa.layout), cp_size);
+    return;
+  }
   const int64_t b = q.size(0), s = q.size(1);
   HP_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, who,
            ": DSA's kernels take float32 or float64 tensors, got ", q.scalar_type(),
@@ -58,8 +66,17 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                                       const attention::DSAIndexer& index,
                                       const attention::DSAOptions& dsa, const DSACPOptions& options,
                                       const CPTopology& topology) {
+  check_dsa_cp("DSA CP", dsa, options, q, latent, k_rope, index, topology.cp_size);
+  if (dsa.layout != "BSND") {  // the kernels read BSND; the output goes back
+    auto bsnd = dsa;
+    bsnd.layout = "BSND";
+    auto res = dsa_attention_cp(attention::dsa_bsnd_view(q, dsa.layout).contiguous(), latent,
+                                k_rope, w_ukv, shape, attention::dsa_bsnd_view(index, dsa.layout),
+                                bsnd, options, topology);
+    res.out = res.out.transpose(1, 2);
+    return res;
+  }
   const int64_t p = topology.cp_size, r = topology.cp_rank, s = q.size(1);
-  check_dsa_cp("DSA CP", dsa, options, q, latent, k_rope, index, p);
   if (p == 1) return attention::dsa_attention(q, latent, k_rope, w_ukv, shape, index, 0, dsa);
   const bool async = options.schedule == CPSchedule::kAsync;
   auto kv_local = at::cat({latent, k_rope.to(latent.scalar_type())}, -1).contiguous();

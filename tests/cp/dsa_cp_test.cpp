@@ -254,6 +254,61 @@ TEST(DSACP, AllGatherFamilyEqualsTheReference) {
         }
 }
 
+// BNSD (q, q_I, w and the output with the heads before the sequence) equals BSND: outputs, the
+// loss, the selection and every gradient, single-process and under CP (P = 2, sync and async,
+// balanced and not).
+TEST(DSACP, BNSDEqualsBSND) {
+  const auto in = inputs();
+  attention::DSAOptions o;
+  o.topk = kTopk;
+  o.block_q = 4;
+  auto bnsd = o;
+  bnsd.layout = "BNSD";
+  // The call sees BNSD tensors; the transposes carry the gradients back to the BSND leaves.
+  auto via_bnsd = [](auto call) {
+    return [call](auto q, auto l, auto kr, auto w, auto qi, auto wi, auto ki) {
+      auto r = call(q.transpose(1, 2), l, kr, w, qi.transpose(1, 2), wi.transpose(1, 2), ki);
+      EXPECT_EQ(r.out.size(1), shape().heads) << "BNSD output";
+      r.out = r.out.transpose(1, 2);
+      return r;
+    };
+  };
+  auto expect_same = [](const Got& got, const Got& ref, const std::string& what) {
+    EXPECT_TRUE(at::equal(got.indices, ref.indices)) << what << ": selection";
+    expect_close(got.loss, ref.loss, what + " loss", 1e-12, 1e-12);
+    expect_close(got.dw, ref.dw, what + " dw_ukv", 1e-12, 1e-12);
+    expect_grads(got, ref, what, true);
+  };
+  auto id = [](const at::Tensor& t) { return t; };
+  auto single = [&](const attention::DSAOptions& opt) {
+    return [&, opt](auto q, auto l, auto kr, auto w, auto qi, auto wi, auto ki) {
+      return attention::dsa_attention(q, l, kr, w, shape(), {qi, wi, ki}, 0, opt);
+    };
+  };
+  expect_same(run_and_grad(in, id, via_bnsd(single(bnsd))), run_and_grad(in, id, single(o)),
+              "single process");
+  for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+    for (bool lb : {false, true}) {
+      DSACPOptions co;
+      co.schedule = schedule;
+      co.load_balance = lb;
+      run_ranks(2, [&](comm::World& w) {
+        comm::DeviceMesh mesh(w, {{"cp", 2}});
+        auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
+        auto shard = [&](const at::Tensor& t) { return shard_sequence(t, 1, w.rank(), 2, lb); };
+        auto cp = [&](const attention::DSAOptions& opt) {
+          return [&, opt](auto q, auto l, auto kr, auto wu, auto qi, auto wi, auto ki) {
+            return dsa_attention_cp(q, l, kr, wu, shape(), {qi, wi, ki}, opt, co, *topo);
+          };
+        };
+        expect_same(run_and_grad(in, shard, via_bnsd(cp(bnsd))), run_and_grad(in, shard, cp(o)),
+                    std::string(to_string(schedule)) + (lb ? " lb" : "") + " rank " +
+                        std::to_string(w.rank()));
+      });
+    }
+  }
+}
+
 // Two gathers forward (k_I, then [latent | k_rope]), their two reduce-scatters backward;
 // counted bytes equal the formula.
 TEST(DSACP, ScheduleAndBytes) {
@@ -297,7 +352,15 @@ TEST(DSACP, FailFast) {
   o = attention::DSAOptions{};
   HP_EXPECT_ERROR(
       check_dsa_cp("dsa", o, {}, in.q.flatten(2), in.latent, in.k_rope, {in.qi, in.wi, in.ki}, 2),
-      "DSA takes BSND tensors");
+      "DSA takes 4-D queries in its layout BSND: q must be [B, S, H, d_nope + d_rope], got "
+      "[2, 24, 40]");
+  o.layout = "SBND";
+  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope, {in.qi, in.wi, in.ki}, 2),
+                  "dsa: DSA layout 'SBND' is not valid; valid: BSND (q [B, S, H, dq]), BNSD");
+  o.layout = "BNSD";  // a BSND q read as BNSD: the sequence is 4 (the heads), not 24
+  HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope, {in.qi, in.wi, in.ki}, 2),
+                  "dsa (BNSD read as BSND): latent [2, 24, 7] must be [B=2, S=4, kv_rank]");
+  o.layout = "BSND";
   HP_EXPECT_ERROR(check_dsa_cp("dsa", o, {}, in.q, in.latent, in.k_rope,
                                {in.qi, in.wi, in.ki.narrow(2, 0, 2)}, 2),
                   "k_index [2, 24, 2] must be [B=2, S=24, d_I=5]");

@@ -41,6 +41,11 @@ struct DSAOptions {
   int64_t topk = 2048;
   std::string loss = "sparse";  // sparse | dense
   int64_t block_q = 16;         // query rows per block
+  // BSND: q [B, S, H, dq], q_I [B, S, H_I, d_I], w [B, S, H_I], out [B, S, H, d_v] (the
+  // shapes below). BNSD: the heads before the sequence in those four (q [B, H, S, dq], q_I
+  // [B, H_I, S, d_I], w [B, H_I, S], out [B, H, S, d_v]); latent, k_rope, k_I and the indices
+  // have no head dim and are [B, S, ...] in both. Anything else is refused by check().
+  std::string layout = "BSND";
   // Every name and size checked; `who` starts the message.
   void check(const std::string& who) const;
 };
@@ -49,6 +54,11 @@ struct DSAOptions {
 struct DSAIndexer {
   at::Tensor q, w, k;  // [B, Sq, H_I, d_I], [B, Sq, H_I], [B, Skv, d_I]
 };
+
+// BNSD inputs as the BSND views the kernels take (q or q_I [B, N, S, d] -> [B, S, N, d], w
+// [B, N, S] -> [B, S, N]; a BSND tensor as it is), and an output back to `layout`.
+at::Tensor dsa_bsnd_view(const at::Tensor& t, const std::string& layout);
+DSAIndexer dsa_bsnd_view(const DSAIndexer& index, const std::string& layout);
 
 // Top-k selection of queries at global positions q_offset.. against keys 0..Skv-1: indices
 // [B, Sq, min(topk, Skv)].
