@@ -47,6 +47,26 @@ using hp_train::Args;
 using hp_train::model_from_checkpoint;
 
 // The checked flags into the trainer's options: mode, comm fusion and the CP configuration.
+// The CP tuning flags set away from their defaults (Ulysses degree, K/V head policy, head
+// groups, row parts, the ring's options), as the command line spells them.
+std::vector<std::string> cp_tuning_given(const Args& a) {
+  std::vector<std::string> given;
+  if (a.degree != 0) given.push_back("--ulysses-degree " + std::to_string(a.degree));
+  if (a.kv_head_policy != "error") given.push_back("--kv-head-policy " + a.kv_head_policy);
+  if (a.head_groups != 0) given.push_back("--ulysses-head-groups " + std::to_string(a.head_groups));
+  if (a.row_parts != 0) given.push_back("--ulysses-row-parts " + std::to_string(a.row_parts));
+  if (a.ring_keep_blocks) given.push_back("--ring-keep-blocks");
+  if (a.ring_backward != "auto") given.push_back("--ring-backward " + a.ring_backward);
+  return given;
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items)
+    out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
 void resolve(Args& a) {
   auto& o = a.train;
   HP_CHECK(a.mode == "production" || a.mode == "validate", "hp-train: --mode '", a.mode,
@@ -129,9 +149,28 @@ void resolve(Args& a) {
              "hp-train: --cp-mode and --state-exchange apply to --mixer gdn|kda; with ", what,
              " choose --cp-algo (and --ulysses-degree, --schedule)");
   }
+  if (o.cp == 1) {  // no CP runs: its flags would do nothing
+    auto given = cp_tuning_given(a);
+    if (a.load_balance) given.insert(given.begin(), "--load-balance");
+    if (a.schedule != "sync") given.insert(given.begin(), "--schedule " + a.schedule);
+    if (a.algo != "all_gather" && a.algo != "auto")
+      given.insert(given.begin(), "--cp-algo " + a.algo);
+    HP_CHECK(given.empty(), "hp-train: ", joined(given), " configure", given.size() == 1 ? "s" : "",
+             " context parallelism, but --cp is 1 (no CP runs); drop ",
+             given.size() == 1 ? "it" : "them", " or set --cp > 1");
+  }
   o.cp_auto = a.algo == "auto";
   if (o.cp_auto) {
     HP_CHECK(o.cp > 1, "hp-train: --cp-algo auto needs --cp > 1");
+    // The cost model ranks every legal strategy, schedule and Ulysses degree with each
+    // strategy's defaults: a choice made for it would not run.
+    auto given = cp_tuning_given(a);
+    if (a.schedule_given) given.insert(given.begin(), "--schedule " + a.schedule);
+    HP_CHECK(given.empty(),
+             "hp-train: --cp-algo auto chooses the strategy, its schedule and its "
+             "Ulysses degree with each strategy's defaults, so ",
+             joined(given), " would not run; drop ", given.size() == 1 ? "it" : "them",
+             " or name the strategy with --cp-algo");
     a.algo = "all_gather";  // placeholder: the planner replaces it (load_balance is kept)
     a.auto_algo = true;
   }
@@ -156,6 +195,7 @@ void resolve(Args& a) {
 nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                             const hp::train::TrainResult& r) {
   const auto& o = a.train;
+  const auto& ran = r.cp_config;  // what ran: --cp-algo auto's choice, or the flags
   nlohmann::json steps = nlohmann::json::array();
   for (const auto& s : r.steps) {
     steps.push_back({{"step", s.step},
@@ -180,9 +220,10 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
                         {"grad_accum", o.grad_accum},
                         {"recompute", o.model.recompute},
                         {"cp_algo", a.auto_algo ? std::string("auto") : a.algo},
-                        {"ulysses_degree", a.degree},
-                        {"schedule", a.schedule},
-                        {"load_balance", a.load_balance},
+                        {"cp_strategy", ran ? hp::cp::to_string(ran->algorithm) : a.algo},
+                        {"ulysses_degree", ran ? hp::cp::ulysses_degree_of(*ran, o.cp) : a.degree},
+                        {"schedule", ran ? hp::cp::to_string(ran->schedule) : a.schedule},
+                        {"load_balance", ran ? ran->load_balance : a.load_balance},
                         {"seq_len", o.seq_len},
                         {"batch", o.batch},
                         {"steps", o.steps},
@@ -299,6 +340,7 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   hp::common::apply_host_allocator_choice(a.host_allocator);  // before the first tensor
   hp::comm::timeout_from_seconds(a.timeout_s);                // checked before any rank starts
   model_from_checkpoint(app, a);
+  a.schedule_given = app.count("--schedule") > 0;
   resolve(a);
   if (!a.train.export_hf.empty()) hp::model::check_hf_compatible(a.train.model);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
@@ -310,6 +352,18 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
     HP_CHECK(env || a.nproc > 1, "hp-train: --max-restarts ", a.max_restarts,
              " needs --nproc N > 1 (the local launcher restarts its ranks); under torchrun, use "
              "torchrun's own --max-restarts");
+  }
+  // Under torchrun, mpirun or Slurm (not hp-train's own local ranks) the launcher owns the
+  // processes: the local launcher's options would do nothing.
+  if (env && !env->store_on_launcher) {
+    HP_CHECK(a.max_restarts == 0, "hp-train: --max-restarts ", a.max_restarts,
+             " restarts the ranks hp-train launches itself (--nproc N), but this process was "
+             "started by an external launcher (RANK/WORLD_SIZE set); use its own restarts (e.g. "
+             "torchrun --max-restarts) and drop --max-restarts");
+    HP_CHECK(a.nproc == 1, "hp-train: --nproc ", a.nproc,
+             " spawns local ranks, but this process was started by an external launcher "
+             "(RANK/WORLD_SIZE set, world size ",
+             env->world_size, "); set the ranks there and drop --nproc");
   }
   if (!env && a.nproc > 1) {
     const auto& o = a.train;

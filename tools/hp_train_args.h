@@ -27,6 +27,7 @@ struct Args {
   int64_t degree = 0;
   bool load_balance = false;
   bool auto_algo = false;
+  bool schedule_given = false;  // --schedule on the command line or in --config
   std::string nan_policy = "error", memory_limit;
   double timeout_s = static_cast<double>(hp::comm::kDefaultTimeout.count());
   int max_restarts = 0;

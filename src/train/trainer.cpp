@@ -217,6 +217,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   const auto apply_log = apply_plan(run, plan, mesh);
   TrainResult result;
   result.plan = plan.describe();
+  result.cp_config = plan.cp_config;
   result.memory_estimate_bytes_per_rank = estimate_memory(o).total();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
   if (!o.init_from.empty()) {

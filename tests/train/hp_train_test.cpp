@@ -73,6 +73,48 @@ TEST(HpTrain, LearnsTheCopyTaskAndValidates) {
   EXPECT_NE(r.out.find(done), std::string::npos) << done << "\n" << r.out;
 }
 
+// --cp-algo auto ranks every legal strategy and schedule with each strategy's defaults: a choice
+// made for it on the command line is refused before any rank starts, naming each flag; the
+// metrics record what ran (the cost model's choice, from a calibration file written here).
+TEST(HpTrain, CPAutoRefusesTheChoicesItMakesAndRecordsWhatRan) {
+  const std::string dir = hp::testing::scratch_dir();
+  auto bad =
+      run("--nproc 2 --cp 2 --cp-algo auto --schedule async --ulysses-head-groups 2 --steps 1");
+  EXPECT_NE(bad.rc, 0) << bad.out;
+  EXPECT_NE(bad.out.find("--cp-algo auto chooses the strategy, its schedule and its Ulysses degree "
+                         "with each strategy's defaults, so --schedule async, "
+                         "--ulysses-head-groups 2 would not run; drop them or name the strategy"),
+            std::string::npos)
+      << bad.out;
+  EXPECT_EQ(bad.out.find("hp-train: done"), std::string::npos) << bad.out;
+
+  nlohmann::json fit = {{"latency_s", 1e-4}, {"seconds_per_byte", 1e-8}};
+  nlohmann::json cal = {{"link", "loopback"},
+                        {"cores", 2},
+                        {"attention_gflops", 20.0},
+                        {"matmul_gflops", 50.0},
+                        {"collectives", nlohmann::json::object()}};
+  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"})
+    cal["collectives"][kind]["2"] = fit;
+  const std::string cal_path = dir + "/auto_calibration.json", m = dir + "/auto_metrics.json";
+  std::ofstream(cal_path) << cal.dump();
+  auto r =
+      hp::testing::run_command("HP_CALIBRATION=" + cal_path + " " + HP_TRAIN_BINARY +
+                               " --nproc 2 --cp 2 --cp-algo auto --steps 2 --metrics-json " + m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const std::string tag = "cp auto: chose ";
+  const auto at = r.out.find(tag);
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string chosen = r.out.substr(at + tag.size(), r.out.find('\n', at) - at - tag.size());
+  const auto config = metrics(m)["config"];
+  EXPECT_EQ(config["cp_algo"], "auto");
+  const std::string strategy = config["cp_strategy"], schedule = config["schedule"];
+  EXPECT_EQ(chosen.rfind(strategy, 0), 0u) << chosen << " against " << config;
+  EXPECT_EQ(chosen.substr(chosen.size() - schedule.size() - 1), "/" + schedule)
+      << chosen << " against " << config;
+  EXPECT_EQ(config["ulysses_degree"], strategy == "ulysses" ? 2 : 1) << config;
+}
+
 // TP and CP both at work: the single-process run agrees, and the CP collectives move the K/V
 // of the TP-local heads (kv_heads / tp), as the formula says.
 TEST(HpTrain, TensorAndContextParallelTogether) {
@@ -592,6 +634,10 @@ TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
                  {"--nproc 4 but --dp-replicate 1 x --dp-shard 1 x --cp 1 x --tp 3 = 3"});
   expect_refused("--nproc 4 --dp-shard 2 --comm-fusion maybe",
                  {"--comm-fusion 'maybe' is not valid; valid: on, off"});
+  // CP flags without CP (--cp 1, the default) would do nothing.
+  expect_refused("--nproc 2 --tp 2 --cp-algo ring --schedule async --ring-keep-blocks",
+                 {"hp-train: --cp-algo ring, --schedule async, --ring-keep-blocks configure "
+                  "context parallelism, but --cp is 1 (no CP runs); drop them or set --cp > 1"});
   // Refused by the planner, run by the launcher before any rank starts: printed once.
   for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
            {"--nproc 2 --tp 2 --heads 3 --kv-heads 3",

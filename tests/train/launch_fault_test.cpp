@@ -540,4 +540,27 @@ TEST(MaxRestarts, NeedsCheckpoints) {
   }
 }
 
+// Started by an external launcher (torchrun's variables, not hp-train's own local ranks): the
+// local launcher's --max-restarts and --nproc would do nothing, so they are refused before the
+// rendezvous (MASTER_PORT 1: nothing listens there).
+TEST(MaxRestarts, UnderAnExternalLauncherTheLocalLaunchersOptionsAreRefused) {
+  const std::string env =
+      "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 ";
+  const std::string dir = hp::testing::scratch_dir() + "/external";
+  auto r = hp::testing::run_command(env + HP_TRAIN_BINARY + " --cp 2 --max-restarts 1 " +
+                                    "--checkpoint-dir " + dir + " --checkpoint-every 1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("--max-restarts 1 restarts the ranks hp-train launches itself (--nproc N), "
+                       "but this process was started by an external launcher"),
+            std::string::npos)
+      << r.out;
+  r = hp::testing::run_command(env + HP_TRAIN_BINARY + " --cp 2 --nproc 2");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("--nproc 2 spawns local ranks, but this process was started by an "
+                       "external launcher (RANK/WORLD_SIZE set, world size 2)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("hp-train: plan"), std::string::npos) << r.out;
+}
+
 }  // namespace

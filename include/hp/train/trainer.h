@@ -42,6 +42,8 @@ struct TrainResult {
   std::map<std::string, int64_t> comm_bytes_per_step;
   std::optional<double> max_abs_loss_diff, max_rel_grad_diff;  // --validate
   std::string plan;                                            // the resolved plan
+  // The CP layout that ran (--cp-algo auto: the cost model's choice); none at cp = 1.
+  std::optional<cp::ContextParallelConfig> cp_config;
 };
 
 // Collective over the world: one rank's part of the job. Rank 0's result carries the metrics.
