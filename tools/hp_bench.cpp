@@ -137,6 +137,7 @@ struct AttentionArgs {
   std::string primitive = "all";
   bool json = false;
   bool child = false;  // internal: run one primitive and print its result as JSON
+  std::string child_flags;  // appended to each child's command (the tool's --host-allocator)
 };
 
 CLI::App* add_attention_command(CLI::App& app, AttentionArgs& a) {
@@ -178,7 +179,7 @@ nlohmann::json run_attention_child(const AttentionArgs& a, const std::string& pr
       hp::comm::self_executable(), " attention --child --primitive ", primitive, " --seq ", b.seq,
       " --heads ", b.heads, " --kv-heads ", b.kv_heads, " --head-dim ", b.head_dim, " --batch ",
       b.batch, " --iters ", b.iters, " --block-q ", b.block_q, " --block-kv ", b.block_kv,
-      b.causal ? " --causal" : "");
+      b.causal ? " --causal" : "", a.child_flags);
   return nlohmann::json::parse(hp::bench::run_for_json(cmd));
 }
 
@@ -254,7 +255,10 @@ void print_attention(const AttentionArgs& a, const nlohmann::json& out) {
 int run_attention(const AttentionArgs& a) {
   if (a.child) {
     hp::common::configure_threads(hp::common::available_cores());
-    std::cout << to_json(hp::bench::run_attention_bench(a.bench, a.primitive)).dump() << std::endl;
+    auto j = to_json(hp::bench::run_attention_bench(a.bench, a.primitive));
+    // The allocator this child measured under (the parent's --host-allocator).
+    j["host_allocator"] = hp::common::installed_host_cache() != nullptr ? "caching" : "system";
+    std::cout << j.dump() << std::endl;
     return 0;
   }
   // The rooflines are measured here with the threads each child runs its primitive on.
@@ -318,23 +322,44 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     return hp::bench::run_in_emulated_link(c.link_rate, args);
   }
   if (c.hsdp_cmd->parsed()) return run_hsdp(c.hsdp, args);
-  if (c.calibrate_cmd->parsed()) return run_calibrate(c.calibrate_out);
-  if (c.report_cmd->parsed()) return run_report_cmd(c.report);
+  // The children that calibrate, report and attention measure with run under this choice too.
+  const std::string child_flags = hp::common::host_allocator_flag(c.host_allocator);
+  if (c.calibrate_cmd->parsed()) return run_calibrate(c.calibrate_out, child_flags);
+  if (c.report_cmd->parsed()) {
+    auto report = c.report;
+    report.child_flags = child_flags;
+    return run_report_cmd(report);
+  }
   if (c.cp_cmd->parsed()) {
     auto cp = c.cp;
     cp.algo_given = c.cp_cmd->count("--cp-algo") > 0;
     for (const char* flag :
          {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter", "--causal", "--projections",
           "--documents", "--ulysses-head-groups", "--always-local-first", "--paired-with",
-          "--ring-keep-blocks", "--trace"}) {
+          "--ring-keep-blocks", "--ulysses-row-parts", "--ring-backward", "--reference-step",
+          "--trace"}) {
       if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
     }
+    auto given = [&](std::initializer_list<const char*> flags, std::vector<std::string>& out) {
+      for (const char* flag : flags) {
+        if (c.cp_cmd->count(flag) > 0) out.push_back(flag);
+      }
+    };
+    given({"--d-nope", "--d-rope", "--d-v", "--kv-rank"}, cp.mla_flags_given);
+    given({"--index-heads", "--index-dim", "--topk", "--index-loss"}, cp.dsa_flags_given);
+    given({"--schedule", "--ulysses-degree", "--ring-keep-blocks", "--ulysses-head-groups",
+           "--ulysses-row-parts", "--always-local-first", "--ring-backward"},
+          cp.auto_flags_given);
     return run_cp(cp, args);
   }
   if (c.linear_cmd->parsed()) return run_linear(c.linear, args);
   if (c.moe_cmd->parsed()) return run_moe(c.moe, args);
   if (c.comm_cmd->parsed()) return run_comm(c.comm, args);
-  if (c.attention_cmd->parsed()) return run_attention(c.attention);
+  if (c.attention_cmd->parsed()) {
+    auto attention = c.attention;
+    attention.child_flags = child_flags;
+    return run_attention(attention);
+  }
   return 0;
 }
 

@@ -50,6 +50,8 @@ struct CPArgs {
   int64_t index_heads = 4, index_dim = 32, topk = 2048;  // dsa
   std::string index_loss = "sparse";
   std::vector<std::string> softmax_flags_given;
+  std::vector<std::string> mla_flags_given, dsa_flags_given;  // refused where they do not apply
+  std::vector<std::string> auto_flags_given;  // what --cp-algo auto chooses itself: refused
   bool algo_given = false;
 };
 CLI::App* add_cp_command(CLI::App& app, CPArgs& a);
@@ -86,7 +88,7 @@ CLI::App* add_moe_command(CLI::App& app, MoEArgs& a);
 int run_moe(const MoEArgs& a, const std::vector<std::string>& argv);
 
 CLI::App* add_calibrate_command(CLI::App& app, std::string& out);
-int run_calibrate(const std::string& out);
+int run_calibrate(const std::string& out, const std::string& child_flags);
 
 CLI::App* add_report_command(CLI::App& app, hp::bench::ReportOptions& o);
 int run_report_cmd(hp::bench::ReportOptions o);

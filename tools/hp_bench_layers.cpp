@@ -134,6 +134,14 @@ void choose_cp_config(CPArgs& a, bool log) {
 // before any process starts.
 void resolve_cp_config(CPArgs& a) {
   if (a.algo == "auto") {
+    std::string list;
+    for (const auto& flag : a.auto_flags_given)
+      list += (list.empty() ? "" : ", ") + flag;
+    HP_CHECK(list.empty(),
+             "hp-bench cp: --cp-algo auto chooses the strategy, its schedule and "
+             "its Ulysses degree with each strategy's defaults, so ",
+             list, " would not run; drop ", a.auto_flags_given.size() == 1 ? "it" : "them",
+             " or name the strategy with --cp-algo");
     choose_cp_config(a, !hp::comm::parse_launch_env(hp::comm::process_env()).has_value());
   }
   a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
@@ -275,6 +283,13 @@ void print_cp(const CPArgs& a, const std::vector<hp::bench::CPBenchResult>& resu
 
 int run_cp(CPArgs a, const std::vector<std::string>& argv) {
   if (a.attention != "softmax") return run_mla_cp(a, argv);
+  std::vector<std::string> not_softmax = a.mla_flags_given;
+  not_softmax.insert(not_softmax.end(), a.dsa_flags_given.begin(), a.dsa_flags_given.end());
+  for (const auto& flag : not_softmax) {
+    HP_CHECK(false, "hp-bench cp: ", flag,
+             " applies to --attention mla or dsa, not to softmax "
+             "attention (the default); drop it or add --attention mla|dsa");
+  }
   resolve_cp_config(a);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());
   if (!env && a.nproc > 1) return launch_self(a.nproc, argv, "cp");
@@ -405,9 +420,10 @@ CLI::App* add_calibrate_command(CLI::App& app, std::string& out) {
   return cmd;
 }
 
-int run_calibrate(const std::string& out) {
+int run_calibrate(const std::string& out, const std::string& child_flags) {
   hp::bench::CalibrateOptions o;
   o.self_exe = hp::comm::self_executable();
+  o.child_flags = child_flags;
   o.link = hp::bench::emulated_link_rate().value_or("loopback");
   auto c = hp::bench::run_calibration(o);
   const auto path = hp::plan::default_calibration_path(o.link);

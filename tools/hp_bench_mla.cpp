@@ -38,9 +38,15 @@ hp::bench::MLABenchOptions mla_options(const CPArgs& a) {
   HP_CHECK(a.attention == "mla" || a.attention == "dsa", "hp-bench cp: --attention '", a.attention,
            "' is not valid; valid: softmax, mla, dsa");
   for (const auto& flag : a.softmax_flags_given) {
-    HP_CHECK(false, "hp-bench cp: ", flag,
-             " does not apply to --attention mla; drop it (MLA takes --heads, --d-nope, "
-             "--d-rope, --d-v, --kv-rank; causal always)");
+    HP_CHECK(
+        false, "hp-bench cp: ", flag, " does not apply to --attention ", a.attention,
+        "; drop it (MLA takes --heads, --d-nope, --d-rope, --d-v, --kv-rank",
+        a.attention == "dsa" ? ", DSA also --index-heads, --index-dim, --topk, --index-loss" : "",
+        "; causal always)");
+  }
+  for (const auto& flag : a.dsa_flags_given) {
+    HP_CHECK(a.attention == "dsa", "hp-bench cp: ", flag,
+             " applies to --attention dsa only (got --attention ", a.attention, "); drop it");
   }
   hp::bench::MLABenchOptions o;
   o.seq = a.bench.seq;

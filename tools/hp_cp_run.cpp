@@ -100,6 +100,8 @@ void add_options(CLI::App& app, Args& a) {
 hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   HP_CHECK(a.layout == "bnsd" || a.layout == "bshd", "hp-cp-run: --layout '", a.layout,
            "' is not valid; valid: bnsd, bshd");
+  HP_CHECK(a.lb_form.empty() || a.load_balance, "hp-cp-run: --load-balance-form ", a.lb_form,
+           " chooses how --load-balance shards; add --load-balance or drop it");
   hp::cp::ContextParallelConfig c;
   c.algorithm = hp::cp::parse_algorithm(a.algo);
   c.schedule = hp::cp::parse_schedule(a.schedule);
@@ -301,7 +303,8 @@ int main(int argc, char** argv) {
     if (attention != "softmax") {
       for (const char* flag : {"--ulysses-degree", "--load-balance-form", "--layout", "--adapter",
                                "--mixer", "--kv-head-policy", "--ulysses-head-groups",
-                               "--ulysses-row-parts", "--ring-keep-blocks"}) {
+                               "--ulysses-row-parts", "--ring-keep-blocks", "--ring-backward",
+                               "--cp-mode", "--state-exchange", "--scale", "--chunk-size"}) {
         HP_CHECK(app.count(flag) == 0, "hp-cp-run: ", flag, " does not apply to --attention ",
                  attention,
                  "; drop it (MLA takes --cp-algo latent_all_gather|ulysses|all_gather and "

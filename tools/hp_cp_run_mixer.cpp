@@ -232,7 +232,8 @@ bool mixer_requested(const CLI::App& app, const MixerArgs& m) {
   }
   for (const char* flag :
        {"--cp-algo", "--ulysses-degree", "--schedule", "--load-balance", "--load-balance-form",
-        "--causal", "--layout", "--primitive", "--adapter", "--kv-head-policy"}) {
+        "--causal", "--layout", "--primitive", "--adapter", "--kv-head-policy",
+        "--ulysses-head-groups", "--ulysses-row-parts", "--ring-keep-blocks", "--ring-backward"}) {
     HP_CHECK(!mixer || app.count(flag) == 0, "hp-cp-run: ", flag,
              " applies to attention, not to --mixer ", m.mixer,
              "; drop it (a mixer run takes --cp-mode, --state-exchange, --scale, --chunk-size)");

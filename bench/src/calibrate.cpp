@@ -94,7 +94,7 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
     std::map<std::string, std::vector<std::pair<double, double>>> points;  // kind -> (bytes, s)
     for (int64_t bytes : {o.small_bytes, o.large_bytes}) {
       const std::string cmd = common::str_cat(o.self_exe, " comm --nproc ", p, " --bytes ", bytes,
-                                              " --iters ", o.comm_iters, " --json");
+                                              " --iters ", o.comm_iters, o.child_flags, " --json");
       std::printf("hp-bench calibrate: %s\n", shown_command(cmd, o.self_exe).c_str());
       std::fflush(stdout);
       auto j = nlohmann::json::parse(run_for_json(cmd));
@@ -144,7 +144,7 @@ plan::Calibration run_calibration(const CalibrateOptions& o) {
   }
   // `hp-bench cp` with `args` (logged): the command and its JSON.
   auto run_cp = [&](const std::string& args) {
-    std::string cmd = common::str_cat(o.self_exe, " cp ", args, " --json");
+    std::string cmd = common::str_cat(o.self_exe, " cp ", args, o.child_flags, " --json");
     std::printf("hp-bench calibrate: %s\n", shown_command(cmd, o.self_exe).c_str());
     std::fflush(stdout);
     auto j = nlohmann::json::parse(run_for_json(cmd));

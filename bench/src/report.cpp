@@ -106,7 +106,7 @@ std::string run_report(const ReportOptions& o) {
         " --projections --causal --iters ", iters, c.load_balance ? " --load-balance" : "",
         c.keep_blocks ? " --ring-keep-blocks" : "",
         c.degree > 0 ? common::str_cat(" --ulysses-degree ", c.degree) : std::string(),
-        cal != nullptr ? " --reference-step" : "", link_flag(link), " --json");
+        cal != nullptr ? " --reference-step" : "", link_flag(link), o.child_flags, " --json");
     record(cmd);
     auto j = json::parse(run_for_json(cmd));
     const double reference_cal = cal != nullptr ? calibrated_reference_step_s(*cal, p) : -1;
@@ -170,7 +170,7 @@ std::string run_report(const ReportOptions& o) {
       calibrate = true;
     }
     if (calibrate) {
-      const std::string cmd = o.self_exe + " calibrate" + link_flag(link);
+      const std::string cmd = o.self_exe + " calibrate" + link_flag(link) + o.child_flags;
       record(cmd);
       HP_CHECK(std::system(cmd.c_str()) == 0, "hp-bench report: calibration failed: ", cmd);
     }
@@ -241,9 +241,10 @@ std::string run_report(const ReportOptions& o) {
   }
   if (o.with_attention) {
     for (int64_t s : o.seqs) {
-      const std::string cmd = common::str_cat(
-          o.self_exe, " attention --seq ", s, " --heads ", o.heads, " --kv-heads ", o.kv_heads,
-          " --head-dim ", o.head_dim, " --causal --primitive blockwise --iters 1 --json");
+      const std::string cmd =
+          common::str_cat(o.self_exe, " attention --seq ", s, " --heads ", o.heads, " --kv-heads ",
+                          o.kv_heads, " --head-dim ", o.head_dim,
+                          " --causal --primitive blockwise --iters 1", o.child_flags, " --json");
       record(cmd);
       results["attention"].push_back(json::parse(run_for_json(cmd)));
     }
@@ -251,7 +252,7 @@ std::string run_report(const ReportOptions& o) {
   if (o.with_hsdp) {
     const std::string cmd = o.self_exe +
                             " hsdp --nproc 4 --dp-shard 2 --dp-replicate 2 --iters 3 --json" +
-                            link_flag(o.links.front());
+                            link_flag(o.links.front()) + o.child_flags;
     record(cmd);
     results["hsdp"] = json::parse(run_for_json(cmd));
   }
@@ -265,7 +266,7 @@ std::string run_report(const ReportOptions& o) {
     const std::string cmd = o.train_exe +
                             " --nproc 2 --cp 2 --cp-algo all_gather --schedule async --steps 3 "
                             "--seq-len 4096 --trace " +
-                            trace;
+                            trace + o.child_flags;
     record(cmd);
     HP_CHECK(std::system((cmd + " > /dev/null").c_str()) == 0, "hp-bench report: failed: ", cmd);
     auto events = common::read_chrome_trace(trace);

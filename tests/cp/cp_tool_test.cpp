@@ -178,7 +178,9 @@ TEST(HpCpRun, PackedDocuments) {
     ASSERT_EQ(counted.size(), bound.size()) << r.out;
     for (size_t i = 0; i < counted.size(); ++i)
       EXPECT_LE(counted[i], bound[i]) << "rank " << i << "\n" << r.out;
-    if (args.find("ring") != std::string::npos) EXPECT_LT(counted[1], bound[1]) << r.out;
+    if (args.find("ring") != std::string::npos) {
+      EXPECT_LT(counted[1], bound[1]) << r.out;
+    }
   }
   auto refused = run(std::string(HP_CP_RUN_BINARY) + " --input " + ip + " --output " + op +
                      " --cp 2 --cu-seqlens 0,20,10");
@@ -216,7 +218,9 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
        "ring_backward 'kv' is not valid; valid: auto, blocks, queries"},
       {" --cp 2 --cp-algo ulysses --ulysses-row-parts 2",
        "cp_config.ulysses_row_parts=2 applies to algorithm=ulysses with schedule=async (got "
-       "ulysses, sync)"}};
+       "ulysses, sync)"},
+      {" --cp 2 --load-balance-form data_order",
+       "--load-balance-form data_order chooses how --load-balance shards; add --load-balance"}};
   for (const auto& [flags, message] : refused) {
     auto r = run(base + flags);
     EXPECT_EQ(r.rc, 1) << flags;

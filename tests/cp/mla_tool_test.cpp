@@ -158,6 +158,7 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
   expect_refused(mla + " --cp 5 --load-balance",
                  "the sequence length S=24 is not divisible by 10 (2 * --cp, load balance)");
   expect_refused(mla + " --cp 2 --layout bshd", "--layout does not apply to --attention mla");
+  expect_refused(mla + " --cp 2 --cp-mode ulysses", "--cp-mode does not apply to --attention mla");
   expect_refused(dir + "/mla.pt --attention gqa",
                  "--attention 'gqa' is not valid; valid: softmax, mla, dsa");
   expect_refused(mla + " --topk 4", "--topk applies to --attention dsa");
@@ -522,6 +523,43 @@ TEST(CPBench, TraceHoldsEveryRanksTimedStepsWithTheirCollectivesAndAttention) {
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.out.find("--trace does not apply to --attention mla"), std::string::npos)
       << bad.out;
+}
+
+// Flags that would not run are refused before any rank starts, each naming the flag: what
+// --cp-algo auto chooses itself, MLA/DSA dims with softmax attention, DSA's with MLA, and
+// softmax-only flags with DSA.
+TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
+  const std::string bench =
+      std::string(HP_BENCH_BINARY) + " cp --seq 64 --heads 2 --cp 2 --iters 1 ";
+  for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
+           {"--cp-algo auto --schedule async --ring-keep-blocks",
+            "--cp-algo auto chooses the strategy, its schedule and its Ulysses degree with each "
+            "strategy's defaults, so --schedule, --ring-keep-blocks would not run; drop them"},
+           {"--topk 8", "--topk applies to --attention mla or dsa, not to softmax attention"},
+           {"--attention mla --index-heads 2",
+            "--index-heads applies to --attention dsa only (got --attention mla)"},
+           {"--attention dsa --ring-backward blocks",
+            "--ring-backward does not apply to --attention dsa"}}) {
+    auto r = hp::testing::run_command(bench + args);
+    EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("step"), std::string::npos) << args << "\n" << r.out;
+  }
+}
+
+// hp-bench attention measures each primitive in a child process of its own: the child runs under
+// the tool's --host-allocator (the choice travels on the child's command line).
+TEST(AttentionBench, ChildrenRunUnderTheToolsHostAllocator) {
+  for (const std::string choice : {"caching", "system"}) {
+    auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " attention --seq 64 --heads 2 --kv-heads 2 --head-dim 16 "
+                                      "--primitive blockwise --iters 1 --json --host-allocator " +
+                                      choice);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+    ASSERT_EQ(j["results"].size(), 1u) << j;
+    EXPECT_EQ(j["results"][0]["host_allocator"], choice) << j;
+  }
 }
 
 }  // namespace

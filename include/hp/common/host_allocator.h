@@ -133,5 +133,10 @@ inline const std::vector<std::string>& host_allocator_choices() {
   static const std::vector<std::string> kChoices{"caching", "system"};
   return kChoices;
 }
+// What a tool appends to the command lines of the children it measures with, so they run under
+// its choice: " --host-allocator CHOICE", or nothing for the default (caching).
+inline std::string host_allocator_flag(const std::string& choice) {
+  return choice == host_allocator_choices().front() ? std::string() : " --host-allocator " + choice;
+}
 
 }  // namespace hp::common

@@ -28,6 +28,7 @@ namespace hp::bench {
 struct ReportOptions {
   std::string self_exe;            // hp-bench
   std::string train_exe;           // hp-train (timeline); empty: no timeline
+  std::string child_flags;         // appended to every child command (the tool's --host-allocator)
   std::vector<std::string> links;  // "1gbit", "loopback", ...; the first is the main one
   std::string out_dir = "docs/benchmarks";
   std::vector<int64_t> seqs{4096, 16384};
