@@ -352,10 +352,21 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
           cp.auto_flags_given);
     return run_cp(cp, args);
   }
-  if (c.linear_cmd->parsed()) return run_linear(c.linear, args);
+  if (c.linear_cmd->parsed()) {
+    HP_CHECK(c.linear_cmd->count("--chunk-size") == 0 || c.linear.bench.kernel != "recurrent",
+             "hp-bench linear: --chunk-size sizes the chunked kernel's chunks; --kernel recurrent "
+             "runs token by token, so drop it or use --kernel chunked");
+    return run_linear(c.linear, args);
+  }
   if (c.moe_cmd->parsed()) return run_moe(c.moe, args);
   if (c.comm_cmd->parsed()) return run_comm(c.comm, args);
   if (c.attention_cmd->parsed()) {
+    for (const char* flag : {"--block-q", "--block-kv"}) {
+      HP_CHECK(c.attention.child || c.attention_cmd->count(flag) == 0 ||
+                   c.attention.primitive == "blockwise" || c.attention.primitive == "all",
+               "hp-bench attention: ", flag, " sizes the blockwise primitive's tiles; --primitive ",
+               c.attention.primitive, " has none, so drop it or use --primitive blockwise");
+    }
     auto attention = c.attention;
     attention.child_flags = child_flags;
     return run_attention(attention);

@@ -2,7 +2,7 @@
 // full-sequence tensors from a torch.save file; writes full-sequence results loadable by
 // torch.load. For debugging and cross-checking against PyTorch.
 //
-//   hp-cp-run --input IN.pt --output OUT.pt --cp P --cp-algo all_gather|ulysses|hybrid
+//   hp-cp-run --input IN.pt --output OUT.pt --cp P --cp-algo all_gather|ulysses|hybrid|ring|usp
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--causal]
 //     [--layout bnsd|bshd] [--primitive math|blockwise] [--adapter sdpa_qkv|...]
 //     [--kv-head-policy error|repeat] [--cu-seqlens 0,L1,L1+L2,...]

@@ -1,9 +1,9 @@
 // hp-train: trains the built-in Qwen3-style decoder with any legal TP x CP layout.
-//   hp-train [--nproc N] [--tp T] [--cp C] [--cp-algo all_gather|ulysses|hybrid]
+//   hp-train [--nproc N] [--tp T] [--cp C] [--cp-algo all_gather|ulysses|hybrid|ring|usp|auto]
 //     [--dp-shard Sd] [--dp-replicate R] [--comm-fusion on|off] [--grad-accum K] [--recompute]
 //     [--ulysses-degree U] [--schedule sync|async] [--load-balance] [--seq-len S] [--batch B]
 //     [--steps K] [--layers L --hidden H --heads NH --kv-heads NKV --head-dim D --ffn F]
-//     [--vocab V] [--primitive math|blockwise] [--data FILE] [--seed X] [--validate]
+//     [--vocab V] [--primitive math|blockwise|sdpa] [--data FILE] [--seed X] [--validate]
 //     [--mixer attention|gdn|kda] [--value-heads HV] [--cp-mode state_passing|ulysses]
 //     [--state-exchange all_gather|p2p|auto]
 //     [--attention softmax|mla] [--mla-cp latent_all_gather|ulysses|all_gather] [--kv-rank R]
@@ -75,6 +75,20 @@ void resolve(Args& a) {
   HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-train: --comm-fusion '", a.fusion,
            "' is not valid; valid: on, off");
   o.comm_fusion = a.fusion == "on";
+  HP_CHECK(!o.comm_fusion || o.dp_shard * o.dp_replicate > 1,
+           "hp-train: --comm-fusion on fuses HSDP's gradient reduce-scatters, but --dp-shard ",
+           o.dp_shard, " x --dp-replicate ", o.dp_replicate,
+           " = 1 runs no HSDP; drop it or set --dp-shard or --dp-replicate > 1");
+  HP_CHECK(o.checkpoint_every == 0 || !o.checkpoint_dir.empty(), "hp-train: --checkpoint-every ",
+           o.checkpoint_every, " needs --checkpoint-dir DIR (where the checkpoints go)");
+  {
+    const hp::train::TrainOptions train_defaults;
+    const bool bin = o.data.size() > 4 && o.data.compare(o.data.size() - 4, 4, ".bin") == 0;
+    HP_CHECK(bin || o.data_dtype == train_defaults.data_dtype, "hp-train: --data-dtype ",
+             o.data_dtype, " is the token width of a .bin --data file, but --data is ",
+             o.data.empty() ? std::string("not given (the embedded task)") : "'" + o.data + "'",
+             "; drop it");
+  }
   HP_CHECK(a.nan_policy == "error" || a.nan_policy == "skip-step", "hp-train: --nan-policy '",
            a.nan_policy, "' is not valid; valid: error, skip-step");
   o.nan_policy =
@@ -110,6 +124,20 @@ void resolve(Args& a) {
     HP_CHECK(dsa || (m.topk == model_defaults.topk && m.index_loss == model_defaults.index_loss &&
                      o.index_loss_coef == train_defaults.index_loss_coef),
              "hp-train: --topk, --index-loss and --index-loss-coef apply to --attention dsa");
+    // The sizes of one kind of layer, given to a model without that kind.
+    HP_CHECK(linear || m.value_heads == model_defaults.value_heads, "hp-train: --value-heads ",
+             m.value_heads,
+             " sizes linear-attention layers (--mixer gdn|kda, or L in a layer "
+             "pattern), but with ",
+             what, " there are none; drop it");
+    HP_CHECK(
+        mla || dsa || (m.kv_rank == model_defaults.kv_rank && m.q_rank == model_defaults.q_rank),
+        "hp-train: --kv-rank and --q-rank size MLA/DSA layers (--attention mla|dsa, or M/D "
+        "in a layer pattern), but with ",
+        what, " there are none; drop them");
+    HP_CHECK(softmax || a.rotary_factor == -1, "hp-train: --partial-rotary-factor ",
+             a.rotary_factor, " applies to softmax attention layers, but with ", what,
+             " there are none; drop it");
     HP_CHECK(m.experts > 0 ||
                  (o.ep == 1 && m.moe_top_k == model_defaults.moe_top_k && m.moe_ffn == 0 &&
                   m.shared_expert_ffn == 0 && m.aux_loss_coef == model_defaults.aux_loss_coef &&
@@ -142,6 +170,12 @@ void resolve(Args& a) {
              what,
              " choose --cp-mode state_passing|ulysses, --state-exchange all_gather|p2p|auto "
              "(and --schedule sync|async)");
+  }
+  if (!softmax) {  // no softmax attention layer: its CP tuning would not run
+    const auto given = cp_tuning_given(a);
+    HP_CHECK(given.empty(), "hp-train: ", joined(given), " tune", given.size() == 1 ? "s" : "",
+             " softmax attention's CP, but with ", what, " no layer has softmax attention; drop ",
+             given.size() == 1 ? "it" : "them");
   }
   if (!linear) {
     const hp::plan::LinearPlanOptions defaults;
@@ -336,6 +370,8 @@ int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
 // --config and the checks, then N local ranks of this command (--nproc N outside a job) or
 // this process's rank.
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
+  HP_CHECK(app.count("--cp-mode") == 0 || app.count("--linear-cp-mode") == 0,
+           "hp-train: --cp-mode and --linear-cp-mode are the same option; give one of them");
   if (!a.config_file.empty()) apply_config(app, a.config_file);
   hp::common::apply_host_allocator_choice(a.host_allocator);  // before the first tensor
   hp::comm::timeout_from_seconds(a.timeout_s);                // checked before any rank starts

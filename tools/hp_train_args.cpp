@@ -76,7 +76,7 @@ void add_task_options(CLI::App& app, Args& a) {
   app.add_option("--head-dim", o.model.head_dim, "head dim");
   app.add_option("--ffn", o.model.ffn, "MLP width");
   app.add_option("--vocab", o.model.vocab, "vocabulary (256 for text files)");
-  app.add_option("--primitive", o.model.primitive, "math | blockwise");
+  app.add_option("--primitive", o.model.primitive, "math | blockwise | sdpa (LibTorch >= 2)");
   app.add_option("--mixer", o.model.mixer,
                  "token mixer of every layer: attention (softmax) | gdn (Gated DeltaNet) | kda "
                  "(Kimi Delta Attention)")
@@ -220,6 +220,8 @@ void apply_config(CLI::App& app, const std::string& path) {
   }
   HP_CHECK(j.is_object(), "hp-train: --config '", path,
            "' must hold a JSON object of options, e.g. {\"steps\": 100}");
+  HP_CHECK(!j.contains("cp_mode") || !j.contains("linear_cp_mode"), "hp-train: --config '", path,
+           "' sets both cp_mode and linear_cp_mode, the same option; keep one of them");
   for (const auto& [key, value] : j.items()) {
     std::string flag = "--" + key;
     for (auto& c : flag)
@@ -227,6 +229,9 @@ void apply_config(CLI::App& app, const std::string& path) {
     auto* opt = app.get_option_no_throw(flag);
     HP_CHECK(opt != nullptr, "hp-train: --config key '", key, "' is not an hp-train option");
     if (opt->count() > 0) continue;  // the command line wins
+    // ... also over the other name of the same option.
+    if (flag == "--cp-mode" && app.count("--linear-cp-mode") > 0) continue;
+    if (flag == "--linear-cp-mode" && app.count("--cp-mode") > 0) continue;
     if (value.is_boolean()) {
       if (!value.get<bool>()) continue;  // false is every flag's default
       opt->add_result("true");

@@ -16,6 +16,9 @@ void check_linear_cp_mode(const std::string& who, const std::string& mode,
   const int64_t p = cp_size;
   HP_CHECK(p >= 1, who, ": cp_size=", p, " must be >= 1");
   if (mode == "ulysses") {
+    HP_CHECK(state_exchange == "all_gather", who, ": state_exchange='", state_exchange,
+             "' chooses how mode=state_passing folds its states; mode=ulysses exchanges none, so "
+             "drop it (or use mode=state_passing)");
     HP_CHECK(heads % p == 0 && value_heads % p == 0, who, ": mode=ulysses needs q/k heads (", heads,
              ") and value heads (", value_heads, ") divisible by cp_size=", p,
              "; use mode=state_passing or a cp_size that divides ", heads);

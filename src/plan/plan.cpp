@@ -169,6 +169,10 @@ LinearPlanOptions plan_linear(const std::vector<ModuleInfo>& lins, const PlanOpt
                out.state_exchange == "auto",
            "plan: state_exchange '", out.state_exchange,
            "' is not valid; valid: all_gather, p2p, auto");
+  HP_CHECK(out.mode == "state_passing" || out.state_exchange == "all_gather",
+           "plan: state_exchange '", out.state_exchange,
+           "' chooses how linear CP mode state_passing folds its states; mode ulysses exchanges "
+           "none, so drop it (or use mode state_passing)");
   for (const auto& info : lins) {
     const auto& s = info.linear->shape;
     if (out.mode == "ulysses") {

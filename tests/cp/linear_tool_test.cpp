@@ -182,6 +182,9 @@ TEST(HpCpRun, MixerRefusesBadNamesAndShapesBeforeAnyRun) {
   expect_refused(dir + "/gdn.pt --cp 5 --mixer gdn",
                  "the sequence length T=24 (q.size(1)) is not divisible by --cp 5");
   expect_refused(gdn + " --mixer gdn --causal", "--causal applies to attention, not to --mixer");
+  expect_refused(gdn + " --mixer gdn --cp-mode ulysses --state-exchange p2p",
+                 "state_exchange='p2p' chooses how mode=state_passing folds its states; "
+                 "mode=ulysses exchanges none");
   expect_refused(gdn + " --mixer gdn --ring-backward blocks",
                  "--ring-backward applies to attention, not to --mixer");
   expect_refused(gdn + " --cp-mode ulysses", "--cp-mode applies to a linear-attention mixer only");

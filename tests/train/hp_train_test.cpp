@@ -185,7 +185,7 @@ void expect_exact_resume(const std::string& name, const std::string& layout, int
   namespace fs = std::filesystem;
   const std::string dir = hp::testing::scratch_dir() + "/hp_train_ckpt_" + name;
   fs::remove_all(dir);
-  const std::string common = layout + " --steps 6 --checkpoint-every 3 ";
+  const std::string common = layout + " --steps 6 ";
   auto full = run(common + "--metrics-json " + dir + "_full.json");
   ASSERT_EQ(full.rc, 0) << full.out;
   auto first = run(layout + " --steps 3 --checkpoint-every 3 --checkpoint-dir " + dir +
@@ -334,6 +334,16 @@ TEST(HpTrain, ConfigFileAndTrace) {
   EXPECT_NE(bad.out.find("The following arguments were not expected"), std::string::npos)
       << bad.out;
   EXPECT_NE(bad.out.find("--nonsense"), std::string::npos) << bad.out;
+  // --cp-mode and --linear-cp-mode name one option: a file holding both is refused.
+  {
+    std::ofstream f(dir + "/train_cfg_modes.json");
+    f << R"({"mixer": "gdn", "cp_mode": "ulysses", "linear_cp_mode": "state_passing"})";
+  }
+  auto modes = run("--nproc 1 --config " + dir + "/train_cfg_modes.json");
+  EXPECT_EQ(modes.rc, 1) << modes.out;
+  EXPECT_NE(modes.out.find("sets both cp_mode and linear_cp_mode, the same option"),
+            std::string::npos)
+      << modes.out;
 }
 
 // The data files are read (ids checked against --vocab) and learned from: finite losses that fall.
@@ -634,6 +644,29 @@ TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
                  {"--nproc 4 but --dp-replicate 1 x --dp-shard 1 x --cp 1 x --tp 3 = 3"});
   expect_refused("--nproc 4 --dp-shard 2 --comm-fusion maybe",
                  {"--comm-fusion 'maybe' is not valid; valid: on, off"});
+  // Flags that would do nothing in the run they are given to.
+  expect_refused("--nproc 1 --value-heads 8",
+                 {"--value-heads 8 sizes linear-attention layers (--mixer gdn|kda, or L in a layer "
+                  "pattern), but with --mixer attention there are none"});
+  expect_refused("--nproc 1 --mixer gdn --kv-rank 32", {"--kv-rank and --q-rank size MLA/DSA"});
+  expect_refused("--nproc 1 --attention mla --partial-rotary-factor 0.5",
+                 {"--partial-rotary-factor 0.5 applies to softmax attention layers, but with "
+                  "--attention mla there are none"});
+  expect_refused("--nproc 1 --comm-fusion on",
+                 {"--comm-fusion on fuses HSDP's gradient reduce-scatters, but --dp-shard 1 x "
+                  "--dp-replicate 1 = 1 runs no HSDP"});
+  expect_refused("--nproc 1 --checkpoint-every 2", {"--checkpoint-every 2 needs --checkpoint-dir"});
+  expect_refused("--nproc 1 --data-dtype uint32",
+                 {"--data-dtype uint32 is the token width of a .bin --data file, but --data is "
+                  "not given"});
+  expect_refused("--nproc 2 --cp 2 --attention mla --kv-head-policy repeat --ring-keep-blocks",
+                 {"--kv-head-policy repeat, --ring-keep-blocks tune softmax attention's CP, but "
+                  "with --attention mla no layer has softmax attention"});
+  expect_refused("--nproc 2 --cp 2 --mixer gdn --cp-mode ulysses --state-exchange p2p",
+                 {"plan: state_exchange 'p2p' chooses how linear CP mode state_passing folds its "
+                  "states; mode ulysses exchanges none"});
+  expect_refused("--nproc 1 --mixer gdn --cp-mode ulysses --linear-cp-mode state_passing",
+                 {"--cp-mode and --linear-cp-mode are the same option"});
   // CP flags without CP (--cp 1, the default) would do nothing.
   expect_refused("--nproc 2 --tp 2 --cp-algo ring --schedule async --ring-keep-blocks",
                  {"hp-train: --cp-algo ring, --schedule async, --ring-keep-blocks configure "
