@@ -349,11 +349,15 @@ void DSAHost::install(std::shared_ptr<DSAInterceptor> interceptor) {
   interceptor_ = std::move(interceptor);
 }
 
-DSAResult DSAHost::attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
-                          const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
-                          const DSAOptions& options) {
-  if (interceptor_) return interceptor_->attend(q, latent, k_rope, w_ukv, shape, index, options);
-  return dsa_attention(q, latent, k_rope, w_ukv, shape, index, 0, options);
+DSAResult DSAHost::attend(const DSAQueriesFn& queries, const at::Tensor& latent,
+                          const at::Tensor& k_rope, const at::Tensor& w_ukv, const MLAShape& shape,
+                          const at::Tensor& index_k, const DSAOptions& options) {
+  if (interceptor_) {
+    return interceptor_->attend(queries, latent, k_rope, w_ukv, shape, index_k, options);
+  }
+  const auto qs = queries();
+  return dsa_attention(qs.q, latent, k_rope, w_ukv, shape, {qs.index_q, qs.index_w, index_k}, 0,
+                       options);
 }
 
 }  // namespace hp::attention

@@ -1,9 +1,11 @@
 // DSA under CP: the all-gather family (see cp/dsa.h).
 //
-//   sync:   gather k_I, gather [latent | k_rope] (blocking), then per query part: select,
-//           absorb q, sparse attention, loss
-//   async:  start both gathers; absorb q into the latent space while they travel; wait; per
-//           query part: select, sparse attention, loss
+//   sync:   the layer's query projections (every input checked), gather k_I, gather
+//           [latent | k_rope] (blocking), then per query part: select, absorb q, sparse
+//           attention, loss
+//   async:  start both gathers as soon as the keys are handed over; the layer's query
+//           projections and their absorption into the latent space run while they travel;
+//           wait; per query part: select, sparse attention, loss
 //   out / indices: the parts concatenated in the shard's order; the loss summed over parts.
 //   Both gathered tensors are anchored into the output, so every rank reduce-scatters both
 //   gradients in backward, in the same order.
@@ -60,6 +62,26 @@ void check_dsa_cp(const std::string& who, const attention::DSAOptions& dsa,
   }
 }
 
+namespace {
+
+// The keys' own checks (the latent, k_rope and the index keys agree in B and S), before any
+// collective; the queries are checked with them by check_dsa_cp once they exist.
+void check_dsa_keys(const std::string& who, const attention::DSAOptions& dsa,
+                    const at::Tensor& latent, const at::Tensor& k_rope, const at::Tensor& index_k) {
+  dsa.check(who);
+  HP_CHECK(latent.defined() && latent.dim() == 3, who, ": latent must be [B, S, kv_rank], got ",
+           latent.defined() ? latent.sizes() : at::IntArrayRef{});
+  const int64_t b = latent.size(0), s = latent.size(1);
+  HP_CHECK(k_rope.defined() && k_rope.dim() == 3 && k_rope.size(0) == b && k_rope.size(1) == s, who,
+           ": k_rope ", k_rope.defined() ? k_rope.sizes() : at::IntArrayRef{}, " must be [B=", b,
+           ", S=", s, ", d_rope]");
+  HP_CHECK(index_k.defined() && index_k.dim() == 3 && index_k.size(0) == b && index_k.size(1) == s,
+           who, ": k_index ", index_k.defined() ? index_k.sizes() : at::IntArrayRef{},
+           " must be [B=", b, ", S=", s, ", d_I]");
+}
+
+}  // namespace
+
 attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& latent,
                                       const at::Tensor& k_rope, const at::Tensor& w_ukv,
                                       const attention::MLAShape& shape,
@@ -67,32 +89,61 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                                       const attention::DSAOptions& dsa, const DSACPOptions& options,
                                       const CPTopology& topology) {
   check_dsa_cp("DSA CP", dsa, options, q, latent, k_rope, index, topology.cp_size);
-  if (dsa.layout != "BSND") {  // the kernels read BSND; the output goes back
-    auto bsnd = dsa;
-    bsnd.layout = "BSND";
-    auto res = dsa_attention_cp(attention::dsa_bsnd_view(q, dsa.layout).contiguous(), latent,
-                                k_rope, w_ukv, shape, attention::dsa_bsnd_view(index, dsa.layout),
-                                bsnd, options, topology);
-    res.out = res.out.transpose(1, 2);
+  return dsa_attention_cp(
+      [&] {
+        return attention::DSAQueries{q, index.q, index.w};
+      },
+      latent, k_rope, w_ukv, shape, index.k, dsa, options, topology);
+}
+
+attention::DSAResult dsa_attention_cp(const attention::DSAQueriesFn& queries,
+                                      const at::Tensor& latent, const at::Tensor& k_rope,
+                                      const at::Tensor& w_ukv, const attention::MLAShape& shape,
+                                      const at::Tensor& index_k, const attention::DSAOptions& dsa,
+                                      const DSACPOptions& options, const CPTopology& topology) {
+  const int64_t p = topology.cp_size, r = topology.cp_rank;
+  check_dsa_keys("DSA CP", dsa, latent, k_rope, index_k);
+  // The queries, checked with the keys, as the BSND views the kernels read; the output goes
+  // back to the options' layout.
+  auto bsnd = dsa;
+  bsnd.layout = "BSND";
+  auto project = [&] {
+    const auto qs = queries();
+    check_dsa_cp("DSA CP", dsa, options, qs.q, latent, k_rope, {qs.index_q, qs.index_w, index_k},
+                 p);
+    return attention::DSAQueries{attention::dsa_bsnd_view(qs.q, dsa.layout).contiguous(),
+                                 attention::dsa_bsnd_view(qs.index_q, dsa.layout),
+                                 attention::dsa_bsnd_view(qs.index_w, dsa.layout)};
+  };
+  auto in_layout = [&](attention::DSAResult res) {
+    if (dsa.layout != "BSND") res.out = res.out.transpose(1, 2);
     return res;
+  };
+  if (p == 1) {
+    const auto qs = project();
+    return in_layout(attention::dsa_attention(qs.q, latent, k_rope, w_ukv, shape,
+                                              {qs.index_q, qs.index_w, index_k}, 0, bsnd));
   }
-  const int64_t p = topology.cp_size, r = topology.cp_rank, s = q.size(1);
-  if (p == 1) return attention::dsa_attention(q, latent, k_rope, w_ukv, shape, index, 0, dsa);
   const bool async = options.schedule == CPSchedule::kAsync;
+  attention::DSAQueries qs;
+  if (!async) qs = project();  // sync: every input checked before any collective
   auto kv_local = at::cat({latent, k_rope.to(latent.scalar_type())}, -1).contiguous();
-  auto k_flight = comm::all_gather_start(index.k.contiguous(), 1, topology.cp);
+  auto k_flight = comm::all_gather_start(index_k.contiguous(), 1, topology.cp);
   at::Tensor q_abs;
   at::Tensor k_all, kv_all;
   if (async) {
     auto kv_flight = comm::all_gather_start(kv_local, 1, topology.cp);
-    q_abs = attention::dsa_absorb_queries(q, w_ukv, shape);  // while the keys travel
+    // While the keys travel: the layer's query projections, then their absorption.
+    qs = project();
+    q_abs = attention::dsa_absorb_queries(qs.q, w_ukv, shape);
     k_all = k_flight.wait();
     kv_all = kv_flight.wait();
   } else {
     k_all = k_flight.wait();
     kv_all = comm::all_gather_start(kv_local, 1, topology.cp).wait();
-    q_abs = attention::dsa_absorb_queries(q, w_ukv, shape);
+    q_abs = attention::dsa_absorb_queries(qs.q, w_ukv, shape);
   }
+  const int64_t s = qs.q.size(1);
   if (options.load_balance) {
     k_all = detail::natural_order(k_all, p, 1);
     kv_all = detail::natural_order(kv_all, p, 1);
@@ -114,18 +165,18 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
   std::vector<at::Tensor> outs, selections;
   at::Tensor loss;
   for (const auto& part : parts) {
-    attention::DSAIndexer mine{index.q.narrow(1, part.begin, part.len),
-                               index.w.narrow(1, part.begin, part.len), k_all};
-    auto selected = attention::dsa_select(mine, part.offset, dsa.topk, dsa.block_q);
-    auto attend = dsa.loss == "dense"
-                      ? attention::dsa_all_visible(q.size(0), part.len, total, part.offset)
+    attention::DSAIndexer mine{qs.index_q.narrow(1, part.begin, part.len),
+                               qs.index_w.narrow(1, part.begin, part.len), k_all};
+    auto selected = attention::dsa_select(mine, part.offset, bsnd.topk, bsnd.block_q);
+    auto attend = bsnd.loss == "dense"
+                      ? attention::dsa_all_visible(qs.q.size(0), part.len, total, part.offset)
                       : selected;
     at::Tensor out_latent, p_mean;
     attention::dsa_sparse_mqa(q_abs.narrow(1, part.begin, part.len), kv_all, attend, shape.kv_rank,
-                              scale, dsa.block_q, out_latent, p_mean);
+                              scale, bsnd.block_q, out_latent, p_mean);
     outs.push_back(out_latent);
     selections.push_back(selected);
-    auto part_loss = attention::dsa_indexer_loss(mine, attend, p_mean, dsa.block_q);
+    auto part_loss = attention::dsa_indexer_loss(mine, attend, p_mean, bsnd.block_q);
     loss = loss.defined() ? loss + part_loss : part_loss;
   }
   auto out_latent = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
@@ -138,7 +189,7 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
   res.loss = loss;
   // Every part selects from the same S keys: the widths, min(topk, S), agree.
   res.indices = selections.size() == 1 ? selections[0] : at::cat(selections, 1);
-  return res;
+  return in_layout(res);
 }
 
 namespace {
@@ -152,11 +203,12 @@ class DSACPInterceptor final : public attention::DSAInterceptor {
     return common::str_cat("dsa-cp:", path_, ":", to_string(options_.schedule),
                            options_.load_balance ? ":lb:" : ":", topology_->id());
   }
-  attention::DSAResult attend(const at::Tensor& q, const at::Tensor& latent,
+  attention::DSAResult attend(const attention::DSAQueriesFn& queries, const at::Tensor& latent,
                               const at::Tensor& k_rope, const at::Tensor& w_ukv,
-                              const attention::MLAShape& shape, const attention::DSAIndexer& index,
+                              const attention::MLAShape& shape, const at::Tensor& index_k,
                               const attention::DSAOptions& options) override {
-    return dsa_attention_cp(q, latent, k_rope, w_ukv, shape, index, options, options_, *topology_);
+    return dsa_attention_cp(queries, latent, k_rope, w_ukv, shape, index_k, options, options_,
+                            *topology_);
   }
 
  private:

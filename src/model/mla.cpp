@@ -122,15 +122,20 @@ at::Tensor MLAAttentionImpl::forward_sparse(const at::Tensor& x, const at::Tenso
   const int64_t b = x.size(0), s = x.size(1);
   // The indexer reads detached inputs: only its loss trains it, and it trains nothing else.
   auto xd = x.detach();
-  auto c_q = rms_norm(at::matmul(xd, w_dq.t().detach()), q_norm.detach(), c.rms_eps);
-  attention::DSAIndexer index;
-  index.q = at::matmul(c_q, w_iq.t()).view({b, s, c.index_heads, c.index_dim});
-  index.k = at::matmul(xd, w_ik.t());
-  index.w = at::matmul(xd, w_iw.t()) / std::sqrt(static_cast<double>(c.index_heads));
+  auto index_k = at::matmul(xd, w_ik.t());
   attention::DSAOptions o;
   o.topk = c.topk;
   o.loss = c.index_loss;
-  auto res = dsa_host_.attend(queries(x, position_ids), latent, k_rope, w_ukv, shape(), index, o);
+  // The keys first (the latent, k_rope, the index keys): the host computes the queries after
+  // handing them over, so async CP gathers them while these projections run.
+  auto project = [&] {
+    auto c_q = rms_norm(at::matmul(xd, w_dq.t().detach()), q_norm.detach(), c.rms_eps);
+    return attention::DSAQueries{
+        queries(x, position_ids),
+        at::matmul(c_q, w_iq.t()).view({b, s, c.index_heads, c.index_dim}),
+        at::matmul(xd, w_iw.t()) / std::sqrt(static_cast<double>(c.index_heads))};
+  };
+  auto res = dsa_host_.attend(project, latent, k_rope, w_ukv, shape(), index_k, o);
   index_loss_ = res.loss;
   return at::matmul(res.out.flatten(2), w_o.t());
 }

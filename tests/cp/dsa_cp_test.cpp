@@ -309,6 +309,47 @@ TEST(DSACP, BNSDEqualsBSND) {
   }
 }
 
+// The host's form: the queries are computed by the layer once the keys are handed over. Async
+// has both gathers on their way when the layer projects its queries (its handoff point); sync
+// projects them before any collective. Either way the results equal the tensor form's.
+TEST(DSACP, AsyncGathersTheKeysWhileTheLayerProjectsItsQueries) {
+  const auto in = inputs();
+  for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+    run_ranks(2, [&](comm::World& w) {
+      comm::DeviceMesh mesh(w, {{"cp", 2}});
+      auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
+      auto shard = [&](const at::Tensor& t) { return shard_sequence(t, 1, w.rank(), 2, true); };
+      DSACPOptions co;
+      co.schedule = schedule;
+      co.load_balance = true;
+      attention::DSAOptions o;
+      o.topk = kTopk;
+      auto& rec = *w.context().recorder;
+      size_t launched_before_queries = 99;
+      auto lazy =
+          run_and_grad(in, shard, [&](auto q, auto l, auto kr, auto wu, auto qi, auto wi, auto ki) {
+            rec.clear();
+            auto queries = [&] {
+              launched_before_queries = rec.schedule().size();
+              return attention::DSAQueries{q, qi, wi};
+            };
+            return dsa_attention_cp(queries, l, kr, wu, shape(), ki, o, co, *topo);
+          });
+      const std::string what =
+          std::string(to_string(schedule)) + " rank " + std::to_string(w.rank());
+      EXPECT_EQ(launched_before_queries, schedule == CPSchedule::kAsync ? 2u : 0u) << what;
+      auto eager =
+          run_and_grad(in, shard, [&](auto q, auto l, auto kr, auto wu, auto qi, auto wi, auto ki) {
+            return dsa_attention_cp(q, l, kr, wu, shape(), {qi, wi, ki}, o, co, *topo);
+          });
+      EXPECT_TRUE(at::equal(lazy.indices, eager.indices)) << what;
+      expect_close(lazy.loss, eager.loss, what + " loss", 1e-12, 1e-12);
+      expect_close(lazy.dw, eager.dw, what + " dw_ukv", 1e-12, 1e-12);
+      expect_grads(lazy, eager, what, true);
+    });
+  }
+}
+
 // Two gathers forward (k_I, then [latent | k_rope]), their two reduce-scatters backward;
 // counted bytes equal the formula.
 TEST(DSACP, ScheduleAndBytes) {

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -91,15 +92,24 @@ void dsa_sparse_mqa(const at::Tensor& q_abs, const at::Tensor& kv, const at::Ten
 at::Tensor dsa_indexer_loss(const DSAIndexer& index, const at::Tensor& indices, const at::Tensor& p,
                             int64_t block_q);
 
+// What a DSA layer computes after its keys: the queries (RoPE applied) and the indexer's
+// queries and weights, in the options' layout. The host runs it once, after the keys (the
+// latent, k_rope and the index keys) are handed over: under async CP their gathers are then on
+// their way while these projections run (the handoff point of the all-gather family).
+struct DSAQueries {
+  at::Tensor q, index_q, index_w;
+};
+using DSAQueriesFn = std::function<DSAQueries()>;
+
 // The model-facing surface CP hooks into for DSA layers (as MLAHost for MLA): with nothing
 // installed, dsa_attention on the local tokens (q_offset 0); cp/dsa.h installs its strategy.
 class DSAInterceptor {
  public:
   virtual ~DSAInterceptor() = default;
   virtual std::string id() const = 0;
-  virtual DSAResult attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
-                           const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
-                           const DSAOptions& options) = 0;
+  virtual DSAResult attend(const DSAQueriesFn& queries, const at::Tensor& latent,
+                           const at::Tensor& k_rope, const at::Tensor& w_ukv, const MLAShape& shape,
+                           const at::Tensor& index_k, const DSAOptions& options) = 0;
 };
 
 class DSAHost {
@@ -107,8 +117,8 @@ class DSAHost {
   // A second interceptor with another id is an error; the same id again is a no-op.
   void install(std::shared_ptr<DSAInterceptor> interceptor);
   DSAInterceptor* installed() const { return interceptor_.get(); }
-  DSAResult attend(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& k_rope,
-                   const at::Tensor& w_ukv, const MLAShape& shape, const DSAIndexer& index,
+  DSAResult attend(const DSAQueriesFn& queries, const at::Tensor& latent, const at::Tensor& k_rope,
+                   const at::Tensor& w_ukv, const MLAShape& shape, const at::Tensor& index_k,
                    const DSAOptions& options);
 
  private:

@@ -5,7 +5,8 @@
 // visible global key with its causal offset, selects the top-k, runs the sparse attention and
 // the indexer loss on its queries. Head-tail load balance (data-order shards: two query parts
 // with their offsets over the natural-order keys) and async (the gathers start first; the
-// queries' absorption into the latent space runs while they travel) are both supported.
+// layer's query projections and their absorption into the latent space run while they travel)
+// are both supported.
 //
 //   k_I     --all-gather--> [B, S, d_I]        selection + loss (gradient: reduce-scatter)
 //   latent | k_rope --all-gather--> [B, S, R + dr]   sparse attention (gradient: reduce-scatter)
@@ -48,6 +49,17 @@ attention::DSAResult dsa_attention_cp(const at::Tensor& q, const at::Tensor& lat
                                       const attention::DSAIndexer& index,
                                       const attention::DSAOptions& dsa, const DSACPOptions& options,
                                       const CPTopology& topology);
+
+// The same with the queries computed by `queries` after the keys (latent, k_rope, index_k) are
+// handed over, as a DSA layer's host runs it: async starts both gathers first, so they travel
+// while the layer projects its queries (its handoff point); sync computes the queries first.
+// The keys are checked before any collective; the queries with them, before any collective
+// under sync and as soon as they exist under async.
+attention::DSAResult dsa_attention_cp(const attention::DSAQueriesFn& queries,
+                                      const at::Tensor& latent, const at::Tensor& k_rope,
+                                      const at::Tensor& w_ukv, const attention::MLAShape& shape,
+                                      const at::Tensor& index_k, const attention::DSAOptions& dsa,
+                                      const DSACPOptions& options, const CPTopology& topology);
 
 // Installs DSA CP into a DSA layer's host (the interceptor runs dsa_attention_cp over the
 // topology's CP group). Returns the apply log line.
