@@ -66,6 +66,32 @@ TEST(SequenceSharding, ShardBatchPadsIdsLabelsAndPositions) {
   EXPECT_TRUE(at::equal(all_pos, at::arange(12).view({1, 12})));
 }
 
+// Packed documents: the padding is one more document, positions restart in every document, the
+// whole padded ids come back unsharded and each rank's shard of them is the shard of its tokens
+// (balanced: the head and tail chunks), so a token and its document id always travel together.
+TEST(SequenceSharding, ShardBatchShardsTheDocumentIdsWithTheTokens) {
+  auto ids = at::arange(1, 11).view({1, 10});  // S = 10, P = 2, load balance: pad to 12
+  auto labels = ids + 100;
+  auto docs = at::tensor({0, 0, 0, 1, 1, 1, 1, 2, 2, 2}, at::kLong).view({1, 10});
+  const auto want_docs = at::tensor({0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3}, at::kLong).view({1, 12});
+  const auto want_pos = at::tensor({0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 0, 1}, at::kLong).view({1, 12});
+  for (bool lb : {false, true}) {
+    std::vector<at::Tensor> got_ids, got_docs, got_pos;
+    for (int64_t r = 0; r < 2; ++r) {
+      auto b = shard_batch(ids, labels, r, 2, lb, docs);
+      EXPECT_TRUE(at::equal(b.doc_ids, lb ? want_docs : want_docs.narrow(1, 0, 10))) << lb;
+      ASSERT_EQ(b.local_doc_ids.sizes(), b.input_ids.sizes()) << lb;
+      got_ids.push_back(b.input_ids);
+      got_docs.push_back(b.local_doc_ids);
+      got_pos.push_back(b.position_ids);
+    }
+    const int64_t n = lb ? 12 : 10;
+    EXPECT_TRUE(at::equal(unshard_sequence(got_docs, 1, lb), want_docs.narrow(1, 0, n))) << lb;
+    EXPECT_TRUE(at::equal(unshard_sequence(got_pos, 1, lb), want_pos.narrow(1, 0, n))) << lb;
+    EXPECT_TRUE(at::equal(unshard_sequence(got_ids, 1, lb).narrow(1, 0, 10), ids)) << lb;
+  }
+}
+
 // Sits in the primitive-call slot under the CP runtime and records, per primitive call on its
 // rank, which global query and key positions the primitive was handed. Positions are found by
 // matching the handed rows (batch 0, head 0) against the rows of the full q and k, so they come

@@ -268,6 +268,33 @@ TEST(MLABench, RunsLatentAndExpandedGathersWithCountedBytesEqualToTheFormula) {
       << bad.out;
 }
 
+// hp-bench cp --attention dsa: DSA (indexer, top-k, sparse attention, indexer loss) beside dense
+// latent_all_gather MLA of the same shape, both under CP, sync and balanced; each rank's counted
+// bytes equal its formula, and DSA sends the index keys besides the latent.
+TEST(MLABench, DSARunsBesideDenseMLAWithCountedBytesEqualToTheFormula) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --attention dsa --seq 96 --heads 4 --d-nope 8 --d-rope 4 --d-v 6 "
+                          "--kv-rank 10 --index-heads 2 --index-dim 6 --topk 8 --cp 2 --iters 1 "
+                          "--load-balance --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+  auto j = last_json(r.out)["results"];
+  ASSERT_EQ(j.size(), 2u) << r.out;
+  EXPECT_EQ(j[0]["attention"], "dsa");
+  EXPECT_EQ(j[0]["algorithm"], "all_gather");
+  EXPECT_EQ(j[1]["attention"], "mla");
+  EXPECT_EQ(j[1]["algorithm"], "latent_all_gather");
+  for (const auto& res : j) {
+    EXPECT_EQ(res["comm_bytes_per_rank"], res["comm_bytes_theory"]) << r.out;
+    EXPECT_GT(res["step_time_s"].get<double>(), 0) << r.out;
+    EXPECT_EQ(res["load_balance"], true) << r.out;
+  }
+  // Forward: (P-1) S/P (d_I + R + dr) elements of 4 bytes for DSA, (R + dr) for the latent.
+  EXPECT_EQ(j[0]["comm_bytes_per_rank"].get<int64_t>() * (kRank + kRope),
+            j[1]["comm_bytes_per_rank"].get<int64_t>() * (6 + kRank + kRope))
+      << r.out;
+}
+
 // hp-bench cp --documents: each timed step is paired with a step of the same batch without
 // documents (speed-up measured in one run); without --documents there is no paired step. With 4
 // documents that are the balanced shards' chunks, sync all_gather moves nothing; with 3 it
@@ -544,6 +571,17 @@ TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
     EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
     EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
     EXPECT_EQ(r.out.find("step"), std::string::npos) << args << "\n" << r.out;
+  }
+  // The other subcommands' tile and chunk sizes where their kernel has none.
+  for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
+           {"attention --seq 64 --primitive math --block-q 16",
+            "--block-q sizes the blockwise primitive's tiles; --primitive math has none"},
+           {"linear --kernel recurrent --chunk-size 16",
+            "--chunk-size sizes the chunked kernel's chunks; --kernel recurrent runs token by "
+            "token"}}) {
+    auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) + " " + args);
+    EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
   }
 }
 

@@ -2,6 +2,10 @@
 // gathers), P in {2, 3, 4}: output, dx and every parameter gradient (summed over CP) equal the
 // single-process layer; the layer's core equals the explicit-score reference; the planner and
 // applier install the strategy into a Qwen3 stack of MLA layers.
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -74,6 +78,40 @@ TEST(MLALayer, PackedDocumentsEqualEachDocumentAlone) {
   MLAAttention dsa(c);
   HP_EXPECT_ERROR(dsa->forward(x.to(at::kFloat), pos, ids),
                   "packed documents are not supported by the DSA indexer yet");
+}
+
+// The DSA layer's indexer learns only from its loss, and its loss moves only the indexer: the
+// index loss alone leaves every other parameter and the input without a gradient (the indexer
+// reads x and the query's low rank detached), and the output alone leaves the indexer's three
+// weights without one.
+TEST(DSALayer, TheIndexerLearnsOnlyFromItsLossAndItsLossMovesOnlyTheIndexer) {
+  auto c = config();
+  c.sparse = true;
+  c.topk = 5;
+  MLAAttention m(c);
+  m->to(at::kDouble);
+  const std::vector<std::string> indexer{"w_iq", "w_ik", "w_iw"};
+  auto is_indexer = [&](const std::string& name) {
+    return std::find(indexer.begin(), indexer.end(), name) != indexer.end();
+  };
+  for (bool loss_only : {true, false}) {
+    m->zero_grad();
+    auto x = at::randn({kB, kS, 20}, at::kDouble).requires_grad_(true);
+    auto y = m->forward(x, positions());
+    ASSERT_TRUE(m->index_loss().defined());
+    (loss_only ? m->index_loss() : y.sum()).backward();
+    const std::string what = loss_only ? "the index loss alone" : "the output alone";
+    int moved = 0;
+    for (const auto& par : m->named_parameters()) {
+      const auto& g = par.value().grad();
+      const bool nonzero = g.defined() && g.abs().max().item<double>() > 0;
+      moved += nonzero;
+      EXPECT_EQ(nonzero, loss_only == is_indexer(par.key())) << what << ": " << par.key();
+    }
+    EXPECT_EQ(moved, loss_only ? 3 : static_cast<int>(m->named_parameters().size()) - 3) << what;
+    const bool dx = x.grad().defined() && x.grad().abs().max().item<double>() > 0;
+    EXPECT_EQ(dx, !loss_only) << what << ": x";
+  }
 }
 
 void run_layer(int p, const cp::MLACPOptions& o) {

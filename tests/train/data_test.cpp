@@ -2,6 +2,7 @@
 // own length after unlabeled random tokens; the layout is checked token by token here.
 #include <set>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -62,6 +63,45 @@ TEST(CopyTask, MinBlockVariesTheCopyDistancePerRowAndStaysDeterministic) {
     }
   }
   EXPECT_GE(lengths.size(), 8u) << "32 rows drawn from 29 lengths";
+}
+
+// Packed: every row holds the same cuts (doc_ids 0, 1, ... in runs of even lengths >= 8 that
+// cover the row), each document a copy task of its own (labels only inside it, the last token of
+// each document labelled -100), and the cuts vary with the step.
+TEST(CopyTask, PackedDocumentsAreCopyTasksCutAlikeInEveryRow) {
+  auto o = copy_options(128, 3, 0);
+  o.pack_documents = true;
+  std::set<std::vector<int64_t>> cuts_seen;
+  for (int64_t step = 1; step <= 4; ++step) {
+    const auto b = hp::train::make_batch(o, hp::train::Corpus(), step);
+    ASSERT_TRUE(b.doc_ids.defined());
+    ASSERT_EQ(b.doc_ids.sizes(), b.ids.sizes());
+    std::vector<int64_t> cuts{0};
+    const auto ids0 = b.doc_ids[0];
+    for (int64_t t = 1; t < o.seq_len; ++t) {
+      const int64_t step_up = ids0[t].item<int64_t>() - ids0[t - 1].item<int64_t>();
+      ASSERT_TRUE(step_up == 0 || step_up == 1) << "position " << t;
+      if (step_up == 1) cuts.push_back(t);
+    }
+    cuts.push_back(o.seq_len);
+    EXPECT_EQ(ids0[0].item<int64_t>(), 0);
+    EXPECT_GE(cuts.size(), 3u) << "at least two documents in 128 tokens";
+    for (int64_t r = 1; r < o.batch; ++r)
+      EXPECT_TRUE(b.doc_ids[r].equal(ids0)) << "row " << r << " of step " << step;
+    for (size_t d = 0; d + 1 < cuts.size(); ++d) {
+      const int64_t len = cuts[d + 1] - cuts[d];
+      EXPECT_EQ(len % 2, 0) << "document " << d;
+      EXPECT_GE(len, 8) << "document " << d;
+      for (int64_t r = 0; r < o.batch; ++r) {
+        EXPECT_EQ(checked_block(b.ids[r].narrow(0, cuts[d], len),
+                                b.labels[r].narrow(0, cuts[d], len), o.model.vocab),
+                  len / 2)
+            << "document " << d << " of row " << r;
+      }
+    }
+    cuts_seen.insert(cuts);
+  }
+  EXPECT_GE(cuts_seen.size(), 2u) << "the cuts are drawn per step";
 }
 
 TEST(CopyTask, MinBlockIsCheckedAgainstTheTask) {
