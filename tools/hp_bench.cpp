@@ -136,7 +136,7 @@ struct AttentionArgs {
   hp::bench::AttentionBenchOptions bench;
   std::string primitive = "all";
   bool json = false;
-  bool child = false;  // internal: run one primitive and print its result as JSON
+  bool child = false;       // internal: run one primitive and print its result as JSON
   std::string child_flags;  // appended to each child's command (the tool's --host-allocator)
 };
 

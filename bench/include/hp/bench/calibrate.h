@@ -22,7 +22,7 @@
 namespace hp::bench {
 
 struct CalibrateOptions {
-  std::string self_exe;  // the hp-bench binary (its `comm` subcommand runs the collectives)
+  std::string self_exe;     // the hp-bench binary (its `comm` subcommand runs the collectives)
   std::string child_flags;  // appended to every child command (the tool's --host-allocator)
   std::string link = "loopback";
   int64_t small_bytes = 1 << 20, large_bytes = 8 << 20;
