@@ -13,6 +13,7 @@
 #include "hp/comm/launcher.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
+#include "hp/common/strings.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
@@ -134,9 +135,7 @@ void choose_cp_config(CPArgs& a, bool log) {
 // before any process starts.
 void resolve_cp_config(CPArgs& a) {
   if (a.algo == "auto") {
-    std::string list;
-    for (const auto& flag : a.auto_flags_given)
-      list += (list.empty() ? "" : ", ") + flag;
+    const std::string list = hp::common::str_join(a.auto_flags_given);
     HP_CHECK(list.empty(),
              "hp-bench cp: --cp-algo auto chooses the strategy, its schedule and "
              "its Ulysses degree with each strategy's defaults, so ",

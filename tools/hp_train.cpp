@@ -29,6 +29,7 @@
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/host_allocator.h"
+#include "hp/common/strings.h"
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
@@ -46,7 +47,6 @@ using hp_train::apply_config;
 using hp_train::Args;
 using hp_train::model_from_checkpoint;
 
-// The checked flags into the trainer's options: mode, comm fusion and the CP configuration.
 // The CP tuning flags set away from their defaults (Ulysses degree, K/V head policy, head
 // groups, row parts, the ring's options), as the command line spells them.
 std::vector<std::string> cp_tuning_given(const Args& a) {
@@ -60,13 +60,7 @@ std::vector<std::string> cp_tuning_given(const Args& a) {
   return given;
 }
 
-std::string joined(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& item : items)
-    out += (out.empty() ? "" : ", ") + item;
-  return out;
-}
-
+// The checked flags into the trainer's options: mode, comm fusion and the CP configuration.
 void resolve(Args& a) {
   auto& o = a.train;
   HP_CHECK(a.mode == "production" || a.mode == "validate", "hp-train: --mode '", a.mode,
@@ -173,9 +167,9 @@ void resolve(Args& a) {
   }
   if (!softmax) {  // no softmax attention layer: its CP tuning would not run
     const auto given = cp_tuning_given(a);
-    HP_CHECK(given.empty(), "hp-train: ", joined(given), " tune", given.size() == 1 ? "s" : "",
-             " softmax attention's CP, but with ", what, " no layer has softmax attention; drop ",
-             given.size() == 1 ? "it" : "them");
+    HP_CHECK(given.empty(), "hp-train: ", hp::common::str_join(given), " tune",
+             given.size() == 1 ? "s" : "", " softmax attention's CP, but with ", what,
+             " no layer has softmax attention; drop ", given.size() == 1 ? "it" : "them");
   }
   if (!linear) {
     const hp::plan::LinearPlanOptions defaults;
@@ -189,7 +183,8 @@ void resolve(Args& a) {
     if (a.schedule != "sync") given.insert(given.begin(), "--schedule " + a.schedule);
     if (a.algo != "all_gather" && a.algo != "auto")
       given.insert(given.begin(), "--cp-algo " + a.algo);
-    HP_CHECK(given.empty(), "hp-train: ", joined(given), " configure", given.size() == 1 ? "s" : "",
+    HP_CHECK(given.empty(), "hp-train: ", hp::common::str_join(given), " configure",
+             given.size() == 1 ? "s" : "",
              " context parallelism, but --cp is 1 (no CP runs); drop ",
              given.size() == 1 ? "it" : "them", " or set --cp > 1");
   }
@@ -203,8 +198,8 @@ void resolve(Args& a) {
     HP_CHECK(given.empty(),
              "hp-train: --cp-algo auto chooses the strategy, its schedule and its "
              "Ulysses degree with each strategy's defaults, so ",
-             joined(given), " would not run; drop ", given.size() == 1 ? "it" : "them",
-             " or name the strategy with --cp-algo");
+             hp::common::str_join(given), " would not run; drop ",
+             given.size() == 1 ? "it" : "them", " or name the strategy with --cp-algo");
     a.algo = "all_gather";  // placeholder: the planner replaces it (load_balance is kept)
     a.auto_algo = true;
   }
