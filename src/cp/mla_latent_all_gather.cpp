@@ -86,14 +86,19 @@ at::Tensor mla_latent_all_gather(const std::function<at::Tensor()>& queries,
     return {rows.narrow(2, 0, kw).view({b, n, heads, shape.qk_dim()}).transpose(1, 2),
             rows.narrow(2, kw, heads * shape.d_v).view({b, n, heads, shape.d_v}).transpose(1, 2)};
   };
+  // Sync checks the queries before the gather; async computes them while it travels.
+  auto checked_queries = [&] {
+    auto q = queries();
+    HP_CHECK(q.dim() == 4 && q.size(0) == latent.size(0) && q.size(1) == s &&
+                 q.size(2) == shape.heads && q.size(3) == shape.qk_dim(),
+             "MLA CP (", options.strategy, "): q ", q.sizes(), " must be [B, S/P=", s,
+             ", H=", shape.heads, ", d_nope + d_rope=", shape.qk_dim(), "]");
+    return q;
+  };
   at::Tensor q;
-  if (!async) q = queries();
+  if (!async) q = checked_queries();
   auto flight = comm::all_gather_start(packed, 1, topology.cp);
-  if (async) q = queries();
-  HP_CHECK(q.dim() == 4 && q.size(0) == latent.size(0) && q.size(1) == s &&
-               q.size(2) == shape.heads && q.size(3) == shape.qk_dim(),
-           "MLA CP (", options.strategy, "): q ", q.sizes(), " must be [B, S/P=", s,
-           ", H=", shape.heads, ", d_nope + d_rope=", shape.qk_dim(), "]");
+  if (async) q = checked_queries();
   std::vector<QueryRows> parts;
   if (options.load_balance) {
     const int64_t c = s / 2;

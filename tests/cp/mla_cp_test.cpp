@@ -268,6 +268,45 @@ TEST(MLACP, SchedulesAndBytes) {
   });
 }
 
+// The layer's queries are projected at the handoff point: async has its first transfer on its
+// way when they are computed (latent_all_gather and all_gather their gather, ulysses its K/V
+// all-to-all), sync computes them before any collective and refuses a wrong-shaped q before
+// any collective too.
+TEST(MLACP, AsyncLaunchesItsFirstTransferBeforeTheQueriesAreProjected) {
+  const auto s = small_shape();
+  const auto in = inputs(s, at::kDouble);
+  run_ranks(2, [&](comm::World& w) {
+    comm::DeviceMesh mesh(w, {{"cp", 2}});
+    auto topo = CPTopology::build(w, mesh.group_ptr({"cp"}), *normalize(std::nullopt, 2));
+    auto shard = [&](const at::Tensor& t) { return shard_sequence(t, 1, w.rank(), 2, false); };
+    auto& rec = *w.context().recorder;
+    for (const std::string strategy : {"latent_all_gather", "all_gather", "ulysses"}) {
+      for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {
+        const std::string what = strategy + " " + to_string(schedule);
+        MLACPOptions o;
+        o.strategy = strategy;
+        o.schedule = schedule;
+        size_t launched = 99;
+        rec.clear();
+        auto out = mla_attention_cp(
+            [&] {
+              launched = rec.schedule().size();
+              return shard(in.q);
+            },
+            shard(in.latent), shard(in.k_rope), in.w_ukv, s, o, *topo);
+        EXPECT_EQ(launched, schedule == CPSchedule::kAsync ? 1u : 0u) << what;
+        EXPECT_EQ(out.sizes(), shard(in.dout).sizes()) << what;
+        if (schedule == CPSchedule::kAsync) continue;
+        rec.clear();
+        HP_EXPECT_ERROR(mla_attention_cp([&] { return shard(in.q).flatten(2); }, shard(in.latent),
+                                         shard(in.k_rope), in.w_ukv, s, o, *topo),
+                        "): q [2, 12, 144] must be [B, S/P=12, H=12, d_nope + d_rope=12]");
+        EXPECT_TRUE(rec.schedule().empty()) << what << ": a collective ran before the refusal";
+      }
+    }
+  });
+}
+
 TEST(MLACP, FailFast) {
   auto s = small_shape();
   MLACPOptions o;
