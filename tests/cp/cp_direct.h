@@ -28,10 +28,10 @@ inline at::Tensor f64(uint64_t seed, at::IntArrayRef shape) {
 // sites (the module boundary slot: sdpa_qkv).
 struct Direct {
   // primitive: the one the module's attention runs ("blockwise" offers backward_from_stats,
-  // "math" does not).
+  // "math" does not). bshd: q/k/v are [B, S, N, D] (the module's default: [B, N, S, D]).
   explicit Direct(bool causal, const at::Tensor& doc_ids = {},
-                  const std::string& primitive = "blockwise")
-      : core(options(causal, doc_ids, primitive)) {
+                  const std::string& primitive = "blockwise", bool bshd = false)
+      : core(options(causal, doc_ids, primitive, bshd)), bshd(bshd) {
     for (auto* h : {&hq, &hk, &hv})
       core.host().add_handoff(h);
   }
@@ -40,8 +40,13 @@ struct Direct {
   }
   // doc_ids: packed documents of the whole (global) sequence, when given.
   static attention::CoreAttentionOptions options(bool causal, const at::Tensor& doc_ids = {},
-                                                 const std::string& primitive = "blockwise") {
+                                                 const std::string& primitive = "blockwise",
+                                                 bool bshd = false) {
     attention::CoreAttentionOptions o;
+    if (bshd) {
+      o.seq_dim = 1;
+      o.heads_dim = 2;
+    }
     o.primitive = primitive;
     o.attention.causal = causal;
     if (doc_ids.defined()) o.attention.documents = attention::Documents{doc_ids};
@@ -50,6 +55,7 @@ struct Direct {
     return o;
   }
   attention::CoreAttention core;
+  bool bshd = false;
   attention::HandoffPoint hq{"hq"}, hk{"hk"}, hv{"hv"};
 };
 
@@ -62,6 +68,10 @@ inline std::string apply_cp(Direct& m, comm::World& w, const ContextParallelConf
   CPModuleSpec spec;
   spec.module_path = "attn";
   spec.inner_wrapper = "sdpa_qkv";
+  if (m.bshd) {
+    spec.cp_seq_dim = 1;
+    spec.cp_head_dim = 2;
+  }
   if (handoffs) spec.cp_handoff_targets = {{"q", "hq"}, {"k", "hk"}, {"v", "hv"}};
   apply_context_parallel(m.core.host(), spec, cfg, topo, o);
   return spec.resolved_schedule;

@@ -1,7 +1,8 @@
 // The whole CP path in float64 against the plain-formula reference (tests/harness, no code
 // shared with the kernels): every built-in strategy (all_gather plain and with both head-tail
-// forms, ulysses, hybrid plain and head-tail), sync and async, causal and not, P in {2, 3, 4}, GQA,
-// and a value head dim that differs from the query/key one (Dqk 8, Dv 6, as MLA's 192 / 128).
+// forms, ulysses, hybrid plain and head-tail, ring, usp), sync and async, causal and not, P in
+// {2, 3, 4}, GQA, BNSD and BSHD modules, and a value head dim that differs from the query/key
+// one (Dqk 8, Dv 6, as MLA's 192 / 128).
 #include <algorithm>
 #include <limits>
 #include <optional>
@@ -43,9 +44,11 @@ struct Case {
   bool keep_blocks = false;                          // ring, usp
   RingBackward ring_backward = RingBackward::kAuto;  // ring, usp
   std::string primitive = "blockwise";
+  bool bshd = false;  // q/k/v [B, S, N, D] (else [B, N, S, D])
   std::string name() const {
     std::string n = algorithm + (degree ? "(U=" + std::to_string(*degree) + ")" : "");
     if (primitive != "blockwise") n += " primitive=" + primitive;
+    if (bshd) n += " BSHD";
     if (always_local_first) n += " always_local_first";
     if (keep_blocks) n += " keep_blocks";
     if (ring_backward != RingBackward::kAuto)
@@ -93,10 +96,14 @@ void run_case(const Case& c, int p, CPSchedule schedule, bool causal,
   // Data-order head-tail shards hold chunks {2r, 2P-2r-1}; every other case contiguous shards.
   const bool data_order = c.load_balance && c.form == LoadBalanceForm::kDataOrder;
   run_ranks(p, [&](comm::World& w) {
-    Direct m(causal, doc_ids, c.primitive);
+    Direct m(causal, doc_ids, c.primitive, c.bshd);
     ASSERT_EQ(apply_cp(m, w, cfg), to_string(schedule));
     const int64_t r = w.rank();
-    auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, r, p, data_order); };
+    // This rank's shard of a global BNSD tensor, in the module's layout.
+    auto mine = [&](const at::Tensor& full) {
+      auto s = shard_sequence(full, 2, r, p, data_order);
+      return c.bshd ? s.transpose(1, 2).contiguous() : s;
+    };
     auto lq = mine(q).requires_grad_(true), lk = mine(k).requires_grad_(true),
          lv = mine(v).requires_grad_(true);
     const std::string what = c.name() + " " + to_string(schedule) +
@@ -206,6 +213,36 @@ TEST(CPFloat64, UspRepeatsKVHeads) {
 }
 TEST(CPFloat64, RingHeadTailDataOrder) {
   run_grid({"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3, 4});
+}
+// BSHD modules (q/k/v [B, S, N, D], the sequence in dim 1): the ring's chunks, merges and
+// statistics, usp's all-to-alls and rings, and the other strategies, balanced and not.
+TEST(CPFloat64, RingAndUspBSHD) {
+  for (bool lb : {false, true}) {
+    Case ring{"ring", std::nullopt, lb, LoadBalanceForm::kDataOrder};
+    ring.bshd = true;
+    run_grid(ring, {2, 3, 4});
+    Case usp{"usp", 2, lb, LoadBalanceForm::kDataOrder};
+    usp.bshd = true;
+    run_grid(usp, {4});
+  }
+  Case queries{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder};
+  queries.bshd = true;
+  queries.ring_backward = RingBackward::kQueries;
+  run_grid(queries, {3});
+  Case kept{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder};
+  kept.bshd = true;
+  kept.keep_blocks = true;
+  run_grid(kept, {3});
+}
+TEST(CPFloat64, AllGatherUlyssesHybridBSHD) {
+  for (bool lb : {false, true}) {
+    for (Case c : {Case{"all_gather", std::nullopt, lb}, Case{"ulysses", std::nullopt},
+                   Case{"hybrid", 2, lb}}) {
+      if (lb && c.algorithm == "ulysses") continue;
+      c.bshd = true;
+      run_grid(c, {c.algorithm == "hybrid" ? 4 : 3});
+    }
+  }
 }
 // ring_keep_blocks: forward keeps the blocks that arrived and backward sends only the
 // accumulators; the same gradients from the merged statistics (blockwise) and from the

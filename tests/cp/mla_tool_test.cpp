@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <nlohmann/json.hpp>
 
 #include "hp/common/check.h"
@@ -233,6 +234,66 @@ TEST(HpCpRun, DSAMatchesTheExplicitReference) {
       EXPECT_NE(r.out.find("--topk 100 exceeds the sequence length 24; clamped to 24"),
                 std::string::npos)
           << r.out;
+    }
+  }
+}
+
+// float32 files: hp-cp-run reads them and writes float32 results, equal to the
+// float64 reference within float32's precision (MLA and DSA, sync and async).
+TEST(HpCpRun, MLAAndDSATakeFloat32Files) {
+  const std::string& dir = hp::testing::scratch_dir();
+  auto file = mla_file();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
+  file.insert("q_index", at::randn({kB, kS, 3, 5}, gen, at::kDouble));
+  file.insert("w_index", at::randn({kB, kS, 3}, gen, at::kDouble).abs());
+  file.insert("k_index", at::randn({kB, kS, 5}, gen, at::kDouble));
+  c10::Dict<std::string, at::Tensor> f32;
+  for (const auto& e : file)
+    f32.insert(e.key(), e.value().to(at::kFloat));
+  // MLA refuses the indexer's entries: its own file holds only MLA's.
+  c10::Dict<std::string, at::Tensor> mla_only;
+  for (const char* n : {"q", "latent", "k_rope", "w_ukv", "dout"})
+    mla_only.insert(n, f32.at(n));
+  const std::string dsa_in = dir + "/dsa_f32_in.pt", mla_in = dir + "/mla_f32_in.pt";
+  const std::string out = dir + "/mla_f32_out.pt";
+  save_dict(dsa_in, f32);
+  save_dict(mla_in, mla_only);
+  // The reference from the float32 values, in float64.
+  auto leaf = [&](const char* n) { return f32.at(n).to(at::kDouble).requires_grad_(true); };
+  auto q = leaf("q"), latent = leaf("latent"), k_rope = leaf("k_rope"), w = leaf("w_ukv");
+  auto qi = leaf("q_index"), wi = leaf("w_index"), ki = leaf("k_index");
+  const auto dout = f32.at("dout").to(at::kDouble);
+  auto mla = hp::testing::reference_mla(q, latent, k_rope, w, kDv);
+  auto mla_grads = torch::autograd::grad({mla}, {q, latent, k_rope, w}, {dout});
+  auto dsa = hp::testing::reference_dsa(q, latent, k_rope, w, kDv, qi, wi, ki, 5, "sparse");
+  auto dsa_grads = torch::autograd::grad({(dsa.out * dout).sum() + dsa.loss},
+                                         {q, latent, k_rope, w, qi, wi, ki});
+  const std::vector<std::string> names{"dq",       "dlatent",  "dk_rope", "dw_ukv",
+                                       "dq_index", "dw_index", "dk_index"};
+  for (const std::string args : {"--attention mla --cp 2 --schedule async --load-balance",
+                                 "--attention mla --cp 2 --cp-algo ulysses",
+                                 "--attention dsa --cp 2 --topk 5 --schedule async"}) {
+    const bool is_dsa = args.find("dsa") != std::string::npos;
+    const std::string cmd = hp::common::str_cat(
+        HP_CP_RUN_BINARY, " --input ", is_dsa ? dsa_in : mla_in, " --output ", out, " ", args);
+    auto r = hp::testing::run_command(cmd);
+    ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    auto res = load_dict(out);
+    auto got = [&](const std::string& name) {
+      auto t = res.at(name).toTensor();
+      EXPECT_EQ(t.scalar_type(), at::kFloat) << args << " " << name;
+      return t.to(at::kDouble);
+    };
+    expect_close(got("out"), (is_dsa ? dsa.out : mla).detach(), args + " out", 1e-4, 1e-4);
+    const auto& grads = is_dsa ? dsa_grads : mla_grads;
+    for (size_t i = 0; i < grads.size(); ++i)
+      expect_close(got(names[i]), grads[i], args + " " + names[i], 1e-3, 1e-4);
+    if (is_dsa) {
+      expect_close(got("index_loss"), dsa.loss.detach(), args + " loss", 1e-4, 1e-4);
+      auto idx = res.at("topk_indices").toTensor();
+      auto mask =
+          at::zeros({kB, kS, kS + 1}, at::kBool).scatter_(2, idx + 1, true).narrow(2, 1, kS);
+      EXPECT_TRUE(at::equal(mask, dsa.selected)) << args << ": the selection";
     }
   }
 }
