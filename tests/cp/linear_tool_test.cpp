@@ -3,7 +3,6 @@
 // formula; bad names and shapes refused before anything runs) and hp-bench linear (its JSON
 // fields; counted bytes equal the formula).
 #include <filesystem>
-#include <sstream>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -14,11 +13,13 @@
 #include "hp/common/check.h"
 #include "pickle_io.h"
 #include "rank_harness.h"
+#include "tool_json.h"
 
 namespace {
 
 using hp::attention::GateKind;
 using hp::testing::expect_close;
+using hp::testing::last_json;
 
 using hp::testing::load_dict;
 using hp::testing::save_dict;
@@ -74,15 +75,6 @@ std::map<std::string, at::Tensor> reference(const c10::Dict<std::string, at::Ten
 }
 
 // The last line of `out` that is a JSON object.
-nlohmann::json last_json(const std::string& out) {
-  std::istringstream lines(out);
-  std::string line, last;
-  while (std::getline(lines, line)) {
-    if (!line.empty() && line[0] == '{') last = line;
-  }
-  return nlohmann::json::parse(last);
-}
-
 TEST(HpCpRun, MixerMatchesTheSingleProcessKernel) {
   const std::string& dir = hp::testing::scratch_dir();
   struct Case {

@@ -1,0 +1,330 @@
+// hp-bench cp end to end: steps paired in one run (documents against none, async against sync,
+// another algorithm, contiguous against balanced shards), the fresh host pages and tensor peak
+// of a step, the trace, the flags refused where they would do nothing; and hp-bench attention's
+// children under the tool's host allocator.
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "hp/common/trace.h"
+#include "rank_harness.h"
+#include "tool_json.h"
+
+namespace {
+
+using hp::testing::last_json;
+
+// hp-bench cp --documents: each timed step is paired with a step of the same batch without
+// documents (speed-up measured in one run); without --documents there is no paired step. With 4
+// documents that are the balanced shards' chunks, sync all_gather moves nothing; with 3 it
+// gathers, and the counted bytes (the packed steps' only) equal the formula.
+TEST(CPBench, DocumentsArePairedWithTheSameBatchWithout) {
+  const std::string cmd =
+      std::string(HP_BENCH_BINARY) +
+      " cp --seq 512 --heads 2 --kv-heads 2 --head-dim 8 --causal --cp 2 --iters 2 "
+      "--load-balance --json";
+  for (int docs : {4, 3}) {
+    auto r = hp::testing::run_command(cmd + " --documents " + std::to_string(docs));
+    ASSERT_EQ(r.rc, 0) << r.out;
+    auto res = last_json(r.out)["results"];
+    ASSERT_EQ(res.size(), 1u) << r.out;
+    EXPECT_EQ(res[0]["documents"], docs);
+    const double with = res[0]["step_time_s"], without = res[0]["step_time_without_documents_s"];
+    EXPECT_GT(with, 0) << r.out;
+    EXPECT_GT(without, 0) << r.out;
+    EXPECT_GT(res[0]["documents_speedup"].get<double>(), 0) << r.out;
+    EXPECT_EQ(res[0]["comm_bytes_per_rank"],
+              docs == 4 ? nlohmann::json(0) : res[0]["comm_bytes_theory"])
+        << r.out;
+  }
+  auto plain = hp::testing::run_command(cmd);
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  auto p = last_json(plain.out)["results"][0];
+  EXPECT_EQ(p["step_time_without_documents_s"], 0.0) << plain.out;
+  EXPECT_EQ(p["documents_speedup"], 0.0) << plain.out;
+  EXPECT_EQ(p["async_speedup"], 0.0) << plain.out;
+}
+
+// hp-bench cp --schedule async: the sync schedule's steps alternate with the async schedule's
+// in one run; each keeps its own figures, the async result carries the paired ratio, and with
+// documents each schedule has its own pair. Both skip the gathers the documents make useless
+// (async because the layer announces its options before the projections).
+TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
+  const std::string cmd =
+      std::string(HP_BENCH_BINARY) +
+      " cp --seq 512 --heads 2 --kv-heads 2 --head-dim 8 --causal --cp 2 --iters 2 "
+      "--load-balance --schedule async --projections --json --documents 4";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  EXPECT_EQ(res[0]["schedule"], "sync");
+  EXPECT_EQ(res[1]["schedule"], "async");
+  EXPECT_EQ(res[0]["async_speedup"], 0.0) << r.out;
+  EXPECT_GT(res[1]["async_speedup"].get<double>(), 0) << r.out;
+  EXPECT_EQ(res[0]["comm_bytes_per_rank"], 0) << r.out;  // the documents hide the other rank
+  EXPECT_EQ(res[1]["comm_bytes_per_rank"], 0) << r.out;
+  for (const auto& x : res) {
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << r.out;
+    // A step's own peak: measured on every rank, part of the process's peak.
+    ASSERT_EQ(x["step_peak_per_rank"].size(), 2u) << r.out;
+    EXPECT_GT(x["step_peak_bytes"].get<int64_t>(), 0) << r.out;
+    EXPECT_LT(x["step_peak_bytes"].get<int64_t>(), x["peak_rss_bytes"].get<int64_t>()) << r.out;
+    EXPECT_GT(x["step_time_without_documents_s"].get<double>(), 0) << r.out;
+    EXPECT_GT(x["documents_speedup"].get<double>(), 0) << r.out;
+  }
+  EXPECT_GE(res[1]["peak_rss_bytes"].get<int64_t>(), res[0]["peak_rss_bytes"].get<int64_t>());
+  // --always-local-first is async all_gather's and hybrid's: refused (before any rank starts)
+  // elsewhere.
+  auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " cp --seq 512 --heads 2 --cp 2 --iters 1 "
+                                      "--always-local-first --cp-algo ulysses --schedule async");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(
+      bad.out.find(
+          "--always-local-first applies to --cp-algo all_gather or hybrid with --schedule async"),
+      std::string::npos)
+      << bad.out;
+}
+
+// `hp-bench cp` with `args` (and --json): its results, of which there must be `n`.
+nlohmann::json paired_results(const std::string& args, size_t n) {
+  auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) + " cp " + args + " --json");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  auto res = r.rc == 0 ? last_json(r.out)["results"] : nlohmann::json::array();
+  EXPECT_EQ(res.size(), n) << r.out;
+  return res.size() == n ? res : nlohmann::json();
+}
+
+// --paired-with: the named algorithm's layer (sync, balanced where it can be) timed in
+// alternation with the one under test; its result first, the ratio on the second; each keeps
+// its own bytes (the ring's 3 blocks of P-1 against Ulysses' all-to-alls) and balance.
+TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
+  auto res = paired_results(
+      "--seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 --iters 2 --cp-algo ring "
+      "--load-balance --paired-with ulysses --reference-step",
+      2);
+  ASSERT_FALSE(res.is_null());
+  EXPECT_EQ(res[0]["algorithm"], "ulysses");
+  EXPECT_EQ(res[1]["algorithm"], "ring");
+  EXPECT_EQ(res[0]["load_balance"], false);
+  EXPECT_EQ(res[1]["load_balance"], true);
+  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << res;
+  EXPECT_GT(res[1]["paired_speedup"].get<double>(), 0) << res;
+  for (const auto& x : res) {
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << res;
+    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << res;
+  }
+  EXPECT_NE(res[0]["comm_bytes_per_rank"], res[1]["comm_bytes_per_rank"]) << res;
+  // --reference-step: one reference time per run, on every result.
+  EXPECT_GT(res[0]["reference_step_s"].get<double>(), 0) << res;
+  EXPECT_EQ(res[0]["reference_step_s"], res[1]["reference_step_s"]) << res;
+  // Refused before any rank starts: an algorithm it does not pair, an async or packed layer.
+  for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"--paired-with hybrid",
+            "--paired-with=hybrid is not supported; use all_gather, "
+            "ulysses, ring or contiguous"},
+           {"--paired-with ulysses --schedule async",
+            "--paired-with pairs two sync layers without documents"},
+           {"--paired-with ulysses --documents 2",
+            "--paired-with pairs two sync layers without documents"}}) {
+    auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                        " cp --seq 512 --heads 2 --cp 2 --iters 1 " + flags);
+    EXPECT_NE(bad.rc, 0) << flags;
+    EXPECT_NE(bad.out.find(expect), std::string::npos) << bad.out;
+  }
+}
+
+// --paired-with contiguous: the same layer and schedule on contiguous shards, timed in
+// alternation with the balanced one; under async the balanced sync layer runs too, and the
+// sync/async ratio stays between the balanced pair while the last result carries the balance
+// ratio. Refused without --load-balance.
+TEST(CPBench, PairedWithContiguousTimesTheSameLayerUnbalanced) {
+  auto res = paired_results(
+      "--seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 --iters 2 --cp-algo "
+      "all_gather --load-balance --schedule async --paired-with contiguous",
+      3);
+  ASSERT_FALSE(res.is_null());
+  EXPECT_EQ(res[0]["load_balance"], false);
+  EXPECT_EQ(res[0]["schedule"], "async");
+  EXPECT_EQ(res[1]["load_balance"], true);
+  EXPECT_EQ(res[1]["schedule"], "sync");
+  EXPECT_EQ(res[2]["load_balance"], true);
+  EXPECT_EQ(res[2]["schedule"], "async");
+  EXPECT_EQ(res[0]["paired_speedup"], 0.0) << res;
+  EXPECT_EQ(res[1]["paired_speedup"], 0.0) << res;
+  EXPECT_GT(res[2]["paired_speedup"].get<double>(), 0) << res;
+  EXPECT_EQ(res[0]["async_speedup"], 0.0) << res;
+  EXPECT_EQ(res[1]["async_speedup"], 0.0) << res;
+  EXPECT_GT(res[2]["async_speedup"].get<double>(), 0) << res;
+  for (const auto& x : res) {
+    EXPECT_GT(x["step_time_s"].get<double>(), 0) << res;
+    EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << res;
+  }
+  auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " cp --seq 512 --heads 2 --cp 2 --iters 1 "
+                                      "--paired-with contiguous");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--paired-with contiguous pairs a balanced layer"), std::string::npos)
+      << bad.out;
+}
+
+// Under the caching host allocator (the tools' default) a timed step repeats the one before it
+// and takes no fresh pages from the system, sync or async (a CP layer's 8, 16 and 24 MiB
+// tensors interleave); with LibTorch's allocator the figure is absent (-1). The figure is the
+// median over the timed steps: three, so that one step whose async frees came late on a busy
+// machine (seen under ctest -j2) does not decide it.
+TEST(CPBench, RepeatedStepsTakeNoFreshHostPages) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 8192 --heads 4 --kv-heads 4 --head-dim 64 --causal --cp 2 "
+                          "--iters 3 --cp-algo all_gather --schedule async --load-balance "
+                          "--projections --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  for (const auto& x : res)
+    EXPECT_EQ(x["fresh_host_bytes_per_step"].get<int64_t>(), 0) << x["schedule"] << r.out;
+  auto sys = hp::testing::run_command(
+      std::string(HP_BENCH_BINARY) +
+      " cp --seq 512 --heads 2 --kv-heads 2 --cp 2 --iters 1 --host-allocator system --json");
+  ASSERT_EQ(sys.rc, 0) << sys.out;
+  EXPECT_EQ(last_json(sys.out)["results"][0]["fresh_host_bytes_per_step"].get<int64_t>(), -1)
+      << sys.out;
+}
+
+// step_tensor_peak_bytes counts live tensor storage at the allocator: at least what the
+// strategy must hold (all_gather: the gathered K and V) and far below a whole-sequence [S, S]
+// tensor. (When other threads free their tensors moves it a little between runs.)
+TEST(CPBench, StepTensorPeakIsCountedAtTheAllocator) {
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 512 --heads 4 --kv-heads 4 --head-dim 8 --causal --cp 2 "
+                          "--iters 2 --cp-algo all_gather --json";
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto res = last_json(r.out)["results"][0];
+  const auto per_rank = res["step_tensor_peak_per_rank"].get<std::vector<int64_t>>();
+  ASSERT_EQ(per_rank.size(), 2u) << r.out;
+  const int64_t gathered_kv = 2 * 512 * 4 * 8 * 4;  // full K and V, fp32
+  const int64_t scores = 4 * 512 * 512 * 4;         // one [H, S, S] fp32 score tensor
+  for (int64_t b : per_rank) {
+    EXPECT_GE(b, gathered_kv) << r.out;
+    EXPECT_LT(b, scores) << r.out;
+  }
+  EXPECT_EQ(res["step_tensor_peak_bytes"].get<int64_t>(),
+            *std::max_element(per_rank.begin(), per_rank.end()));
+}
+
+// hp-bench cp --trace: one Chrome-trace file of both ranks; each timed step is a "step" event
+// named by its variant (2 sync, 2 async per rank here), and inside every one of them the rank
+// launched and waited for its K/V all-gathers and ran attention calls. Refused with
+// --attention mla (whose bench records no trace) instead of ignored.
+TEST(CPBench, TraceHoldsEveryRanksTimedStepsWithTheirCollectivesAndAttention) {
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("hp_cp_bench_trace_" + std::to_string(::getpid()) + ".json"))
+                        .string();
+  const std::string cmd = std::string(HP_BENCH_BINARY) +
+                          " cp --seq 256 --heads 2 --kv-heads 2 --head-dim 8 --causal --cp 2 "
+                          "--iters 2 --schedule async --trace " +
+                          path;
+  auto r = hp::testing::run_command(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto events = hp::common::read_chrome_trace(path);
+  std::filesystem::remove(path);
+  for (int rank : {0, 1}) {
+    std::map<std::string, int> steps;
+    for (const auto& step : events) {
+      if (step.rank != rank || step.category != "step") continue;
+      ++steps[step.name];
+      int gathers = 0, waits = 0, attention = 0, backward = 0;
+      int64_t last_forward_begin = 0, first_backward_begin = INT64_MAX;
+      for (const auto& e : events) {
+        if (e.rank != rank || e.begin_us < step.begin_us || e.end_us > step.end_us) continue;
+        gathers += e.category == "comm" && e.name == "all_gather";
+        waits += e.category == "comm_wait" && e.name == "wait all_gather";
+        if (e.category == "compute" && e.name == "attention") {
+          ++attention;
+          last_forward_begin = std::max(last_forward_begin, e.begin_us);
+        }
+        if (e.category == "compute" && e.name == "attention_backward") {
+          ++backward;
+          first_backward_begin = std::min(first_backward_begin, e.begin_us);
+        }
+      }
+      EXPECT_GE(gathers, 2) << step.name << " of rank " << rank;
+      EXPECT_GE(waits, 2) << step.name << " of rank " << rank;
+      EXPECT_GE(attention, 1) << step.name << " of rank " << rank;
+      // Every call's backward, once the forward is done.
+      EXPECT_EQ(backward, attention) << step.name << " of rank " << rank;
+      EXPECT_GT(first_backward_begin, last_forward_begin) << step.name << " of rank " << rank;
+    }
+    EXPECT_EQ(steps, (std::map<std::string, int>{{"step all_gather/sync", 2},
+                                                 {"step all_gather/async", 2}}))
+        << "rank " << rank;
+  }
+  auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " cp --attention mla --seq 64 --heads 2 --cp 1 --iters 1 "
+                                      "--trace " +
+                                      path);
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--trace does not apply to --attention mla"), std::string::npos)
+      << bad.out;
+}
+
+// Flags that would not run are refused before any rank starts, each naming the flag: what
+// --cp-algo auto chooses itself, MLA/DSA dims with softmax attention, DSA's with MLA, and
+// softmax-only flags with DSA.
+TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
+  const std::string bench =
+      std::string(HP_BENCH_BINARY) + " cp --seq 64 --heads 2 --cp 2 --iters 1 ";
+  for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
+           {"--cp-algo auto --schedule async --ring-keep-blocks",
+            "--cp-algo auto chooses the strategy, its schedule and its Ulysses degree with each "
+            "strategy's defaults, so --schedule, --ring-keep-blocks would not run; drop them"},
+           {"--topk 8", "--topk applies to --attention mla or dsa, not to softmax attention"},
+           {"--attention mla --index-heads 2",
+            "--index-heads applies to --attention dsa only (got --attention mla)"},
+           {"--attention dsa --ring-backward blocks",
+            "--ring-backward does not apply to --attention dsa"}}) {
+    auto r = hp::testing::run_command(bench + args);
+    EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("step"), std::string::npos) << args << "\n" << r.out;
+  }
+  // The other subcommands' tile and chunk sizes where their kernel has none.
+  for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
+           {"attention --seq 64 --primitive math --block-q 16",
+            "--block-q sizes the blockwise primitive's tiles; --primitive math has none"},
+           {"linear --kernel recurrent --chunk-size 16",
+            "--chunk-size sizes the chunked kernel's chunks; --kernel recurrent runs token by "
+            "token"}}) {
+    auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) + " " + args);
+    EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
+  }
+}
+
+// hp-bench attention measures each primitive in a child process of its own: the child runs under
+// the tool's --host-allocator (the choice travels on the child's command line).
+TEST(AttentionBench, ChildrenRunUnderTheToolsHostAllocator) {
+  for (const std::string choice : {"caching", "system"}) {
+    auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                      " attention --seq 64 --heads 2 --kv-heads 2 --head-dim 16 "
+                                      "--primitive blockwise --iters 1 --json --host-allocator " +
+                                      choice);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+    ASSERT_EQ(j["results"].size(), 1u) << j;
+    EXPECT_EQ(j["results"][0]["host_allocator"], choice) << j;
+  }
+}
+
+}  // namespace
