@@ -174,15 +174,21 @@ TEST(HpCpRun, MLARefusesBadNamesAndShapesBeforeAnyRun) {
                  "(optional: dout)");
 }
 
-// hp-cp-run --attention dsa: against the explicit reference (selection as sets, the summed
-// loss, every gradient), sparse and dense, sync and async, balanced, and the clamped top-k.
-TEST(HpCpRun, DSAMatchesTheExplicitReference) {
-  const std::string& dir = hp::testing::scratch_dir();
+// MLA's file and DSA's indexer inputs: 3 index heads of dim 5.
+c10::Dict<std::string, at::Tensor> dsa_file() {
   auto file = mla_file();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
   file.insert("q_index", at::randn({kB, kS, 3, 5}, gen, at::kDouble));
   file.insert("w_index", at::randn({kB, kS, 3}, gen, at::kDouble).abs());
   file.insert("k_index", at::randn({kB, kS, 5}, gen, at::kDouble));
+  return file;
+}
+
+// hp-cp-run --attention dsa: against the explicit reference (selection as sets, the summed
+// loss, every gradient), sparse and dense, sync and async, balanced, and the clamped top-k.
+TEST(HpCpRun, DSAMatchesTheExplicitReference) {
+  const std::string& dir = hp::testing::scratch_dir();
+  auto file = dsa_file();
   const std::string in = dir + "/dsa_in.pt", out = dir + "/dsa_out.pt";
   save_dict(in, file);
   struct Case {
@@ -231,11 +237,7 @@ TEST(HpCpRun, DSAMatchesTheExplicitReference) {
 // float64 reference within float32's precision (MLA and DSA, sync and async).
 TEST(HpCpRun, MLAAndDSATakeFloat32Files) {
   const std::string& dir = hp::testing::scratch_dir();
-  auto file = mla_file();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
-  file.insert("q_index", at::randn({kB, kS, 3, 5}, gen, at::kDouble));
-  file.insert("w_index", at::randn({kB, kS, 3}, gen, at::kDouble).abs());
-  file.insert("k_index", at::randn({kB, kS, 5}, gen, at::kDouble));
+  auto file = dsa_file();
   c10::Dict<std::string, at::Tensor> f32;
   for (const auto& e : file)
     f32.insert(e.key(), e.value().to(at::kFloat));
