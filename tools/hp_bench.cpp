@@ -337,7 +337,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
          {"--kv-heads", "--head-dim", "--ulysses-degree", "--adapter", "--causal", "--projections",
           "--documents", "--ulysses-head-groups", "--always-local-first", "--paired-with",
           "--ring-keep-blocks", "--ulysses-row-parts", "--ring-backward", "--reference-step",
-          "--trace"}) {
+          "--trace", "--kv-head-policy"}) {
       if (c.cp_cmd->count(flag) > 0) cp.softmax_flags_given.push_back(flag);
     }
     auto given = [&](std::initializer_list<const char*> flags, std::vector<std::string>& out) {
@@ -348,7 +348,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     given({"--d-nope", "--d-rope", "--d-v", "--kv-rank"}, cp.mla_flags_given);
     given({"--index-heads", "--index-dim", "--topk", "--index-loss"}, cp.dsa_flags_given);
     given({"--schedule", "--ulysses-degree", "--ring-keep-blocks", "--ulysses-head-groups",
-           "--ulysses-row-parts", "--always-local-first", "--ring-backward"},
+           "--ulysses-row-parts", "--always-local-first", "--ring-backward", "--kv-head-policy"},
           cp.auto_flags_given);
     return run_cp(cp, args);
   }

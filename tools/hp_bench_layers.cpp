@@ -73,6 +73,13 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
       "ring, usp: what the backward passes around the ring: blocks (the K/V blocks again with "
       "their dK/dV accumulators), queries ([q | dout] and the statistics with their dQ "
       "accumulators), or auto (the fewer bytes; default)");
+  cmd->add_option_function<std::string>(
+      "--kv-head-policy",
+      [&a](const std::string& v) {
+        a.bench.config.kv_head_policy = hp::cp::parse_kv_head_policy(v);
+      },
+      "ulysses, hybrid, usp with fewer K/V heads than the Ulysses degree: error (default) or "
+      "repeat (each rank receives only the K/V head its query heads read)");
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
                   "with the one under test; its result comes first. contiguous (with "
@@ -182,6 +189,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"always_local_first", a.bench.config.async_always_local_first},
                     {"ring_keep_blocks", r.ring_keep_blocks},
                     {"ring_backward", hp::cp::to_string(a.bench.config.ring_backward)},
+                    {"kv_head_policy", hp::cp::to_string(a.bench.config.kv_head_policy)},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},

@@ -89,9 +89,9 @@ class HybridStrategy final : public detail::UlyssesMoves {
   }
 
   // One piece per head group, as ulysses (K/V that take the repeat path travel whole).
-  std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+  std::vector<at::Tensor> split_for_move(QKVRole role, const at::Tensor& x,
                                          const CPRuntimeContext& ctx) const override {
-    return split_head_groups(x, ctx, CPAlgorithm::kHybrid);
+    return split_head_groups(role, x, ctx, CPAlgorithm::kHybrid);
   }
 
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

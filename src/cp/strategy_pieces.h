@@ -179,10 +179,13 @@ class UlyssesMoves : public CPStrategy {
   // kv_head_policy=repeat with K/V heads fewer than U: move() sends every rank only the one
   // head its query heads read, so the moved K/V hold one head.
   bool repeated_kv(const CPRuntimeContext& ctx) const;
-  // split_for_move in head groups (async ulysses, hybrid): x's heads per rank in
+  // split_for_move in head groups (async ulysses, hybrid, usp): x's heads per rank in
   // head_groups(ctx, algorithm) pieces, piece g holding every rank's group g; x whole for one
-  // group, a Ulysses degree of 1 or K/V on the repeat path.
-  std::vector<at::Tensor> split_head_groups(const at::Tensor& x, const CPRuntimeContext& ctx,
+  // group, a Ulysses degree of 1 or K/V on the repeat path (each rank reads one K/V head,
+  // shared by all its query groups). On the repeat path only ulysses splits the queries
+  // (hybrid and usp run one group there).
+  std::vector<at::Tensor> split_head_groups(QKVRole role, const at::Tensor& x,
+                                            const CPRuntimeContext& ctx,
                                             const CPAlgorithm& algorithm) const;
 };
 

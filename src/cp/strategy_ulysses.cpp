@@ -13,6 +13,8 @@
 // groups (split_for_move: one all-to-all per group at each handoff):
 //   q [B, N, S/P, D] -> G pieces [B, P*N/(P G), S/P, D] (every rank's heads of group g)
 //                    -- A2A each --> group g [B, N/(P G), S, D]
+//   (K/V on the repeat path, fewer heads than P: one piece each, [B, P, S/P, D] with head j
+//   repeated for its readers -> this rank's one K/V head, shared by every query group)
 // Group g is attended as soon as its own pieces have arrived (the later groups' still travel);
 // its output all-to-all starts as soon as it is done and flies while the next group is
 // attended. The last group runs in row parts (cp_config.ulysses_row_parts; with two: rows
@@ -185,9 +187,13 @@ at::Tensor detail::UlyssesMoves::join_moved(QKVRole, const std::vector<at::Tenso
 }
 
 std::vector<at::Tensor> detail::UlyssesMoves::split_head_groups(
-    const at::Tensor& x, const CPRuntimeContext& ctx, const CPAlgorithm& algorithm) const {
+    QKVRole role, const at::Tensor& x, const CPRuntimeContext& ctx,
+    const CPAlgorithm& algorithm) const {
   const int64_t p = ctx.topology->ulysses_degree, hd = ctx.layout.heads_dim;
-  if (p == 1 || repeated_kv(ctx)) return {x};
+  if (p == 1) return {x};
+  if (repeated_kv(ctx) && (role != QKVRole::kQ || algorithm.name() != CPAlgorithm::kUlysses)) {
+    return {x};
+  }
   const int64_t n = x.size(hd) / p;
   const int64_t groups = head_groups(ctx, algorithm, n, n, x.size(ctx.layout.seq_dim));
   if (groups == 1) return {x};
@@ -376,15 +382,16 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
   // One piece per head group (head_groups of the role's own heads per rank): group g is
   // attended once its Q, K and V pieces have arrived, and its dQ, dK, dV leave as soon as its
   // backward is done.
-  std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+  // On the repeat path K and V travel whole (one head per rank, read by every query group).
+  std::vector<at::Tensor> split_for_move(QKVRole role, const at::Tensor& x,
                                          const CPRuntimeContext& ctx) const override {
-    return split_head_groups(x, ctx, CPAlgorithm::kUlysses);
+    return split_head_groups(role, x, ctx, CPAlgorithm::kUlysses);
   }
 
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionCall& call, const CPRuntimeContext& ctx,
                        const ArrivedFn& arrived) const override {
-    if (!can_split_call(call) || ctx.topology->cp_size == 1 || repeated_kv(ctx)) {
+    if (!can_split_call(call) || ctx.topology->cp_size == 1) {
       return CPStrategy::run_async(q, k, v, call, ctx, arrived);
     }
     return overlapped(q, k, v, call, ctx, arrived);
@@ -398,9 +405,12 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     const int64_t seq = l.seq_dim, hd = l.heads_dim, p = ctx.topology->ulysses_degree;
     const int64_t r = ctx.topology->ulysses_rank;
     const int64_t s = q.size(seq), total = s * p;
-    const int64_t nq = q.size(hd) / p, nkv = k.size(hd) / p;
+    // The repeat path (h K/V heads < P): each rank reads the one K/V head r h / P, which all
+    // its query groups share; it travels whole (split_for_move).
+    const bool repeat = repeated_kv(ctx);
+    const int64_t nq = q.size(hd) / p, nkv = repeat ? nq : k.size(hd) / p;
     const int64_t groups = detail::head_groups(ctx, CPAlgorithm::kUlysses, nq, nkv),
-                  gq = nq / groups;
+                  gq = nq / groups, kv_groups = repeat ? 1 : groups;
     const bool causal = call.options().causal;
     const int64_t own = r * s, own_end = own + s;
     // Queries at global [q_begin, ..) against keys at [key_begin, ..), heads of group g.
@@ -416,12 +426,15 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     // Q, K, V with the own heads over the whole sequence, in pieces of heads: group g waits
     // only for its own (the later groups' pieces still travel).
     detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, p, r, hd),
-        ka(arrived.pieces(QKVRole::kK, k), k, groups, p, r, hd),
-        va(arrived.pieces(QKVRole::kV, v), v, groups, p, r, hd);
+        ka(arrived.pieces(QKVRole::kK, k), k, kv_groups, p, r, hd),
+        va(arrived.pieces(QKVRole::kV, v), v, kv_groups, p, r, hd);
+    auto kv_local = [&](detail::GroupedArrival& a, const at::Tensor& x, int64_t g) {
+      return repeat ? x.narrow(hd, r * x.size(hd) / p, 1) : a.local(g);
+    };
     // 1. The diagonal blocks of the own heads, from what the handoffs emitted, group by group.
     std::vector<attention::AttentionResult> diag;
     for (int64_t g = 0; g < groups; ++g)
-      diag.push_back(block(g, qa.local(g), own, ka.local(g), va.local(g), own));
+      diag.push_back(block(g, qa.local(g), own, kv_local(ka, k, g), kv_local(va, v, g), own));
     // 3. Per group the rest, as query segments in sequence order; its output's head->seq
     //    all-to-all starts at once and flies while the next group is attended. The last group
     //    goes in row parts (rows [a, a + n) of every chunk, one all-to-all each), so only its
@@ -432,7 +445,7 @@ class UlyssesStrategy final : public detail::UlyssesMoves {
     std::vector<comm::InFlight> moving;
     for (int64_t g = 0; g < groups; ++g) {
       // 2. Group g's Q, K, V over the whole sequence, once its pieces have arrived.
-      auto qg = qa.moved(g), kg = ka.moved(g), vg = va.moved(g);
+      auto qg = qa.moved(g), kg = ka.moved(repeat ? 0 : g), vg = va.moved(repeat ? 0 : g);
       auto keys = [&](int64_t b, int64_t e) {
         return std::make_pair(kg.narrow(seq, b, e - b), vg.narrow(seq, b, e - b));
       };

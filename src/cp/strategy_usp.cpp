@@ -77,9 +77,9 @@ class UspStrategy final : public detail::UlyssesMoves {
   }
 
   // One piece per head group (as ulysses; usp's automatic count is at most 2).
-  std::vector<at::Tensor> split_for_move(QKVRole /*role*/, const at::Tensor& x,
+  std::vector<at::Tensor> split_for_move(QKVRole role, const at::Tensor& x,
                                          const CPRuntimeContext& ctx) const override {
-    return split_head_groups(x, ctx, CPAlgorithm::kUsp);
+    return split_head_groups(role, x, ctx, CPAlgorithm::kUsp);
   }
 
   at::Tensor run_async(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
