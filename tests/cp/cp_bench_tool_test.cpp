@@ -293,7 +293,11 @@ TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
            {"--attention mla --index-heads 2",
             "--index-heads applies to --attention dsa only (got --attention mla)"},
            {"--attention dsa --ring-backward blocks",
-            "--ring-backward does not apply to --attention dsa"}}) {
+            "--ring-backward does not apply to --attention dsa"},
+           {"--cp-algo auto --kv-head-policy repeat", "--kv-head-policy would not run"},
+           {"--cp-algo ulysses --kv-heads 1",
+            "K/V heads are never repeated silently: set kv_head_policy=repeat "
+            "(--kv-head-policy repeat)"}}) {
     auto r = hp::testing::run_command(bench + args);
     EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
     EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
@@ -309,6 +313,27 @@ TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
     auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) + " " + args);
     EXPECT_EQ(r.rc, 1) << args << "\n" << r.out;
     EXPECT_NE(r.out.find(text), std::string::npos) << args << "\n" << r.out;
+  }
+}
+
+// --kv-head-policy repeat: one K/V head for a Ulysses degree of 2, sync and async (in head
+// groups); each rank's counted bytes equal the formula, which sends that head once.
+TEST(CPBench, KVHeadRepeatRunsWithCountedBytesEqualToTheFormula) {
+  auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                    " cp --seq 256 --heads 4 --kv-heads 1 --head-dim 8 --causal "
+                                    "--cp 2 --cp-algo ulysses --kv-head-policy repeat --schedule "
+                                    "async --projections --iters 1 --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  for (const auto& x : res) {
+    EXPECT_EQ(x["kv_head_policy"], "repeat") << x;
+    for (const auto& b : x["comm_bytes_by_rank"])
+      EXPECT_EQ(b, x["comm_bytes_theory"]) << x;
+    // Forward, Q and the output: half of 4 heads x 128 positions x 8 dims x 4 bytes each way;
+    // K and V: one head's 128 positions to the other rank. Backward the same again.
+    EXPECT_EQ(x["comm_bytes_per_rank"].get<int64_t>(), 2 * (2 * 2 * 128 * 8 * 4 + 2 * 128 * 8 * 4))
+        << x;
   }
 }
 
