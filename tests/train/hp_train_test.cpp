@@ -586,7 +586,8 @@ TEST(HpTrain, DSAUnderContextParallelism) {
 }
 
 // Ulysses over 4 ranks with 2 K/V heads: refused by default (the message names the option),
-// trained and validated with --kv-head-policy repeat.
+// trained and validated with --kv-head-policy repeat, sync and async (the queries in head
+// groups, each rank's one K/V head shared by them).
 TEST(HpTrain, KVHeadRepeat) {
   const std::string dir = hp::testing::scratch_dir();
   const std::string args =
@@ -600,6 +601,15 @@ TEST(HpTrain, KVHeadRepeat) {
   losses(j, 3);
   expect_validated(r.out, j, 3, 1e-4);
   EXPECT_NE(r.out.find("kv_head_policy=repeat"), std::string::npos) << r.out;
+  // 8 query heads: two per rank, two head groups.
+  std::string eight = args;
+  eight.replace(eight.find("--heads 4"), 9, "--heads 8");
+  r = run(eight + "--kv-head-policy repeat --schedule async --validate --metrics-json " + m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  j = metrics(m);
+  losses(j, 3);
+  expect_validated(r.out, j, 3, 1e-4);
+  EXPECT_EQ(j["config"]["schedule"], "async") << j["config"];
 }
 
 // Packed documents: the packed copy task under ring with head-tail balance and a text corpus cut
