@@ -336,6 +336,7 @@ std::optional<cp::ContextParallelConfig> paired_config(const CPBenchOptions& o,
   cp::ContextParallelConfig c;
   c.algorithm = cp::parse_algorithm(o.paired_with);
   c.schedule = cp::CPSchedule::kSync;
+  c.kv_head_policy = config.kv_head_policy;  // too few K/V heads: repeated as in this layer
   // Balanced where this layer is and the algorithm can be (as the cost model's candidates).
   c.load_balance = config.load_balance && c.algorithm != cp::CPAlgorithm::kUlysses;
   if (c.algorithm != cp::CPAlgorithm::kAllGather)

@@ -200,11 +200,11 @@ void check_heads(const ContextParallelConfig& c, int64_t cp_size, int64_t local_
   const int64_t g = c.ulysses_head_groups;
   if (g > 0 && repeats_kv(c.kv_head_policy, u, local_kv_heads)) {
     // Each rank reads one repeated K/V head, shared by all its query groups.
-    HP_CHECK(g == 1 || c.algorithm.name() == CPAlgorithm::kUlysses,
-             "cp_config.ulysses_head_groups=", g, " with kv_head_policy=repeat (", local_kv_heads,
-             " key/value heads, Ulysses degree ", u, "): ", c.algorithm.name(),
-             " runs one head group on the repeat path; drop ulysses_head_groups or use "
-             "algorithm=ulysses");
+    HP_CHECK(g == 1 || c.algorithm.name() != CPAlgorithm::kUsp, "cp_config.ulysses_head_groups=", g,
+             " with kv_head_policy=repeat (", local_kv_heads, " key/value heads, Ulysses degree ",
+             u,
+             "): usp runs one head group on the repeat path (a ring per group); drop "
+             "ulysses_head_groups or use algorithm=ulysses or hybrid");
     HP_CHECK((local_q_heads / u) % g == 0, "cp_config.ulysses_head_groups=", g,
              " does not divide the ", local_q_heads / u,
              " query heads each rank attends after the all-to-all (its one repeated key/value "

@@ -32,6 +32,9 @@
 //            and g+1's held chunks are attended) -> 3 -> its output A2A starts and flies on
 //   the outputs come back as heads (heads_from_groups). Backward runs the last group first;
 //   each group's reduce-scatters and dQ, dK, dV pieces leave as soon as its backward is done.
+//   K/V on the repeat path (kv_head_policy=repeat): the query heads alone in groups; each
+//   rank's one K/V head travels whole, is co-gathered once (with group 0) and read by every
+//   group (its reduce-scatter after the last group's backward).
 // Packed documents that hide every other co-rank's keys from the queries each co-rank holds
 // after the A2A (co_keys_hidden, decided alike by all ranks from the global ids): no co-group
 // all-gather and no reduce-scatter, in either schedule; each rank attends the chunks it holds
@@ -105,20 +108,24 @@ class HybridStrategy final : public detail::UlyssesMoves {
     const int64_t seq = l.seq_dim, hd = l.heads_dim, u = t.ulysses_degree;
     const int64_t total = q.size(seq) * t.cp_size;
     const int64_t nq = q.size(hd) / u;
+    // The repeat path: each rank's one K/V head travels whole and is gathered once, shared by
+    // every query group (kv_of(g) = 0).
     const bool repeated = repeated_kv(ctx);
     const int64_t groups =
-        repeated ? 1 : detail::head_groups(ctx, CPAlgorithm::kHybrid, nq, k.size(hd) / u);
-    const int64_t gq = nq / groups;
+        detail::head_groups(ctx, CPAlgorithm::kHybrid, nq, repeated ? nq : k.size(hd) / u);
+    const int64_t gq = nq / groups, kv_groups = repeated ? 1 : groups;
+    auto kv_of = [&](int64_t g) { return repeated ? int64_t(0) : g; };
     const bool co_hidden = co_keys_hidden(call, total, ctx);
     detail::GroupedArrival qa(arrived.pieces(QKVRole::kQ, q), q, groups, u, t.ulysses_rank, hd),
-        ka(arrived.pieces(QKVRole::kK, k), k, groups, u, t.ulysses_rank, hd),
-        va(arrived.pieces(QKVRole::kV, v), v, groups, u, t.ulysses_rank, hd);
-    // Group g's co-group gathers, started once its K, V pieces are here, in group order on
-    // every rank.
+        ka(arrived.pieces(QKVRole::kK, k), k, kv_groups, u, t.ulysses_rank, hd),
+        va(arrived.pieces(QKVRole::kV, v), v, kv_groups, u, t.ulysses_rank, hd);
+    // K/V group j's co-group gathers, started once its K, V pieces are here, in group order on
+    // every rank; what they delivered, kept for the query groups that share them.
     std::vector<std::pair<comm::InFlight, comm::InFlight>> flights;
-    flights.reserve(groups);
-    auto launch = [&](int64_t g) {
-      auto kg = ka.moved(g), vg = va.moved(g);
+    std::vector<std::pair<at::Tensor, at::Tensor>> gathered_kv(kv_groups);
+    flights.reserve(kv_groups);
+    auto launch = [&](int64_t j) {
+      auto kg = ka.moved(j), vg = va.moved(j);
       auto k_flight = comm::all_gather_start(kg, seq, t.co);  // K first, then V
       flights.emplace_back(std::move(k_flight), comm::all_gather_start(vg, seq, t.co));
     };
@@ -127,24 +134,29 @@ class HybridStrategy final : public detail::UlyssesMoves {
       const auto parts =
           held_parts(qa.moved(g), q.size(seq), total, t.ulysses_rank * nq + g * gq, ctx);
       if (co_hidden) {
-        auto kg = ka.moved(g), vg = va.moved(g);
+        auto kg = ka.moved(kv_of(g)), vg = va.moved(kv_of(g));
         auto out = held_only(parts, kg, vg, total, call, ctx, /*restore=*/groups == 1);
         if (groups == 1) return out;
         moving.push_back(comm::all_to_all_start(out.contiguous(), seq, hd, t.ulysses));
         continue;
       }
-      if (static_cast<int64_t>(flights.size()) == g) launch(g);
-      auto& [k_flight, v_flight] = flights[g];
-      auto gathered = [&, g] {
-        if (g + 1 < groups) launch(g + 1);
-        auto& [kf, vf] = flights[g];
-        auto kg = kf.wait(), vg = vf.wait();
-        detail::natural_order_kv(kg, vg, ctx);
-        return std::make_pair(kg, vg);
+      const int64_t j = kv_of(g);
+      if (static_cast<int64_t>(flights.size()) == j) launch(j);
+      auto& [k_flight, v_flight] = flights[j];
+      auto gathered = [&, g, j] {
+        if (g + 1 < groups && static_cast<int64_t>(flights.size()) == kv_of(g + 1))
+          launch(kv_of(g + 1));
+        if (!gathered_kv[j].first.defined()) {
+          auto& [kf, vf] = flights[j];
+          auto kg = kf.wait(), vg = vf.wait();
+          detail::natural_order_kv(kg, vg, ctx);
+          gathered_kv[j] = {kg, vg};
+        }
+        return gathered_kv[j];
       };
-      auto landed = [&, g] {
+      auto landed = [&, j] {
         if (ctx.async_always_local_first) return false;
-        auto& [kf, vf] = flights[g];
+        auto& [kf, vf] = flights[j];
         const bool k_landed = kf.landed();  // both asked: gloo's first query starts a watch
         const bool v_landed = vf.landed();
         return k_landed && v_landed;

@@ -182,8 +182,8 @@ class UlyssesMoves : public CPStrategy {
   // split_for_move in head groups (async ulysses, hybrid, usp): x's heads per rank in
   // head_groups(ctx, algorithm) pieces, piece g holding every rank's group g; x whole for one
   // group, a Ulysses degree of 1 or K/V on the repeat path (each rank reads one K/V head,
-  // shared by all its query groups). On the repeat path only ulysses splits the queries
-  // (hybrid and usp run one group there).
+  // shared by all its query groups). On the repeat path ulysses and hybrid split the queries
+  // (usp runs one group there).
   std::vector<at::Tensor> split_head_groups(QKVRole role, const at::Tensor& x,
                                             const CPRuntimeContext& ctx,
                                             const CPAlgorithm& algorithm) const;

@@ -5,7 +5,10 @@
 //   k [B, Nkv, S/P, D]  -- A2A ----------------------------> [B, Nkv/P, S, D]   (plain causal,
 //   v [B, Nkv, S/P, Dv] -- A2A ----------------------------> [B, Nkv/P, S, Dv]  offset 0)
 //   out [B, N/P, S, Dv] -- A2A(split seq, concat head) --> [B, N, S/P, Dv]
-//   backward: the inverse all-to-alls. Needs Q and KV heads divisible by P.
+//   backward: the inverse all-to-alls. Needs Q and KV heads divisible by P, or K/V on the
+//   repeat path (kv_head_policy=repeat, h < P heads, P % h == 0): each head repeated for its
+//   P / h readers before the A2A, so every rank receives only the one head it reads; the
+//   gradient back by the inverse A2A, its repeats summed.
 //
 // Async (run_async): the rank's own heads at its own positions are local before any
 // all-to-all; their diagonal block is computed while Q, K, V travel, then the rest. The own
@@ -13,8 +16,9 @@
 // groups (split_for_move: one all-to-all per group at each handoff):
 //   q [B, N, S/P, D] -> G pieces [B, P*N/(P G), S/P, D] (every rank's heads of group g)
 //                    -- A2A each --> group g [B, N/(P G), S, D]
-//   (K/V on the repeat path, fewer heads than P: one piece each, [B, P, S/P, D] with head j
-//   repeated for its readers -> this rank's one K/V head, shared by every query group)
+//   (K/V on the repeat path: one piece each, [B, h, S/P, D], repeated to P heads as it is
+//   sent -> this rank's one K/V head [B, 1, S, D], shared by every query group; its dK/dV
+//   leave after the last group's backward, not group by group)
 // Group g is attended as soon as its own pieces have arrived (the later groups' still travel);
 // its output all-to-all starts as soon as it is done and flies while the next group is
 // attended. The last group runs in row parts (cp_config.ulysses_row_parts; with two: rows
@@ -191,7 +195,7 @@ std::vector<at::Tensor> detail::UlyssesMoves::split_head_groups(
     const CPAlgorithm& algorithm) const {
   const int64_t p = ctx.topology->ulysses_degree, hd = ctx.layout.heads_dim;
   if (p == 1) return {x};
-  if (repeated_kv(ctx) && (role != QKVRole::kQ || algorithm.name() != CPAlgorithm::kUlysses)) {
+  if (repeated_kv(ctx) && (role != QKVRole::kQ || algorithm.name() == CPAlgorithm::kUsp)) {
     return {x};
   }
   const int64_t n = x.size(hd) / p;
@@ -223,7 +227,15 @@ void detail::UlyssesMoves::check_inputs(const at::Tensor& x, const CPRuntimeCont
   if (ctx.load_balance) check_head_tail(x, ctx);  // hybrid, usp: balanced shards
   const int64_t u = ctx.topology->ulysses_degree;
   const int64_t heads = x.size(ctx.layout.heads_dim);
-  if (ctx.kv_head_policy == KVHeadPolicy::kRepeat && heads < u && u % heads == 0) return;
+  if (ctx.kv_head_policy == KVHeadPolicy::kRepeat && heads < u && u % heads == 0) {
+    // K/V on the repeat path: one head per rank, shared by the query groups (usp: one group).
+    HP_CHECK(ctx.ulysses_head_groups <= 1 || name() != CPAlgorithm::kUsp, who,
+             ": cp_config.ulysses_head_groups=", ctx.ulysses_head_groups,
+             " with kv_head_policy=repeat (", heads, " key/value heads, Ulysses degree ", u,
+             "): usp runs one head group on the repeat path (a ring per group); drop "
+             "ulysses_head_groups or use algorithm=ulysses or hybrid");
+    return;
+  }
   HP_CHECK(heads % u == 0, who, " has ", heads, " heads, not divisible by the Ulysses degree ", u,
            "; use algorithm=all_gather or a smaller ulysses_degree (K/V heads: or "
            "kv_head_policy=repeat)");
@@ -300,6 +312,9 @@ detail::GroupedArrival::GroupedArrival(std::vector<ArrivedFn::Piece> pieces, con
       hd_(heads_dim) {}
 
 at::Tensor detail::GroupedArrival::local(int64_t g) const {
+  HP_INTERNAL_ASSERT(x_.size(hd_) % degree_ == 0, "GroupedArrival::local: ", x_.size(hd_),
+                     " heads for a Ulysses degree of ", degree_,
+                     " (K/V on the repeat path: take the local head directly)");
   if (!on_group_bounds()) {
     const int64_t h = x_.size(hd_) / (degree_ * groups_);
     return x_.narrow(hd_, (rank_ * groups_ + g) * h, h);

@@ -295,6 +295,8 @@ TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
            {"--attention dsa --ring-backward blocks",
             "--ring-backward does not apply to --attention dsa"},
            {"--cp-algo auto --kv-head-policy repeat", "--kv-head-policy would not run"},
+           {"--attention mla --kv-head-policy repeat",
+            "--kv-head-policy does not apply to --attention mla"},
            {"--cp-algo ulysses --kv-heads 1",
             "K/V heads are never repeated silently: set kv_head_policy=repeat "
             "(--kv-head-policy repeat)"}}) {
@@ -316,8 +318,9 @@ TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
   }
 }
 
-// --kv-head-policy repeat: one K/V head for a Ulysses degree of 2, sync and async (in head
-// groups); each rank's counted bytes equal the formula, which sends that head once.
+// --kv-head-policy repeat: one K/V head for a Ulysses degree of 2, sync and async; each rank's
+// counted bytes equal the formula, which sends that head once. (What async sends in head
+// groups: KVHeadPolicy.RepeatHandsEachRankOnlyTheHeadItReadsAndTheDefaultRefuses.)
 TEST(CPBench, KVHeadRepeatRunsWithCountedBytesEqualToTheFormula) {
   auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
                                     " cp --seq 256 --heads 4 --kv-heads 1 --head-dim 8 --causal "

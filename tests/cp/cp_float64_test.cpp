@@ -406,10 +406,10 @@ TEST(CPFloat64, UspHeadGroups) {
   }
 }
 
-// kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is sent once (gathered
-// in the Ulysses group) and every rank keeps the one its query heads read.
+// kv_head_policy=repeat: fewer K/V heads than the Ulysses degree; each is repeated for its
+// readers and the all-to-all hands every rank only the one its query heads read.
 // Async: the query heads in groups (automatic: 3 at P = 4, 3 at P = 2, 4 at P = 3; one; and 3
-// with two row parts), each rank's one repeated K/V head shared by every group.
+// with two row parts), each rank's one repeated K/V head shared by every group; BSHD too.
 TEST(CPFloat64, UlyssesRepeatsKVHeads) {
   Case c{"ulysses", std::nullopt};
   c.kv_policy = KVHeadPolicy::kRepeat;
@@ -424,11 +424,20 @@ TEST(CPFloat64, UlyssesRepeatsKVHeads) {
   c.kv_policy = KVHeadPolicy::kRepeat;
   c.kv_heads = 1;
   run_grid(c, {2, 3});
+  c.bshd = true;
+  run_grid(c, {2, 3});
 }
+// Async: the query heads in groups (automatic 3: 6 per rank), each rank's one K/V head
+// co-gathered once and read by every group; one group; balanced.
 TEST(CPFloat64, HybridRepeatsKVHeads) {
   Case c{"hybrid", 2};
   c.kv_policy = KVHeadPolicy::kRepeat;
   c.kv_heads = 1;
+  run_grid(c, {4});
+  c.head_groups = 1;
+  run_grid(c, {4});
+  c.head_groups = 2;
+  c.load_balance = true;
   run_grid(c, {4});
 }
 
@@ -501,107 +510,6 @@ TEST(CPNaN, NanQueryRowStaysNanThroughEveryStrategy) {
       EXPECT_EQ(out.isnan().any(-1).sum().item<int64_t>(), 1) << what;
     }
   }
-}
-
-// What kv_head_policy=repeat sends: Q and the output by all-to-all, K and V once each by an
-// all-gather in the Ulysses group; counted bytes equal the formula. Without the option the
-// error names it.
-TEST(KVHeadPolicy, RepeatHandsEachRankOnlyTheHeadItReadsAndTheDefaultRefuses) {
-  const int p = 4;
-  ContextParallelConfig cfg;
-  cfg.algorithm = "ulysses";
-  HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, 2),
-                  "key/value heads = 2 are not divisible by the Ulysses degree 4; K/V heads are "
-                  "never repeated silently: set kv_head_policy=repeat");
-  cfg.kv_head_policy = KVHeadPolicy::kRepeat;
-  HP_EXPECT_ERROR(check_heads(*normalize(cfg, p), p, kNq, 3),
-                  "kv_head_policy=repeat needs the Ulysses degree 4 to be a multiple of the "
-                  "key/value heads = 3");
-  EXPECT_EQ(parse_kv_head_policy("repeat"), KVHeadPolicy::kRepeat);
-  HP_EXPECT_ERROR(parse_kv_head_policy("copy"), "kv_head_policy 'copy' is not valid");
-  const auto norm = *normalize(cfg, p);
-  run_ranks(p, [&](comm::World& w) {
-    Direct m(true);
-    std::vector<std::string> lines;
-    CPApplyOptions o;
-    o.log = [&](const std::string& l) { lines.push_back(l); };
-    apply_cp(m, w, norm, /*handoffs=*/false, o);
-    ASSERT_FALSE(lines.empty());
-    EXPECT_NE(lines[0].find("kv_head_policy=repeat"), std::string::npos) << lines[0];
-    auto mine = [&](const at::Tensor& full) { return shard_sequence(full, 2, w.rank(), p, false); };
-    auto q = mine(f64(1, {1, kNq, kS, kDqk})), k = mine(f64(2, {1, 2, kS, kDqk})),
-         v = mine(f64(3, {1, 2, kS, kDv}));
-    auto& rec = *w.context().recorder;
-    rec.clear();
-    w.context().counters.reset();
-    m.forward(q, k, v);
-    // q [1, 12, S/P, D] by all-to-all; k and v [1, 2, S/P, .] with each head repeated for its
-    // two readers, [1, 4, S/P, .], so the all-to-all hands every rank only its one head; the
-    // output back.
-    EXPECT_EQ(rec.schedule(),
-              (std::vector<std::string>{"all_to_all(cp)[1,12,12,8]", "all_to_all(cp)[1,4,12,8]",
-                                        "all_to_all(cp)[1,4,12,6]", "all_to_all(cp)[1,3,48,6]"}));
-    const AttentionShape shape{kS, kNq, 2, kDqk, 1, 8, kDv};
-    // Q and the output: 3 of 4 quarters of 12 heads x 12 positions (D 8, Dv 6, 8 bytes); K
-    // and V: one head's 12 positions to each of the 3 other ranks (an all-gather: two heads).
-    EXPECT_EQ(w.context().counters.total_bytes(),
-              (12 * 8 + 12 * 6) * 12 * 8 / 4 * 3 + (8 + 6) * 12 * 8 * 3);
-    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
-  });
-  // Async: K and V travel whole (each rank reads one head, shared by its 3 query heads), the
-  // queries in 3 head groups of one head per rank ([1, 4, 12, 8]: every rank's head of the
-  // group), and each group's output on its own ([1, 1, 48, 6]); the same bytes as sync. The
-  // numerics: CPFloat64.UlyssesRepeatsKVHeads.
-  auto async_cfg = cfg;
-  async_cfg.schedule = CPSchedule::kAsync;
-  const auto async_norm = *normalize(async_cfg, p);
-  // The group count divides the query heads alone; hybrid and usp run one group there.
-  async_cfg.ulysses_head_groups = 2;
-  HP_EXPECT_ERROR(check_heads(*normalize(async_cfg, p), p, kNq, 2),
-                  "cp_config.ulysses_head_groups=2 does not divide the 3 query heads each rank "
-                  "attends after the all-to-all (its one repeated key/value head is shared by "
-                  "every group)");
-  async_cfg.ulysses_head_groups = 3;
-  check_heads(*normalize(async_cfg, p), p, kNq, 2);
-  auto hybrid = async_cfg;
-  hybrid.algorithm = "hybrid";
-  hybrid.ulysses_degree = 2;
-  HP_EXPECT_ERROR(check_heads(*normalize(hybrid, p), p, kNq, 1),
-                  "cp_config.ulysses_head_groups=3 with kv_head_policy=repeat (1 key/value "
-                  "heads, Ulysses degree 2): hybrid runs one head group on the repeat path");
-  run_ranks(p, [&](comm::World& w) {
-    Direct m(true);
-    apply_cp(m, w, async_norm);
-    auto mine = [&](const at::Tensor& full) {
-      return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(true);
-    };
-    auto q = mine(f64(1, {1, kNq, kS, kDqk})), k = mine(f64(2, {1, 2, kS, kDqk})),
-         v = mine(f64(3, {1, 2, kS, kDv}));
-    auto& rec = *w.context().recorder;
-    rec.clear();
-    w.context().counters.reset();
-    auto out = m.forward(q, k, v);
-    const std::string q_piece = "all_to_all(cp)[1,4,12,8]", out_piece = "all_to_all(cp)[1,1,48,6]";
-    EXPECT_EQ(rec.schedule(), (std::vector<std::string>{
-                                  "all_to_all(cp)[1,4,12,6]", "all_to_all(cp)[1,4,12,8]", q_piece,
-                                  q_piece, q_piece, out_piece, out_piece, out_piece}));
-    const AttentionShape shape{kS, kNq, 2, kDqk, 1, 8, kDv};
-    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(async_norm, p, shape));
-    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(norm, p, shape));
-    rec.clear();
-    w.context().counters.reset();
-    out.sum().backward();
-    auto bwd = rec.schedule();
-    std::sort(bwd.begin(), bwd.end());
-    // Back: the 3 groups' output gradients, then dQ of each group and dK ([1, 1, 48, 8]: the
-    // rank's head over the whole sequence) and dV, whose repeats are summed after arriving.
-    const std::string dq_piece = "all_to_all(cp)[1,1,48,8]",
-                      dout_piece = "all_to_all(cp)[1,4,12,6]";
-    EXPECT_EQ(bwd,
-              (std::vector<std::string>{"all_to_all(cp)[1,1,48,6]", dq_piece, dq_piece, dq_piece,
-                                        dq_piece, dout_piece, dout_piece, dout_piece}));
-    EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(async_norm, p, shape));
-  });
 }
 
 }  // namespace

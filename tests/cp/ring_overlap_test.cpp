@@ -3,6 +3,8 @@
 // show the transfer launched before an attention call that ran wholly before its wait began.
 // Forward, and each form of the backward (the blocks again, the kept blocks' accumulators, the
 // query bundles). The schedules themselves: ring_schedule_test.cpp.
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -27,7 +29,7 @@ using namespace hp::cp::testing;  // NOLINT: the float64 tests' module, inputs a
 using hp::testing::run_ranks;
 
 constexpr int kP = 3;
-constexpr int64_t kLateUs = 300000;
+constexpr int64_t kLateUs = 300000;  // how late the late rank enters each phase
 
 // One receive as the watched rank's trace shows it.
 struct Receive {
@@ -37,6 +39,7 @@ struct Receive {
 struct Phase {
   std::vector<Receive> receives;
   std::vector<common::TraceEvent> compute;  // attention calls and their backward
+  int64_t late_woke = -1;                   // when the late rank entered this phase
 };
 
 // The watched rank's forward and backward (events between its barriers), with `late` entering
@@ -47,6 +50,7 @@ struct RingTrace {
 
 RingTrace trace_ring(const ContextParallelConfig& norm, int watch, int late) {
   auto tracer = std::make_shared<common::Tracer>();
+  std::array<std::atomic<int64_t>, 2> woke{};  // the late rank's entry into forward, backward
   hp::testing::RankOptions o;
   o.tracer = tracer;
   o.verify_shapes = false;  // its shape exchange would wait for the late rank at every launch
@@ -62,13 +66,15 @@ RingTrace trace_ring(const ContextParallelConfig& norm, int watch, int late) {
         };
         auto q = mine(1, {1, kNq, kS, kDqk}), k = mine(2, {1, kNkv, kS, kDqk}),
              v = mine(3, {1, kNkv, kS, kDv});
-        auto pause = [&] {
+        auto pause = [&](int phase) {
           comm::barrier(w.group());
-          if (r == late) std::this_thread::sleep_for(std::chrono::microseconds(kLateUs));
+          if (r != late) return;
+          std::this_thread::sleep_for(std::chrono::microseconds(kLateUs));
+          woke[phase] = common::Tracer::now_us();
         };
-        pause();
+        pause(0);
         auto out = m.forward(q, k, v);
-        pause();
+        pause(1);
         out.sum().backward();
       },
       o);
@@ -81,6 +87,8 @@ RingTrace trace_ring(const ContextParallelConfig& norm, int watch, int late) {
   }
   EXPECT_EQ(barrier_ends.size(), 2u);
   RingTrace t;
+  t.forward.late_woke = woke[0];
+  t.backward.late_woke = woke[1];
   if (barrier_ends.size() != 2u) return t;
   // In recording order a transfer's "comm" event comes right before its "wait" event.
   for (size_t i = 0; i < mine.size(); ++i) {
@@ -96,14 +104,16 @@ RingTrace trace_ring(const ContextParallelConfig& norm, int watch, int late) {
   return t;
 }
 
-// A receive the late rank held back (pending for most of its delay) with an attention call
-// (`compute`: "attention" or "attention_backward") that began after the receive was launched
-// and ended before the wait for it began: the transfer flew while a block computed.
+// A receive the late rank held back (it completed only after that rank had woken) with an
+// attention call (`compute`: "attention" or "attention_backward") that began after the receive
+// was launched and ended before the wait for it began: the transfer flew while a block
+// computed.
 void expect_flies_while_a_block_computes(const Phase& ph, const std::string& compute) {
   ASSERT_FALSE(ph.receives.empty());
+  ASSERT_GT(ph.late_woke, 0);
   bool held_back = false, overlapped = false;
   for (const auto& rcv : ph.receives) {
-    if (rcv.wait_end - rcv.launch < kLateUs * 2 / 3) continue;
+    if (rcv.arrived < ph.late_woke) continue;
     held_back = true;
     for (const auto& c : ph.compute) {
       if (c.name == compute && c.begin_us >= rcv.launch && c.end_us <= rcv.wait_begin)

@@ -78,8 +78,8 @@ struct ContextParallelConfig {
   // usp: 2 where it divides them and each rank holds at least kUspMinRowsForHeadGroups tokens,
   // else 1, since each group costs a ring of its own);
   // 1: one group (the output all-to-all after all of attention).
-  // K/V on the repeat path (kv_head_policy=repeat): ulysses splits the query heads alone (each
-  // rank's one K/V head is shared by every group and travels whole); hybrid and usp run one
+  // K/V on the repeat path (kv_head_policy=repeat): ulysses and hybrid split the query heads
+  // alone (each rank's one K/V head is shared by every group and travels whole); usp runs one
   // group there (a larger count is refused).
   int64_t ulysses_head_groups = 0;
   // Async all_gather and hybrid: a query part whose turn comes after the K/V all-gather (hybrid:
