@@ -336,7 +336,8 @@ std::optional<cp::ContextParallelConfig> paired_config(const CPBenchOptions& o,
   cp::ContextParallelConfig c;
   c.algorithm = cp::parse_algorithm(o.paired_with);
   c.schedule = cp::CPSchedule::kSync;
-  c.kv_head_policy = config.kv_head_policy;  // too few K/V heads: repeated as in this layer
+  // Too few K/V heads for a paired Ulysses layer: repeated as in this layer.
+  if (c.algorithm == cp::CPAlgorithm::kUlysses) c.kv_head_policy = config.kv_head_policy;
   // Balanced where this layer is and the algorithm can be (as the cost model's candidates).
   c.load_balance = config.load_balance && c.algorithm != cp::CPAlgorithm::kUlysses;
   if (c.algorithm != cp::CPAlgorithm::kAllGather)

@@ -117,6 +117,13 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
            "cp_config.ulysses_row_parts=", c.ulysses_row_parts,
            " applies to algorithm=ulysses with schedule=async (got ", c.algorithm.name(), ", ",
            to_string(c.schedule), "); drop it or use the async ulysses schedule");
+  HP_CHECK(
+      c.kv_head_policy != KVHeadPolicy::kRepeat || (c.algorithm.name() != CPAlgorithm::kAllGather &&
+                                                    c.algorithm.name() != CPAlgorithm::kRing),
+      "cp_config.kv_head_policy=repeat applies to algorithm=ulysses, hybrid or usp (got ",
+      c.algorithm.name(),
+      ", which moves every K/V head whole: nothing is repeated); drop it "
+      "or use a Ulysses strategy");
   const bool ring_like =
       c.algorithm.name() == CPAlgorithm::kRing || c.algorithm.name() == CPAlgorithm::kUsp;
   HP_CHECK(!c.ring_keep_blocks || ring_like,

@@ -89,6 +89,15 @@ TEST(CPConfig, HeadsAfterTP) {
   HP_EXPECT_ERROR(check_heads(u4, 4, 8 / 4, 8 / 4, 4),
                   "query heads (after TP) = 2 are not divisible by the Ulysses degree 4");
   EXPECT_NO_THROW(check_heads(*normalize(std::nullopt, 4), 4, 3, 1)) << "all_gather: no constraint";
+  // The repeat policy where no strategy piece could repeat: refused, not ignored.
+  for (auto algo : {CPAlgorithm::kAllGather, CPAlgorithm::kRing}) {
+    auto c = cfg(algo);
+    c.kv_head_policy = KVHeadPolicy::kRepeat;
+    HP_EXPECT_ERROR(normalize(c, 4),
+                    std::string("cp_config.kv_head_policy=repeat applies to algorithm=ulysses, "
+                                "hybrid or usp (got ") +
+                        algo + ", which moves every K/V head whole");
+  }
 }
 
 TEST(CPConfig, SequenceDivisibility) {
