@@ -478,6 +478,9 @@ TEST(HpTrain, InterruptStopsEveryRank) {
 // Each bad layout fails with its own message, from the static checks: no plan is printed (the
 // plan line follows the mesh and the CP installation) and no collective is named.
 TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
+  expect_refused("--nproc 2 --cp 2 --cp-algo ring --kv-head-policy repeat",
+                 {"cp_config.kv_head_policy=repeat applies to algorithm=ulysses, hybrid or usp "
+                  "(got ring"});
   // Refused by the launcher, before any rank starts.
   expect_refused("--nproc 4 --tp 3 --cp 1",
                  {"--nproc 4 but --dp-replicate 1 x --dp-shard 1 x --cp 1 x --tp 3 = 3"});
