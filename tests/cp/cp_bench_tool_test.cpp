@@ -223,6 +223,31 @@ TEST(CPBench, StepTensorPeakIsCountedAtTheAllocator) {
             *std::max_element(per_rank.begin(), per_rank.end()));
 }
 
+// The ring never holds the whole sequence's K/V: at P = 8 (S = 16384, 2 heads, D = 64, fp32:
+// the whole K and V are 16 MiB, a rank's block 2 MiB) every ring rank's step peaks at least half
+// the whole K/V below the smallest all_gather rank's, which holds it all (and its gradient).
+// Measured 9.6-20.1 MiB against 34.0 MiB. Both layers in one run (--paired-with).
+TEST(CPBench, TheRingNeverHoldsTheWholeSequence) {
+  auto r = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                    " cp --seq 16384 --heads 2 --kv-heads 2 --head-dim 64 "
+                                    "--causal --cp 8 --iters 1 --cp-algo all_gather --paired-with "
+                                    "ring --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto res = last_json(r.out)["results"];
+  ASSERT_EQ(res.size(), 2u) << r.out;
+  ASSERT_EQ(res[0]["algorithm"], "ring") << r.out;
+  ASSERT_EQ(res[1]["algorithm"], "all_gather") << r.out;
+  const auto ring = res[0]["step_tensor_peak_per_rank"].get<std::vector<int64_t>>();
+  const auto gathered = res[1]["step_tensor_peak_per_rank"].get<std::vector<int64_t>>();
+  ASSERT_EQ(ring.size(), 8u);
+  ASSERT_EQ(gathered.size(), 8u);
+  const int64_t whole_kv = 2 * 16384 * 2 * 64 * 4;
+  const int64_t gathered_min = *std::min_element(gathered.begin(), gathered.end());
+  EXPECT_GE(gathered_min, whole_kv) << r.out;
+  for (int64_t b : ring)
+    EXPECT_LE(b + whole_kv / 2, gathered_min) << r.out;
+}
+
 // hp-bench cp --trace: one Chrome-trace file of both ranks; each timed step is a "step" event
 // named by its variant (2 sync, 2 async per rank here), and inside every one of them the rank
 // launched and waited for its K/V all-gathers and ran attention calls. Refused with
