@@ -61,6 +61,11 @@ hp::bench::MLABenchOptions mla_options(const CPArgs& a) {
     o.index_heads = a.index_heads;
     o.index_dim = a.index_dim;
     o.topk = a.topk;
+    if (o.topk > o.seq) {  // DSA selects every visible key then; the JSON records what ran
+      std::cerr << "hp-bench cp: --topk " << o.topk << " exceeds --seq " << o.seq << "; clamped to "
+                << o.seq << " (every visible key is selected)" << std::endl;
+      o.topk = o.seq;
+    }
     o.index_loss = a.index_loss;
   }
   o.schedule = hp::cp::parse_schedule(a.schedule);

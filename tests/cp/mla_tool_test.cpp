@@ -345,6 +345,16 @@ TEST(MLABench, DSARunsBesideDenseMLAWithCountedBytesEqualToTheFormula) {
   EXPECT_EQ(j[0]["comm_bytes_per_rank"].get<int64_t>() * (kRank + kRope),
             j[1]["comm_bytes_per_rank"].get<int64_t>() * (6 + kRank + kRope))
       << r.out;
+  EXPECT_EQ(j[0]["topk"], 8) << r.out;
+  // A top-k beyond the sequence: clamped with a note, and the JSON records what ran.
+  auto clamped = hp::testing::run_command(
+      std::string(HP_BENCH_BINARY) +
+      " cp --attention dsa --seq 32 --heads 2 --d-nope 8 --d-rope 4 --d-v 6 --kv-rank 10 "
+      "--index-heads 2 --index-dim 6 --topk 100 --cp 2 --iters 1 --json");
+  ASSERT_EQ(clamped.rc, 0) << clamped.out;
+  EXPECT_NE(clamped.out.find("--topk 100 exceeds --seq 32; clamped to 32"), std::string::npos)
+      << clamped.out;
+  EXPECT_EQ(last_json(clamped.out)["results"][0]["topk"], 32) << clamped.out;
 }
 
 }  // namespace
