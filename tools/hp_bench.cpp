@@ -348,7 +348,7 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     given({"--d-nope", "--d-rope", "--d-v", "--kv-rank"}, cp.mla_flags_given);
     given({"--index-heads", "--index-dim", "--topk", "--index-loss"}, cp.dsa_flags_given);
     given({"--schedule", "--ulysses-degree", "--ring-keep-blocks", "--ulysses-head-groups",
-           "--ulysses-row-parts", "--always-local-first", "--ring-backward", "--kv-head-policy"},
+           "--ulysses-row-parts", "--always-local-first", "--ring-backward"},
           cp.auto_flags_given);
     return run_cp(cp, args);
   }

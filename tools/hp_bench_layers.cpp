@@ -118,6 +118,7 @@ void choose_cp_config(CPArgs& a, bool log) {
   w.causal = a.bench.causal;
   w.projections = a.bench.projections;
   w.load_balance = a.bench.config.load_balance;
+  w.kv_head_policy = a.bench.config.kv_head_policy;
   w.ranks_on_node = a.nproc;
   auto ranked = hp::plan::rank_cp_configs(cal, a.nproc, w);
   if (log) {
@@ -136,6 +137,7 @@ void choose_cp_config(CPArgs& a, bool log) {
   a.degree = grouped ? *best.ulysses_degree : 0;
   a.bench.config.load_balance = best.load_balance;
   a.bench.config.ring_keep_blocks = best.ring_keep_blocks;
+  a.bench.config.kv_head_policy = best.kv_head_policy;  // the error policy where nothing repeats
 }
 
 // The CP configuration from the flags (auto: the cost model's choice), statically checked

@@ -157,6 +157,9 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
       c.algorithm = a;
       c.ring_keep_blocks = keep_blocks;
       c.ulysses_degree = u;
+      // all_gather and ring move every K/V head whole: nothing to repeat.
+      if (a != cp::CPAlgorithm::kAllGather && a != cp::CPAlgorithm::kRing)
+        c.kv_head_policy = w.kv_head_policy;
       c.schedule = s;
       // Every strategy that has head-tail balance gets it (ulysses needs none).
       c.load_balance = w.load_balance && a != cp::CPAlgorithm::kUlysses;
@@ -215,6 +218,13 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   const double s = static_cast<double>(w.seq), b = static_cast<double>(w.batch);
   const double h = static_cast<double>(w.heads * w.head_dim);
   const double hkv = static_cast<double>(w.kv_heads * w.head_dim);
+  // What the collectives move of K/V: on the repeat path each Ulysses rank receives the one
+  // head it reads, as if there were U heads (cp/volume.h); the head groups then split the
+  // query heads alone (usp: one group).
+  const bool repeat = cp::repeats_kv(config.kv_head_policy, u, w.kv_heads);
+  const double hkv_moved = repeat ? static_cast<double>(u * w.head_dim) : hkv;
+  const bool usp = config.algorithm == cp::CPAlgorithm::kUsp;
+  const int64_t kv_per_rank = repeat ? (usp ? 1 : w.heads / u) : w.kv_heads / u;
   const double hidden = w.hidden > 0 ? static_cast<double>(w.hidden) : h;
   // Compute.
   const double attn_flops = 3.5 * 4.0 * b * w.heads * s * s * w.head_dim * (w.causal ? 0.5 : 1.0) *
@@ -250,7 +260,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   if (u > 1) {
     const double frac = static_cast<double>(u - 1) / static_cast<double>(u);
     const auto& a2a = cal.fit("all_to_all", p);
-    for (double width : {h, hkv, hkv})
+    for (double width : {h, hkv_moved, hkv_moved})
       early += 2 * a2a.time(local * width * e * frac);
     late_a2a = 2 * a2a.time(local * h * e * frac);  // the output all-to-all and its inverse
     late += late_a2a;
@@ -277,13 +287,13 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     };
     const double kv_share = share(false);
     const auto& a2a = cal.fit("all_to_all", p);
-    const double block = local * 2 * hkv * e;
+    const double block = local * 2 * hkv_moved * e;
     const double shift = a2a.time(block * kv_share);
     const double unit = one_pass_s / 3.5 / static_cast<double>(c);  // one forward of one step
     const double fwd_step = unit, bwd_step = (recompute ? 3.5 : 2.5) * unit;
     const double steps = static_cast<double>(c - 1);
-    const cp::RingHeads ring_heads{w.heads / u, std::max<int64_t>(1, w.kv_heads / u), w.head_dim,
-                                   w.head_dim, 4};
+    const cp::RingHeads ring_heads{w.heads / u, repeat ? 1 : std::max<int64_t>(1, w.kv_heads / u),
+                                   w.head_dim, w.head_dim, 4};
     const double bwd_shift =
         cp::ring_moves_queries(config.ring_backward, config.ring_keep_blocks, ring_heads)
             ? a2a.time(local * 2 * h * e * share(true)) +
@@ -295,7 +305,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
         (steps * std::max(0.0, shift - fwd_step) + steps * std::max(0.0, bwd_shift - bwd_step)) *
         cal.ring_exposed_scale_at(c);
   } else if (c > 1) {
-    const double n = local * hkv * e;  // per rank, per tensor
+    const double n = local * hkv_moved * e;  // per rank, per tensor
     const auto& ag = cal.fit("all_gather", p);
     const auto& rs = cal.fit("reduce_scatter", p);
     const double gathers =
@@ -327,10 +337,9 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // S = 16384 on the 1 Gbit/s link, 2 groups exposed 0.52-0.54 s, the model 0.50 s; with the
   // pieces launched beside the first shift they exposed 0.81-0.94 s; docs/benchmarks.md).
   double ulysses_groups = 1, pieces_hidden = 0;
-  const bool usp = config.algorithm == cp::CPAlgorithm::kUsp;
   if (async && (config.algorithm == cp::CPAlgorithm::kUlysses || usp)) {
     ulysses_groups = static_cast<double>(
-        cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u, p, w.seq / p));
+        cp::ulysses_head_groups_of(config, w.heads / u, kv_per_rank, p, w.seq / p));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
     const double forward_in = early / 2;
     pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac) * (usp ? 0.75 : 1.0);
@@ -367,7 +376,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // with every group's remote keys but the last one's.
   if (async && config.algorithm == cp::CPAlgorithm::kHybrid) {
     const double groups =
-        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, w.kv_heads / u, p));
+        static_cast<double>(cp::ulysses_head_groups_of(config, w.heads / u, kv_per_rank, p));
     const double held = 1.0 / static_cast<double>(c);
     const double attended = held + (1 - held) * (groups - 1) / groups;
     const double fwd_attended = held + (1 - held) * (groups - 1) / groups / 2;

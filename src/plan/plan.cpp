@@ -273,6 +273,7 @@ ShardingPlan ShardingPlanner::plan(Plannable& m, int64_t world_size, const PlanO
     w.hidden = a.hidden;
     w.batch = o.batch;
     w.load_balance = o.cp_config && o.cp_config->load_balance;
+    if (o.cp_config) w.kv_head_policy = o.cp_config->kv_head_policy;
     w.ranks_on_node = static_cast<int>(world_size);
     w.ring_recomputes = a.host != nullptr && !a.host->primitive_stats_backward();
     auto ranked = rank_cp_configs(*o.calibration, o.cp_size, w);

@@ -319,7 +319,6 @@ TEST(CPBench, FlagsThatWouldNotRunAreRefused) {
             "--index-heads applies to --attention dsa only (got --attention mla)"},
            {"--attention dsa --ring-backward blocks",
             "--ring-backward does not apply to --attention dsa"},
-           {"--cp-algo auto --kv-head-policy repeat", "--kv-head-policy would not run"},
            {"--attention mla --kv-head-policy repeat",
             "--kv-head-policy does not apply to --attention mla"},
            {"--cp-algo ulysses --kv-heads 1",

@@ -1,5 +1,6 @@
 // The CP cost model: legal candidates, the shape of its predictions on synthetic calibrations,
-// calibration files, and the planner's --cp-algo auto (choice and log).
+// and calibration files. The planner's --cp-algo auto and the K/V repeat candidates:
+// cost_model_choice_test.cpp.
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cost_model_util.h"
 #include "hp/model/qwen3.h"
 #include "hp/plan/cost_model.h"
 #include "hp/plan/plan.h"
@@ -17,35 +19,7 @@
 namespace hp::plan {
 namespace {
 
-Calibration synthetic(double seconds_per_byte, int cores = 64) {
-  Calibration c;
-  c.link = "test";
-  c.cores = cores;
-  c.attention_gflops = 100;
-  c.matmul_gflops = 100;
-  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}) {
-    for (int p : {2, 4})
-      c.collectives[kind][p] = {1e-4, seconds_per_byte};
-  }
-  return c;
-}
-
-CPWorkload workload(int64_t heads = 8, int64_t kv_heads = 8) {
-  CPWorkload w;
-  w.seq = 16384;
-  w.heads = heads;
-  w.kv_heads = kv_heads;
-  w.head_dim = 64;
-  return w;
-}
-
-cp::ContextParallelConfig config(const char* algo, bool lb = false, int64_t u = 0) {
-  cp::ContextParallelConfig c;
-  c.algorithm = cp::parse_algorithm(algo);
-  if (u > 0) c.ulysses_degree = u;
-  c.load_balance = lb;
-  return c;
-}
+using namespace hp::plan::testing;  // NOLINT: synthetic calibrations, workloads, configs
 
 // The ring with its blocks travelling again in backward (ring_backward=blocks).
 cp::ContextParallelConfig ring_blocks() {
@@ -598,38 +572,6 @@ TEST(CostModel, CalibrationFilesRoundTripAndMissingOnesNameTheCommand) {
   EXPECT_NE(back.inputs_json.find("hp-bench comm --nproc 2"), std::string::npos);
   HP_EXPECT_ERROR(load_calibration(path + ".missing"),
                   "run `hp-bench calibrate [--link-rate RATE]` once on this machine and link");
-}
-
-TEST(CostModel, PlannerAutoChoosesAndLogsEveryCandidate) {
-  model::Qwen3Config mc;
-  mc.heads = 8;
-  mc.kv_heads = 8;
-  mc.head_dim = 16;
-  mc.hidden = 128;
-  model::Qwen3 m(mc);
-  PlanOptions po;
-  po.cp_size = 4;
-  po.seq_len = 4096;
-  po.cp_auto = true;
-  HP_EXPECT_ERROR(ShardingPlanner().plan(*m, 4, po), "run `hp-bench calibrate");
-  po.calibration = synthetic(1.0 / 125e6);
-  auto p = ShardingPlanner().plan(*m, 4, po);
-  ASSERT_TRUE(p.cp_config.has_value());
-  CPWorkload w;
-  w.seq = 4096;
-  w.heads = 8;
-  w.kv_heads = 8;
-  w.head_dim = 16;
-  w.hidden = 128;
-  w.ranks_on_node = 4;
-  auto ranked = rank_cp_configs(*po.calibration, 4, w);
-  EXPECT_EQ(p.cp_config->algorithm, ranked.front().config.algorithm);
-  EXPECT_EQ(p.cp_config->schedule, ranked.front().config.schedule);
-  size_t predicted = 0;
-  for (const auto& l : p.log)
-    predicted += l.find("predicted ") != std::string::npos;
-  EXPECT_EQ(predicted, ranked.size());
-  EXPECT_EQ(p.log.back(), "cp auto: chose " + ranked.front().name);
 }
 
 }  // namespace

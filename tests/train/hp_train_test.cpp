@@ -113,6 +113,20 @@ TEST(HpTrain, CPAutoRefusesTheChoicesItMakesAndRecordsWhatRan) {
   EXPECT_EQ(chosen.substr(chosen.size() - schedule.size() - 1), "/" + schedule)
       << chosen << " against " << config;
   EXPECT_EQ(config["ulysses_degree"], strategy == "ulysses" ? 2 : 1) << config;
+  EXPECT_EQ(config["kv_head_policy"], "error") << config;
+
+  // One K/V head over 2 ranks: --kv-head-policy repeat lets the Ulysses candidates in (their
+  // predictions are logged), and the metrics record the policy only where it repeats.
+  const std::string gqa = "--heads 4 --kv-heads 1 --head-dim 8 --hidden 32 --ffn 48 --layers 1 ";
+  r = hp::testing::run_command(
+      "HP_CALIBRATION=" + cal_path + " " + HP_TRAIN_BINARY +
+      " --nproc 2 --cp 2 --cp-algo auto --kv-head-policy repeat --steps 1 " + gqa +
+      "--metrics-json " + m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("predicted ulysses/sync:"), std::string::npos) << r.out;
+  const auto repeat = metrics(m)["config"];
+  EXPECT_EQ(repeat["kv_head_policy"], repeat["cp_strategy"] == "ulysses" ? "repeat" : "error")
+      << repeat;
 }
 
 // TP and CP both at work: the single-process run agrees, and the CP collectives move the K/V

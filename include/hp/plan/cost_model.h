@@ -125,6 +125,9 @@ struct CPWorkload {
   // primitive offers no backward from the merged statistics (math, sdpa). The blockwise
   // primitive does (AttentionPrimitive::offers_backward_from_stats): no recompute.
   bool ring_recomputes = false;
+  // repeat: the Ulysses-family candidates (ulysses, hybrid, usp) may repeat K/V heads fewer
+  // than their Ulysses degree (cp_config.kv_head_policy); they then move one K/V head per rank.
+  cp::KVHeadPolicy kv_head_policy = cp::KVHeadPolicy::kError;
 };
 
 struct CPPrediction {
