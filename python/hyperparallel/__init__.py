@@ -126,7 +126,9 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     Ulysses sub-group size U (1 < U < P). schedule: sync | async. scale: default 1/sqrt(D).
     mask: None, or packed documents: the document id of every token of the global sequence
     ([S] or [B, S] integers) or cu_seqlens ([0, L1, L1+L2, ..., S]); attention never crosses a
-    document. kv_head_policy: error | repeat (K/V heads fewer than the Ulysses degree).
+    document. kv_head_policy: error | repeat (K/V heads fewer than the Ulysses degree;
+    ``algorithm='auto'`` then weighs the Ulysses strategies too, and uses the policy only where
+    its choice repeats).
     head_groups: async ulysses, hybrid or usp, this rank's heads in that many groups whose output
     all-to-alls fly while the next group is attended (ulysses and hybrid: their Q/K/V
     all-to-alls too, and hybrid's co-group K/V gathers; usp: its Q/K/V pieces and a ring per
@@ -156,12 +158,12 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
             raise ValueError(f"q and k must be 4-d ({layout}); got {q.dim()} and {k.dim()} dims")
         seq_dim, head_dim = (1, 2) if layout == "bshd" else (2, 1)
         key = (g, q.size(0), q.size(seq_dim), q.size(head_dim), k.size(head_dim), q.size(3),
-               causal, load_balance, primitive)
+               causal, load_balance, primitive, kv_head_policy)
         if key not in _auto:
             _auto[key] = _C.auto_config(g, q.size(seq_dim) * g.size, q.size(head_dim),
                                         k.size(head_dim), q.size(3), q.size(0), causal,
-                                        load_balance, primitive)
-        algorithm, ulysses_degree, schedule, ring_keep_blocks, _ = _auto[key]
+                                        load_balance, primitive, kv_head_policy)
+        algorithm, ulysses_degree, schedule, ring_keep_blocks, _, kv_head_policy = _auto[key]
     args = (algorithm, ulysses_degree, bool(causal), layout, bool(load_balance), schedule,
             None if scale is None else float(scale), kv_head_policy, int(head_groups), primitive,
             bool(ring_keep_blocks), int(row_parts), ring_backward)

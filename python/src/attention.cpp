@@ -155,12 +155,13 @@ class CPAttention {
 // algorithm='auto': the cost model's fastest legal configuration for this call's sizes on this
 // machine's calibration. Every rank ranks the candidates; rank 0's choice is taken by all (one
 // all-gather of an index), so ranks with different calibrations still agree.
-// (algorithm, ulysses_degree, schedule, the prediction's log line)
-// algorithm, Ulysses degree, schedule, ring_keep_blocks, the cost model's description.
-using AutoChoice = std::tuple<std::string, int64_t, std::string, bool, std::string>;
+// kv_head_policy 'repeat' lets the Ulysses candidates repeat K/V heads fewer than their degree.
+// algorithm, Ulysses degree, schedule, ring_keep_blocks, the cost model's description, and the
+// K/V head policy that runs ('error' where the choice repeats nothing).
+using AutoChoice = std::tuple<std::string, int64_t, std::string, bool, std::string, std::string>;
 AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, int64_t batch, bool causal, bool load_balance,
-                       const std::string& primitive) {
+                       const std::string& primitive, const std::string& kv_head_policy) {
   const int64_t p = g.group()->size();
   plan::CPWorkload w;
   w.seq = seq;
@@ -171,6 +172,7 @@ AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_hea
   w.causal = causal;
   w.projections = false;
   w.load_balance = load_balance;
+  w.kv_head_policy = cp::parse_kv_head_policy(kv_head_policy);
   w.ring_recomputes =
       !attention::AttentionRegistry::builtin().get(primitive).offers_backward_from_stats();
   const auto calibration =
@@ -190,8 +192,12 @@ AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_hea
   }
   auto all = comm::all_gather(*g.group(), at::full({1}, mine, at::kLong), 0);
   const auto& chosen = legal.at(all[0].item<int64_t>());
-  return {cp::to_string(chosen.algorithm), cp::ulysses_degree_of(chosen, p),
-          cp::to_string(chosen.schedule), chosen.ring_keep_blocks, plan::describe(top)};
+  return {cp::to_string(chosen.algorithm),
+          cp::ulysses_degree_of(chosen, p),
+          cp::to_string(chosen.schedule),
+          chosen.ring_keep_blocks,
+          plan::describe(top),
+          cp::to_string(chosen.kv_head_policy)};
 }
 
 py::tuple linear_attention(TorchGroup& g, const std::string& kind, const std::string& mode,
@@ -266,7 +272,7 @@ void bind_attention(py::module_& m) {
   m.def("auto_config", &auto_config, py::arg("group"), py::arg("seq"), py::arg("heads"),
         py::arg("kv_heads"), py::arg("head_dim"), py::arg("batch"), py::arg("causal"),
         py::arg("load_balance"), py::arg("primitive") = "blockwise",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("kv_head_policy") = "error", py::call_guard<py::gil_scoped_release>());
   m.def("linear_attention_cp", &linear_attention, py::arg("group"), py::arg("kind"),
         py::arg("mode"), py::arg("state_exchange"), py::arg("kernel"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("initial_state"),

@@ -145,16 +145,19 @@ def test_linear_attention_cp_takes_packed_documents():
             assert err < 1e-9, (key, err)
 
 
-def auto_case(rank, p, calibration, heads=4, seed=1):
+def auto_case(rank, p, calibration, heads=4, seed=1, kv_heads=None, kv_head_policy="error"):
     """algorithm='auto' on a causal float64 layer: (max error against the reference, the
-    choice: algorithm, degree, schedule, ring_keep_blocks, description)."""
+    choice: algorithm, degree, schedule, ring_keep_blocks, description, K/V head policy)."""
     os.environ["HP_CALIBRATION"] = calibration
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 16, heads, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    kv_heads = heads if kv_heads is None else kv_heads
+    q = torch.randn(1, 16, heads, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 16, kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
     shards = [hp.shard_sequence(t, 1) for t in (q, k, v)]
-    out = hp.context_parallel_attention(*shards, algorithm="auto", causal=True)
+    out = hp.context_parallel_attention(*shards, algorithm="auto", causal=True,
+                                        kv_head_policy=kv_head_policy)
     want = hp.shard_sequence(reference.attention(q, k, v, causal=True), 1)
-    choice = [c for key, c in hp._auto.items() if key[3] == heads]
+    choice = [c for key, c in hp._auto.items() if key[3] == heads and key[4] == kv_heads]
     return (out - want).abs().max().item(), choice[0]
 
 
@@ -185,10 +188,25 @@ def test_auto_ranks_the_kept_ring(tmp_path):
     path = write_calibration(tmp_path, {"all_gather": slow, "reduce_scatter": slow,
                                         "all_to_all": fast, "all_reduce": slow})
     for err, choice in run_ranks(2, auto_case, path, 3, 2):
-        _, _, _, keep, described = choice
+        _, _, _, keep, described, policy = choice
         assert err < 1e-10
         assert keep, described
         assert "ring(kept)" in described, described
+        assert policy == "error", described
+
+
+def test_auto_takes_the_repeat_policy(tmp_path):
+    # One K/V head on 2 ranks: Ulysses is a candidate only with kv_head_policy='repeat' (the
+    # cost model's ranking: tests/plan/cost_model_choice_test.cpp); whatever ranks first runs
+    # with the policy only where it repeats, and equals the reference.
+    fit = {"latency_s": 1e-4, "seconds_per_byte": 1e-9}
+    path = write_calibration(tmp_path, {kind: fit for kind in
+                                        ("all_gather", "reduce_scatter", "all_to_all",
+                                         "all_reduce")})
+    for err, choice in run_ranks(2, auto_case, path, 4, 3, 1, "repeat"):
+        algorithm, _, _, _, described, policy = choice
+        assert err < 1e-10
+        assert policy == ("repeat" if algorithm == "ulysses" else "error"), described
 
 
 def missing_calibration(rank, p, path):
