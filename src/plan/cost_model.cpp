@@ -157,9 +157,11 @@ std::vector<cp::ContextParallelConfig> legal_cp_configs(int64_t p, const CPWorkl
       c.algorithm = a;
       c.ring_keep_blocks = keep_blocks;
       c.ulysses_degree = u;
-      // all_gather and ring move every K/V head whole: nothing to repeat.
-      if (a != cp::CPAlgorithm::kAllGather && a != cp::CPAlgorithm::kRing)
+      // Only where the candidate repeats (all_gather and ring move every K/V head whole).
+      if (a != cp::CPAlgorithm::kAllGather && a != cp::CPAlgorithm::kRing &&
+          cp::repeats_kv(w.kv_head_policy, cp::ulysses_degree_of(c, p), w.kv_heads)) {
         c.kv_head_policy = w.kv_head_policy;
+      }
       c.schedule = s;
       // Every strategy that has head-tail balance gets it (ulysses needs none).
       c.load_balance = w.load_balance && a != cp::CPAlgorithm::kUlysses;
@@ -255,6 +257,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
   // Communication, forward + backward, e = 4 bytes.
   const double e = 4.0 * b, local = s / static_cast<double>(p);
   double early = 0, late = 0;  // early: launched at a handoff (async can hide it)
+  double early_kv = 0;         // of early: the K/V all-to-alls
   double late_a2a = 0;
   double co_gathers = 0;  // hybrid: launched after its all-to-alls (async hides them per block)
   if (u > 1) {
@@ -262,6 +265,7 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     const auto& a2a = cal.fit("all_to_all", p);
     for (double width : {h, hkv_moved, hkv_moved})
       early += 2 * a2a.time(local * width * e * frac);
+    early_kv = early - 2 * a2a.time(local * h * e * frac);
     late_a2a = 2 * a2a.time(local * h * e * frac);  // the output all-to-all and its inverse
     late += late_a2a;
   }
@@ -341,7 +345,9 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     ulysses_groups = static_cast<double>(
         cp::ulysses_head_groups_of(config, w.heads / u, kv_per_rank, p, w.seq / p));
     const double frac = (ulysses_groups - 1) / ulysses_groups;
-    const double forward_in = early / 2;
+    // On the repeat path K/V travel whole, before group 0: only the queries' pieces hide
+    // behind an earlier group.
+    const double forward_in = (repeat ? early - early_kv : early) / 2;
     pieces_hidden = std::min(2 * forward_in * frac, attn_s * frac) * (usp ? 0.75 : 1.0);
     early_budget += pieces_hidden;
   }
@@ -380,12 +386,20 @@ CPPrediction predict_cp_step(const Calibration& cal, const cp::ContextParallelCo
     const double held = 1.0 / static_cast<double>(c);
     const double attended = held + (1 - held) * (groups - 1) / groups;
     const double fwd_attended = held + (1 - held) * (groups - 1) / groups / 2;
-    const double first = early / 2 / groups, last = late_a2a / 2 / groups;
-    const double rest = (early + late_a2a + co_gathers) / 2 - first - last;
+    // Group 0's pieces; on the repeat path the K/V travel whole with them (and their one
+    // co-gather is waited for in group 0, so it hides only behind group 0's held chunks).
+    const double first = (repeat ? (early - early_kv) / groups + early_kv : early / groups) / 2,
+                 last = late_a2a / 2 / groups;
+    // The repeat path's one co-gather (every group reads it) hides behind group 0's held
+    // chunks in forward, and its reduce-scatter behind the held chunks' backward.
+    const double shared = repeat ? co_gathers / 2 : 0.0;
+    const double rest = (early + late_a2a + co_gathers) / 2 - first - last - shared;
     const double fwd = std::max(0.0, first - cal.overlap_budget * proj_s / 3) + last +
-                       std::max(0.0, rest - fwd_attended * attn_s / 3.5);
+                       std::max(0.0, rest - fwd_attended * attn_s / 3.5) +
+                       std::max(0.0, shared - held / groups * attn_s / 3.5);
     const double bwd = last + std::max(0.0, first - cal.overlap_budget * proj_s * 2 / 3) +
-                       std::max(0.0, rest - attended * attn_s * 2.5 / 3.5);
+                       std::max(0.0, rest - attended * attn_s * 2.5 / 3.5) +
+                       std::max(0.0, shared - held * attn_s * 2.5 / 3.5);
     hidden_s = early + late_a2a + co_gathers - fwd - bwd;
   }
   // Async ulysses and usp in G head groups: the output all-to-alls of all groups but the last

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <utility>
@@ -361,6 +362,35 @@ TEST(CPBench, KVHeadRepeatRunsWithCountedBytesEqualToTheFormula) {
     // K and V: one head's 128 positions to the other rank. Backward the same again.
     EXPECT_EQ(x["comm_bytes_per_rank"].get<int64_t>(), 2 * (2 * 2 * 128 * 8 * 4 + 2 * 128 * 8 * 4))
         << x;
+  }
+}
+
+// --cp-algo auto with --kv-head-policy repeat: one K/V head over 2 ranks lets the Ulysses
+// candidates in (their predictions are printed); the layer that runs carries the policy only
+// if it repeats, and its counted bytes equal the formula.
+TEST(CPBench, AutoTakesTheKVHeadRepeatPolicy) {
+  nlohmann::json fit = {{"latency_s", 1e-4}, {"seconds_per_byte", 1e-8}};
+  nlohmann::json cal = {{"link", "loopback"},
+                        {"cores", 2},
+                        {"attention_gflops", 20.0},
+                        {"matmul_gflops", 50.0},
+                        {"collectives", nlohmann::json::object()}};
+  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"})
+    cal["collectives"][kind]["2"] = fit;
+  const std::string path = hp::testing::scratch_dir() + "/auto_repeat_calibration.json";
+  std::ofstream(path) << cal.dump();
+  auto r = hp::testing::run_command("HP_CALIBRATION=" + path + " " + HP_BENCH_BINARY +
+                                    " cp --seq 256 --heads 4 --kv-heads 1 --head-dim 8 --causal "
+                                    "--cp 2 --iters 1 --cp-algo auto --kv-head-policy repeat "
+                                    "--json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("predicted ulysses/sync:"), std::string::npos) << r.out;
+  const auto res = last_json(r.out)["results"];
+  ASSERT_FALSE(res.empty()) << r.out;
+  for (const auto& x : res) {
+    EXPECT_EQ(x["kv_head_policy"], x["algorithm"] == "ulysses" ? "repeat" : "error") << x;
+    for (const auto& b : x["comm_bytes_by_rank"])
+      EXPECT_EQ(b, x["comm_bytes_theory"]) << x;
   }
 }
 

@@ -428,7 +428,8 @@ TEST(CPFloat64, UlyssesRepeatsKVHeads) {
   run_grid(c, {2, 3});
 }
 // Async: the query heads in groups (automatic 3: 6 per rank), each rank's one K/V head
-// co-gathered once and read by every group; one group; balanced.
+// co-gathered once and read by every group; one group; balanced, and with the local-first
+// split for every group.
 TEST(CPFloat64, HybridRepeatsKVHeads) {
   Case c{"hybrid", 2};
   c.kv_policy = KVHeadPolicy::kRepeat;
@@ -438,6 +439,8 @@ TEST(CPFloat64, HybridRepeatsKVHeads) {
   run_grid(c, {4});
   c.head_groups = 2;
   c.load_balance = true;
+  run_grid(c, {4});
+  c.always_local_first = true;  // the later groups split against the cached gathered K/V
   run_grid(c, {4});
 }
 
@@ -456,6 +459,11 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
     c.keep_blocks = true;
     return c;
   };
+  auto repeated = [](Case c) {  // one K/V head: the repeat path
+    c.kv_heads = 1;
+    c.kv_policy = KVHeadPolicy::kRepeat;
+    return c;
+  };
   const std::vector<std::pair<Case, std::vector<int>>> grid = {
       {local_first({"all_gather", std::nullopt}), {3}},
       {local_first({"all_gather", std::nullopt, true}), {2, 4}},
@@ -470,7 +478,9 @@ TEST(CPFloat64, PackedDocumentsEqualEachDocumentAlone) {
       {{"ring", std::nullopt, true, LoadBalanceForm::kDataOrder}, {2, 3}},
       {kept({"ring", std::nullopt}), {3, 4}},
       {{"usp", 2}, {4}},
-      {{"usp", 2, true, LoadBalanceForm::kDataOrder}, {4}}};
+      {{"usp", 2, true, LoadBalanceForm::kDataOrder}, {4}},
+      {repeated({"ulysses", std::nullopt}), {2}},
+      {repeated({"hybrid", 2, true, LoadBalanceForm::kDataOrder}), {4}}};
   for (const auto& [c, ps] : grid) {
     for (int p : ps) {
       for (auto schedule : {CPSchedule::kSync, CPSchedule::kAsync}) {

@@ -109,7 +109,8 @@ TEST(KVHeadPolicy, RepeatHandsEachRankOnlyTheHeadItReadsAndTheDefaultRefuses) {
   // Hybrid (U = 2, one K/V head, repeated for both Ulysses ranks: [1, 2, 12, .]): the queries
   // in 3 groups (6 heads per rank; [1, 4, 12, 8]: both ranks' 2 heads of the group), the one
   // K/V head co-gathered once ([1, 1, 24, .] from each co-rank) and read by every group, each
-  // group's output on its own; backward one reduce-scatter each for K and V.
+  // group's output on its own; backward one reduce-scatter each for K and V. Counted bytes
+  // equal the formula both ways.
   const auto hybrid_norm = *normalize(hybrid, p);
   run_ranks(p, [&](comm::World& w) {
     Direct m(true);
@@ -127,6 +128,7 @@ TEST(KVHeadPolicy, RepeatHandsEachRankOnlyTheHeadItReadsAndTheDefaultRefuses) {
          v = mine(f64(3, {1, 1, kS, kDv}));
     auto& rec = *w.context().recorder;
     rec.clear();
+    w.context().counters.reset();
     auto out = m.forward(q, k, v);
     const std::string qp = "all_to_all(cp_ulysses)[1,4,12,8]",
                       op = "all_to_all(cp_ulysses)[1,2,24,6]";
@@ -134,8 +136,12 @@ TEST(KVHeadPolicy, RepeatHandsEachRankOnlyTheHeadItReadsAndTheDefaultRefuses) {
               (std::vector<std::string>{
                   "all_to_all(cp_ulysses)[1,2,12,6]", "all_to_all(cp_ulysses)[1,2,12,8]", qp, qp,
                   qp, "all_gather(cp_co)[1,1,24,8]", "all_gather(cp_co)[1,1,24,6]", op, op, op}));
+    const AttentionShape shape{kS, kNq, 1, kDqk, 1, 8, kDv};
+    EXPECT_EQ(w.context().counters.total_bytes(), forward_bytes_per_rank(hybrid_norm, p, shape));
     rec.clear();
+    w.context().counters.reset();
     out.sum().backward();
+    EXPECT_EQ(w.context().counters.total_bytes(), backward_bytes_per_rank(hybrid_norm, p, shape));
     auto bwd = rec.schedule();
     EXPECT_EQ(std::count_if(bwd.begin(), bwd.end(),
                             [](const std::string& x) { return x.rfind("reduce_scatter", 0) == 0; }),

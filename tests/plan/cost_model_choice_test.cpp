@@ -50,7 +50,7 @@ TEST(CostModel, PlannerAutoChoosesAndLogsEveryCandidate) {
 
 // One K/V head over 4 ranks: without the repeat policy only all_gather and the rings are legal;
 // with it the Ulysses family joins (ulysses U = 4, hybrid and usp U = 2), each candidate with
-// the policy set, all_gather and the rings without it (nothing there repeats).
+// the policy set where it repeats, all_gather and the rings without it.
 TEST(CostModel, TheRepeatPolicyAddsTheUlyssesFamilyWhereKVHeadsAreTooFew) {
   auto w = workload(8, 1);
   std::vector<std::string> plain;
@@ -66,6 +66,15 @@ TEST(CostModel, TheRepeatPolicyAddsTheUlyssesFamilyWhereKVHeadsAreTooFew) {
     const bool moves_whole = name == "all_gather" || name == "ring";
     EXPECT_EQ(c.kv_head_policy, moves_whole ? cp::KVHeadPolicy::kError : cp::KVHeadPolicy::kRepeat)
         << name;
+  }
+  // Two K/V heads: hybrid and usp (U = 2) divide them and repeat nothing; ulysses (U = 4)
+  // repeats.
+  auto two = workload(8, 2);
+  two.kv_head_policy = cp::KVHeadPolicy::kRepeat;
+  for (const auto& c : legal_cp_configs(4, two)) {
+    EXPECT_EQ(c.kv_head_policy, c.algorithm == cp::CPAlgorithm::kUlysses ? cp::KVHeadPolicy::kRepeat
+                                                                         : cp::KVHeadPolicy::kError)
+        << cp::to_string(c.algorithm);
   }
   EXPECT_EQ(with_repeat,
             (std::vector<std::string>{"all_gather", "all_gather", "ulysses", "ulysses", "ring",
@@ -92,6 +101,33 @@ TEST(CostModel, RepeatedKVHeadsMoveAsIfThereWereUlyssesDegreeHeads) {
   usp.kv_head_policy = cp::KVHeadPolicy::kRepeat;
   EXPECT_DOUBLE_EQ(predict_cp_step(slow, usp, 4, workload(8, 1)).comm_s,
                    predict_cp_step(slow, config("usp", false, 2), 4, workload(8, 2)).comm_s);
+}
+
+// Async on the repeat path: the K/V travel whole before group 0, so only the queries' pieces
+// hide behind an earlier group (ulysses), and usp runs one head group there. With the same
+// bytes (one K/V head repeated over 4 ranks against 4 K/V heads in 2 explicit groups) and no
+// projections, the repeat path exposes more.
+TEST(CostModel, AsyncRepeatedKVHeadsHideOnlyTheQueriesPiecesBehindEarlierGroups) {
+  const auto link = synthetic(1.0 / 30e6);  // the pieces between 1/8 and all of attention
+  auto w1 = workload(8, 1), w4 = workload(8, 4);
+  w1.projections = w4.projections = false;
+  auto repeat = config("ulysses");
+  repeat.schedule = cp::CPSchedule::kAsync;
+  repeat.kv_head_policy = cp::KVHeadPolicy::kRepeat;
+  repeat.ulysses_head_groups = 2;
+  auto plain = config("ulysses");
+  plain.schedule = cp::CPSchedule::kAsync;
+  plain.ulysses_head_groups = 2;
+  const auto r = predict_cp_step(link, repeat, 4, w1), q = predict_cp_step(link, plain, 4, w4);
+  EXPECT_DOUBLE_EQ(r.comm_s, q.comm_s);
+  EXPECT_GT(r.exposed_comm_s, q.exposed_comm_s);
+  auto usp = config("usp", false, 2);
+  usp.schedule = cp::CPSchedule::kAsync;
+  usp.kv_head_policy = cp::KVHeadPolicy::kRepeat;
+  auto usp_one = usp;
+  usp_one.ulysses_head_groups = 1;
+  EXPECT_DOUBLE_EQ(predict_cp_step(link, usp, 4, w1).exposed_comm_s,
+                   predict_cp_step(link, usp_one, 4, w1).exposed_comm_s);
 }
 
 // The planner passes the model config's policy to the candidates: a model with one K/V head
