@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <string>
 #include <utility>
@@ -15,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "calibration_file.h"
 #include "hp/common/trace.h"
 #include "rank_harness.h"
 #include "tool_json.h"
@@ -369,16 +369,8 @@ TEST(CPBench, KVHeadRepeatRunsWithCountedBytesEqualToTheFormula) {
 // candidates in (their predictions are printed); the layer that runs carries the policy only
 // if it repeats, and its counted bytes equal the formula.
 TEST(CPBench, AutoTakesTheKVHeadRepeatPolicy) {
-  nlohmann::json fit = {{"latency_s", 1e-4}, {"seconds_per_byte", 1e-8}};
-  nlohmann::json cal = {{"link", "loopback"},
-                        {"cores", 2},
-                        {"attention_gflops", 20.0},
-                        {"matmul_gflops", 50.0},
-                        {"collectives", nlohmann::json::object()}};
-  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"})
-    cal["collectives"][kind]["2"] = fit;
   const std::string path = hp::testing::scratch_dir() + "/auto_repeat_calibration.json";
-  std::ofstream(path) << cal.dump();
+  hp::testing::write_uniform_calibration(path);
   auto r = hp::testing::run_command("HP_CALIBRATION=" + path + " " + HP_BENCH_BINARY +
                                     " cp --seq 256 --heads 4 --kv-heads 1 --head-dim 8 --causal "
                                     "--cp 2 --iters 1 --cp-algo auto --kv-head-policy repeat "

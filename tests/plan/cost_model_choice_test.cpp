@@ -16,17 +16,28 @@ namespace {
 
 using namespace hp::plan::testing;  // NOLINT: synthetic calibrations, workloads, configs
 
-TEST(CostModel, PlannerAutoChoosesAndLogsEveryCandidate) {
+// An 8-head Qwen3 (head dim 16, width 128) with `kv_heads` K/V heads.
+model::Qwen3 small_qwen3(int64_t kv_heads) {
   model::Qwen3Config mc;
   mc.heads = 8;
-  mc.kv_heads = 8;
+  mc.kv_heads = kv_heads;
   mc.head_dim = 16;
   mc.hidden = 128;
-  model::Qwen3 m(mc);
+  return model::Qwen3(mc);
+}
+
+// --cp-algo auto over 4 ranks at S = 4096 (no calibration yet).
+PlanOptions auto_over_four() {
   PlanOptions po;
   po.cp_size = 4;
   po.seq_len = 4096;
   po.cp_auto = true;
+  return po;
+}
+
+TEST(CostModel, PlannerAutoChoosesAndLogsEveryCandidate) {
+  auto m = small_qwen3(8);
+  auto po = auto_over_four();
   HP_EXPECT_ERROR(ShardingPlanner().plan(*m, 4, po), "run `hp-bench calibrate");
   po.calibration = synthetic(1.0 / 125e6);
   auto p = ShardingPlanner().plan(*m, 4, po);
@@ -134,16 +145,8 @@ TEST(CostModel, AsyncRepeatedKVHeadsHideOnlyTheQueriesPiecesBehindEarlierGroups)
 // over 4 ranks and --kv-head-policy repeat ranks the Ulysses family too, and what it chose
 // carries the policy only where it repeats.
 TEST(CostModel, PlannerAutoTakesTheRepeatPolicy) {
-  model::Qwen3Config mc;
-  mc.heads = 8;
-  mc.kv_heads = 1;
-  mc.head_dim = 16;
-  mc.hidden = 128;
-  model::Qwen3 m(mc);
-  PlanOptions po;
-  po.cp_size = 4;
-  po.seq_len = 4096;
-  po.cp_auto = true;
+  auto m = small_qwen3(1);
+  auto po = auto_over_four();
   po.calibration = synthetic(1.0 / 125e6);
   cp::ContextParallelConfig user;
   user.kv_head_policy = cp::KVHeadPolicy::kRepeat;

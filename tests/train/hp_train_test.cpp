@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "calibration_file.h"
 #include "hp_train_util.h"
 #include "rank_harness.h"
 
@@ -88,16 +89,8 @@ TEST(HpTrain, CPAutoRefusesTheChoicesItMakesAndRecordsWhatRan) {
       << bad.out;
   EXPECT_EQ(bad.out.find("hp-train: done"), std::string::npos) << bad.out;
 
-  nlohmann::json fit = {{"latency_s", 1e-4}, {"seconds_per_byte", 1e-8}};
-  nlohmann::json cal = {{"link", "loopback"},
-                        {"cores", 2},
-                        {"attention_gflops", 20.0},
-                        {"matmul_gflops", 50.0},
-                        {"collectives", nlohmann::json::object()}};
-  for (const char* kind : {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"})
-    cal["collectives"][kind]["2"] = fit;
   const std::string cal_path = dir + "/auto_calibration.json", m = dir + "/auto_metrics.json";
-  std::ofstream(cal_path) << cal.dump();
+  hp::testing::write_uniform_calibration(cal_path);
   auto r =
       hp::testing::run_command("HP_CALIBRATION=" + cal_path + " " + HP_TRAIN_BINARY +
                                " --nproc 2 --cp 2 --cp-algo auto --steps 2 --metrics-json " + m);
