@@ -161,11 +161,13 @@ def auto_case(rank, p, calibration, heads=4, seed=1, kv_heads=None, kv_head_poli
     return (out - want).abs().max().item(), choice[0]
 
 
-def write_calibration(tmp_path, fits):
-    """A calibration file for 2 ranks with fits[kind] for each collective kind."""
+def write_calibration(tmp_path, fits, **extra):
+    """A calibration file for 2 ranks with fits[kind] for each collective kind (and any other
+    calibration field given by name)."""
     calibration = {
         "link": "loopback", "cores": 2, "attention_gflops": 10.0, "matmul_gflops": 50.0,
         "collectives": {kind: {"2": fit} for kind, fit in fits.items()},
+        **extra,
     }
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(calibration))
@@ -196,17 +198,27 @@ def test_auto_ranks_the_kept_ring(tmp_path):
 
 
 def test_auto_takes_the_repeat_policy(tmp_path):
-    # One K/V head on 2 ranks: Ulysses is a candidate only with kv_head_policy='repeat' (the
-    # cost model's ranking: tests/plan/cost_model_choice_test.cpp); whatever ranks first runs
-    # with the policy only where it repeats, and equals the reference.
-    fit = {"latency_s": 1e-4, "seconds_per_byte": 1e-9}
-    path = write_calibration(tmp_path, {kind: fit for kind in
-                                        ("all_gather", "reduce_scatter", "all_to_all",
-                                         "all_reduce")})
+    # One K/V head on 2 ranks: Ulysses is a candidate only with kv_head_policy='repeat'. The
+    # gathers cost far more than the all-to-alls and the ring's attention is made 100x dearer,
+    # so the repeating Ulysses must rank first and run with the policy (without the policy it
+    # would be refused by the strategy); with the default policy auto must not choose it.
+    # (The layer is tiny, so the all-to-alls' latency is made small too: Ulysses runs more
+    # collectives than the ring's one shift.)
+    slow = {"latency_s": 1e-4, "seconds_per_byte": 1e-6}
+    fast = {"latency_s": 1e-6, "seconds_per_byte": 1e-9}
+    path = write_calibration(tmp_path, {"all_gather": slow, "reduce_scatter": slow,
+                                        "all_to_all": fast, "all_reduce": slow},
+                             ring_attention_factor=100.0)
     for err, choice in run_ranks(2, auto_case, path, 4, 3, 1, "repeat"):
         algorithm, _, _, _, described, policy = choice
         assert err < 1e-10
-        assert policy == ("repeat" if algorithm == "ulysses" else "error"), described
+        assert algorithm == "ulysses", described
+        assert policy == "repeat", described
+    for err, choice in run_ranks(2, auto_case, path, 4, 3, 1):
+        algorithm, _, _, _, described, policy = choice
+        assert err < 1e-10
+        assert algorithm != "ulysses", described
+        assert policy == "error", described
 
 
 def missing_calibration(rank, p, path):
