@@ -79,7 +79,8 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
         a.bench.config.kv_head_policy = hp::cp::parse_kv_head_policy(v);
       },
       "ulysses, hybrid, usp with fewer K/V heads than the Ulysses degree: error (default) or "
-      "repeat (each rank receives only the K/V head its query heads read)");
+      "repeat (each rank receives only the K/V head its query heads read); with all_gather "
+      "or ring and --paired-with ulysses, the paired layer's");
   cmd->add_option("--paired-with", a.bench.paired_with,
                   "sync: time this algorithm's layer (all_gather | ulysses | ring) in alternation "
                   "with the one under test; its result comes first. contiguous (with "
@@ -154,6 +155,17 @@ void resolve_cp_config(CPArgs& a) {
   }
   a.bench.config.algorithm = hp::cp::parse_algorithm(a.algo);
   a.bench.config.schedule = hp::cp::parse_schedule(a.schedule);
+  // --kv-head-policy repeat beside --paired-with ulysses where this layer moves every K/V head
+  // whole: the permission is the paired layer's, the only one that repeats.
+  const auto moves_kv_whole = [](const hp::cp::CPAlgorithm& algo) {
+    return algo.name() == hp::cp::CPAlgorithm::kAllGather ||
+           algo.name() == hp::cp::CPAlgorithm::kRing;
+  };
+  if (a.bench.paired_with == "ulysses" && moves_kv_whole(a.bench.config.algorithm) &&
+      a.bench.config.kv_head_policy == hp::cp::KVHeadPolicy::kRepeat) {
+    a.bench.paired_kv_head_policy = hp::cp::KVHeadPolicy::kRepeat;
+    a.bench.config.kv_head_policy = hp::cp::KVHeadPolicy::kError;
+  }
   if (a.degree > 0) a.bench.config.ulysses_degree = a.degree;
   HP_CHECK(
       !a.bench.config.async_always_local_first ||
@@ -191,7 +203,7 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"always_local_first", a.bench.config.async_always_local_first},
                     {"ring_keep_blocks", r.ring_keep_blocks},
                     {"ring_backward", hp::cp::to_string(a.bench.config.ring_backward)},
-                    {"kv_head_policy", hp::cp::to_string(a.bench.config.kv_head_policy)},
+                    {"kv_head_policy", hp::cp::to_string(r.kv_head_policy)},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},
                     {"threads_per_rank", threads},

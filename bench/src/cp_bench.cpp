@@ -262,6 +262,7 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
   r.algorithm = cp::to_string(var.config.algorithm);
   r.schedule = cp::to_string(var.config.schedule);
   r.ring_keep_blocks = var.config.ring_keep_blocks;
+  r.kv_head_policy = var.config.kv_head_policy;
   r.cp = p;
   r.ulysses_degree = cp::ulysses_degree_of(var.config, p);
   r.seq = o.seq;
@@ -336,8 +337,10 @@ std::optional<cp::ContextParallelConfig> paired_config(const CPBenchOptions& o,
   cp::ContextParallelConfig c;
   c.algorithm = cp::parse_algorithm(o.paired_with);
   c.schedule = cp::CPSchedule::kSync;
-  // Too few K/V heads for a paired Ulysses layer: repeated as in this layer.
-  if (c.algorithm == cp::CPAlgorithm::kUlysses) c.kv_head_policy = config.kv_head_policy;
+  // Too few K/V heads for a paired Ulysses layer: repeated as in this layer, or where this layer
+  // moves every K/V head whole, as paired_kv_head_policy says.
+  if (c.algorithm == cp::CPAlgorithm::kUlysses)
+    c.kv_head_policy = o.paired_kv_head_policy.value_or(config.kv_head_policy);
   // Balanced where this layer is and the algorithm can be (as the cost model's candidates).
   c.load_balance = config.load_balance && c.algorithm != cp::CPAlgorithm::kUlysses;
   if (c.algorithm != cp::CPAlgorithm::kAllGather)

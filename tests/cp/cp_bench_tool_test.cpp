@@ -365,6 +365,34 @@ TEST(CPBench, KVHeadRepeatRunsWithCountedBytesEqualToTheFormula) {
   }
 }
 
+// --paired-with ulysses beside a layer that moves every K/V head whole (all_gather, ring), with
+// too few K/V heads: --kv-head-policy repeat is the paired Ulysses layer's (it was refused for
+// the all_gather layer, and the paired layer refused without it). Each row records the policy
+// that ran, and the repeating layer's bytes equal the formula.
+TEST(CPBench, PairedUlyssesTakesTheRepeatPolicyBesideAWholeKVLayer) {
+  const std::string base = std::string(HP_BENCH_BINARY) +
+                           " cp --seq 256 --heads 4 --kv-heads 1 --head-dim 8 --causal --cp 2 "
+                           "--iters 1 --paired-with ulysses ";
+  for (const std::string algo : {"all_gather", "ring"}) {
+    auto r =
+        hp::testing::run_command(base + "--cp-algo " + algo + " --kv-head-policy repeat --json");
+    ASSERT_EQ(r.rc, 0) << r.out;
+    const auto res = last_json(r.out)["results"];
+    ASSERT_EQ(res.size(), 2u) << r.out;
+    EXPECT_EQ(res[0]["algorithm"], "ulysses") << res;
+    EXPECT_EQ(res[0]["kv_head_policy"], "repeat") << res;
+    EXPECT_EQ(res[1]["algorithm"], algo) << res;
+    EXPECT_EQ(res[1]["kv_head_policy"], "error") << res;
+    EXPECT_GT(res[1]["paired_speedup"].get<double>(), 0.0) << res;
+    for (const auto& b : res[0]["comm_bytes_by_rank"])
+      EXPECT_EQ(b, res[0]["comm_bytes_theory"]) << res;
+  }
+  // Without the policy the paired layer is refused, and the message names the option.
+  auto r = hp::testing::run_command(base + "--cp-algo all_gather");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("--kv-head-policy repeat"), std::string::npos) << r.out;
+}
+
 // --cp-algo auto with --kv-head-policy repeat: one K/V head over 2 ranks lets the Ulysses
 // candidates in (their predictions are printed); the layer that runs carries the policy only
 // if it repeats, and its counted bytes equal the formula.

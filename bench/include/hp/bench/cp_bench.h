@@ -29,6 +29,11 @@ struct CPBenchOptions {
   // "contiguous" (a balanced layer, either schedule, no documents): the same layer on
   // contiguous shards, so paired_speedup is what head-tail balance buys.
   std::string paired_with;
+  // The paired Ulysses layer's K/V head policy where this layer moves every K/V head whole
+  // (all_gather, ring) and so cannot take kv_head_policy=repeat itself: `--cp-algo all_gather
+  // --paired-with ulysses --kv-head-policy repeat` gives the permission to the paired layer.
+  // Unset: the paired Ulysses layer takes config's policy.
+  std::optional<cp::KVHeadPolicy> paired_kv_head_policy;
   // After each round of the layers' timed steps, every rank runs the reference step
   // (attention_bench.h) at once; its slowest rank's time is recorded like a layer step. What the
   // report reads the machine's speed during a run from, against the calibration's.
@@ -42,6 +47,7 @@ double visible_tile_fraction(int64_t seq, bool causal, int64_t documents, int64_
 struct CPBenchResult {
   std::string algorithm, schedule;
   bool ring_keep_blocks = false;  // the variant's ContextParallelConfig::ring_keep_blocks
+  cp::KVHeadPolicy kv_head_policy = cp::KVHeadPolicy::kError;  // the variant's
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
   double step_time_s = 0;  // median over iterations of the slowest rank
   // Bytes handed to the transport in one step (forward + backward), counted on every rank
