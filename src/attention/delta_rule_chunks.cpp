@@ -5,6 +5,7 @@
 //   triangular solve) -> [u w] = T beta [V, K e^G] (one matmul); q e^G, k e^{G_C - G}, e^{G_C}.
 #include "delta_rule_chunks.h"
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -24,7 +25,8 @@ namespace {
 //
 // KDA: built from sub-blocks of s rows: row block a against earlier columns [0, a*s) through the
 // reference G at the row before the block (both factors <= 1); each block against itself through
-// a reference at its middle row (factors within e^{s/2 * 10}; its upper triangle, which
+// a reference at its middle row (factors within e^{s/2 max|g|}, kept in range by the choice of s:
+// sub_block_rows; its upper triangle, which
 // multiplies the two large sides, is dropped before anything else sees it). A hand-written
 // backward reuses the same factors: with dD lower-triangular, dx = rowf (dD colf k),
 // dk = colf (dD^T rowf x), and since every entry depends on G only through G_t - G_i,
@@ -150,12 +152,33 @@ std::pair<at::Tensor, at::Tensor> decayed_products(const at::Tensor& q, const at
   return {r[0], r[1]};
 }
 
+// The sub-block rows s of KDA's decayed products for chunks of C rows with cumulative log-gates
+// G: 16 where C is a multiple of 16, else C, unless a block's factors e^{+-(G - mid)}, up to
+// e^{s/2 max|g|} for per-token log-gates g, could leave the dtype's range (float32: e^88); then
+// the largest divisor of C that keeps s/2 max|g| within the bound (1 at worst: every factor is
+// then <= 1). So the products are exact for any gate, not only g in [kMinLogGate, 0].
+int64_t sub_block_rows(const at::Tensor& G) {
+  const int64_t c = G.size(-2);
+  const int64_t preferred = c % 16 == 0 ? 16 : c;
+  if (G.size(-1) == 1 || c == 1) return preferred;  // GDN: one masked gate matrix, no blocks
+  // Factors up to e^bound (float32: 80, so s = 16 down to the model layers' clamp kMinLogGate;
+  // the dropped upper triangle's products may overflow, and tril() discards them).
+  const double bound = G.scalar_type() == at::kDouble ? 600.0 : 80.0;
+  auto g = G.detach();
+  auto steps = at::cat({g.narrow(-2, 0, 1), g.narrow(-2, 1, c - 1) - g.narrow(-2, 0, c - 1)}, -2);
+  const double widest = steps.abs().max().item<double>();
+  if (!(widest * static_cast<double>(preferred / 2) > bound)) return preferred;  // NaN: as before
+  for (int64_t s = std::min<int64_t>(c, 16); s > 1; --s)
+    if (c % s == 0 && widest * static_cast<double>(s / 2) <= bound) return s;
+  return 1;
+}
+
 }  // namespace
 
 ChunkTerms chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& G, const at::Tensor& beta) {
   const int64_t c = q.size(-2);
-  const int64_t s = c % 16 == 0 ? 16 : c;  // sub-block rows of the decayed products
+  const int64_t s = sub_block_rows(G);  // sub-block rows of the decayed products
   ChunkTerms t;
   // WY: T = (I + tril_-1(diag(beta) KK_dec))^-1 by one unit-lower triangular solve against I
   // (C right-hand sides, cheaper than solving for [V, K] directly), then [U, W] = T diag(beta)

@@ -18,7 +18,8 @@ struct ChunkTerms {
 
 // q, k [.., C, K] (q scaled), v [.., C, V], G [.., C, K or 1] the cumulative log-gates within each
 // chunk, beta [.., C, 1]. ATen ops only: differentiable by autograd in every input. The C x C
-// decayed products are exact for per-token log-gates in [kMinLogGate, 0] (delta_rule.h).
+// decayed products stay in the dtype's range for any per-token log-gate (KDA's sub-blocks shrink
+// where the gates are steep; one host read of the gates' widest step per call).
 ChunkTerms chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& G, const at::Tensor& beta);
 

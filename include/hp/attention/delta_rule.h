@@ -34,7 +34,9 @@
 
 namespace hp::attention {
 
-// The log-gate range the chunked kernel is exact in (per token): g in [kMinLogGate, 0].
+// The per-token log-gate floor the model layers clamp to (model/linear_attention). The chunked
+// kernel itself holds for any gate: below this floor KDA's intra-chunk sub-blocks shrink so its
+// decay factors stay in float32's range.
 inline constexpr double kMinLogGate = -10.0;
 
 // Both honour in.resets (packed documents, mixer.h) through run_by_documents.
