@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -21,6 +22,7 @@
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/crc32.h"
+#include "hp/common/strings.h"
 
 namespace hp::train {
 namespace fs = std::filesystem;
@@ -161,14 +163,22 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"ffn", mc.ffn},
             {"layer_pattern", mc.layer_pattern},
             {"partial_rotary_factor", mc.partial_rotary_factor},
-            {"experts", mc.experts}}},
+            {"experts", mc.experts},
+            {"moe_top_k", mc.moe_top_k},
+            {"capacity_factor", mc.capacity_factor},
+            {"aux_loss_coef", mc.aux_loss_coef},
+            {"z_loss_coef", mc.z_loss_coef}}},
           {"train",
            {{"seq_len", o.seq_len},
             {"batch", o.batch},
             {"lr", o.lr},
             {"lr_warmup", o.lr_warmup},
             {"lr_decay_steps", o.lr_decay_steps},
-            {"data", o.data}}},
+            {"data", o.data},
+            {"data_dtype", o.data_dtype},
+            {"pack_documents", o.pack_documents},
+            {"eod_id", o.eod_id},
+            {"copy_min_block", o.copy_min_block}}},
           {"ranks", records}};
 }
 
@@ -181,9 +191,28 @@ struct Reading {
 const Reading kResume{"hp-train --resume", false};
 const Reading kInitWeights{"hp-train --init-weights", true};
 
+// The settings of `section` that differ from this run's: "flag: checkpoint X, this run Y" each.
+// A key the manifest lacks (written by an older hp-train) counts as `fallback` where one is
+// given, else is not compared.
+struct Differences {
+  const nlohmann::json& section;
+  std::vector<std::string> found;
+
+  template <typename T>
+  void check(const char* key, const T& now, const std::string& flag,
+             std::optional<T> fallback = std::nullopt) {
+    std::optional<T> was = fallback;
+    if (section.contains(key)) was = section.at(key).get<T>();
+    if (was && *was != now)
+      found.push_back(common::str_cat(flag, ": checkpoint ", *was, ", this run ", now));
+  }
+  std::string list() const { return common::str_join(found, "; "); }
+};
+
 // The manifest of checkpoint `dir`, checked against this run: world size, layout and model
-// (errors); for --resume also the sequence length and seed (errors) and the learning rate (a
-// warning on rank 0). Returns this rank's record; nullopt for a checkpoint written before
+// (errors); for --resume also what the batches and the model's function depend on (errors) and
+// the learning rate and loss weights (warnings on rank 0). Each message names every setting that
+// differs with both values. Returns this rank's record; nullopt for a checkpoint written before
 // manifests recorded files.
 std::optional<RankRecord> check_manifest(const std::string& dir, int world_size, int rank,
                                          const TrainOptions& o, const Reading& how) {
@@ -195,18 +224,47 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
     HP_CHECK(mf.good(), "it cannot be opened");
     m = nlohmann::json::parse(mf);
     const auto& model = m.at("model");
-    HP_CHECK(m.at("world_size") == world_size && m.at("tp") == o.tp && m.at("cp") == o.cp &&
-                 m.value("dp_shard", 1) == o.dp_shard &&
-                 m.value("dp_replicate", 1) == o.dp_replicate && m.value("ep", 1) == o.ep &&
-                 model.at("layers") == o.model.layers && model.at("hidden") == o.model.hidden &&
-                 model.value("experts", 0) == o.model.experts &&
-                 model.value("layer_pattern", "") == o.model.layer_pattern,
-             who, ": checkpoint '", dir, "' was written by another layout or model (",
+    Differences layout{m, {}};
+    layout.check<int64_t>("world_size", world_size, "--nproc");
+    layout.check<int64_t>("tp", o.tp, "--tp");
+    layout.check<int64_t>("cp", o.cp, "--cp");
+    layout.check<int64_t>("dp_shard", o.dp_shard, "--dp-shard", 1);
+    layout.check<int64_t>("dp_replicate", o.dp_replicate, "--dp-replicate", 1);
+    layout.check<int64_t>("ep", o.ep, "--ep", 1);
+    Differences sizes{model, {}};
+    sizes.check<int64_t>("layers", o.model.layers, "--layers");
+    sizes.check<int64_t>("hidden", o.model.hidden, "--hidden");
+    sizes.check<int64_t>("experts", o.model.experts, "--experts", 0);
+    sizes.check<std::string>("layer_pattern", o.model.layer_pattern, "layer pattern (--arch)",
+                             std::string());
+    layout.found.insert(layout.found.end(), sizes.found.begin(), sizes.found.end());
+    HP_CHECK(layout.found.empty(), who, ": checkpoint '", dir,
+             "' was written by another layout or model (", layout.list(), "; it was written by ",
              m.at("plan").get<std::string>(),
              "); use the --nproc/--tp/--cp/--dp-shard/--dp-replicate/--ep and model sizes (--arch, "
              "--experts) of the run that wrote it");
     if (!how.weights_only) {
       const auto& train = m.at("train");
+      // What the batches and the model's function depend on besides seq_len and seed.
+      Differences batches{train, {}};
+      batches.check<int64_t>("batch", o.batch, "--batch");
+      batches.check<std::string>("data", o.data, "--data");
+      batches.check<std::string>("data_dtype", o.data_dtype, "--data-dtype");
+      batches.check<bool>("pack_documents", o.pack_documents, "--pack-documents");
+      batches.check<int64_t>("eod_id", o.eod_id, "--eod-id");
+      batches.check<int64_t>("copy_min_block", o.copy_min_block, "--copy-min-block");
+      Differences routing{model, {}};
+      routing.check<int64_t>("moe_top_k", o.model.moe_top_k, "--top-k");
+      routing.check<double>("capacity_factor", o.model.capacity_factor, "--capacity-factor");
+      batches.found.insert(batches.found.end(), routing.found.begin(), routing.found.end());
+      // grad_accum sits beside train in the manifest.
+      Differences accum{m, {}};
+      accum.check<int64_t>("grad_accum", o.grad_accum, "--grad-accum");
+      batches.found.insert(batches.found.end(), accum.found.begin(), accum.found.end());
+      HP_CHECK(batches.found.empty(), who, ": checkpoint '", dir,
+               "' was written with other data or routing settings (", batches.list(),
+               "); resume with the checkpoint's values (the batches and the model's function "
+               "depend on them), or start a new run from its weights with --init-weights");
       const int64_t seq_len = train.at("seq_len").get<int64_t>();
       HP_CHECK(seq_len == o.seq_len, who, ": checkpoint '", dir, "' was written with --seq-len ",
                seq_len, ", this run has --seq-len ", o.seq_len,
@@ -223,6 +281,16 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
                o.model.partial_rotary_factor, "; resume with --partial-rotary-factor ", rotary,
                " (the weights were trained with it), or start a new run from its weights with "
                "--init-weights");
+      Differences weights{model, {}};
+      weights.check<double>("aux_loss_coef", o.model.aux_loss_coef, "--aux-loss-coef");
+      weights.check<double>("z_loss_coef", o.model.z_loss_coef, "--z-loss-coef");
+      if (!weights.found.empty() && rank == 0) {
+        std::printf(
+            "%s: warning: checkpoint '%s' was written with other loss weights (%s); the run "
+            "continues with the new ones, so it will not follow the original trajectory\n",
+            who.c_str(), dir.c_str(), weights.list().c_str());
+        std::fflush(stdout);
+      }
       const double lr = train.at("lr").get<double>();
       if (lr != o.lr && rank == 0) {
         std::printf(

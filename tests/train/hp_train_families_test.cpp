@@ -199,7 +199,26 @@ TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
   EXPECT_EQ(l_resumed[1], l_whole[3]);
   auto c = run(layout + "--ep 4 --steps 6 --resume");
   EXPECT_NE(c.rc, 0);
+  EXPECT_NE(c.out.find("another layout or model (--ep: checkpoint 2, this run 4;"),
+            std::string::npos)
+      << c.out;
   EXPECT_NE(c.out.find("--dp-replicate/--ep and model sizes"), std::string::npos) << c.out;
+  // Routing settings change no tensor's shape but the model's function: refused by name, every
+  // one that differs; the loss weights only warn (as --lr does).
+  auto d = run(layout + "--ep 2 --steps 6 --resume --top-k 1 --capacity-factor 0.5");
+  EXPECT_NE(d.rc, 0);
+  EXPECT_NE(d.out.find("other data or routing settings (--top-k: checkpoint 2, this run 1; "
+                       "--capacity-factor: checkpoint 0, this run 0.5)"),
+            std::string::npos)
+      << d.out;
+  EXPECT_EQ(d.out.find("  step "), std::string::npos) << "no step may run: " << d.out;
+  auto e = run(layout + "--ep 2 --steps 5 --resume --aux-loss-coef 0.5");
+  EXPECT_EQ(e.rc, 0) << e.out;
+  EXPECT_NE(e.out.find("warning: checkpoint '" + dir +
+                       "/step_00000004' was written with other loss weights (--aux-loss-coef: "
+                       "checkpoint 0.01, this run 0.5)"),
+            std::string::npos)
+      << e.out;
 }
 
 // The checkpoint records the partial RoPE: a resume under another factor is refused (the weights

@@ -305,6 +305,19 @@ TEST(HpTrainReliability, ResumeRefusesAChangedSeqLenOrSeedAndWarnsOnLr) {
                                    "' was written with --lr 0.01, this run has --lr 0.02"))
       << lr.out;
   EXPECT_TRUE(contains(lr.out, "resumed from " + step)) << lr.out;
+  // What else the batches depend on: refused, every changed setting named with both values
+  // (the resumed run above wrote step 3, with --lr 0.02 and the default --batch 4).
+  auto data = run(kTiny +
+                  "--steps 4 --lr 0.02 --batch 2 --grad-accum 3 --pack-documents "
+                  "--checkpoint-dir " +
+                  dir + " --resume");
+  EXPECT_NE(data.rc, 0) << data.out;
+  EXPECT_TRUE(contains(data.out, "hp-train --resume: checkpoint '" + dir + "/step_00000003" +
+                                     "' was written with other data or routing settings (--batch: "
+                                     "checkpoint 4, this run 2; --pack-documents: checkpoint 0, "
+                                     "this run 1; --grad-accum: checkpoint 1, this run 3)"))
+      << data.out;
+  EXPECT_FALSE(contains(data.out, "  step ")) << "no step may run: " << data.out;
 }
 
 // Rank `rank`'s model tensors of checkpoint step `step`, by name (read as --resume reads them).
