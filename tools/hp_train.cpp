@@ -99,7 +99,7 @@ void resolve(Args& a) {
     o.model.mixer = a.attention;
   }
   const std::string pattern_given = o.model.layer_pattern;
-  hp::model::apply_family(o.model, a.arch);
+  hp::model::apply_family(o.model, a.arch, {a.experts_given, a.layers_given});
   if (a.rotary_factor != -1) o.model.partial_rotary_factor = a.rotary_factor;
   HP_CHECK(o.model.layer_pattern.empty() || o.model.mixer == "attention",
            "hp-train: the layer pattern (",
@@ -379,6 +379,8 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   hp::comm::timeout_from_seconds(a.timeout_s);                // checked before any rank starts
   model_from_checkpoint(app, a);
   a.schedule_given = app.count("--schedule") > 0;
+  a.experts_given = app.count("--experts") > 0 || !a.train.init_from.empty();
+  a.layers_given = app.count("--layers") > 0 || !a.train.init_from.empty();
   resolve(a);
   if (!a.train.export_hf.empty()) hp::model::check_hf_compatible(a.train.model);
   auto env = hp::comm::parse_launch_env(hp::comm::process_env());

@@ -41,6 +41,8 @@ struct Args {
   std::string ring_backward = "auto";
   std::string arch = "qwen3";
   double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
+  // --experts / --layers on the command line or in --config (or the model from --init-from).
+  bool experts_given = false, layers_given = false;
   std::string host_allocator = "caching";
 };
 

@@ -112,7 +112,7 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
                std::string(py::str(py::type::of(value).attr("__name__"))), ")");
     }
   }
-  model::apply_family(o.model, arch);
+  model::apply_family(o.model, arch, {kwargs.contains("experts"), kwargs.contains("layers")});
   o.cp_auto = algorithm == "auto";
   if (o.cp_auto) {
     HP_CHECK(o.cp > 1, "plan: algorithm='auto' needs cp > 1");

@@ -153,6 +153,12 @@ void validate(const Qwen3Config& c, int64_t tp) {
                c.head_dim > 0 && c.ffn > 0,
            "Qwen3Config: every size must be positive");
   HP_CHECK(c.head_dim % 2 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be even for RoPE");
+  // A pattern repeats over the layers; cut short it would drop its later kinds (qwen3.5's G).
+  HP_CHECK(c.layer_pattern.size() <= static_cast<size_t>(c.layers), "Qwen3Config.layers=", c.layers,
+           " is shorter than layer_pattern=", c.layer_pattern, " (", c.layer_pattern.size(),
+           " layers, from --arch or --layer-pattern), so its last ",
+           static_cast<int64_t>(c.layer_pattern.size()) - c.layers,
+           " would never be built; use --layers ", c.layer_pattern.size(), " or more");
   {
     const double r = c.head_dim * c.partial_rotary_factor;
     const int64_t ri = rotary_dim(c);
@@ -168,7 +174,12 @@ void validate(const Qwen3Config& c, int64_t tp) {
   HP_CHECK(c.heads % tp == 0 && c.kv_heads % tp == 0, "Qwen3Config: heads=", c.heads,
            " and kv_heads=", c.kv_heads, " must both be divisible by tp_size=", tp,
            "; choose a tp_size that divides ", c.kv_heads);
-  HP_CHECK(c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn, " is not divisible by tp_size=", tp);
+  // The dense MLP's width splits over TP; MoE experts are not split (moe/), so with experts
+  // ffn only sizes experts (where moe_ffn is 0).
+  HP_CHECK(c.experts > 0 || c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn,
+           " is not divisible by tp_size=", tp);
+  HP_CHECK(c.moe_ffn >= 0, "Qwen3Config.moe_ffn=", c.moe_ffn,
+           " must be >= 0 (0: each expert as wide as ffn)");
   HP_CHECK(mixer_names().count(c.mixer) == 1, "Qwen3Config.mixer='", c.mixer,
            "' is not valid; valid: attention, gated_attention, gdn, kda, mla, dsa");
   HP_CHECK(c.linear_kind == "gdn" || c.linear_kind == "kda", "Qwen3Config.linear_kind='",

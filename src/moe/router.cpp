@@ -1,5 +1,6 @@
 #include "hp/moe/router.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -33,8 +34,10 @@ Routing route(const at::Tensor& logits, const RouterOptions& o) {
     r.kept = at::ones_like(r.experts, at::kBool);
     return r;
   }
-  const auto capacity = static_cast<int64_t>(std::ceil(
-      o.capacity_factor * static_cast<double>(t * o.top_k) / static_cast<double>(o.experts)));
+  // At most every assignment (a huge factor must not overflow the cast and drop everything).
+  const double assignments = static_cast<double>(t * o.top_k);
+  const auto capacity = static_cast<int64_t>(std::min(
+      assignments, std::ceil(o.capacity_factor * assignments / static_cast<double>(o.experts))));
   // Each assignment's place in its expert's queue, in (token, slot) order.
   auto flat = r.experts.reshape({-1});
   auto queue = at::one_hot(flat, o.experts).cumsum(0).gather(1, flat.unsqueeze(1)).squeeze(1) - 1;

@@ -126,6 +126,24 @@ TEST(MoE, BadConfigurationsFailNamingTheField) {
   });
 }
 
+// The capacity is at most every assignment: a huge factor keeps them all (it overflowed the
+// integer cast and dropped every one), and a tight one drops past ceil(f T k / E).
+TEST(MoE, CapacityNeverExceedsTheAssignments) {
+  auto logits = at::randn({16, 4}, at::kDouble);
+  RouterOptions o;
+  o.experts = 4;
+  o.top_k = 2;
+  for (double f : {1e17, 1e30, 1e300}) {
+    o.capacity_factor = f;
+    auto r = route(logits, o);
+    EXPECT_EQ(r.dropped, 0) << f;
+    EXPECT_TRUE(r.kept.all().item<bool>()) << f;
+  }
+  o.capacity_factor = 0.5;  // 4 assignments per expert of 32
+  auto r = route(logits, o);
+  EXPECT_EQ(r.dropped, 32 - (expert_counts(r, 4).clamp_max(4)).sum().item<int64_t>());
+}
+
 // EP over P ranks, each with its own tokens, equals the single-process layer over all of them:
 // outputs, the loss (the shares sum to it), the router's and shared expert's gradients (summed
 // over ranks), and each rank's experts' gradients.

@@ -43,6 +43,8 @@ ILLEGAL = [
     (3, dict(cp=3, seq_len=512), ["--nproc", "3", "--cp", "3", "--seq-len", "512"]),
     (4, dict(arch="qwen3-moe", experts=6, ep=4, dp_shard=4),
      ["--nproc", "4", "--arch", "qwen3-moe", "--experts", "6", "--ep", "4", "--dp-shard", "4"]),
+    (1, dict(arch="qwen3.5", layers=2), ["--arch", "qwen3.5", "--layers", "2"]),
+    (1, dict(arch="kimi-linear", experts=0), ["--arch", "kimi-linear", "--experts", "0"]),
     (2, dict(cp=2, algorithm="ulysses", row_parts=2),
      ["--nproc", "2", "--cp", "2", "--cp-algo", "ulysses", "--ulysses-row-parts", "2"]),
     (2, dict(cp=2, algorithm="ring", ring_keep_blocks=True, ring_backward="queries"),

@@ -304,6 +304,33 @@ TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {
                  {"Qwen3Config.partial_rotary_factor=0.3 with head_dim=16 rotates 4.8 channels"});
   expect_refused("--nproc 2 --cp 2 --experts 4 --capacity-factor 1 --validate",
                  {"drops tokens per rank", "drop --capacity-factor or --validate"});
+  // Values a family's defaults would otherwise overwrite, or a sign the expert width dropped.
+  expect_refused("--arch qwen3-moe --experts 0",
+                 {"--arch qwen3-moe is a mixture-of-experts family, but --experts 0 asks for a "
+                  "dense MLP; drop --experts 0 (qwen3-moe defaults to 8 experts)"});
+  expect_refused("--arch kimi-linear --experts 0 --layers 4", {"--arch kimi-linear is a mixture"});
+  expect_refused("--experts 4 --moe-ffn -5", {"Qwen3Config.moe_ffn=-5 must be >= 0"});
+  // A pattern longer than the layers would drop its later kinds (qwen3.5's G layer).
+  expect_refused("--arch qwen3.5 --layers 2",
+                 {"Qwen3Config.layers=2 is shorter than layer_pattern=LLLG (4 layers, from --arch "
+                  "or --layer-pattern), so its last 2 would never be built; use --layers 4 or "
+                  "more"});
+  expect_refused("--layer-pattern LLLA --layers 3", {"Qwen3Config.layers=3 is shorter"});
+}
+
+// Without --layers a family's pattern sets the depth (the embedded task's 2 layers would build
+// only qwen3.5's linear layers); MoE experts are not split by TP, so an ffn that TP does not
+// divide is legal with experts.
+TEST(HpTrainFamilies, DefaultsThatKeepTheFamilyWhole) {
+  const std::string json = hp::testing::scratch_dir() + "/family_default_layers.json";
+  auto r = run("--arch qwen3.5 " + kModel + "--seq-len 32 --steps 1 --metrics-json " + json);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto j = metrics(json);
+  EXPECT_EQ(j["config"]["layers"], 4) << j["config"];
+  auto t =
+      run("--nproc 2 --tp 2 --experts 4 --ffn 47 --moe-ffn 24 --hidden 32 --heads 4 "
+          "--kv-heads 2 --head-dim 8 --seq-len 32 --steps 1");
+  EXPECT_EQ(t.rc, 0) << t.out;
 }
 
 }  // namespace
