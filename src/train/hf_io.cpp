@@ -14,6 +14,10 @@ void load_hf_checkpoint(Runner& run, const plan::ShardingPlan* plan, const std::
   const auto& c = run.o.model;
   model::check_hf_compatible(c);
   model::HFDirectory hf(dir);
+  std::vector<std::string> names;
+  for (const auto& p : run.model->named_parameters())
+    names.push_back(p.key());
+  model::check_no_unread_tensors(hf, c, names);
   for (auto& [name, t] : run.params) {
     model::HFSlice s;
     const bool expert = plan != nullptr && plan->is_expert_param(name);

@@ -4,6 +4,9 @@
 // ranks included), each family learns the copy task, and each illegal combination is refused by
 // text before any collective.
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -280,6 +283,49 @@ TEST(HpTrainFamilies, HuggingFaceCheckpointsLoadIntoAnyLayoutAndExportBitwise) {
                  {"--hidden and --init-from both set the model", "drop --hidden"});
   expect_refused("--arch qwen3.5 --layers 4 --export-hf " + dir + "/x",
                  {"supported for the qwen3 and qwen3-moe families"});
+}
+
+// A Hugging Face directory whose config.json does not describe its weights, or asks for what
+// the model does not do, is refused by name before any step (it trained silently: the unread
+// layers dropped, YaRN and gelu ignored).
+TEST(HpTrainFamilies, HuggingFaceConfigsThatDoNotDescribeTheWeightsAreRefused) {
+  const std::string src = hp::testing::scratch_dir() + "/hf_config_src";
+  auto e = run("--layers 2 " + kModel + "--seq-len 32 --steps 1 --export-hf " + src);
+  ASSERT_EQ(e.rc, 0) << e.out;
+  auto edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const std::string dir = hp::testing::scratch_dir() + "/hf_config_" + name;
+    std::filesystem::remove_all(dir);
+    std::filesystem::copy(src, dir);
+    std::ifstream in(dir + "/config.json");
+    auto j = nlohmann::json::parse(in);
+    in.close();
+    edit(j);
+    std::ofstream(dir + "/config.json") << j.dump(2);
+    return dir;
+  };
+  // (Which tensors the model reads is known once it is built: refused before step 1.)
+  auto fewer = run("--steps 1 --seq-len 32 --init-from " +
+                   edited("fewer_layers", [](nlohmann::json& j) { j["num_hidden_layers"] = 1; }));
+  EXPECT_EQ(fewer.rc, 1) << fewer.out;
+  EXPECT_NE(fewer.out.find("tensor(s) this model does not read (model.layers.1."),
+            std::string::npos)
+      << fewer.out;
+  EXPECT_NE(fewer.out.find("its config.json does not describe its weights"), std::string::npos)
+      << fewer.out;
+  EXPECT_EQ(fewer.out.find("  step "), std::string::npos) << "no step may run: " << fewer.out;
+  expect_refused(
+      "--steps 1 --init-from " + edited("yarn",
+                                        [](nlohmann::json& j) {
+                                          j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}};
+                                        }),
+      {"rope_scaling is not supported"});
+  expect_refused("--steps 1 --init-from " +
+                     edited("gelu", [](nlohmann::json& j) { j["hidden_act"] = "gelu"; }),
+                 {"hidden_act='gelu' is not supported"});
+  // A null rope_scaling, as Hugging Face writes it, is fine.
+  auto ok = run("--steps 1 --seq-len 32 --init-from " +
+                edited("null_scaling", [](nlohmann::json& j) { j["rope_scaling"] = nullptr; }));
+  EXPECT_EQ(ok.rc, 0) << ok.out;
 }
 
 TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {

@@ -41,6 +41,7 @@ class HFDirectory {
   explicit HFDirectory(const std::string& dir);
   at::Tensor view(const std::string& hf_name) const;  // read-only, zero-copy
   bool has(const std::string& hf_name) const;
+  std::vector<std::string> names() const;  // every tensor of the checkpoint, sorted
   const std::string& dir() const { return dir_; }
 
  private:
@@ -54,6 +55,13 @@ class HFDirectory {
 // expert 0 first.
 std::vector<std::string> hf_names(const std::string& param, const Qwen3Config& c);
 bool is_stacked_experts(const std::string& param);
+
+// Refuses a checkpoint holding tensors that none of `params` (this model's parameter names)
+// reads, naming the first few: a config.json that describes fewer layers or experts than the
+// weights, or another architecture's weights. lm_head.weight beside tied embeddings is a copy
+// and is let through.
+void check_no_unread_tensors(const HFDirectory& dir, const Qwen3Config& c,
+                             const std::vector<std::string>& params);
 
 // What one rank holds of a parameter: the slice along tp_dim for tp_rank of tp_size (tp_dim < 0:
 // not split by TP), for stacked experts the experts from expert_begin on, and of that tensor the

@@ -1,11 +1,14 @@
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include "hp/common/check.h"
+#include "hp/common/strings.h"
 #include "hp/model/hf.h"
 
 namespace hp::model {
@@ -43,6 +46,12 @@ HFModel read_hf_config(const std::string& dir) {
             "is not supported (the projections have no bias)");
   refuse_if(j.value("use_sliding_window", false), "use_sliding_window=true",
             "is not supported (attention is causal over the whole sequence)");
+  refuse_if(j.contains("rope_scaling") && !j.at("rope_scaling").is_null(), "rope_scaling",
+            "is not supported (RoPE here is unscaled: rope_theta alone); set it to null or use a "
+            "checkpoint without it");
+  const std::string act = j.value("hidden_act", "silu");
+  refuse_if(act != "silu", "hidden_act='" + act + "'",
+            "is not supported (the MLP and experts are SwiGLU: silu)");
   HFModel m;
   m.arch = type == "qwen3" ? "qwen3" : "qwen3-moe";
   auto& c = m.config;
@@ -143,6 +152,31 @@ HFDirectory::HFDirectory(const std::string& dir) : dir_(dir) {
 
 bool HFDirectory::has(const std::string& name) const {
   return where_.count(name) > 0;
+}
+
+std::vector<std::string> HFDirectory::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, file] : where_)
+    out.push_back(name);
+  return out;
+}
+
+void check_no_unread_tensors(const HFDirectory& dir, const Qwen3Config& c,
+                             const std::vector<std::string>& params) {
+  std::set<std::string> read;
+  for (const auto& p : params)
+    for (auto& n : hf_names(p, c))
+      read.insert(std::move(n));
+  std::vector<std::string> unread;
+  for (const auto& n : dir.names())
+    if (read.count(n) == 0 && !(c.tie_embeddings && n == "lm_head.weight")) unread.push_back(n);
+  if (unread.empty()) return;
+  const std::vector<std::string> shown(unread.begin(),
+                                       unread.begin() + std::min<std::ptrdiff_t>(unread.size(), 4));
+  HP_CHECK(false, "hf: '", dir.dir(), "' holds ", unread.size(),
+           " tensor(s) this model does not read (", common::str_join(shown),
+           unread.size() > shown.size() ? ", ..." : "",
+           "); its config.json does not describe its weights (layers, experts, architecture)");
 }
 
 at::Tensor HFDirectory::view(const std::string& name) const {
