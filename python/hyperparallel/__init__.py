@@ -16,6 +16,8 @@ and what to change) before anything is communicated. Build: ``scripts/build.sh``
 ``build/python`` on ``PYTHONPATH``.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -76,6 +78,11 @@ def _check_tensor(name, t):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def _check_scale(scale):
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"scale={scale!r} must be a finite number (None: 1/sqrt(D))")
+
+
 def _choice(name, value, valid):
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not valid; valid: {', '.join(valid)}")
@@ -95,6 +102,11 @@ def _document_ids(mask, q, layout, group_size):
                 "[B, S]) or the cumulative document lengths (cu_seqlens, a list of ints); "
                 f"got a {mask.dtype} tensor")
         ids = mask if mask.dim() == 2 else mask.reshape(1, -1)
+        if mask.dim() > 2 or ids.size(0) not in (1, q.size(0)):
+            raise ValueError(
+                f"mask: document ids of shape {list(mask.shape)} do not fit a batch of "
+                f"{q.size(0)}; pass [S] (every row alike) or [{q.size(0)}, S] ids of the whole "
+                "sequence")
         if ids.size(-1) != total:
             raise ValueError(
                 f"mask: document ids cover {ids.size(-1)} tokens but the whole sequence has "
@@ -151,8 +163,23 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     _choice("algorithm", algorithm, ALGORITHMS)
     _choice("layout", layout, LAYOUTS)
     _choice("schedule", schedule, ("sync", "async"))
+    _check_scale(scale)
+    if algorithm == "auto":
+        # auto chooses these itself and runs each strategy's defaults for the rest.
+        given = [f"{name}={value!r}" for name, value, default in (
+            ("ulysses_degree", ulysses_degree, None), ("schedule", schedule, "sync"),
+            ("ring_keep_blocks", ring_keep_blocks, False), ("head_groups", head_groups, 0),
+            ("row_parts", row_parts, 0), ("ring_backward", ring_backward, "auto"))
+            if value != default]
+        if given:
+            raise ValueError(
+                "algorithm='auto' chooses the strategy, its schedule, its Ulysses degree and "
+                f"ring_keep_blocks, with each strategy's defaults, so {', '.join(given)} would "
+                "not run; drop them or name the algorithm")
     g = _group(group)
     docs = _document_ids(mask, q, layout, g.size)
+    if algorithm == "auto" and g.size == 1:
+        algorithm = "all_gather"  # one rank: plain attention, as every algorithm there
     if algorithm == "auto":
         if q.dim() != 4 or k.dim() != 4:
             raise ValueError(f"q and k must be 4-d ({layout}); got {q.dim()} and {k.dim()} dims")
@@ -210,6 +237,7 @@ class LinearAttentionCP(torch.nn.Module):
         _choice("mode", mode, ("state_passing", "ulysses"))
         _choice("state_exchange", state_exchange, ("all_gather", "p2p"))
         _choice("kernel", kernel, ("chunked", "recurrent"))
+        _check_scale(scale)
         self.kind, self.mode, self.group = kind, mode, group
         self.state_exchange, self.kernel = state_exchange, kernel
         self.scale, self.chunk_size = scale, int(chunk_size)
@@ -239,7 +267,12 @@ def unshard_sequence(x, dim, group=None, load_balance=False):
     """Every rank's shard gathered back into the full sequence in natural order (differentiable:
     its backward hands each rank the gradient of its shard, summed over the ranks)."""
     _check_tensor("x", x)
-    return _C.unshard_sequence(x, int(dim), _group(group), bool(load_balance))
+    g = _group(group)
+    if load_balance and x.dim() > 0 and x.size(int(dim)) % 2 != 0:
+        raise ValueError(
+            f"x: a head-tail shard holds two equal chunks, but dim {dim} has {x.size(int(dim))} "
+            "positions (odd); pass the shard shard_sequence(..., load_balance=True) returned")
+    return _C.unshard_sequence(x, int(dim), g, bool(load_balance))
 
 
 def bytes_sent(group=None):

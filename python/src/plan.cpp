@@ -7,6 +7,7 @@
 
 #include "bindings.h"
 #include "hp/common/check.h"
+#include "hp/common/strings.h"
 #include "hp/model/family.h"
 #include "hp/plan/memory.h"
 #include "hp/train/options.h"
@@ -81,15 +82,17 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
   cp::ContextParallelConfig c;
   std::string algorithm = "all_gather";
   bool cp_given = false;
-  for (const auto& [key_obj, value] : kwargs) {
-    const auto key = key_obj.cast<std::string>();
+  std::vector<std::string> tuned;  // CP keys algorithm='auto' would not run
+  auto set = [&](const std::string& key, const py::handle& value) {
     if (key == "arch") {
       arch = value.cast<std::string>();
-      continue;
+      return;
     }
     if (std::find(kCPKeys.begin(), kCPKeys.end(), key) != kCPKeys.end()) {
       cp_given = true;
-      if (value.is_none()) continue;
+      if (value.is_none()) return;
+      if (key != "algorithm" && key != "load_balance" && key != "kv_head_policy")
+        tuned.push_back(key);
       if (key == "algorithm") algorithm = value.cast<std::string>();
       if (key == "ulysses_degree") c.ulysses_degree = value.cast<int64_t>();
       if (key == "schedule") c.schedule = cp::parse_schedule(value.cast<std::string>());
@@ -101,17 +104,26 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
       if (key == "row_parts") c.ulysses_row_parts = value.cast<int64_t>();
       if (key == "ring_backward")
         c.ring_backward = cp::parse_ring_backward(value.cast<std::string>());
-      continue;
+      return;
     }
     auto it = setters().find(key);
     HP_CHECK(it != setters().end(), "plan: unknown option '", key, "'; valid: ", valid_keys());
+    it->second(o, value);
+  };
+  for (const auto& [key_obj, value] : kwargs) {
+    const auto key = key_obj.cast<std::string>();
     try {
-      it->second(o, value);
+      set(key, value);
     } catch (const py::cast_error&) {
       HP_CHECK(false, "plan: option '", key, "' has the wrong type (",
                std::string(py::str(py::type::of(value).attr("__name__"))), ")");
     }
   }
+  HP_CHECK(algorithm != "auto" || tuned.empty(),
+           "plan: algorithm='auto' chooses the strategy, its schedule, its Ulysses degree and "
+           "ring_keep_blocks, with each strategy's defaults, so ",
+           common::str_join(tuned), " would not run; drop ", tuned.size() == 1 ? "it" : "them",
+           " or name the algorithm");
   model::apply_family(o.model, arch, {kwargs.contains("experts"), kwargs.contains("layers")});
   o.cp_auto = algorithm == "auto";
   if (o.cp_auto) {

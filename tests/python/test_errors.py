@@ -15,10 +15,12 @@ def good(b=1, s=8, h=4, d=8, dtype=torch.float32):
 
 
 def message(fn):
+    """The error fn raises, and the bytes sent before it (none: refused before any collective)."""
+    hp.reset_counters()
     try:
         fn()
     except (ValueError, RuntimeError) as e:
-        return type(e).__name__ + ": " + str(e)
+        return type(e).__name__ + ": " + str(e) + f" [sent {hp.bytes_sent()} bytes]"
     return "no error"
 
 
@@ -49,6 +51,16 @@ def mistakes(rank, p):
         q, k, v, mask=torch.ones(16, 16, dtype=torch.bool)))
     seen["group"] = message(lambda: hp.context_parallel_attention(q, k, v, group="cp"))
     seen["shard_length"] = message(lambda: hp.shard_sequence(torch.zeros(1, 7), 1))
+    seen["mask_rows"] = message(lambda: hp.context_parallel_attention(
+        q, k, v, mask=torch.zeros(3, 16, dtype=torch.long)))
+    seen["linear_mask_rows"] = message(lambda: hp.LinearAttentionCP("gdn")(
+        q, k, v, torch.zeros(1, 8, 4), torch.zeros(1, 8, 4),
+        mask=torch.zeros(3, 16, dtype=torch.long)))
+    seen["scale"] = message(lambda: hp.context_parallel_attention(q, k, v, scale=float("nan")))
+    seen["auto_tuned"] = message(lambda: hp.context_parallel_attention(
+        q, k, v, algorithm="auto", schedule="async", ulysses_degree=7))
+    seen["unshard_odd"] = message(lambda: hp.unshard_sequence(
+        torch.zeros(1, 7), 1, load_balance=True))
     # After every mistake the group still works, and non-contiguous inputs are fine.
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, BNSD memory
     assert not qt.is_contiguous()
@@ -74,6 +86,11 @@ EXPECTED = {
     "bool_mask": ["ValueError", "only document masks"],
     "group": ["ValueError", "expected a torch.distributed ProcessGroup, got str"],
     "shard_length": ["ValueError", "7"],
+    "mask_rows": ["ValueError", "mask: document ids of shape [3, 16] do not fit a batch of 1"],
+    "linear_mask_rows": ["ValueError", "do not fit a batch of 1"],
+    "scale": ["ValueError", "scale=nan must be a finite number"],
+    "auto_tuned": ["ValueError", "so ulysses_degree=7, schedule='async' would not run"],
+    "unshard_odd": ["ValueError", "has 7 positions (odd)"],
 }
 
 
@@ -84,6 +101,8 @@ def test_each_mistake_names_the_problem():
         for key, words in EXPECTED.items():
             if not all(w in seen[key] for w in words):
                 wrong.append(f"rank {rank} {key}: expected {words} in: {seen[key]}")
+            if "[sent 0 bytes]" not in seen[key]:
+                wrong.append(f"rank {rank} {key}: refused after sending: {seen[key]}")
     assert not wrong, "\n".join(wrong)
     assert all(seen["non_contiguous_diff"] < 1e-6 for seen in results)
 

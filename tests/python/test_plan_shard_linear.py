@@ -223,6 +223,29 @@ def test_auto_takes_the_repeat_policy(tmp_path):
         assert policy == "error", described
 
 
+def auto_on_one_rank(rank, p):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    os.environ["HP_CALIBRATION"] = "/nonexistent/calibration.json"  # not needed on one rank
+    out = hp.context_parallel_attention(q, k, v, algorithm="auto", causal=True)
+    return (out - reference.attention(q, k, v, causal=True)).abs().max().item()
+
+
+def test_auto_on_one_rank_is_plain_attention():
+    # As every algorithm on a group of one: no cost model, no calibration, the reference.
+    for err in run_ranks(1, auto_on_one_rank):
+        assert err < 1e-10
+
+
+def test_plan_auto_refuses_the_settings_it_chooses():
+    with pytest.raises(ValueError, match="so ulysses_degree, schedule would not run; drop them"):
+        hp.plan(4, cp=4, algorithm="auto", ulysses_degree=2, schedule="async")
+    for key, value in (("load_balance", "yes"), ("ulysses_degree", "2"), ("head_groups", 2.5),
+                       ("arch", 3)):
+        with pytest.raises(ValueError, match=f"option '{key}' has the wrong type"):
+            hp.plan(2, cp=2, **{key: value})
+
+
 def missing_calibration(rank, p, path):
     os.environ["HP_CALIBRATION"] = path
     q = torch.randn(1, 8, 4, 8)
