@@ -183,6 +183,13 @@ void resolve(Args& a) {
     if (a.schedule != "sync") given.insert(given.begin(), "--schedule " + a.schedule);
     if (a.algo != "all_gather" && a.algo != "auto")
       given.insert(given.begin(), "--cp-algo " + a.algo);
+    // The linear and MLA layers' CP choices.
+    const hp::plan::LinearPlanOptions linear_defaults;
+    const hp::plan::MLAPlanOptions mla_defaults;
+    if (o.linear.mode != linear_defaults.mode) given.push_back("--cp-mode " + o.linear.mode);
+    if (o.linear.state_exchange != linear_defaults.state_exchange)
+      given.push_back("--state-exchange " + o.linear.state_exchange);
+    if (o.mla.strategy != mla_defaults.strategy) given.push_back("--mla-cp " + o.mla.strategy);
     HP_CHECK(given.empty(), "hp-train: ", hp::common::str_join(given), " configure",
              given.size() == 1 ? "s" : "",
              " context parallelism, but --cp is 1 (no CP runs); drop ",

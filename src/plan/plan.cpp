@@ -162,13 +162,14 @@ void check_mla_plan(const std::vector<ModuleInfo>& mlas, const PlanOptions& o,
 LinearPlanOptions plan_linear(const std::vector<ModuleInfo>& lins, const PlanOptions& o,
                               std::vector<std::string>& log) {
   LinearPlanOptions out = o.linear;
-  if (lins.empty() || o.cp_size == 1) return out;
+  // Names are checked at every size (a misspelt mode is a mistake at cp 1 too).
   HP_CHECK(out.mode == "state_passing" || out.mode == "ulysses", "plan: linear CP mode '", out.mode,
            "' is not valid; valid: state_passing, ulysses");
   HP_CHECK(out.state_exchange == "all_gather" || out.state_exchange == "p2p" ||
                out.state_exchange == "auto",
            "plan: state_exchange '", out.state_exchange,
            "' is not valid; valid: all_gather, p2p, auto");
+  if (lins.empty() || o.cp_size == 1) return out;
   HP_CHECK(out.mode == "state_passing" || out.state_exchange == "all_gather",
            "plan: state_exchange '", out.state_exchange,
            "' chooses how linear CP mode state_passing folds its states; mode ulysses exchanges "

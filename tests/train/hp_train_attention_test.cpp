@@ -48,6 +48,12 @@ TEST(HpTrain, LinearMixersUnderContextParallelism) {
                  {"--cp-mode and --state-exchange apply to --mixer gdn|kda"});
   expect_refused("--nproc 2 --mixer kda --tp 2",
                  {"linear-attention layers have no tensor parallelism"});
+  // At --cp 1 no CP runs: the linear layers' CP flags would do nothing (they were ignored,
+  // misspelt or not).
+  expect_refused("--mixer gdn --cp-mode bogus --state-exchange p2p",
+                 {"hp-train: --cp-mode bogus, --state-exchange p2p configure context "
+                  "parallelism, but --cp is 1"});
+  expect_refused("--attention mla --mla-cp ulysses", {"--mla-cp ulysses configures context"});
 }
 
 // A model of MLA layers (--attention mla) under CP: each strategy (async and balanced for the
