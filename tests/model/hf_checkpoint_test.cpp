@@ -83,6 +83,28 @@ INSTANTIATE_TEST_SUITE_P(Files, HFCheckpoint,
                            return c.type + "_" + c.layout + "_" + c.dtype + c.tied;
                          });
 
+// Hugging Face's router_aux_loss_coef weighs one loss over all layers' tokens (k when
+// balanced); this decoder sums a per-layer loss of 1 when balanced: read as coef x k / layers,
+// written back as the inverse, so a round trip keeps the file's value.
+TEST(HFConfig, RouterAuxLossCoefficientIsConvertedBothWays) {
+  Qwen3Config c;
+  c.layers = 4;
+  c.hidden = 32;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.ffn = 48;
+  c.experts = 4;
+  c.moe_top_k = 2;
+  c.aux_loss_coef = 0.0005;
+  const std::string dir = hp::testing::scratch_dir() + "/hf_aux_coef";
+  write_hf_config(c, dir);
+  std::ifstream f(dir + "/config.json");
+  const auto j = nlohmann::json::parse(f);
+  EXPECT_DOUBLE_EQ(j.at("router_aux_loss_coef").get<double>(), 0.001);
+  EXPECT_DOUBLE_EQ(read_hf_config(dir).config.aux_loss_coef, 0.0005);
+}
+
 TEST(Safetensors, WriteReadRoundTripAndDamagedFilesAreRefused) {
   const std::string path = hp::testing::scratch_dir() + "/t.safetensors";
   auto a = at::arange(12, at::kFloat).view({3, 4});

@@ -74,7 +74,11 @@ HFModel read_hf_config(const std::string& dir) {
     c.moe_top_k = j.at("num_experts_per_tok");
     c.moe_ffn = j.at("moe_intermediate_size");
     c.moe_renormalize = j.value("norm_topk_prob", false);
-    c.aux_loss_coef = j.value("router_aux_loss_coef", 0.001);
+    // Hugging Face's load-balancing loss is one value over every layer's tokens together, k
+    // when balanced; this decoder's sums a per-layer loss of 1 when balanced (moe/router.h). The
+    // same pull on each layer's router: coefficient x k / layers.
+    c.aux_loss_coef = j.value("router_aux_loss_coef", 0.001) * static_cast<double>(c.moe_top_k) /
+                      static_cast<double>(c.layers);
   }
   validate(c);
   return m;
@@ -117,7 +121,8 @@ void write_hf_config(const Qwen3Config& c, const std::string& dir) {
     j["num_experts_per_tok"] = c.moe_top_k;
     j["moe_intermediate_size"] = moe_config(c).expert_ffn;
     j["norm_topk_prob"] = c.moe_renormalize;
-    j["router_aux_loss_coef"] = c.aux_loss_coef;
+    j["router_aux_loss_coef"] =  // read_hf_config's conversion, inverted
+        c.aux_loss_coef * static_cast<double>(c.layers) / static_cast<double>(c.moe_top_k);
     j["decoder_sparse_step"] = 1;
     j["mlp_only_layers"] = nlohmann::json::array();
   }
