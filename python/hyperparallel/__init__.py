@@ -42,10 +42,33 @@ ALGORITHMS = ("ulysses", "all_gather", "hybrid", "ring", "usp", "auto")
 LAYOUTS = ("bshd", "bnsd")
 
 # Per process: torch group -> its hyperparallel group (built once; the topologies of its CP
-# configurations live in it), and the attention modules installed per configuration.
+# configurations live in it), and the attention modules installed per configuration. Kept while
+# torch.distributed knows the group: a destroyed group's entries (and the sub-groups, threads and
+# sockets they hold) go at the next call.
 _groups = {}
 _attention = {}
 _auto = {}
+
+
+def _torch_groups():
+    """The process groups torch.distributed has not destroyed (None: not knowable here)."""
+    c10d = dist.distributed_c10d
+    world = getattr(c10d, "_world", None)  # torch 2.x
+    pg_map = getattr(world, "pg_map", None) if world is not None else None
+    if pg_map is None:
+        pg_map = getattr(c10d, "_pg_map", None)  # torch 1.x
+    return pg_map
+
+
+def _drop_destroyed_groups():
+    live = _torch_groups()
+    if live is None:
+        return
+    for group in [g for g in _groups if g not in live]:
+        wrapped = _groups.pop(group)
+        for cache in (_attention, _auto):
+            for key in [key for key in cache if key[0] is wrapped]:
+                del cache[key]
 
 
 def _group(group):
@@ -68,6 +91,7 @@ def _group(group):
         global_rank = getattr(dist, "get_global_rank", None) or \
             dist.distributed_c10d._get_global_rank  # public from torch 2.0
         ranks = [global_rank(group, i) for i in range(group.size())]  # in group-rank order
+        _drop_destroyed_groups()
         wrapped = _C.Group(group, ranks, dist.get_rank())
         _groups[group] = wrapped
     return wrapped

@@ -2,6 +2,11 @@
 is communicated (every rank gets the same error and the group stays usable); non-contiguous
 inputs are not a mistake: they give the contiguous result."""
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -111,3 +116,38 @@ def test_no_process_group_is_a_clear_error():
     q, k, v = good()
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         hp.context_parallel_attention(q, k, v)
+
+
+CYCLES = textwrap.dedent("""
+    import gc, json, os, socket
+    import torch, torch.distributed as dist
+    import hyperparallel as hp
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    seen = []
+    for i in range(4):
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        hp.shard_sequence(torch.zeros(1, 8), 1)
+        q = torch.randn(1, 8, 2, 4)
+        hp.context_parallel_attention(q, q, q, causal=True)
+        dist.destroy_process_group()
+        gc.collect()
+        seen.append([len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))])
+    print(json.dumps(seen))
+""")
+
+
+def test_destroyed_groups_release_their_threads_and_sockets():
+    # init, use, destroy, four times in one process: hyperparallel's caches held every group
+    # (its gloo threads and sockets) forever; a destroyed group's entries now go at the next call.
+    run = subprocess.run([sys.executable, "-c", CYCLES], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(c == seen[1] for c in seen[1:]), seen
