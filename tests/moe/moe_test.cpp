@@ -189,8 +189,19 @@ void expect_ep_equals_single_process(int p, int64_t shared) {
       expect_close(comm::all_reduce(w.group(), m->shared_up.grad()), single->shared_up.grad(),
                    "EP dshared_up", 1e-9, 1e-10);
     }
-    // The dispatch moved exactly the rows routed to other ranks' experts.
-    EXPECT_GT(w.context().counters.bytes(comm::OpKind::kAllToAll), 0);
+    // The dispatch and combine moved exactly the rows routed between this rank and the others'
+    // experts, forward and backward (8-byte values), plus this rank's counts per local expert.
+    const int64_t moved = w.context().counters.bytes(comm::OpKind::kAllToAll);
+    const auto& per_expert = m->stats().per_expert;  // this rank's rows per global expert
+    auto everyone = comm::all_gather(w.group(), at::tensor(per_expert, at::kLong).view({1, 8}), 0);
+    int64_t to_others = 0, from_others = 0;
+    for (int64_t e = 0; e < 8; ++e) {
+      if (e / local != r) to_others += per_expert[static_cast<size_t>(e)];
+      for (int s = 0; s < p && e / local == r; ++s)
+        if (s != r) from_others += everyone[s][e].item<int64_t>();
+    }
+    EXPECT_GT(to_others + from_others, 0);
+    EXPECT_EQ(moved, 2 * (to_others + from_others) * c.hidden * 8 + local * (p - 1) * 8);
   });
 }
 
