@@ -60,6 +60,14 @@ def _torch_groups():
     return pg_map
 
 
+def _timeout_seconds(group):
+    """The torch group's own timeout (what its collectives wait), for hyperparallel's messages."""
+    timeout = getattr(getattr(group, "options", None), "_timeout", None)
+    if timeout is None:
+        timeout = getattr(dist, "default_pg_timeout", None)
+    return timeout.total_seconds() if timeout is not None else 1800.0
+
+
 def _drop_destroyed_groups():
     live = _torch_groups()
     if live is None:
@@ -92,7 +100,7 @@ def _group(group):
             dist.distributed_c10d._get_global_rank  # public from torch 2.0
         ranks = [global_rank(group, i) for i in range(group.size())]  # in group-rank order
         _drop_destroyed_groups()
-        wrapped = _C.Group(group, ranks, dist.get_rank())
+        wrapped = _C.Group(group, ranks, dist.get_rank(), timeout_s=_timeout_seconds(group))
         _groups[group] = wrapped
     return wrapped
 

@@ -151,3 +151,20 @@ def test_destroyed_groups_release_their_threads_and_sockets():
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(c == seen[1] for c in seen[1:]), seen
+
+
+def absent_peer(rank, p):
+    import datetime
+    import time
+    group = torch.distributed.new_group(list(range(p)), timeout=datetime.timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(6)  # never joins: rank 0's collective waits out the group's timeout
+        return ""
+    q, k, v = good()
+    return message(lambda: hp.context_parallel_attention(q, k, v, group=group))
+
+
+def test_a_timeout_names_the_torch_groups_own_timeout():
+    # The message said 1800000 ms whatever timeout the torch group had.
+    text = run_ranks(2, absent_peer)[0]
+    assert "group timeout of 2000 ms" in text, text
