@@ -1,5 +1,6 @@
 #include "hp/comm/launch_env.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "hp/common/check.h"
@@ -12,7 +13,6 @@ int parse_int(const EnvLookup& env, const std::string& name, const std::string& 
   HP_CHECK(v.has_value(), launcher, " launch: ", name,
            " is not set; the launcher sets it for every rank (set it by hand when starting "
            "ranks yourself)");
-  // Slurm writes per-node task counts as "2(x3)": the leading integer is this node's count.
   size_t used = 0;
   int value = 0;
   try {
@@ -20,8 +20,40 @@ int parse_int(const EnvLookup& env, const std::string& name, const std::string& 
   } catch (const std::exception&) {
     used = 0;
   }
-  HP_CHECK(used > 0, launcher, " launch: ", name, "='", *v, "' is not an integer");
+  HP_CHECK(used > 0 && used == v->size(), launcher, " launch: ", name, "='", *v,
+           "' is not an integer");
   return value;
+}
+
+// Slurm's compressed per-node task counts ("4(x2),3": 4 tasks on each of the first two nodes,
+// 3 on the third): the count of node `node`.
+int slurm_tasks_on_node(const std::string& var, const std::string& list, int node) {
+  int index = 0;
+  size_t at = 0;
+  while (at < list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, end - at);
+    size_t used = 0;
+    int count = 0, repeat = 1;
+    try {
+      count = std::stoi(item, &used);
+      if (used < item.size()) {
+        HP_CHECK(item.compare(used, 2, "(x") == 0 && item.back() == ')', "");
+        size_t r_used = 0;
+        repeat = std::stoi(item.substr(used + 2), &r_used);
+        HP_CHECK(used + 2 + r_used + 1 == item.size(), "");
+      }
+    } catch (const std::exception&) {
+      HP_CHECK(false, "slurm launch: ", var, "='", list,
+               "' is not a list of per-node task counts like 4(x2),3");
+    }
+    if (node < index + repeat) return count;
+    index += repeat;
+    at = end + 1;
+  }
+  HP_CHECK(false, "slurm launch: ", var, "='", list, "' lists ", index,
+           " nodes, but SLURM_NODEID is ", node);
+  return 0;
 }
 
 std::string master_addr(const EnvLookup& env, const std::string& fallback_var, int world_size,
@@ -40,6 +72,7 @@ std::string master_addr(const EnvLookup& env, const std::string& fallback_var, i
 std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
   LaunchEnv out;
   std::string local_size_var;
+  std::optional<int> local_size;  // ranks on this machine, where the launcher says
   std::string fallback_addr_var;
   if (env("RANK") || env("WORLD_SIZE")) {
     out.launcher = "torchrun";
@@ -55,19 +88,30 @@ std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
                          ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", out.launcher)
                          : out.rank;
     local_size_var = "OMPI_COMM_WORLD_LOCAL_SIZE";
-  } else if (env("SLURM_PROCID") || env("SLURM_NTASKS")) {
+  } else if (env("SLURM_PROCID")) {  // a task srun started (an allocation's shell has none)
     out.launcher = "slurm";
     out.rank = parse_int(env, "SLURM_PROCID", out.launcher);
     out.world_size = parse_int(env, "SLURM_NTASKS", out.launcher);
     out.local_rank =
         env("SLURM_LOCALID") ? parse_int(env, "SLURM_LOCALID", out.launcher) : out.rank;
-    local_size_var = "SLURM_NTASKS_PER_NODE";
     fallback_addr_var = "SLURM_LAUNCH_NODE_IPADDR";
+    if (env("SLURM_NTASKS_PER_NODE")) {
+      local_size_var = "SLURM_NTASKS_PER_NODE";
+    } else {
+      for (const char* var : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+        if (auto list = env(var)) {
+          const int node = env("SLURM_NODEID") ? parse_int(env, "SLURM_NODEID", out.launcher) : 0;
+          local_size = slurm_tasks_on_node(var, *list, node);
+          break;
+        }
+      }
+    }
   } else {
     return std::nullopt;
   }
-  out.local_world_size =
-      env(local_size_var) ? parse_int(env, local_size_var, out.launcher) : out.world_size;
+  if (!local_size_var.empty() && env(local_size_var))
+    local_size = parse_int(env, local_size_var, out.launcher);
+  out.local_world_size = local_size.value_or(out.world_size);  // unknown: all on this machine
   HP_CHECK(out.world_size >= 1, out.launcher, " launch: world size ", out.world_size,
            " must be >= 1");
   HP_CHECK(out.rank >= 0 && out.rank < out.world_size, out.launcher, " launch: rank ", out.rank,
@@ -90,6 +134,10 @@ std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
     out.store_bind = *v;
   }
   out.store_on_launcher = env("HP_STORE_ON_LAUNCHER").value_or("") == "1";
+  if (out.launcher == "torchrun" && env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    const auto attempt = env("TORCHELASTIC_RESTART_COUNT").value_or("0");
+    out.agent_store_prefix = "/worker/attempt_" + attempt;
+  }
   if (auto v = env("HP_TRANSPORT_ADDR")) {
     HP_CHECK(!v->empty(), out.launcher,
              " launch: HP_TRANSPORT_ADDR is set but empty; unset it (the transport uses the "

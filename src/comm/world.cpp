@@ -115,7 +115,10 @@ World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) 
     state->store = c10::make_intrusive<c10d::HashStore>();
   } else {
     try {
-      if (env.store_on_launcher) {
+      if (!env.agent_store_prefix.empty()) {  // torchrun's agent hosts it
+        state->store = c10::make_intrusive<c10d::PrefixStore>(
+            env.agent_store_prefix, join_store(env.master_addr, env.master_port, options.timeout));
+      } else if (env.store_on_launcher) {
         state->store = join_store(env.master_addr, env.master_port, options.timeout);
       } else if (env.rank == 0) {
         // Rank 0 hosts the store, listening on MASTER_ADDR's address only (or HP_STORE_BIND).

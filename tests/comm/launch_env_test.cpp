@@ -68,12 +68,49 @@ TEST(LaunchEnv, SlurmWithNodeAddressFallback) {
   auto e = parse_launch_env(env_of({{"SLURM_PROCID", "5"},
                                     {"SLURM_NTASKS", "8"},
                                     {"SLURM_LOCALID", "1"},
-                                    {"SLURM_NTASKS_PER_NODE", "4(x2)"},
+                                    {"SLURM_NTASKS_PER_NODE", "4"},
                                     {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->launcher, "slurm");
   EXPECT_EQ(e->local_world_size, 4);
   EXPECT_EQ(e->master_addr, "10.1.2.3");
+}
+
+// Without --ntasks-per-node Slurm gives per-node counts only in its compressed lists; the count
+// is this node's (SLURM_NODEID), not the first node's. An allocation's shell (SLURM_NTASKS but
+// no SLURM_PROCID: salloc, sbatch) is no launch of ranks.
+TEST(LaunchEnv, SlurmTaskListsAndAllocationShells) {
+  auto e = parse_launch_env(env_of({{"SLURM_PROCID", "9"},
+                                    {"SLURM_NTASKS", "11"},
+                                    {"SLURM_LOCALID", "1"},
+                                    {"SLURM_NODEID", "2"},
+                                    {"SLURM_STEP_TASKS_PER_NODE", "4(x2),3"},
+                                    {"MASTER_ADDR", "node01"}}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->local_world_size, 3);
+  EXPECT_NE(error_of({{"SLURM_PROCID", "0"},
+                      {"SLURM_NTASKS", "2"},
+                      {"SLURM_NODEID", "0"},
+                      {"SLURM_TASKS_PER_NODE", "2(y2)"},
+                      {"MASTER_ADDR", "h"}})
+                .find("slurm launch: SLURM_TASKS_PER_NODE='2(y2)' is not a list of per-node task "
+                      "counts like 4(x2),3"),
+            std::string::npos);
+  EXPECT_FALSE(parse_launch_env(env_of({{"SLURM_NTASKS", "4"}})).has_value());
+}
+
+// torchrun's static rendezvous: its agent hosts the store; the ranks join it under the
+// attempt's prefix (rank 0 too: serving its own store there fails, the port is taken).
+TEST(LaunchEnv, TorchrunAgentStore) {
+  auto e = parse_launch_env(env_of({{"RANK", "0"},
+                                    {"WORLD_SIZE", "2"},
+                                    {"MASTER_ADDR", "h"},
+                                    {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                    {"TORCHELASTIC_RESTART_COUNT", "3"}}));
+  EXPECT_EQ(e->agent_store_prefix, "/worker/attempt_3");
+  EXPECT_FALSE(e->store_on_launcher);  // still an external launcher
+  e = parse_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}));
+  EXPECT_EQ(e->agent_store_prefix, "");
 }
 
 TEST(LaunchEnv, ClearErrors) {
@@ -88,6 +125,12 @@ TEST(LaunchEnv, ClearErrors) {
             std::string::npos);
   EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}})
                 .find("MASTER_PORT=70000 is not a TCP port"),
+            std::string::npos);
+  // Trailing text is not an integer (it was read as its leading digits).
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1oops"}}).find("WORLD_SIZE='1oops' is not"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "29500abc"}})
+                .find("MASTER_PORT='29500abc' is not an integer"),
             std::string::npos);
 }
 

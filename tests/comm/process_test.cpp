@@ -272,6 +272,28 @@ TEST(Launcher, SetsRankVariablesAndThreadCounts) {
   EXPECT_EQ(res.exit_code, 0) << res.message;
 }
 
+// torchrun's static rendezvous: its agent serves the store on MASTER_PORT before the workers
+// start (here the test process does) and tells them TORCHELASTIC_USE_AGENT_STORE=True; every
+// rank joins it, rank 0 included (rank 0 used to try to serve the taken port and fail).
+TEST(HpBenchComm, JoinsTorchrunsAgentStore) {
+  StoreServerOptions so;
+  so.bind_address = "127.0.0.1";
+  so.port = 0;
+  so.num_workers = 1;
+  auto agent = serve_store(so);
+  const std::string vars = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                           std::to_string(agent->getPort()) +
+                           " TORCHELASTIC_USE_AGENT_STORE=True TORCHELASTIC_RESTART_COUNT=0 ";
+  const std::string rank = std::string(HP_BENCH_BINARY) + " comm --bytes 4096 --iters 1 --json";
+  auto run = hp::testing::run_command(
+      "(" + vars + "RANK=0 LOCAL_RANK=0 " + rank + " > " + ::testing::TempDir() +
+      "/agent_rank0.json & " + vars + "RANK=1 LOCAL_RANK=1 " + rank + " > /dev/null & wait %1 && " +
+      "wait %2) && cat " + ::testing::TempDir() + "/agent_rank0.json");
+  ASSERT_EQ(run.rc, 0) << run.out;
+  auto j = nlohmann::json::parse(run.out.substr(run.out.find('{')));
+  EXPECT_EQ(j["nproc"], 2) << run.out;
+}
+
 TEST(HpBenchComm, JsonReportsMeasuredBytesEqualToTheFormula) {
   auto run = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
                                       " comm --nproc 2 --bytes 1048576 --iters 2 --json");

@@ -23,6 +23,10 @@ struct LaunchEnv {
   // HP_STORE_ON_LAUNCHER=1: the local launcher hosts the store at MASTER_ADDR:MASTER_PORT and
   // every rank, rank 0 included, joins it as a client (launcher.h).
   bool store_on_launcher = false;
+  // torchrun's static rendezvous (TORCHELASTIC_USE_AGENT_STORE=True): its agent already hosts the
+  // store at MASTER_ADDR:MASTER_PORT; every rank joins it as a client, under this prefix
+  // ("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", as torch's own workers do). Empty: none.
+  std::string agent_store_prefix;
   // HP_TRANSPORT_ADDR: the local address this rank's Gloo transport listens on. Empty: chosen by
   // World (127.0.0.1 when MASTER_ADDR is loopback, else the interface on the route to it).
   std::string transport_addr;
@@ -33,6 +37,7 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 // The launcher's variables, or nullopt when none of the three launchers set any.
 // Throws hp::Error naming the variable when a value is malformed or inconsistent.
 //   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//             (+ TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT: the agent's store)
 //   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (+ MASTER_ADDR/PORT)
 //   slurm:    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE
 //             (+ MASTER_ADDR/PORT; MASTER_ADDR defaults to SLURM_LAUNCH_NODE_IPADDR)
