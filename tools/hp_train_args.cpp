@@ -67,7 +67,7 @@ void add_layout_options(CLI::App& app, Args& a) {
 void add_task_options(CLI::App& app, Args& a) {
   auto& o = a.train;
   app.add_option("--seq-len", o.seq_len, "global sequence length");
-  app.add_option("--batch", o.batch, "sequences per step");
+  app.add_option("--batch", o.batch, "sequences per data-parallel rank and micro-batch");
   app.add_option("--steps", o.steps, "training steps");
   app.add_option("--layers", o.model.layers, "decoder layers");
   app.add_option("--hidden", o.model.hidden, "hidden size");

@@ -229,16 +229,28 @@ at::Tensor Qwen3Impl::run_layers(at::Tensor x, const at::Tensor& position_ids,
       auto index_loss = mla && mla->index_loss().defined() ? mla->index_loss() : zero;
       return std::vector<at::Tensor>{y, moe_loss, index_loss};
     };
+    // Validate mode: a recomputed block's input is a detached copy of x; it carries x's layout
+    // (x is kept alive with it, the same storage the recompute keeps).
+    auto block_of = [this, with_losses, x](const at::Tensor& in) {
+      if (checker_ != nullptr && !in.is_same(x)) checker_->carry(x, in);
+      return with_losses(in);
+    };
     std::vector<at::Tensor> outs;
     if (fully_shard_ != nullptr) {
-      outs = fully_shard_->forward_unit_outputs(i + 1, x, with_losses, recompute);
+      outs = fully_shard_->forward_unit_outputs(i + 1, x, block_of, recompute);
     } else if (recompute) {
-      auto block = [with_losses](const std::vector<at::Tensor>& in) { return with_losses(in[0]); };
+      auto block = [block_of](const std::vector<at::Tensor>& in) { return block_of(in[0]); };
       outs = common::checkpoint(block, {x});
     } else {
       outs = with_losses(x);
     }
     x = outs[0];
+    // HSDP's unit wrapper and the recompute block hand the layer's output back as a new tensor
+    // (the same values): it keeps the layer's output layout for the next layer's check.
+    if (checker_ != nullptr && layers[i]->validation.layer != nullptr) {
+      const auto& out = *layers[i]->validation.layer;
+      checker_->set_output(out.path, x, out.out_layout);
+    }
     layer_losses_.push_back({outs[1], outs[2]});
   }
   return x;

@@ -70,4 +70,12 @@ void BoundaryChecker::set_output(const std::string& module, const at::Tensor& t,
   layouts_[t.unsafeGetTensorImpl()] = {t, layout};
 }
 
+void BoundaryChecker::carry(const at::Tensor& original, const at::Tensor& copy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = layouts_.find(original.unsafeGetTensorImpl());
+  if (it == layouts_.end()) return;
+  const Layout layout = it->second.second;
+  layouts_[copy.unsafeGetTensorImpl()] = {copy, layout};
+}
+
 }  // namespace hp::plan

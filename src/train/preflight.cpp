@@ -27,6 +27,9 @@ void check_dir(const char* flag, const std::string& path) {
 
 void check_options(const TrainOptions& o) {
   const auto& m = o.model;
+  HP_CHECK(!o.validate || !o.resume,
+           "hp-train: --validate compares a whole run from step 1; "
+           "drop it or --resume (--resume-if-exists resumes only where a checkpoint exists)");
   // --steps 0 converts a checkpoint (--init-from to --export-hf) without training.
   const bool convert = o.steps == 0 && !o.init_from.empty() && !o.export_hf.empty();
   HP_CHECK(o.steps >= 1 || convert, "hp-train: --steps ", o.steps,
@@ -185,6 +188,9 @@ int64_t parse_size(const std::string& text) {
   HP_CHECK(used > 0 && scale > 0 && std::isfinite(value) && value >= 0,
            "hp-train: --memory-limit '", text,
            "' is not a size; give bytes or a number with K, M, G or T (e.g. 512M, 8G)");
+  HP_CHECK(value * scale >= 1, "hp-train: --memory-limit '", text,
+           "' is less than one byte; give a size like 8G, or drop --memory-limit for the "
+           "machine's available memory");
   return static_cast<int64_t>(value * scale);
 }
 

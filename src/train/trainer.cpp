@@ -30,6 +30,12 @@
 namespace hp::train {
 namespace {
 
+// The tokens one step trains on over the whole job: every data-parallel rank's micro-batches
+// (CP ranks share their sequences; TP ranks their tokens).
+int64_t tokens_per_step(const TrainOptions& o) {
+  return o.batch * o.grad_accum * o.dp_shard * o.dp_replicate * o.seq_len;
+}
+
 int64_t peak_rss() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -103,7 +109,7 @@ StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus
   }
   m.lr = lr_at(run.o, step);
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  m.tokens_per_s = static_cast<double>(run.o.batch * run.o.seq_len) / m.step_time_s;
+  m.tokens_per_s = static_cast<double>(tokens_per_step(run.o)) / m.step_time_s;
   return m;
 }
 
@@ -196,9 +202,9 @@ void summarize(const comm::World& world, const TrainOptions& o, TrainResult& res
     times.push_back(s.step_time_s);
   std::sort(times.begin(), times.end());
   result.median_step_time_s = times.empty() ? 0 : times[times.size() / 2];
-  const int64_t tokens_per_step = o.batch * o.seq_len;
-  result.tokens_per_s =
-      result.median_step_time_s > 0 ? tokens_per_step / result.median_step_time_s : 0;
+  result.tokens_per_s = result.median_step_time_s > 0
+                            ? static_cast<double>(tokens_per_step(o)) / result.median_step_time_s
+                            : 0;
   result.final_loss = result.steps.empty() ? 0 : result.steps.back().loss;
   result.peak_rss_bytes_max_rank = static_cast<int64_t>(
       comm::all_reduce(world.group(), at::full({1}, static_cast<double>(peak_rss()), at::kDouble),
@@ -229,6 +235,13 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     if (world.rank() == 0) std::printf("hp-train: weights from %s\n", dir.c_str());
   }
   const int64_t first = first_step(world, run);
+  // Before any step: a resumed run has no whole run to compare (checked after the steps, it
+  // trained and wrote checkpoints first).
+  HP_CHECK(!o.validate || first == 1,
+           "hp-train: --validate compares a whole run from step 1, but this run resumes at step ",
+           first,
+           "; drop --validate, or --resume / --resume-if-exists (or start in an empty "
+           "--checkpoint-dir)");
   if (first > o.steps && o.steps > 0) {
     result.already_finished = true;
     return result;
@@ -236,9 +249,6 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   const Corpus corpus = Corpus::load(o);  // read once, shared by every step
   run_steps(world, run, corpus, first, result);
   if (o.validate) {
-    HP_CHECK(first == 1,
-             "hp-train: --validate compares a whole run from step 1; do not combine "
-             "it with --resume");
     const auto v = validate_against_reference(world, run, corpus, result.steps);
     result.max_abs_loss_diff = v.max_abs_loss_diff;
     result.max_rel_grad_diff = v.max_rel_grad_diff;

@@ -320,6 +320,51 @@ TEST(HpTrainReliability, ResumeRefusesAChangedSeqLenOrSeedAndWarnsOnLr) {
   EXPECT_FALSE(contains(data.out, "  step ")) << "no step may run: " << data.out;
 }
 
+// --validate compares a whole run: with a checkpoint to resume from it is refused before any
+// step (it trained, wrote checkpoints and only then refused).
+TEST(HpTrainReliability, ValidateWithAResumeIsRefusedBeforeAnyStep) {
+  const std::string dir = fresh("ckpt_validate_resume");
+  ASSERT_EQ(run(kTiny + "--steps 2 --checkpoint-dir " + dir).rc, 0);
+  auto r = run(kTiny + "--steps 4 --checkpoint-every 1 --checkpoint-dir " + dir +
+               " --resume-if-exists --validate");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out,
+                       "--validate compares a whole run from step 1, but this run resumes "
+                       "at step 3"))
+      << r.out;
+  EXPECT_FALSE(contains(r.out, "  step ")) << "no step may run: " << r.out;
+  EXPECT_EQ(step_dirs(dir), std::vector<std::string>{"step_00000002"});
+  auto resume = run(kTiny + "--steps 4 --checkpoint-dir " + dir + " --resume --validate");
+  EXPECT_NE(resume.rc, 0) << resume.out;
+  EXPECT_TRUE(contains(resume.out,
+                       "--validate compares a whole run from step 1; drop it or "
+                       "--resume"))
+      << resume.out;
+}
+
+// What the metrics say a run did: tokens per second over the whole job's tokens of a step
+// (every data-parallel rank's micro-batches), and the settings that change the run.
+TEST(HpTrainReliability, MetricsCountTheJobsTokensAndRecordTheSettings) {
+  const std::string m = fresh("metrics_tokens.json");
+  auto r =
+      run("--nproc 2 --dp-replicate 2 --seq-len 32 --batch 2 --grad-accum 3 --steps 2 "
+          "--lr 0.02 --mode validate --metrics-json " +
+          m);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto j = read_json(m);
+  const double tokens = 2.0 * 3 * 2 * 32;  // batch x grad_accum x replicas x seq_len
+  EXPECT_NEAR(j["tokens_per_s"].get<double>() * j["median_step_time_s"].get<double>(), tokens,
+              1e-6 * tokens)
+      << j;
+  EXPECT_EQ(j["config"]["lr"], 0.02);
+  EXPECT_EQ(j["config"]["mode"], "validate");
+  for (const std::string bad : {"0", "0.5"}) {
+    auto z = run("--steps 1 --memory-limit " + bad);
+    EXPECT_NE(z.rc, 0) << z.out;
+    EXPECT_TRUE(contains(z.out, "--memory-limit '" + bad + "' is less than one byte")) << z.out;
+  }
+}
+
 // Rank `rank`'s model tensors of checkpoint step `step`, by name (read as --resume reads them).
 std::vector<std::pair<std::string, at::Tensor>> saved_model(const std::string& step, int rank) {
   const auto manifest = read_json(step + "/manifest.json");

@@ -173,6 +173,11 @@ TEST(HpTrain, ValidateModeEqualsProductionBitwise) {
                                         "--mode validate", "mode", 3);
   EXPECT_NE(p.find("(production mode)"), std::string::npos) << p;
   EXPECT_NE(v.find("(validate mode)"), std::string::npos) << v;
+  // Under HSDP and with recompute the layers' outputs and recomputed inputs are new tensors of
+  // the same values; they keep their layouts (validate mode refused every HSDP layout before).
+  expect_same_steps("--nproc 2 --dp-shard 2 --steps 2", "--mode validate", "mode_hsdp", 2);
+  expect_same_steps("--nproc 2 --dp-replicate 2 --recompute --steps 2", "--mode validate",
+                    "mode_recompute", 2);
 }
 
 // The caching host allocator (the default) changes where tensors live, never what is computed:

@@ -54,6 +54,9 @@ class BoundaryChecker {
   void check_input(const std::string& module, const at::Tensor& t, const Layout& expected) const;
   // Records `t` as `module`'s output with `layout` (after checking its local sizes).
   void set_output(const std::string& module, const at::Tensor& t, const Layout& layout);
+  // `copy` (a recomputed block's detached input: the same values) carries `original`'s layout;
+  // nothing where the original has none (its own check reports that).
+  void carry(const at::Tensor& original, const at::Tensor& copy);
   int64_t checks() const { return checks_; }
 
  private:
