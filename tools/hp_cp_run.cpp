@@ -21,6 +21,7 @@
 //     [--cp-algo latent_all_gather|ulysses|all_gather] [--schedule sync|async] [--load-balance]
 //   hp-cp-run --input IN.pt --output OUT.pt --cp P --attention dsa [--topk N]
 //     [--index-loss sparse|dense] [--schedule sync|async] [--load-balance]
+#include <algorithm>
 #include <iostream>
 
 #include <ATen/ATen.h>
@@ -32,6 +33,8 @@
 #include "hp/comm/local_ranks.h"
 #include "hp/common/check.h"
 #include "hp/common/host_allocator.h"
+#include "hp/common/shape.h"
+#include "hp/common/strings.h"
 #include "hp/cp/adapter.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
@@ -100,6 +103,25 @@ void add_options(CLI::App& app, Args& a) {
 hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   HP_CHECK(a.layout == "bnsd" || a.layout == "bshd", "hp-cp-run: --layout '", a.layout,
            "' is not valid; valid: bnsd, bshd");
+  if (a.cp_size == 1) {  // the plain primitive runs: no CP flag would do anything
+    const Args d;
+    std::vector<std::string> given;
+    if (a.algo != d.algo) given.push_back("--cp-algo " + a.algo);
+    if (a.schedule != d.schedule) given.push_back("--schedule " + a.schedule);
+    if (a.degree != d.degree) given.push_back("--ulysses-degree");
+    if (a.load_balance) given.push_back("--load-balance");
+    if (!a.lb_form.empty()) given.push_back("--load-balance-form");
+    if (a.kv_head_policy != d.kv_head_policy) given.push_back("--kv-head-policy");
+    if (a.head_groups != d.head_groups) given.push_back("--ulysses-head-groups");
+    if (a.row_parts != d.row_parts) given.push_back("--ulysses-row-parts");
+    if (a.ring_keep_blocks) given.push_back("--ring-keep-blocks");
+    if (a.ring_backward != d.ring_backward) given.push_back("--ring-backward");
+    if (a.adapter != d.adapter) given.push_back("--adapter " + a.adapter);
+    HP_CHECK(given.empty(), "hp-cp-run: ", hp::common::str_join(given),
+             " configure context parallelism, but --cp is 1 (the plain primitive runs on the "
+             "whole sequence); drop ",
+             given.size() == 1 ? "it" : "them", " or set --cp > 1");
+  }
   HP_CHECK(a.lb_form.empty() || a.load_balance, "hp-cp-run: --load-balance-form ", a.lb_form,
            " chooses how --load-balance shards; add --load-balance or drop it");
   hp::cp::ContextParallelConfig c;
@@ -152,7 +174,26 @@ Inputs load_inputs(const Args& a, const hp::cp::ContextParallelConfig& config) {
   x.dout = entry(in, "dout", a.input);
   x.seq = bshd ? 1 : 2;
   x.head = bshd ? 2 : 1;
-  HP_CHECK(x.q.dim() == 4, "hp-cp-run: q must be 4-d (", a.layout, "), got ", x.q.dim(), " dims");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", x.q},
+                                {"k", x.k},
+                                {"v", x.v},
+                                {"dout", x.dout}}) {
+    HP_CHECK(t.dim() == 4, "hp-cp-run: '", a.input, "': ", name, " must be 4-d (", a.layout,
+             "), got ", t.dim(), " dims");
+    HP_CHECK(t.is_floating_point() && t.scalar_type() == x.q.scalar_type(), "hp-cp-run: '", a.input,
+             "': ", name, " is ", t.scalar_type(),
+             "; q, k, v and dout must share one "
+             "floating dtype (q is ",
+             x.q.scalar_type(), ")");
+  }
+  {
+    // dout is the output's gradient: q's shape with v's per-head size.
+    auto want = x.q.sizes().vec();
+    want[3] = x.v.size(3);
+    HP_CHECK(x.dout.sizes().vec() == want, "hp-cp-run: '", a.input, "': dout is ",
+             hp::common::shape_str(x.dout.sizes()), " but the output is ",
+             hp::common::shape_str(want), " (q's shape with v's last dim)");
+  }
   hp::cp::check_sequence(config, a.cp_size, x.q.size(x.seq));
   hp::cp::check_heads(config, a.cp_size, x.q.size(x.head), x.k.size(x.head));
   if (!a.cu_seqlens.empty()) {
@@ -243,11 +284,13 @@ nlohmann::json summary(const Args& a, const hp::cp::ContextParallelConfig& confi
                                x.k.size(x.head), q.size(3),
                                q.size(0),        static_cast<int64_t>(q.element_size())};
   shape.causal = a.causal;
+  shape.v_dim = x.v.size(3);
   std::vector<int64_t> theory_per_rank(a.cp_size, 0);
   for (int r = 0; a.cp_size > 1 && r < a.cp_size; ++r) {
     theory_per_rank[r] = hp::cp::step_bytes_per_rank(config, a.cp_size, shape, r);
   }
-  const int64_t theory = theory_per_rank[0];
+  // The busiest rank's (ranks differ where a causal ring's chunks stop early), as hp-bench's.
+  const int64_t theory = *std::max_element(theory_per_rank.begin(), theory_per_rank.end());
   return {{"algorithm", hp::cp::to_string(config.algorithm)},
           {"cp", a.cp_size},
           {"ulysses_degree", hp::cp::ulysses_degree_of(config, a.cp_size)},

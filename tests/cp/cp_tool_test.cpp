@@ -2,6 +2,7 @@
 // single-process reference; the byte report; refusal of flags this build does not implement.
 // With Debian's python3-torch present, the same round trip is also checked from PyTorch itself
 // (torch.save input, torch.load output, reference computed by PyTorch).
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -220,7 +221,10 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
        "cp_config.ulysses_row_parts=2 applies to algorithm=ulysses with schedule=async (got "
        "ulysses, sync)"},
       {" --cp 2 --load-balance-form data_order",
-       "--load-balance-form data_order chooses how --load-balance shards; add --load-balance"}};
+       "--load-balance-form data_order chooses how --load-balance shards; add --load-balance"},
+      {" --cp 1 --cp-algo ring --load-balance --adapter flex_hf",
+       "hp-cp-run: --cp-algo ring, --load-balance, --adapter flex_hf configure context "
+       "parallelism, but --cp is 1"}};
   for (const auto& [flags, message] : refused) {
     auto r = run(base + flags);
     EXPECT_EQ(r.rc, 1) << flags;
@@ -230,6 +234,60 @@ TEST(HpCpRun, RefusesWhatItDoesNotImplementAndBadInput) {
   EXPECT_EQ(h.rc, 0) << h.out;
   auto m = run(std::string(HP_CP_RUN_BINARY) + " --input " + dir + "/missing.pt --output x");
   EXPECT_NE(m.out.find("cannot open --input"), std::string::npos) << m.out;
+}
+
+// V with its own per-head size: the results equal the reference and the counted bytes the
+// formula (which sized V like K), and the busiest rank's figure is the one reported. A file
+// whose entries do not fit together is refused naming the file and the entry (it was cast
+// silently, or failed inside autograd with a backtrace).
+TEST(HpCpRun, ValueHeadSizeAndEntriesThatDoNotFit) {
+  const std::string dir = ::testing::TempDir();
+  auto q = seeded(1, {1, 3, 24, 8}), k = seeded(2, {1, 3, 24, 8}), v = seeded(3, {1, 3, 24, 12}),
+       dout = seeded(4, {1, 3, 24, 12});
+  hp::attention::AttentionOptions o;
+  o.causal = true;
+  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
+       v1 = v.clone().requires_grad_(true);
+  auto ref = hp::attention::AttentionRegistry::builtin().get("math").forward(q1, k1, v1, o).out;
+  ref.backward(dout);
+  auto save = [&](const std::string& name, const at::Tensor& dq, const at::Tensor& dk,
+                  const at::Tensor& dv, const at::Tensor& dd) {
+    c10::Dict<std::string, at::Tensor> in;
+    in.insert("q", dq);
+    in.insert("k", dk);
+    in.insert("v", dv);
+    in.insert("dout", dd);
+    save_dict(dir + "/" + name, in);
+    return std::string(HP_CP_RUN_BINARY) + " --input " + dir + "/" + name + " --output " + dir +
+           "/vdim_out.pt";
+  };
+  for (const std::string algo : {"all_gather", "ulysses", "ring"}) {
+    auto r = run(save("vdim.pt", q, k, v, dout) + " --cp 3 --causal --cp-algo " + algo);
+    ASSERT_EQ(r.rc, 0) << algo << "\n" << r.out;
+    auto res = load_dict(dir + "/vdim_out.pt");
+    hp::testing::expect_close(res.at("out").toTensor(), ref.detach(), algo + " out");
+    hp::testing::expect_close(res.at("dv").toTensor(), v1.grad(), algo + " dv");
+    hp::testing::expect_close(res.at("dq").toTensor(), q1.grad(), algo + " dq");
+    auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
+    EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << algo << r.out;
+    int64_t busiest = 0;
+    for (const auto& b : json["comm_bytes_theory_per_rank"])
+      busiest = std::max(busiest, b.get<int64_t>());
+    EXPECT_EQ(json["comm_bytes_theory"], busiest) << algo;
+  }
+  const std::pair<std::string, std::string> bad[] = {
+      {save("bad_dtype.pt", q, k, v, dout.to(at::kDouble)),
+       "': dout is Double; q, k, v and dout must share one floating dtype (q is Float)"},
+      {save("bad_dout.pt", q, k, v, dout.narrow(3, 0, 8)),
+       "': dout is [1,3,24,8] but the output is [1,3,24,12] (q's shape with v's last dim)"},
+      {save("bad_k.pt", q, k[0], v, dout), "': k must be 4-d (bnsd), got 3 dims"},
+      {save("bad_int.pt", q.to(at::kLong), k, v, dout), "': q is Long; q, k, v and dout"}};
+  for (const auto& [cmd, text] : bad) {
+    auto r = run(cmd + " --cp 2");
+    EXPECT_EQ(r.rc, 1) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find(text), std::string::npos) << cmd << "\n" << r.out;
+    EXPECT_EQ(r.out.find("frame #"), std::string::npos) << r.out;
+  }
 }
 
 // Output paths are checked before any compute and never leave a temporary file behind; input
