@@ -122,13 +122,14 @@ void choose_cp_config(CPArgs& a, bool log) {
   w.kv_head_policy = a.bench.config.kv_head_policy;
   w.ranks_on_node = a.nproc;
   auto ranked = hp::plan::rank_cp_configs(cal, a.nproc, w);
-  if (log) {
-    std::printf("hp-bench cp: --cp-algo auto on link %s (calibration %s):\n", link.c_str(),
-                hp::plan::default_calibration_path(link).c_str());
+  if (log) {  // on stderr under --json, so stdout stays one JSON object
+    FILE* to = a.json ? stderr : stdout;
+    std::fprintf(to, "hp-bench cp: --cp-algo auto on link %s (calibration %s):\n", link.c_str(),
+                 hp::plan::default_calibration_path(link).c_str());
     for (const auto& r : ranked)
-      std::printf("  %s\n", hp::plan::describe(r).c_str());
-    std::printf("  chosen: %s\n", ranked.front().name.c_str());
-    std::fflush(stdout);
+      std::fprintf(to, "  %s\n", hp::plan::describe(r).c_str());
+    std::fprintf(to, "  chosen: %s\n", ranked.front().name.c_str());
+    std::fflush(to);
   }
   const auto& best = ranked.front().config;
   a.algo = hp::cp::to_string(best.algorithm);
@@ -175,7 +176,25 @@ void resolve_cp_config(CPArgs& a) {
       "--schedule async only (got ",
       a.algo, ", ", a.schedule, "); drop it or change those");
   auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
-  if (normalized) {
+  if (!normalized) {  // one rank: the plain layer runs, no CP flag would do anything
+    const hp::cp::ContextParallelConfig d;
+    const auto& c = a.bench.config;
+    std::vector<std::string> given;
+    if (a.algo != "all_gather") given.push_back("--cp-algo " + a.algo);
+    if (a.schedule != "sync") given.push_back("--schedule " + a.schedule);
+    if (a.degree > 0) given.push_back("--ulysses-degree");
+    if (c.load_balance) given.push_back("--load-balance");
+    if (c.ulysses_head_groups != d.ulysses_head_groups) given.push_back("--ulysses-head-groups");
+    if (c.ulysses_row_parts != d.ulysses_row_parts) given.push_back("--ulysses-row-parts");
+    if (c.async_always_local_first) given.push_back("--always-local-first");
+    if (c.ring_keep_blocks) given.push_back("--ring-keep-blocks");
+    if (c.ring_backward != d.ring_backward) given.push_back("--ring-backward");
+    if (c.kv_head_policy != d.kv_head_policy) given.push_back("--kv-head-policy");
+    if (!a.bench.paired_with.empty()) given.push_back("--paired-with");
+    HP_CHECK(given.empty(), "hp-bench cp: ", hp::common::str_join(given),
+             " configure context parallelism, but --cp is 1 (the plain layer runs); drop ",
+             given.size() == 1 ? "it" : "them", " or set --cp > 1");
+  } else {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
     hp::bench::paired_config(a.bench, *normalized, a.nproc);
@@ -198,11 +217,11 @@ nlohmann::json cp_results_json(const CPArgs& a,
                     {"projections", a.bench.projections},
                     {"load_balance", r.load_balance},
                     {"documents", a.bench.documents},
-                    {"ulysses_head_groups", a.bench.config.ulysses_head_groups},
-                    {"ulysses_row_parts", a.bench.config.ulysses_row_parts},
-                    {"always_local_first", a.bench.config.async_always_local_first},
+                    {"ulysses_head_groups", r.ulysses_head_groups},
+                    {"ulysses_row_parts", r.ulysses_row_parts},
+                    {"always_local_first", r.always_local_first},
                     {"ring_keep_blocks", r.ring_keep_blocks},
-                    {"ring_backward", hp::cp::to_string(a.bench.config.ring_backward)},
+                    {"ring_backward", hp::cp::to_string(r.ring_backward)},
                     {"kv_head_policy", hp::cp::to_string(r.kv_head_policy)},
                     {"visible_tile_fraction",
                      hp::bench::visible_tile_fraction(r.seq, a.bench.causal, a.bench.documents)},

@@ -1,5 +1,7 @@
 #include "hp/bench/calibrate.h"
 
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -41,7 +43,8 @@ std::string run_for_json(const std::string& cmd) {
   size_t n;
   while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0)
     out.append(buf, n);
-  const int rc = ::pclose(pipe);
+  const int status = ::pclose(pipe);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;  // -1: ended by a signal
   const auto brace = out.find('{');
   HP_CHECK(rc == 0 && brace != std::string::npos, "command failed (exit ", rc, "): ", cmd, "\n",
            out);

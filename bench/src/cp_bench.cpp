@@ -263,6 +263,10 @@ CPBenchResult result_of(const Variant& var, const CPBenchOptions& o, int64_t p,
   r.schedule = cp::to_string(var.config.schedule);
   r.ring_keep_blocks = var.config.ring_keep_blocks;
   r.kv_head_policy = var.config.kv_head_policy;
+  r.ulysses_head_groups = var.config.ulysses_head_groups;
+  r.ulysses_row_parts = var.config.ulysses_row_parts;
+  r.always_local_first = var.config.async_always_local_first;
+  r.ring_backward = var.config.ring_backward;
   r.cp = p;
   r.ulysses_degree = cp::ulysses_degree_of(var.config, p);
   r.seq = o.seq;
@@ -375,8 +379,11 @@ std::vector<CPBenchResult> run_cp_bench(const comm::World& world, const CPBenchO
   const bool async = config.schedule == cp::CPSchedule::kAsync;
   if (paired) variants.push_back(variant(*paired, false));
   if (async) {
-    auto sync = config;
+    auto sync = config;  // the async-only settings do nothing there (and are recorded so)
     sync.schedule = cp::CPSchedule::kSync;
+    sync.ulysses_head_groups = 0;
+    sync.ulysses_row_parts = 0;
+    sync.async_always_local_first = false;
     add(sync);
   }
   add(config);

@@ -393,6 +393,45 @@ TEST(CPBench, PairedUlyssesTakesTheRepeatPolicyBesideAWholeKVLayer) {
   EXPECT_NE(r.out.find("--kv-head-policy repeat"), std::string::npos) << r.out;
 }
 
+// Each row records what its own layer ran: the sync layer of an async run has no head groups
+// or row parts, a paired Ulysses layer no ring backward. At --cp 1 the plain layer runs, so
+// the CP flags are refused (they were echoed in the JSON and ignored). --json with --cp-algo
+// auto keeps stdout one JSON object (the ranking goes to stderr).
+TEST(CPBench, RowsRecordTheirOwnLayerAndOneRankRefusesCPFlags) {
+  const std::string base = std::string(HP_BENCH_BINARY) +
+                           " cp --seq 256 --heads 4 --kv-heads 4 --head-dim 8 --causal --iters 1 ";
+  auto u = hp::testing::run_command(base +
+                                    "--cp 2 --cp-algo ulysses --schedule async "
+                                    "--ulysses-head-groups 2 --ulysses-row-parts 3 --json");
+  ASSERT_EQ(u.rc, 0) << u.out;
+  auto rows = last_json(u.out)["results"];
+  ASSERT_EQ(rows.size(), 2u) << u.out;
+  EXPECT_EQ(rows[0]["schedule"], "sync");
+  EXPECT_EQ(rows[0]["ulysses_head_groups"], 0) << rows[0];
+  EXPECT_EQ(rows[0]["ulysses_row_parts"], 0) << rows[0];
+  EXPECT_EQ(rows[1]["ulysses_head_groups"], 2) << rows[1];
+  EXPECT_EQ(rows[1]["ulysses_row_parts"], 3) << rows[1];
+  auto r = hp::testing::run_command(
+      base + "--cp 2 --cp-algo ring --ring-backward queries --paired-with ulysses --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  rows = last_json(r.out)["results"];
+  ASSERT_EQ(rows.size(), 2u) << r.out;
+  EXPECT_EQ(rows[0]["ring_backward"], "auto") << rows[0];
+  EXPECT_EQ(rows[1]["ring_backward"], "queries") << rows[1];
+  auto one = hp::testing::run_command(base + "--cp 1 --cp-algo ring --ring-keep-blocks --json");
+  EXPECT_EQ(one.rc, 1) << one.out;
+  EXPECT_NE(one.out.find("hp-bench cp: --cp-algo ring, --ring-keep-blocks configure context "
+                         "parallelism, but --cp is 1"),
+            std::string::npos)
+      << one.out;
+  const std::string path = hp::testing::scratch_dir() + "/auto_json_calibration.json";
+  hp::testing::write_uniform_calibration(path);
+  auto a = hp::testing::run_command("(HP_CALIBRATION=" + path + " " + base +
+                                    "--cp 2 --cp-algo auto --json 2>/dev/null)");
+  ASSERT_EQ(a.rc, 0) << a.out;
+  EXPECT_NO_THROW(nlohmann::json::parse(a.out)) << a.out;
+}
+
 // --cp-algo auto with --kv-head-policy repeat: one K/V head over 2 ranks lets the Ulysses
 // candidates in (their predictions are printed); the layer that runs carries the policy only
 // if it repeats, and its counted bytes equal the formula.

@@ -48,6 +48,11 @@ struct CPBenchResult {
   std::string algorithm, schedule;
   bool ring_keep_blocks = false;  // the variant's ContextParallelConfig::ring_keep_blocks
   cp::KVHeadPolicy kv_head_policy = cp::KVHeadPolicy::kError;  // the variant's
+  // The variant's head groups, row parts, local-first choice and ring backward (as configured;
+  // 0: automatic).
+  int64_t ulysses_head_groups = 0, ulysses_row_parts = 0;
+  bool always_local_first = false;
+  cp::RingBackward ring_backward = cp::RingBackward::kAuto;
   int64_t cp = 1, ulysses_degree = 1, seq = 0;
   double step_time_s = 0;  // median over iterations of the slowest rank
   // Bytes handed to the transport in one step (forward + backward), counted on every rank
