@@ -30,6 +30,17 @@ void check_options(const TrainOptions& o) {
   HP_CHECK(!o.validate || !o.resume,
            "hp-train: --validate compares a whole run from step 1; "
            "drop it or --resume (--resume-if-exists resumes only where a checkpoint exists)");
+  // What the batches need, checked here too so that no rank starts (and no restart repeats it).
+  if (o.data.empty()) {
+    HP_CHECK(o.seq_len % 2 == 0, "hp-train: --seq-len ", o.seq_len,
+             " must be even for the copy task");
+    HP_CHECK(!o.pack_documents || o.seq_len >= 16,
+             "hp-train: --pack-documents with the copy task needs --seq-len >= 16 (two "
+             "documents of at least 8 tokens), got ",
+             o.seq_len);
+  }
+  HP_CHECK(o.data_dtype == "uint16" || o.data_dtype == "uint32", "hp-train: --data-dtype '",
+           o.data_dtype, "' is not valid; valid: uint16, uint32");
   // --steps 0 converts a checkpoint (--init-from to --export-hf) without training.
   const bool convert = o.steps == 0 && !o.init_from.empty() && !o.export_hf.empty();
   HP_CHECK(o.steps >= 1 || convert, "hp-train: --steps ", o.steps,

@@ -358,6 +358,25 @@ TEST(HpTrainReliability, MetricsCountTheJobsTokensAndRecordTheSettings) {
       << j;
   EXPECT_EQ(j["config"]["lr"], 0.02);
   EXPECT_EQ(j["config"]["mode"], "validate");
+  // What the batches need is refused before any rank starts (it failed in every rank after
+  // the plan and HSDP setup, and --max-restarts restarted it).
+  const std::string bin = fresh("tokens.bin");
+  {
+    std::ofstream f(bin, std::ios::binary);
+    for (uint16_t i = 0; i < 200; ++i) {
+      const uint16_t id = i % 16;
+      f.write(reinterpret_cast<const char*>(&id), sizeof(id));
+    }
+  }
+  for (const auto& [args, text] : std::vector<std::pair<std::string, std::string>>{
+           {"--seq-len 33", "--seq-len 33 must be even for the copy task"},
+           {"--seq-len 8 --pack-documents", "--pack-documents with the copy task needs"},
+           {"--data " + bin + " --data-dtype uint8", "--data-dtype 'uint8' is not valid"}}) {
+    auto b = run("--nproc 2 --dp-shard 2 --steps 1 " + args);
+    EXPECT_NE(b.rc, 0) << b.out;
+    EXPECT_TRUE(contains(b.out, text)) << b.out;
+    EXPECT_FALSE(contains(b.out, "hp-train: plan mesh")) << b.out;
+  }
   for (const std::string bad : {"0", "0.5"}) {
     auto z = run("--steps 1 --memory-limit " + bad);
     EXPECT_NE(z.rc, 0) << z.out;
