@@ -1,6 +1,7 @@
 #include "hp/comm/launch_env.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 #include "hp/common/check.h"
@@ -33,20 +34,15 @@ int slurm_tasks_on_node(const std::string& var, const std::string& list, int nod
   while (at < list.size()) {
     const size_t end = std::min(list.find(',', at), list.size());
     const std::string item = list.substr(at, end - at);
-    size_t used = 0;
+    // "N" or "N(xR)".
     int count = 0, repeat = 1;
-    try {
-      count = std::stoi(item, &used);
-      if (used < item.size()) {
-        HP_CHECK(item.compare(used, 2, "(x") == 0 && item.back() == ')', "");
-        size_t r_used = 0;
-        repeat = std::stoi(item.substr(used + 2), &r_used);
-        HP_CHECK(used + 2 + r_used + 1 == item.size(), "");
-      }
-    } catch (const std::exception&) {
-      HP_CHECK(false, "slurm launch: ", var, "='", list,
-               "' is not a list of per-node task counts like 4(x2),3");
-    }
+    char open = 0, x = 0, close = 0, extra = 0;
+    const int fields =
+        std::sscanf(item.c_str(), "%d%c%c%d%c%c", &count, &open, &x, &repeat, &close, &extra);
+    const bool plain = fields == 1 && item.find_first_not_of("0123456789") == std::string::npos;
+    const bool repeated = fields == 5 && open == '(' && x == 'x' && close == ')';
+    HP_CHECK(plain || repeated, "slurm launch: ", var, "='", list,
+             "' is not a list of per-node task counts like 4(x2),3");
     if (node < index + repeat) return count;
     index += repeat;
     at = end + 1;

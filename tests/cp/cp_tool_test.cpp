@@ -32,6 +32,21 @@ at::Tensor seeded(uint64_t seed, at::IntArrayRef shape) {
   return at::randn(shape, gen, at::kFloat);
 }
 
+// The causal math primitive on the whole tensors: out and the gradients of q, k, v for dout.
+struct Reference {
+  at::Tensor out, dq, dk, dv;
+};
+Reference causal_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& dout) {
+  hp::attention::AttentionOptions o;
+  o.causal = true;
+  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
+       v1 = v.clone().requires_grad_(true);
+  auto out = hp::attention::AttentionRegistry::builtin().get("math").forward(q1, k1, v1, o).out;
+  out.backward(dout);
+  return {out.detach(), q1.grad(), k1.grad(), v1.grad()};
+}
+
 struct Case {
   std::string algo;
   int cp;
@@ -46,13 +61,7 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
   // B=1, Nq=8, Nkv=4, S=32, D=16 (BNSD); BSHD files hold the transposed tensors.
   auto q = seeded(1, {1, 8, 48, 16}), k = seeded(2, {1, 4, 48, 16}), v = seeded(3, {1, 4, 48, 16}),
        dout = seeded(4, {1, 8, 48, 16});
-  const auto& math = hp::attention::AttentionRegistry::builtin().get("math");
-  hp::attention::AttentionOptions o;
-  o.causal = true;
-  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
-       v1 = v.clone().requires_grad_(true);
-  auto ref = math.forward(q1, k1, v1, o).out;
-  ref.backward(dout);
+  const auto ref = causal_reference(q, k, v, dout);
   for (const Case& c :
        {Case{"all_gather", 2, 0, "sdpa_qkv", false}, Case{"all_gather", 4, 0, "sdpa_hf", true},
         Case{"ulysses", 4, 0, "flex_qkv", true}, Case{"ulysses", 2, 0, "flex_hf", false},
@@ -85,10 +94,10 @@ TEST(HpCpRun, MatchesTheSingleProcessReference) {
     ASSERT_EQ(r.rc, 0) << cmd << "\n" << r.out;
     auto res = load_dict(op);
     const std::string what = c.algo + "/" + c.adapter;
-    hp::testing::expect_close(res.at("out").toTensor(), lay(ref.detach()), what + " out");
-    hp::testing::expect_close(res.at("dq").toTensor(), lay(q1.grad()), what + " dq");
-    hp::testing::expect_close(res.at("dk").toTensor(), lay(k1.grad()), what + " dk");
-    hp::testing::expect_close(res.at("dv").toTensor(), lay(v1.grad()), what + " dv");
+    hp::testing::expect_close(res.at("out").toTensor(), lay(ref.out), what + " out");
+    hp::testing::expect_close(res.at("dq").toTensor(), lay(ref.dq), what + " dq");
+    hp::testing::expect_close(res.at("dk").toTensor(), lay(ref.dk), what + " dk");
+    hp::testing::expect_close(res.at("dv").toTensor(), lay(ref.dv), what + " dv");
     // The last stdout line is the JSON report: measured bytes equal the formula on every rank.
     auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
     EXPECT_EQ(json["algorithm"], c.algo);
@@ -105,12 +114,7 @@ TEST(HpCpRun, KVHeadRepeat) {
   const std::string dir = ::testing::TempDir();
   auto q = seeded(1, {1, 8, 48, 16}), k = seeded(2, {1, 2, 48, 16}), v = seeded(3, {1, 2, 48, 16}),
        dout = seeded(4, {1, 8, 48, 16});
-  hp::attention::AttentionOptions o;
-  o.causal = true;
-  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
-       v1 = v.clone().requires_grad_(true);
-  auto ref = hp::attention::AttentionRegistry::builtin().get("math").forward(q1, k1, v1, o).out;
-  ref.backward(dout);
+  const auto ref = causal_reference(q, k, v, dout);
   c10::Dict<std::string, at::Tensor> in;
   in.insert("q", q);
   in.insert("k", k);
@@ -129,10 +133,10 @@ TEST(HpCpRun, KVHeadRepeat) {
     auto r = run(base + " --kv-head-policy repeat --schedule " + schedule);
     ASSERT_EQ(r.rc, 0) << r.out;
     auto res = load_dict(op);
-    hp::testing::expect_close(res.at("out").toTensor(), ref.detach(), schedule + " out");
-    hp::testing::expect_close(res.at("dq").toTensor(), q1.grad(), schedule + " dq");
-    hp::testing::expect_close(res.at("dk").toTensor(), k1.grad(), schedule + " dk");
-    hp::testing::expect_close(res.at("dv").toTensor(), v1.grad(), schedule + " dv");
+    hp::testing::expect_close(res.at("out").toTensor(), ref.out, schedule + " out");
+    hp::testing::expect_close(res.at("dq").toTensor(), ref.dq, schedule + " dq");
+    hp::testing::expect_close(res.at("dk").toTensor(), ref.dk, schedule + " dk");
+    hp::testing::expect_close(res.at("dv").toTensor(), ref.dv, schedule + " dv");
     auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
     EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << r.out;
   }
@@ -244,12 +248,7 @@ TEST(HpCpRun, ValueHeadSizeAndEntriesThatDoNotFit) {
   const std::string dir = ::testing::TempDir();
   auto q = seeded(1, {1, 3, 24, 8}), k = seeded(2, {1, 3, 24, 8}), v = seeded(3, {1, 3, 24, 12}),
        dout = seeded(4, {1, 3, 24, 12});
-  hp::attention::AttentionOptions o;
-  o.causal = true;
-  auto q1 = q.clone().requires_grad_(true), k1 = k.clone().requires_grad_(true),
-       v1 = v.clone().requires_grad_(true);
-  auto ref = hp::attention::AttentionRegistry::builtin().get("math").forward(q1, k1, v1, o).out;
-  ref.backward(dout);
+  const auto ref = causal_reference(q, k, v, dout);
   auto save = [&](const std::string& name, const at::Tensor& dq, const at::Tensor& dk,
                   const at::Tensor& dv, const at::Tensor& dd) {
     c10::Dict<std::string, at::Tensor> in;
@@ -265,9 +264,9 @@ TEST(HpCpRun, ValueHeadSizeAndEntriesThatDoNotFit) {
     auto r = run(save("vdim.pt", q, k, v, dout) + " --cp 3 --causal --cp-algo " + algo);
     ASSERT_EQ(r.rc, 0) << algo << "\n" << r.out;
     auto res = load_dict(dir + "/vdim_out.pt");
-    hp::testing::expect_close(res.at("out").toTensor(), ref.detach(), algo + " out");
-    hp::testing::expect_close(res.at("dv").toTensor(), v1.grad(), algo + " dv");
-    hp::testing::expect_close(res.at("dq").toTensor(), q1.grad(), algo + " dq");
+    hp::testing::expect_close(res.at("out").toTensor(), ref.out, algo + " out");
+    hp::testing::expect_close(res.at("dv").toTensor(), ref.dv, algo + " dv");
+    hp::testing::expect_close(res.at("dq").toTensor(), ref.dq, algo + " dq");
     auto json = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"adapter\"")));
     EXPECT_EQ(json["comm_bytes_per_rank"], json["comm_bytes_theory_per_rank"]) << algo << r.out;
     int64_t busiest = 0;
