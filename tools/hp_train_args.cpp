@@ -48,7 +48,8 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--dp-shard", o.dp_shard, "HSDP shard degree (shard group = dp-shard x cp)");
   app.add_option("--dp-replicate", o.dp_replicate, "HSDP replicas");
   app.add_option("--comm-fusion", a.fusion, "HSDP fused per-unit reduce-scatter: on | off");
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per step");
+  app.add_option("--grad-accum", o.grad_accum,
+                 "micro-batches per step (the loss: the token mean over all of them)");
   app.add_flag("--recompute", o.model.recompute, "recompute each decoder layer in backward");
   app.add_option("--cp-mode", o.linear.mode,
                  "gdn/kda under CP: state_passing (each rank keeps its shard, states travel) | "

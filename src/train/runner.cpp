@@ -67,20 +67,32 @@ double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   local_loss_nonfinite_ = local_grads_nonfinite_ = false;
   moe_aux_loss = 0;
   moe_dropped = 0;
+  // Every rank builds the union of every data-parallel rank's rows, so the step's labelled-token
+  // count (over all micro-batches) is known here without communication. Each micro-batch's
+  // token sum is divided by it: the step's loss is the token mean over the whole step, as one
+  // batch of batch x grad_accum rows would give, not a mean of the micro-batches' means (which
+  // weighs the tokens of a micro-batch with fewer labels more).
+  TrainOptions global = o;
+  global.batch = o.batch * dp;
+  std::vector<Batch> micros;
+  double count = 0;
+  for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
+    micros.push_back(make_batch(global, corpus, step, micro));
+    count += static_cast<double>(micros.back().labels.ne(-100).sum().item<int64_t>());
+  }
+  HP_CHECK(count > 0, "hp-train: step ", step,
+           " has no labelled tokens in any micro-batch; use longer documents or --seq-len");
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
-    loss += micro_step(step, micro, corpus);
+    loss += micro_step(step, micro, micros[micro], count);
   if (fully_shard == nullptr) reduce_grads();  // HSDP's drain did both reductions
   reduce_expert_grads();
   if (o.validate && first_grads.empty()) keep_first_grads();
   return loss;
 }
 
-double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
+double Runner::micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count) {
   const double tp = static_cast<double>(mesh.size("tp"));
-  TrainOptions global = o;
-  global.batch = o.batch * dp;  // the union of every data-parallel rank's rows
-  auto batch = make_batch(global, corpus, step, micro);
   auto rows = [&](const at::Tensor& t) {
     return t.defined() ? t.narrow(0, dp_rank * o.batch, o.batch) : t;
   };
@@ -97,27 +109,23 @@ double Runner::micro_step(int64_t step, int64_t micro, const Corpus& corpus) {
     local_sum = local_sum * std::numeric_limits<double>::quiet_NaN();  // the test hook
   }
   if (!std::isfinite(local_sum.detach().item<double>())) local_loss_nonfinite_ = true;
-  auto count = b.labels.ne(-100).sum().to(at::kDouble);
   const auto moe = model->moe_step();
   // Summed over the world: every TP rank holds the same tokens.
   auto stats = comm::all_reduce(
       mesh.world().group(),
-      at::stack({count, local_sum.detach().to(at::kDouble),
-                 at::scalar_tensor(moe.aux_loss, at::kDouble),
+      at::stack({local_sum.detach().to(at::kDouble), at::scalar_tensor(moe.aux_loss, at::kDouble),
                  at::scalar_tensor(static_cast<double>(moe.dropped), at::kDouble)}));
-  const double global_count = stats[0].item<double>() / tp;
-  moe_aux_loss += stats[2].item<double>() / tp / static_cast<double>(o.grad_accum);
-  moe_dropped += std::llround(stats[3].item<double>() / tp);
-  HP_CHECK(global_count > 0, "hp-train: a batch has no labelled tokens");
+  moe_aux_loss += stats[1].item<double>() / tp / static_cast<double>(o.grad_accum);
+  moe_dropped += std::llround(stats[2].item<double>() / tp);
   auto objective = aux.defined() ? local_sum + aux * o.index_loss_coef : local_sum;
-  objective = objective / (global_count * static_cast<double>(o.grad_accum));
+  objective = objective / step_count;
   // MoE layers' aux and z losses: already this rank's share of the global value. Every TP rank
   // computes the same share; the gradients it feeds are not summed over TP.
   if (const auto moe = model->moe_loss(); moe.defined()) {
     objective = objective + moe / static_cast<double>(o.grad_accum);
   }
   objective.backward();
-  return stats[1].item<double>() / tp / global_count / static_cast<double>(o.grad_accum);
+  return stats[0].item<double>() / tp / step_count;
 }
 
 void Runner::reduce_grads() {

@@ -36,9 +36,11 @@ struct Runner {
   void make_optimizer(hsdp::FullyShard* fully_shard);
 
   // Forward + backward of one step (grad_accum micro-batches of `corpus`, the Corpus::load of
-  // the options); returns the global mean loss.
-  // Each rank's loss is its token sum over the global token count, so the gradient is a plain
-  // SUM over data-parallel and CP ranks (HSDP reduces with SUM; without HSDP the CP all-reduce).
+  // the options); returns the global mean loss: the token mean over every micro-batch's rows,
+  // what one batch of batch x grad_accum rows gives.
+  // Each rank's loss is its token sum over the step's global token count, so the gradient is a
+  // plain SUM over micro-batches, data-parallel and CP ranks (HSDP reduces with SUM; without
+  // HSDP the CP all-reduce).
   double forward_backward(int64_t step, const Corpus& corpus);
 
   // The global gradient norm (TP shards summed, TP-replicated parameters counted once, HSDP
@@ -77,8 +79,10 @@ struct Runner {
   // This rank's own view of the step: its loss share and gradients were not finite.
   bool local_loss_nonfinite_ = false, local_grads_nonfinite_ = false;
 
-  // One micro-batch's forward and backward; returns its share of the step's global mean loss.
-  double micro_step(int64_t step, int64_t micro, const Corpus& corpus);
+  // One micro-batch's forward and backward (`batch`: every data-parallel rank's rows; this
+  // rank takes its own); returns its share of the step's global mean loss, whose labelled
+  // tokens over all micro-batches number `step_count`.
+  double micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count);
   // Without HSDP: the CP all-reduce of every gradient and the TP one of partial gradients.
   void reduce_grads();
   // Experts split by EP: their gradients summed over the ranks holding the same experts.
