@@ -92,6 +92,41 @@ void ignore_sigpipe_unless_handled() {
   }
 }
 
+// Every rank announces itself in the store and waits for the others, so a rank that never
+// starts (a wrong WORLD_SIZE, a node that did not come up) is named here, once, within one
+// timeout. Without it rank 0 went on to create the world group and failed only there, after
+// about two timeouts and naming no rank. The keys are the attempt's: the launcher's and
+// rank 0's stores are new on every attempt, torchrun's agent store has its attempt prefix.
+void wait_for_every_rank(c10d::Store& store, const LaunchEnv& env,
+                         std::chrono::milliseconds timeout) {
+  auto key = [](int r) { return common::str_cat("hp/joined/", r); };
+  store.set(key(env.rank), std::vector<uint8_t>{1});
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r)
+    keys.push_back(key(r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::vector<int> missing;
+    for (int r = 0; r < env.world_size; ++r) {
+      if (!store.check({key(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) throw;  // not a missing rank: the store's own error
+    std::string names;
+    const size_t shown = std::min<size_t>(missing.size(), 16);
+    for (size_t i = 0; i < shown; ++i)
+      names += common::str_cat(i == 0 ? "" : ", ", missing[i]);
+    if (shown < missing.size()) names += common::str_cat(" and ", missing.size() - shown, " more");
+    throw CommError(common::str_cat(
+        "rendezvous on rank ", env.rank, " of ", env.world_size, " (", env.launcher,
+        ", TCPStore at ", env.master_addr, ":", env.master_port, "): ", missing.size(), " of ",
+        env.world_size, missing.size() == 1 ? " ranks (rank " : " ranks (ranks ", names,
+        ") did not join within the timeout (", timeout.count(),
+        " ms). Start every rank with WORLD_SIZE=", env.world_size,
+        " and the same MASTER_ADDR/MASTER_PORT, or raise the timeout if ranks start slowly"));
+  }
+}
+
 }  // namespace
 
 World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) {
@@ -125,23 +160,25 @@ World World::from_launch_env(const LaunchEnv& env, const WorldOptions& options) 
         StoreServerOptions so;
         so.bind_address = env.store_bind.empty() ? env.master_addr : env.store_bind;
         so.port = env.master_port;
-        so.num_workers = env.world_size;
         so.timeout = options.timeout;
         auto store = serve_store(so);
         state->store_host = store->getHost();  // rank 0's heartbeat: where it listens
         state->store = store;
       } else {
-        state->store =
-            join_store(env.master_addr, env.master_port, options.timeout, env.world_size);
+        state->store = join_store(env.master_addr, env.master_port, options.timeout);
       }
     } catch (const std::exception& e) {
+      std::string why = error_text(e);
+      while (!why.empty() && (why.back() == '.' || why.back() == '\n'))
+        why.pop_back();
       throw CommError(common::str_cat(
           "rendezvous failed on rank ", env.rank, " of ", env.world_size, " (", env.launcher,
-          ", TCPStore at ", env.master_addr, ":", env.master_port, "): ", error_text(e),
+          ", TCPStore at ", env.master_addr, ":", env.master_port, "): ", why,
           ". Check MASTER_ADDR/MASTER_PORT, that the port is free on rank 0, and that every "
           "rank starts within the timeout (",
           options.timeout.count(), " ms)"));
     }
+    wait_for_every_rank(*state->store, env, options.timeout);
     if (state->store_host.empty()) state->store_host = env.master_addr;
     state->store_port = env.master_port;
   }

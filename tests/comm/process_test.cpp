@@ -294,6 +294,26 @@ TEST(HpBenchComm, JoinsTorchrunsAgentStore) {
   EXPECT_EQ(j["nproc"], 2) << run.out;
 }
 
+// A rank that never starts: rank 0 (alone, of WORLD_SIZE=3) names the two missing ranks after
+// one timeout. It used to wait about two timeouts and blame the world group's creation.
+TEST(HpBenchComm, RanksThatNeverJoinAreNamedAfterOneTimeout) {
+  const std::string vars =
+      "WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 RANK=0 LOCAL_RANK=0 MASTER_PORT=" +
+      std::to_string(pick_free_port()) + " ";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = hp::testing::run_command(vars + std::string(HP_BENCH_BINARY) +
+                                      " comm --bytes 4096 --iters 1 --timeout 3");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(run.rc, 0) << run.out;
+  EXPECT_NE(run.out.find("rendezvous on rank 0 of 3"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("2 of 3 ranks (ranks 1, 2) did not join within the timeout (3000 ms)"),
+            std::string::npos)
+      << run.out;
+  EXPECT_NE(run.out.find("Start every rank with WORLD_SIZE=3"), std::string::npos) << run.out;
+  EXPECT_LT(seconds, 6.5) << "one timeout of 3 s, not two: " << run.out;
+}
+
 TEST(HpBenchComm, JsonReportsMeasuredBytesEqualToTheFormula) {
   auto run = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
                                       " comm --nproc 2 --bytes 1048576 --iters 2 --json");
