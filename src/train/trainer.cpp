@@ -106,6 +106,7 @@ StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus
     m.skipped = true;
     m.first_nonfinite_rank = run.first_nonfinite_rank();
     run.discard_grads();
+    run.first_grads.clear();  // --validate compares the first step that updated instead
   }
   m.lr = lr_at(run.o, step);
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -34,6 +34,14 @@ Validation compare_with_reference(const Runner& run, const Corpus& corpus,
   Validation v;
   for (int64_t step = 1; step <= o.steps; ++step) {
     const double loss = ref.forward_backward(step, corpus);
+    if (steps[step - 1].skipped) {
+      // The run dropped this step's update (--nan-policy skip-step), so the reference does too;
+      // the run's loss of the step is the fault's, and its gradients are not compared.
+      ref.discard_grads();
+      ref.first_grads.clear();
+      continue;
+    }
+    if (v.grad_step == 0) v.grad_step = step;
     ref.clip_and_step(step);
     v.max_abs_loss_diff = std::max(v.max_abs_loss_diff, std::abs(loss - steps[step - 1].loss));
   }
@@ -54,10 +62,21 @@ Validation validate_against_reference(const comm::World& world, const Runner& ru
   Validation v;
   if (world.rank() == 0) {
     v = compare_with_reference(run, corpus, steps);
-    std::printf(
-        "hp-train: validate: max |loss - reference| over %lld steps = %.3g; max "
-        "relative gradient difference after step 1 = %.3g\n",
-        (long long)run.o.steps, v.max_abs_loss_diff, v.max_rel_grad_diff);
+    const int64_t skipped =
+        std::count_if(steps.begin(), steps.end(), [](const StepMetrics& m) { return m.skipped; });
+    const std::string skipped_text =
+        skipped == 0 ? std::string()
+                     : common::str_cat(" (", skipped, " skipped step", skipped == 1 ? "" : "s",
+                                       " not compared)");
+    if (v.grad_step == 0) {
+      std::printf("hp-train: validate: every step was skipped; nothing was compared\n");
+    } else {
+      std::printf(
+          "hp-train: validate: max |loss - reference| over %lld steps = %.3g; max "
+          "relative gradient difference after step %lld = %.3g%s\n",
+          (long long)(run.o.steps - skipped), v.max_abs_loss_diff, (long long)v.grad_step,
+          v.max_rel_grad_diff, skipped_text.c_str());
+    }
   }
   comm::barrier(world.group());
   return v;

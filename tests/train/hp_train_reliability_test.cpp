@@ -17,6 +17,7 @@
 #include <torch/serialize/input-archive.h>
 #include <nlohmann/json.hpp>
 
+#include "hp_train_util.h"
 #include "rank_harness.h"
 
 namespace {
@@ -209,6 +210,27 @@ TEST(HpTrainReliability, NanPolicySkipStepSkipsTheUpdateAndContinues) {
   EXPECT_NE(bad.rc, 0);
   EXPECT_TRUE(contains(bad.out, "--nan-policy 'ignore' is not valid; valid: error, skip-step"))
       << bad.out;
+}
+
+// --validate beside a skipped step: the reference skips the same update, the skipped step's
+// loss is not compared, and the gradients are those of the first step that updated. Under HSDP
+// (step 1 skipped) and CP with head-tail balance (step 3).
+TEST(HpTrainReliability, ValidateSkipsTheStepsTheRunSkipped) {
+  struct Case {
+    std::string layout, nan_step, grad_step;
+  };
+  for (const Case& c : {Case{"--nproc 2 --dp-shard 2 --seq-len 32 ", "1", "2"},
+                        Case{kTiny + "--cp-algo ring --load-balance ", "3", "1"}}) {
+    const std::string m = fresh("nan_skip_validate_" + c.nan_step + ".json");
+    auto r = run(c.layout + "--steps 4 --nan-policy skip-step --validate --metrics-json " + m,
+                 "HP_TEST_NAN_AT_STEP=" + c.nan_step + " HP_TEST_NAN_RANK=1");
+    ASSERT_EQ(r.rc, 0) << r.out;
+    auto j = read_json(m);
+    EXPECT_TRUE(j["steps"][std::stoi(c.nan_step) - 1]["skipped"].get<bool>()) << r.out;
+    hp::train_testing::expect_validated(r.out, j, 3, 1e-4);
+    EXPECT_TRUE(contains(r.out, "difference after step " + c.grad_step + " = ")) << r.out;
+    EXPECT_TRUE(contains(r.out, "(1 skipped step not compared)")) << r.out;
+  }
 }
 
 // ---- 4. output paths checked before step 1 ----

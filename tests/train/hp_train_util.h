@@ -42,9 +42,9 @@ inline std::vector<double> losses(const nlohmann::json& j, size_t count, int64_t
 
 // What rank 0 prints after --validate:
 //   hp-train: validate: max |loss - reference| over N steps = X; max relative gradient
-//   difference after step 1 = Y
+//   difference after step K = Y  (K: the first step not skipped)
 struct PrintedValidation {
-  long long steps = -1;
+  long long steps = -1, grad_step = -1;
   double loss_diff = -1, grad_diff = -1;
 };
 inline PrintedValidation printed_validation(const std::string& out) {
@@ -53,8 +53,8 @@ inline PrintedValidation printed_validation(const std::string& out) {
   if (at == std::string::npos) return v;
   if (std::sscanf(out.c_str() + at,
                   "hp-train: validate: max |loss - reference| over %lld steps = %lf; max relative "
-                  "gradient difference after step 1 = %lf",
-                  &v.steps, &v.loss_diff, &v.grad_diff) != 3) {
+                  "gradient difference after step %lld = %lf",
+                  &v.steps, &v.loss_diff, &v.grad_step, &v.grad_diff) != 4) {
     v.steps = -1;
   }
   return v;
