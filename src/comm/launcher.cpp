@@ -93,6 +93,9 @@ std::string describe_status(int status) {
 // First line of a rank's error file when its error was a communication failure (hp::CommError):
 // most likely the consequence of a peer's failure, not the cause.
 constexpr char kCommErrorTag[] = "hp-error-kind: comm\n";
+// ... when it was one of hyperparallel's own checks (hp::Error, not a CommError): the program
+// refused its options or inputs, which a restart of the same command repeats.
+constexpr char kCheckErrorTag[] = "hp-error-kind: check\n";
 
 constexpr std::chrono::milliseconds kHeartbeatPoll{200};
 
@@ -161,6 +164,7 @@ struct RankProcess {
   Clock::time_point ended;  // when the launcher reaped it
   std::string error;        // its report, without the tag
   bool comm_error = false;  // the report was tagged as a communication failure
+  bool check_error = false;  // ... as one of the program's own checks (repeats on a restart)
   // Its heartbeat as the launcher last read it, and when that value first appeared.
   std::string beat;
   Clock::time_point beat_changed;
@@ -263,6 +267,9 @@ int Attempt::reap() {
       if (r.error.rfind(kCommErrorTag, 0) == 0) {
         r.comm_error = true;
         r.error.erase(0, sizeof(kCommErrorTag) - 1);
+      } else if (r.error.rfind(kCheckErrorTag, 0) == 0) {
+        r.check_error = true;
+        r.error.erase(0, sizeof(kCheckErrorTag) - 1);
       }
     } else {
       ++alive;
@@ -397,6 +404,7 @@ LaunchResult Attempt::blame() const {
   }
   if (primary == nullptr) primary = failed.front();
   res.failed_rank = primary->rank;
+  res.check_error = hung_because.empty() && primary->check_error;
   if (!hung_because.empty()) {
     const RankProcess& first = *failed.front();
     res.exit_code = exit_code_of(first.status);
@@ -522,9 +530,12 @@ void report_rank_error(const std::string& what) {
 
 void report_rank_error(const std::exception& error) {
   const bool comm = dynamic_cast<const hp::CommError*>(&error) != nullptr;
+  const bool check = !comm && dynamic_cast<const hp::Error*>(&error) != nullptr;
   // LibTorch's errors carry a backtrace; the launcher's one-line summary quotes the message.
   const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-  report_rank_error(std::string(comm ? kCommErrorTag : "") +
+  report_rank_error(std::string(comm    ? kCommErrorTag
+                                : check ? kCheckErrorTag
+                                        : "") +
                     (c10_error != nullptr ? c10_error->what_without_backtrace() : error.what()));
 }
 
@@ -550,6 +561,13 @@ LaunchResult launch_local_ranks(const LaunchOptions& o) {
     }
     result.restarts = attempt;
     if (result.exit_code == 0 || result.interrupted || attempt >= o.max_restarts) return result;
+    if (result.check_error) {
+      result.message += common::str_cat(
+          "; not restarting (", o.max_restarts - attempt, " restart",
+          o.max_restarts - attempt == 1 ? "" : "s",
+          " left): the rank refused the run's own options or inputs, which a restart repeats");
+      return result;
+    }
     const std::string line = common::str_cat(result.message, "; restarting all ranks (restart ",
                                              attempt + 1, " of ", o.max_restarts, ")");
     if (o.log) {

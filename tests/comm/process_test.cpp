@@ -241,6 +241,37 @@ TEST(Launcher, RestartsAllRanksUpToMaxRestarts) {
   EXPECT_EQ(lines.size(), 2u);
 }
 
+// A rank that refused its own options or inputs (one of the program's checks) is not restarted:
+// the same command would refuse again. The message says why and how many restarts were left.
+TEST(Launcher, CheckErrorsAreNotRestarted) {
+  hp::comm::LaunchOptions lo;
+  lo.nproc = 2;
+  lo.grace = std::chrono::milliseconds(1000);
+  lo.max_restarts = 2;
+  int attempts = 0;
+  lo.argv_for_attempt = [&](int) {
+    ++attempts;
+    return std::vector<std::string>{
+        "/bin/sh", "-c",
+        "if [ \"$RANK\" = 1 ]; then printf 'hp-error-kind: check\\n--vocab 16 is too small' > "
+        "\"$HP_ERROR_FILE\"; exit 1; fi; exec sleep 60"};
+  };
+  std::vector<std::string> lines;
+  lo.log = [&](const std::string& line) { lines.push_back(line); };
+  auto res = hp::comm::launch_local_ranks(lo);
+  EXPECT_EQ(res.exit_code, 1) << res.message;
+  EXPECT_EQ(res.failed_rank, 1);
+  EXPECT_TRUE(res.check_error);
+  EXPECT_EQ(attempts, 1);
+  EXPECT_EQ(res.restarts, 0);
+  EXPECT_TRUE(lines.empty());
+  EXPECT_NE(res.message.find("exited with code 1: --vocab 16 is too small; stopped the other "
+                             "ranks; not restarting (2 restarts left): the rank refused the "
+                             "run's own options or inputs"),
+            std::string::npos)
+      << res.message;
+}
+
 TEST(Launcher, RankErrorReports) {
   const std::string path = hp::testing::scratch_dir() + "/rank_error";
   ::setenv("HP_ERROR_FILE", path.c_str(), 1);
@@ -251,7 +282,7 @@ TEST(Launcher, RankErrorReports) {
   hp::comm::report_rank_error(hp::CommError("recv timed out"));
   EXPECT_EQ(read(), "hp-error-kind: comm\nrecv timed out");  // the launcher's tag: a consequence
   hp::comm::report_rank_error(hp::Error("bad input"));
-  EXPECT_EQ(read(), "bad input");
+  EXPECT_EQ(read(), "hp-error-kind: check\nbad input");  // a check: a restart would repeat it
   try {
     TORCH_CHECK(false, "zip archive broken");
   } catch (const c10::Error& e) {

@@ -183,6 +183,21 @@ TEST(HpTrainReliability, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
   EXPECT_TRUE(contains(resumed.out, "resumed from " + dir + "/step_00000002")) << resumed.out;
 }
 
+// A rank's own refusal (here the non-finite loss of --nan-policy error) is not worth a restart
+// under --max-restarts: the same data would give the same loss again.
+TEST(HpTrainReliability, MaxRestartsDoesNotRerunARefusal) {
+  const std::string dir = fresh("nan_no_restart");
+  auto r = run(kTiny + "--steps 4 --max-restarts 2 --checkpoint-every 1 --checkpoint-dir " + dir,
+               "HP_TEST_NAN_AT_STEP=2 HP_TEST_NAN_RANK=1");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "non-finite loss (nan) at step 2 (first seen on rank 1)")) << r.out;
+  EXPECT_TRUE(contains(r.out,
+                       "not restarting (2 restarts left): the rank refused the run's own "
+                       "options or inputs, which a restart repeats"))
+      << r.out;
+  EXPECT_FALSE(contains(r.out, "restarting all ranks")) << r.out;
+}
+
 TEST(HpTrainReliability, NanPolicySkipStepSkipsTheUpdateAndContinues) {
   const std::string m = fresh("nan_skip.json");
   auto r = run(kTiny + "--steps 5 --nan-policy skip-step --metrics-json " + m,

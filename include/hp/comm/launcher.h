@@ -21,7 +21,8 @@
 // Restarts (torchrun's elastic agent, locally). With max_restarts = K > 0, a failed run (not an
 // interrupted one) is followed by a new run of all ranks, up to K times, each logged with the
 // failure that caused it; attempt k runs argv_for_attempt(k) when set (e.g. hp-train adds
-// --resume once a checkpoint exists), else argv. Each run gets a fresh store.
+// --resume once a checkpoint exists), else argv. Each run gets a fresh store. A run whose
+// failed rank reported one of the program's own checks (check_error below) is not restarted.
 //
 // Lifetime. No rank outlives the launcher: SIGINT, SIGTERM and SIGHUP to the launcher stop every
 // rank (exit code 128 + signal); each rank gets PR_SET_PDEATHSIG (SIGKILL), so it dies with the
@@ -70,6 +71,9 @@ struct LaunchResult {
   std::string message;       // what failed, including the rank's own error when it reported one
   bool interrupted = false;  // stopped by SIGINT, SIGTERM or SIGHUP to the launcher
   int restarts = 0;          // restarts done (the result is the last run's)
+  // The failed rank's error was one of the program's own checks (hp::Error, not a CommError):
+  // the run is not restarted, since the same command would refuse the same way.
+  bool check_error = false;
 };
 
 LaunchResult launch_local_ranks(const LaunchOptions& options);
@@ -92,7 +96,8 @@ int relaunch_as_local_ranks(LaunchOptions options, const std::string& tool);
 // For a rank's main(): records its error where the launcher looks for it (HP_ERROR_FILE), so
 // the launcher's failure message can quote the rank's error. No-op outside the launcher. The
 // exception form also tells the launcher whether it was a communication error (hp::CommError:
-// most likely caused by a peer) or the rank's own, and leaves out LibTorch's backtraces.
+// most likely caused by a peer), one of the program's checks (another hp::Error: not worth a
+// restart) or something else, and leaves out LibTorch's backtraces.
 void report_rank_error(const std::string& what);
 void report_rank_error(const std::exception& error);
 
