@@ -84,6 +84,15 @@ std::optional<LaunchEnv> parse_launch_env(const EnvLookup& env) {
                          ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", out.launcher)
                          : out.rank;
     local_size_var = "OMPI_COMM_WORLD_LOCAL_SIZE";
+  } else if (env("PMI_RANK") || env("PMI_SIZE")) {
+    // MPICH's and Intel MPI's mpiexec (Hydra). Before Slurm: under an allocation Hydra starts
+    // its per-node proxies with srun, so SLURM_PROCID there numbers nodes, not ranks.
+    out.launcher = "mpiexec";
+    out.rank = parse_int(env, "PMI_RANK", out.launcher);
+    out.world_size = parse_int(env, "PMI_SIZE", out.launcher);
+    out.local_rank =
+        env("MPI_LOCALRANKID") ? parse_int(env, "MPI_LOCALRANKID", out.launcher) : out.rank;
+    local_size_var = "MPI_LOCALNRANKS";
   } else if (env("SLURM_PROCID")) {  // a task srun started (an allocation's shell has none)
     out.launcher = "slurm";
     out.rank = parse_int(env, "SLURM_PROCID", out.launcher);

@@ -64,6 +64,27 @@ TEST(LaunchEnv, Mpirun) {
   EXPECT_EQ(e->master_port, 29500);
 }
 
+// MPICH / Intel MPI (Hydra): PMI_* numbers the ranks, MPI_LOCAL* the node's share. Inside a
+// Slurm allocation Hydra's proxy carries its node's SLURM_PROCID, which must not win.
+TEST(LaunchEnv, MpichHydra) {
+  auto e = parse_launch_env(env_of({{"PMI_RANK", "5"},
+                                    {"PMI_SIZE", "8"},
+                                    {"MPI_LOCALRANKID", "1"},
+                                    {"MPI_LOCALNRANKS", "4"},
+                                    {"SLURM_PROCID", "1"},
+                                    {"SLURM_NTASKS", "2"},
+                                    {"MASTER_ADDR", "h"}}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->launcher, "mpiexec");
+  EXPECT_EQ(e->rank, 5);
+  EXPECT_EQ(e->world_size, 8);
+  EXPECT_EQ(e->local_rank, 1);
+  EXPECT_EQ(e->local_world_size, 4);
+  EXPECT_EQ(e->master_addr, "h");
+  EXPECT_NE(error_of({{"PMI_RANK", "0"}}).find("mpiexec launch: PMI_SIZE is not set"),
+            std::string::npos);
+}
+
 TEST(LaunchEnv, SlurmWithNodeAddressFallback) {
   auto e = parse_launch_env(env_of({{"SLURM_PROCID", "5"},
                                     {"SLURM_NTASKS", "8"},

@@ -1,6 +1,6 @@
 // Reading a job's rank layout from the launcher's environment: torchrun, mpirun (Open MPI),
-// or Slurm. Pure functions over an env lookup, so they are testable without touching the
-// process environment.
+// mpiexec (MPICH / Intel MPI) or Slurm. Pure functions over an env lookup, so they are testable
+// without touching the process environment.
 #pragma once
 
 #include <functional>
@@ -10,7 +10,7 @@
 namespace hp::comm {
 
 struct LaunchEnv {
-  std::string launcher;  // "torchrun", "mpirun" or "slurm"
+  std::string launcher;  // "torchrun", "mpirun", "mpiexec" or "slurm"
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
@@ -34,11 +34,15 @@ struct LaunchEnv {
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
 
-// The launcher's variables, or nullopt when none of the three launchers set any.
+// The launcher's variables, or nullopt when none of the launchers set any. The first found
+// wins, in this order:
 // Throws hp::Error naming the variable when a value is malformed or inconsistent.
 //   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 //             (+ TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT: the agent's store)
 //   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (+ MASTER_ADDR/PORT)
+//   mpiexec:  PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS (MPICH/Intel MPI's Hydra;
+//             + MASTER_ADDR/PORT). Before Slurm: Hydra's proxies inside an allocation carry
+//             SLURM_PROCID of their node
 //   slurm:    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE
 //             (+ MASTER_ADDR/PORT; MASTER_ADDR defaults to SLURM_LAUNCH_NODE_IPADDR)
 //   any:      HP_STORE_BIND (where rank 0's store listens; see store.h), HP_STORE_ON_LAUNCHER
