@@ -51,6 +51,13 @@ int launch_self(int nproc, const std::vector<std::string>& argv, const char* wha
   return hp::comm::relaunch_as_local_ranks(nproc, argv, std::string("hp-bench ") + what);
 }
 
+void check_shape(const char* cmd, int64_t heads, int64_t kv_heads) {
+  HP_CHECK(heads % kv_heads == 0, "hp-bench ", cmd, ": --heads ", heads,
+           " is not a multiple of --kv-heads ", kv_heads,
+           " (each key/value head serves a whole group of query heads); give --kv-heads a "
+           "divisor of --heads (the default is 8)");
+}
+
 void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,
                        int64_t& head_dim, int64_t& batch) {
   cmd->add_option("--seq", seq, "sequence length S (global)")->check(CLI::PositiveNumber);
@@ -261,6 +268,7 @@ int run_attention(const AttentionArgs& a) {
     std::cout << j.dump() << std::endl;
     return 0;
   }
+  check_shape("attention", a.bench.heads, a.bench.kv_heads);
   // The rooflines are measured here with the threads each child runs its primitive on.
   hp::common::configure_threads(hp::common::available_cores());
   const auto out = measure_attention(a);
@@ -307,6 +315,28 @@ void add_commands(CLI::App& app, Commands& c) {
                     c.calibrate_cmd, c.report_cmd}) {
     cmd->add_option("--host-allocator", c.host_allocator, hp::common::kHostAllocatorHelp)
         ->check(CLI::IsMember(hp::common::host_allocator_choices()));
+  }
+}
+
+// Under an external launcher (torchrun, mpirun, mpiexec, Slurm; also the ranks --nproc
+// spawned) the job's size is its world size: a subcommand's --nproc, when given, must agree, and
+// otherwise takes it (the checks made before any rank starts size the run by --nproc).
+void take_launcher_size(Commands& c) {
+  const auto env = hp::comm::parse_launch_env(hp::comm::process_env());
+  if (!env) return;
+  const std::pair<CLI::App*, int*> sized[] = {{c.comm_cmd, &c.comm.nproc},
+                                              {c.cp_cmd, &c.cp.nproc},
+                                              {c.hsdp_cmd, &c.hsdp.nproc},
+                                              {c.linear_cmd, &c.linear.nproc},
+                                              {c.moe_cmd, &c.moe.nproc}};
+  for (const auto& [cmd, nproc] : sized) {
+    if (!cmd->parsed()) continue;
+    const char* flag = cmd == c.cp_cmd ? "--cp" : "--nproc";
+    HP_CHECK(cmd->count(flag) == 0 || *nproc == env->world_size, "hp-bench ", cmd->get_name(), ": ",
+             flag, " ", *nproc, " spawns local ranks, but this process was started by ",
+             env->launcher, " with a world of ", env->world_size, " ranks; drop ", flag,
+             " (the launcher starts the ranks) or make it ", env->world_size);
+    *nproc = env->world_size;
   }
 }
 
@@ -384,6 +414,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     hp::common::apply_host_allocator_choice(commands.host_allocator);
+    take_launcher_size(commands);
     return run_command(commands, args);
   } catch (const std::exception& e) {
     std::cerr << "hp-bench: " << e.what() << std::endl;

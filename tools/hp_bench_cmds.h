@@ -31,6 +31,9 @@ int launch_self(int nproc, const std::vector<std::string>& argv, const char* wha
 hp::comm::World join_world(const std::optional<hp::comm::LaunchEnv>& env, double timeout_s,
                            bool trace = false);
 
+// Checks those options' values together before anything runs: the query heads must be a
+// multiple of the key/value heads. `cmd`: "attention" or "cp", for the message.
+void check_shape(const char* cmd, int64_t heads, int64_t kv_heads);
 // The attention shape options both `attention` and `cp` take.
 void add_shape_options(CLI::App* cmd, int64_t& seq, int64_t& heads, int64_t& kv_heads,
                        int64_t& head_dim, int64_t& batch);

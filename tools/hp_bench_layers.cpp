@@ -175,6 +175,10 @@ void resolve_cp_config(CPArgs& a) {
       "hp-bench cp: --always-local-first applies to --cp-algo all_gather or hybrid with "
       "--schedule async only (got ",
       a.algo, ", ", a.schedule, "); drop it or change those");
+  check_shape("cp", a.bench.heads, a.bench.kv_heads);
+  HP_CHECK(a.bench.documents >= 0 && a.bench.documents <= a.bench.seq, "hp-bench cp: --documents ",
+           a.bench.documents, " must be in [0, --seq ", a.bench.seq,
+           "] (equal documents of at least one token each)");
   auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
   if (!normalized) {  // one rank: the plain layer runs, no CP flag would do anything
     const hp::cp::ContextParallelConfig d;

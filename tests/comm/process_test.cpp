@@ -345,6 +345,24 @@ TEST(HpBenchComm, RanksThatNeverJoinAreNamedAfterOneTimeout) {
   EXPECT_LT(seconds, 6.5) << "one timeout of 3 s, not two: " << run.out;
 }
 
+// Under an external launcher the job's size is WORLD_SIZE: hp-bench cp's default --nproc (2)
+// gives way to it, and an explicit --nproc that disagrees is refused before the rendezvous.
+TEST(HpBenchComm, ExternalLauncherSizesTheRun) {
+  const std::string vars = "RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 ";
+  const std::string cp = std::string(HP_BENCH_BINARY) +
+                         " cp --seq 64 --heads 2 --kv-heads 2 --head-dim 8 --iters 1 --json";
+  auto plain = hp::testing::run_command(vars + cp + " 2>/dev/null");
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  auto j = nlohmann::json::parse(plain.out.substr(plain.out.find('{')));
+  EXPECT_EQ(j["results"][0]["cp"], 1) << plain.out;
+  auto refused = hp::testing::run_command(vars + cp + " --cp 2");
+  EXPECT_EQ(refused.rc, 1) << refused.out;
+  EXPECT_NE(refused.out.find("hp-bench cp: --cp 2 spawns local ranks, but this process was "
+                             "started by torchrun with a world of 1 ranks; drop --cp"),
+            std::string::npos)
+      << refused.out;
+}
+
 TEST(HpBenchComm, JsonReportsMeasuredBytesEqualToTheFormula) {
   auto run = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
                                       " comm --nproc 2 --bytes 1048576 --iters 2 --json");

@@ -86,7 +86,7 @@ TEST(CPBench, AsyncStepsArePairedWithSyncSteps) {
   // --always-local-first is async all_gather's and hybrid's: refused (before any rank starts)
   // elsewhere.
   auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
-                                      " cp --seq 512 --heads 2 --cp 2 --iters 1 "
+                                      " cp --seq 512 --heads 2 --kv-heads 2 --cp 2 --iters 1 "
                                       "--always-local-first --cp-algo ulysses --schedule async");
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(
@@ -137,8 +137,9 @@ TEST(CPBench, PairedWithTimesAnotherAlgorithmInAlternation) {
             "--paired-with pairs two sync layers without documents"},
            {"--paired-with ulysses --documents 2",
             "--paired-with pairs two sync layers without documents"}}) {
-    auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
-                                        " cp --seq 512 --heads 2 --cp 2 --iters 1 " + flags);
+    auto bad =
+        hp::testing::run_command(std::string(HP_BENCH_BINARY) +
+                                 " cp --seq 512 --heads 2 --kv-heads 2 --cp 2 --iters 1 " + flags);
     EXPECT_NE(bad.rc, 0) << flags;
     EXPECT_NE(bad.out.find(expect), std::string::npos) << bad.out;
   }
@@ -171,7 +172,7 @@ TEST(CPBench, PairedWithContiguousTimesTheSameLayerUnbalanced) {
     EXPECT_EQ(x["comm_bytes_per_rank"], x["comm_bytes_theory"]) << res;
   }
   auto bad = hp::testing::run_command(std::string(HP_BENCH_BINARY) +
-                                      " cp --seq 512 --heads 2 --cp 2 --iters 1 "
+                                      " cp --seq 512 --heads 2 --kv-heads 2 --cp 2 --iters 1 "
                                       "--paired-with contiguous");
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.out.find("--paired-with contiguous pairs a balanced layer"), std::string::npos)
@@ -430,6 +431,27 @@ TEST(CPBench, RowsRecordTheirOwnLayerAndOneRankRefusesCPFlags) {
                                     "--cp 2 --cp-algo auto --json 2>/dev/null)");
   ASSERT_EQ(a.rc, 0) << a.out;
   EXPECT_NO_THROW(nlohmann::json::parse(a.out)) << a.out;
+}
+
+// Shapes that cannot run are refused before any rank starts, naming the flags: query heads that
+// are not a multiple of the key/value heads (cp and attention), more documents than tokens.
+TEST(CPBench, ImpossibleShapesAreRefusedBeforeAnyRank) {
+  const std::string bench = std::string(HP_BENCH_BINARY);
+  for (const std::string& cmd : {bench + " cp --cp 2 --seq 256 --heads 4 --kv-heads 3 --head-dim 8",
+                                 bench + " cp --cp 2 --seq 256 --heads 2 --head-dim 8",
+                                 bench + " attention --seq 256 --heads 2 --head-dim 8"}) {
+    auto r = hp::testing::run_command(cmd);
+    EXPECT_EQ(r.rc, 1) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find(" is not a multiple of --kv-heads "), std::string::npos) << cmd << "\n"
+                                                                                  << r.out;
+    EXPECT_EQ(r.out.find("rank 0"), std::string::npos) << "no rank may start: " << r.out;
+  }
+  auto docs = hp::testing::run_command(
+      bench + " cp --cp 2 --seq 256 --heads 4 --kv-heads 4 --head-dim 8 --documents 300");
+  EXPECT_EQ(docs.rc, 1) << docs.out;
+  EXPECT_NE(docs.out.find("hp-bench cp: --documents 300 must be in [0, --seq 256]"),
+            std::string::npos)
+      << docs.out;
 }
 
 // --cp-algo auto with --kv-head-policy repeat: one K/V head over 2 ranks lets the Ulysses
