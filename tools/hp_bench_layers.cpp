@@ -181,23 +181,9 @@ void resolve_cp_config(CPArgs& a) {
            "] (equal documents of at least one token each)");
   auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
   if (!normalized) {  // one rank: the plain layer runs, no CP flag would do anything
-    const hp::cp::ContextParallelConfig d;
-    const auto& c = a.bench.config;
-    std::vector<std::string> given;
-    if (a.algo != "all_gather") given.push_back("--cp-algo " + a.algo);
-    if (a.schedule != "sync") given.push_back("--schedule " + a.schedule);
-    if (a.degree > 0) given.push_back("--ulysses-degree");
-    if (c.load_balance) given.push_back("--load-balance");
-    if (c.ulysses_head_groups != d.ulysses_head_groups) given.push_back("--ulysses-head-groups");
-    if (c.ulysses_row_parts != d.ulysses_row_parts) given.push_back("--ulysses-row-parts");
-    if (c.async_always_local_first) given.push_back("--always-local-first");
-    if (c.ring_keep_blocks) given.push_back("--ring-keep-blocks");
-    if (c.ring_backward != d.ring_backward) given.push_back("--ring-backward");
-    if (c.kv_head_policy != d.kv_head_policy) given.push_back("--kv-head-policy");
-    if (!a.bench.paired_with.empty()) given.push_back("--paired-with");
-    HP_CHECK(given.empty(), "hp-bench cp: ", hp::common::str_join(given),
-             " configure context parallelism, but --cp is 1 (the plain layer runs); drop ",
-             given.size() == 1 ? "it" : "them", " or set --cp > 1");
+    auto given = hp::cp::settings_given(a.bench.config);
+    if (!a.bench.paired_with.empty()) given.push_back("--paired-with " + a.bench.paired_with);
+    hp::cp::check_nothing_given_without_cp("hp-bench cp", given, "the plain layer runs");
   } else {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);

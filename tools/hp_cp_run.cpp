@@ -36,6 +36,7 @@
 #include "hp/common/shape.h"
 #include "hp/common/strings.h"
 #include "hp/cp/adapter.h"
+#include "hp/cp/config.h"
 #include "hp/cp/sequence.h"
 #include "hp/cp/strategy.h"
 #include "hp/cp/volume.h"
@@ -45,19 +46,14 @@
 
 namespace {
 
-struct Args {
-  std::string input, output, algo = "all_gather", schedule = "sync", layout = "bnsd";
+// The CP flags (--cp-algo, --schedule, ...) are the base's.
+struct Args : hp::cp::CPFlags {
+  std::string input, output, layout = "bnsd";
   std::string primitive = "blockwise", adapter = "sdpa_qkv";
   int cp_size = 2;
-  int64_t degree = 0;
-  bool load_balance = false, causal = false;
+  bool causal = false;
   std::string lb_form;  // empty: the strategy's form (all_gather: swap; the others: data_order)
-  std::string kv_head_policy = "error";
   std::vector<int64_t> cu_seqlens;  // empty: no documents
-  int64_t head_groups = 0;
-  int64_t row_parts = 0;
-  bool ring_keep_blocks = false;
-  std::string ring_backward = "auto";
 };
 
 void add_options(CLI::App& app, Args& a) {
@@ -103,37 +99,16 @@ void add_options(CLI::App& app, Args& a) {
 hp::cp::ContextParallelConfig resolve_config(const Args& a) {
   HP_CHECK(a.layout == "bnsd" || a.layout == "bshd", "hp-cp-run: --layout '", a.layout,
            "' is not valid; valid: bnsd, bshd");
+  auto c = hp::cp::parse_flags(a);
   if (a.cp_size == 1) {  // the plain primitive runs: no CP flag would do anything
-    const Args d;
-    std::vector<std::string> given;
-    if (a.algo != d.algo) given.push_back("--cp-algo " + a.algo);
-    if (a.schedule != d.schedule) given.push_back("--schedule " + a.schedule);
-    if (a.degree != d.degree) given.push_back("--ulysses-degree");
-    if (a.load_balance) given.push_back("--load-balance");
-    if (!a.lb_form.empty()) given.push_back("--load-balance-form");
-    if (a.kv_head_policy != d.kv_head_policy) given.push_back("--kv-head-policy");
-    if (a.head_groups != d.head_groups) given.push_back("--ulysses-head-groups");
-    if (a.row_parts != d.row_parts) given.push_back("--ulysses-row-parts");
-    if (a.ring_keep_blocks) given.push_back("--ring-keep-blocks");
-    if (a.ring_backward != d.ring_backward) given.push_back("--ring-backward");
-    if (a.adapter != d.adapter) given.push_back("--adapter " + a.adapter);
-    HP_CHECK(given.empty(), "hp-cp-run: ", hp::common::str_join(given),
-             " configure context parallelism, but --cp is 1 (the plain primitive runs on the "
-             "whole sequence); drop ",
-             given.size() == 1 ? "it" : "them", " or set --cp > 1");
+    auto given = hp::cp::settings_given(c);
+    if (!a.lb_form.empty()) given.push_back("--load-balance-form " + a.lb_form);
+    if (a.adapter != Args().adapter) given.push_back("--adapter " + a.adapter);
+    hp::cp::check_nothing_given_without_cp("hp-cp-run", given,
+                                           "the plain primitive runs on the whole sequence");
   }
   HP_CHECK(a.lb_form.empty() || a.load_balance, "hp-cp-run: --load-balance-form ", a.lb_form,
            " chooses how --load-balance shards; add --load-balance or drop it");
-  hp::cp::ContextParallelConfig c;
-  c.algorithm = hp::cp::parse_algorithm(a.algo);
-  c.schedule = hp::cp::parse_schedule(a.schedule);
-  if (a.degree > 0) c.ulysses_degree = a.degree;
-  c.load_balance = a.load_balance;
-  c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
-  c.ulysses_head_groups = a.head_groups;
-  c.ulysses_row_parts = a.row_parts;
-  c.ring_keep_blocks = a.ring_keep_blocks;
-  c.ring_backward = hp::cp::parse_ring_backward(a.ring_backward);
   // all_gather balances contiguous shards by swapping; every other balanced strategy
   // (hybrid, ring, usp) balances data-order shards only.
   const std::string form = !a.lb_form.empty()       ? a.lb_form

@@ -178,11 +178,9 @@ void resolve(Args& a) {
              " choose --cp-algo (and --ulysses-degree, --schedule)");
   }
   if (o.cp == 1) {  // no CP runs: its flags would do nothing
-    auto given = cp_tuning_given(a);
-    if (a.load_balance) given.insert(given.begin(), "--load-balance");
-    if (a.schedule != "sync") given.insert(given.begin(), "--schedule " + a.schedule);
-    if (a.algo != "all_gather" && a.algo != "auto")
-      given.insert(given.begin(), "--cp-algo " + a.algo);
+    Args named = a;
+    if (named.algo == "auto") named.algo = "all_gather";  // refused below: auto needs --cp > 1
+    auto given = hp::cp::settings_given(hp::cp::parse_flags(named));
     // The linear and MLA layers' CP choices.
     const hp::plan::LinearPlanOptions linear_defaults;
     const hp::plan::MLAPlanOptions mla_defaults;
@@ -190,10 +188,7 @@ void resolve(Args& a) {
     if (o.linear.state_exchange != linear_defaults.state_exchange)
       given.push_back("--state-exchange " + o.linear.state_exchange);
     if (o.mla.strategy != mla_defaults.strategy) given.push_back("--mla-cp " + o.mla.strategy);
-    HP_CHECK(given.empty(), "hp-train: ", hp::common::str_join(given), " configure",
-             given.size() == 1 ? "s" : "",
-             " context parallelism, but --cp is 1 (no CP runs); drop ",
-             given.size() == 1 ? "it" : "them", " or set --cp > 1");
+    hp::cp::check_nothing_given_without_cp("hp-train", given, "no CP runs");
   }
   o.cp_auto = a.algo == "auto";
   if (o.cp_auto) {
@@ -218,17 +213,7 @@ void resolve(Args& a) {
   if (o.cp > 1 || a.algo != "all_gather" || a.schedule != "sync" || a.load_balance ||
       a.kv_head_policy != "error" || a.head_groups != 0 || a.row_parts != 0 || a.ring_keep_blocks ||
       a.ring_backward != "auto") {
-    hp::cp::ContextParallelConfig c;
-    c.algorithm = hp::cp::parse_algorithm(a.algo);
-    c.schedule = hp::cp::parse_schedule(a.schedule);
-    if (a.degree > 0) c.ulysses_degree = a.degree;
-    c.load_balance = a.load_balance;
-    c.kv_head_policy = hp::cp::parse_kv_head_policy(a.kv_head_policy);
-    c.ulysses_head_groups = a.head_groups;
-    c.ulysses_row_parts = a.row_parts;
-    c.ring_keep_blocks = a.ring_keep_blocks;
-    c.ring_backward = hp::cp::parse_ring_backward(a.ring_backward);
-    o.cp_config = c;
+    o.cp_config = hp::cp::parse_flags(a);
   }
 }
 

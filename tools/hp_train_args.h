@@ -6,6 +6,7 @@
 #include <string>
 
 #include "hp/comm/world.h"
+#include "hp/cp/config.h"
 #include "hp/train/trainer.h"
 
 namespace CLI {
@@ -20,12 +21,11 @@ hp::train::TrainOptions embedded_task();
 
 // Everything the command line (and --config) sets: the trainer's options and the flags that
 // become them once checked (resolve()).
-struct Args {
+// The CP flags (--cp-algo, --schedule, ...) are the base's.
+struct Args : hp::cp::CPFlags {
   hp::train::TrainOptions train = embedded_task();
   int nproc = 1;
-  std::string algo = "all_gather", schedule = "sync", config_file;
-  int64_t degree = 0;
-  bool load_balance = false;
+  std::string config_file;
   bool auto_algo = false;
   bool schedule_given = false;  // --schedule on the command line or in --config
   std::string nan_policy = "error", memory_limit;
@@ -34,11 +34,6 @@ struct Args {
   std::string fusion = "off";
   std::string mode = "production";
   std::string attention = "softmax";
-  std::string kv_head_policy = "error";
-  int64_t head_groups = 0;
-  int64_t row_parts = 0;
-  bool ring_keep_blocks = false;
-  std::string ring_backward = "auto";
   std::string arch = "qwen3";
   double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
   // --experts / --layers on the command line or in --config (or the model from --init-from).

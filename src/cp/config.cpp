@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "hp/common/check.h"
+#include "hp/common/strings.h"
 #include "hp/cp/strategy.h"
 
 namespace hp::cp {
@@ -71,6 +72,49 @@ AsyncFallback parse_async_fallback(const std::string& s) {
   if (s == "error") return AsyncFallback::kError;
   if (s == "sync") return AsyncFallback::kSync;
   HP_CHECK(false, "cp async_fallback '", s, "' is not valid; valid: error, sync");
+}
+
+ContextParallelConfig parse_flags(const CPFlags& f) {
+  ContextParallelConfig c;
+  c.algorithm = parse_algorithm(f.algo);
+  c.schedule = parse_schedule(f.schedule);
+  if (f.degree > 0) c.ulysses_degree = f.degree;
+  c.load_balance = f.load_balance;
+  c.kv_head_policy = parse_kv_head_policy(f.kv_head_policy);
+  c.ulysses_head_groups = f.head_groups;
+  c.ulysses_row_parts = f.row_parts;
+  c.ring_keep_blocks = f.ring_keep_blocks;
+  c.ring_backward = parse_ring_backward(f.ring_backward);
+  return c;
+}
+
+std::vector<std::string> settings_given(const ContextParallelConfig& c) {
+  const ContextParallelConfig d;
+  std::vector<std::string> given;
+  auto valued = [&](const char* flag, const auto& value) {
+    given.push_back(common::str_cat(flag, " ", value));
+  };
+  if (c.algorithm != d.algorithm) valued("--cp-algo", to_string(c.algorithm));
+  if (c.schedule != d.schedule) valued("--schedule", to_string(c.schedule));
+  if (c.ulysses_degree) valued("--ulysses-degree", *c.ulysses_degree);
+  if (c.load_balance) given.push_back("--load-balance");
+  if (c.async_fallback != d.async_fallback) valued("--async-fallback", to_string(c.async_fallback));
+  if (c.kv_head_policy != d.kv_head_policy) valued("--kv-head-policy", to_string(c.kv_head_policy));
+  if (c.ulysses_head_groups != d.ulysses_head_groups)
+    valued("--ulysses-head-groups", c.ulysses_head_groups);
+  if (c.async_always_local_first) given.push_back("--always-local-first");
+  if (c.ring_keep_blocks) given.push_back("--ring-keep-blocks");
+  if (c.ring_backward != d.ring_backward) valued("--ring-backward", to_string(c.ring_backward));
+  if (c.ulysses_row_parts != d.ulysses_row_parts)
+    valued("--ulysses-row-parts", c.ulysses_row_parts);
+  return given;
+}
+
+void check_nothing_given_without_cp(const std::string& tool, const std::vector<std::string>& given,
+                                    const std::string& what_runs) {
+  HP_CHECK(given.empty(), tool, ": ", common::str_join(given), " configure",
+           given.size() == 1 ? "s" : "", " context parallelism, but --cp is 1 (", what_runs,
+           "); drop ", given.size() == 1 ? "it" : "them", " or set --cp > 1");
 }
 
 ContextParallelConfig from_legacy_degree(int64_t degree, int64_t cp_size) {

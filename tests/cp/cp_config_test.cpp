@@ -110,5 +110,33 @@ TEST(CPConfig, SequenceDivisibility) {
   HP_EXPECT_ERROR(check_sequence(lb, 4, 4100), "not divisible by 8 (2 * cp_size, load balance)");
 }
 
+// What a run without CP refuses: every setting apart from the defaults, as the tools' flags.
+TEST(CPConfig, SettingsGivenNameEveryNonDefaultField) {
+  EXPECT_TRUE(settings_given(ContextParallelConfig{}).empty());
+  ContextParallelConfig c;
+  c.algorithm = "ring";
+  c.schedule = CPSchedule::kAsync;
+  c.ulysses_degree = 2;
+  c.load_balance = true;
+  c.async_fallback = AsyncFallback::kSync;
+  c.kv_head_policy = KVHeadPolicy::kRepeat;
+  c.ulysses_head_groups = 3;
+  c.async_always_local_first = true;
+  c.ring_keep_blocks = true;
+  c.ring_backward = RingBackward::kQueries;
+  c.ulysses_row_parts = 2;
+  EXPECT_EQ(settings_given(c),
+            (std::vector<std::string>{"--cp-algo ring", "--schedule async", "--ulysses-degree 2",
+                                      "--load-balance", "--async-fallback sync",
+                                      "--kv-head-policy repeat", "--ulysses-head-groups 3",
+                                      "--always-local-first", "--ring-keep-blocks",
+                                      "--ring-backward queries", "--ulysses-row-parts 2"}));
+  EXPECT_NO_THROW(check_nothing_given_without_cp("tool", {}, "x"));
+  HP_EXPECT_ERROR(
+      check_nothing_given_without_cp("tool", {"--load-balance"}, "the plain layer runs"),
+      "tool: --load-balance configures context parallelism, but --cp is 1 (the plain "
+      "layer runs); drop it or set --cp > 1");
+}
+
 }  // namespace
 }  // namespace hp::cp

@@ -5,6 +5,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace hp::cp {
 
@@ -124,6 +125,33 @@ RingBackward parse_ring_backward(const std::string& s);
 // The one legacy conversion from a bare Ulysses degree: 1 -> all_gather, == cp -> ulysses,
 // in between -> hybrid with that degree.
 ContextParallelConfig from_legacy_degree(int64_t degree, int64_t cp_size);
+
+// A CP configuration as a command line gives it: names and numbers, not yet checked. The tools'
+// argument structs derive from it; parse_flags() checks the names and builds the configuration.
+struct CPFlags {
+  std::string algo = "all_gather";       // --cp-algo: a strategy's name
+  std::string schedule = "sync";         // --schedule
+  int64_t degree = 0;                    // --ulysses-degree; 0: the strategy's
+  bool load_balance = false;             // --load-balance
+  std::string kv_head_policy = "error";  // --kv-head-policy
+  int64_t head_groups = 0;               // --ulysses-head-groups
+  int64_t row_parts = 0;                 // --ulysses-row-parts
+  bool ring_keep_blocks = false;         // --ring-keep-blocks
+  std::string ring_backward = "auto";    // --ring-backward
+};
+// The configuration `flags` name (throws hp::Error listing the valid names for an unknown one);
+// the load balance form and the async fallback stay at their defaults.
+ContextParallelConfig parse_flags(const CPFlags& flags);
+
+// The settings of `c` that differ from a default ContextParallelConfig, each written as the
+// tools' flag ("--cp-algo ring", "--load-balance", "--ulysses-head-groups 2", ...); the load
+// balance form is left to the tool (it has no meaning without --load-balance, listed itself).
+std::vector<std::string> settings_given(const ContextParallelConfig& c);
+// Throws hp::Error naming `given` (settings_given() and the tool's own CP flags) when it is not
+// empty: with --cp 1 no CP runs (`what_runs` says what does, e.g. "the plain layer runs"), so
+// none of them would do anything. `tool` prefixes the message.
+void check_nothing_given_without_cp(const std::string& tool, const std::vector<std::string>& given,
+                                    const std::string& what_runs);
 
 // Normalisation: cp_size == 1 -> nullopt (CP ignored); cp_size > 1 without a config ->
 // all_gather + sync; otherwise the config with ulysses_degree filled in by its strategy
