@@ -111,8 +111,8 @@ def _check_tensor(name, t):
 
 
 def _check_scale(scale):
-    if scale is not None and not math.isfinite(float(scale)):
-        raise ValueError(f"scale={scale!r} must be a finite number (None: 1/sqrt(D))")
+    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale={scale!r} must be a finite number > 0 (None: 1/sqrt(D))")
 
 
 def _choice(name, value, valid):

@@ -81,7 +81,8 @@ MixerShape validate_mixer_inputs(const MixerInputs& in, const MixerOptions& o, G
   }
   HP_CHECK(o.chunk_size >= 1, who, ": chunk_size=", o.chunk_size, " must be >= 1");
   s.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(s.key_dim)));
-  HP_CHECK(std::isfinite(s.scale), who, ": scale=", s.scale, " must be finite");
+  HP_CHECK(std::isfinite(s.scale) && s.scale > 0, who, ": scale=", s.scale,
+           " must be finite and > 0 (leave it unset for 1/sqrt(key_dim))");
   return s;
 }
 

@@ -40,7 +40,8 @@ Problem validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
            " is not floating point");
   p.compute_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   p.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.qk_dim)));
-  HP_CHECK(std::isfinite(p.scale), who, ": scale=", p.scale, " must be finite");
+  HP_CHECK(std::isfinite(p.scale) && p.scale > 0, who, ": scale=", p.scale,
+           " must be finite and > 0 (leave it unset for 1/sqrt(head_dim))");
   p.causal = o.causal;
   if (o.causal_meta) {
     HP_CHECK(o.causal, who, ": causal_meta is set but causal is false; set causal=true");

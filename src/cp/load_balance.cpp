@@ -32,10 +32,17 @@ void check_divisible(const at::Tensor& t, int64_t seq_dim, int64_t parts, const 
            " first (pad_sequence / shard_batch)");
 }
 
+void check_rank(int64_t r, int64_t p, const char* who) {
+  HP_CHECK(p >= 1 && r >= 0 && r < p, who, ": cp_rank=", r, " is outside [0, cp_size=", p,
+           ") (cp_size must be >= 1); pass this rank's CP coordinate and the CP group's size, "
+           "not the world's");
+}
+
 }  // namespace
 
 at::Tensor shard_sequence(const at::Tensor& full, int64_t seq_dim, int64_t r, int64_t p,
                           bool load_balance) {
+  check_rank(r, p, "shard_sequence");
   if (!load_balance) {
     check_divisible(full, seq_dim, p, "shard_sequence");
     return full.chunk(p, seq_dim)[r].contiguous();
@@ -77,6 +84,7 @@ ShardedBatch shard_batch(const at::Tensor& input_ids, const at::Tensor& labels, 
                          int64_t p, bool load_balance, const at::Tensor& doc_ids) {
   HP_CHECK(input_ids.dim() == 2 && labels.sizes() == input_ids.sizes(),
            "shard_batch: input_ids and labels must both be [B, S]");
+  check_rank(r, p, "shard_batch");
   const int64_t multiple = load_balance ? 2 * p : p;
   ShardedBatch b;
   auto ids = pad_sequence(input_ids, 1, multiple, 0);

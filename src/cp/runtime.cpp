@@ -74,7 +74,22 @@ void CPRuntime::validate(const at::Tensor& q, const at::Tensor& k, const at::Ten
   check_heads_for_degree(strategy_->name(), ctx_.topology->ulysses_degree, qh, kh, 1,
                          ctx_.kv_head_policy);
   ctx_.kv_heads = kh;
+  check_global_documents(options, q.size(0), q.size(l.seq_dim), who);
   strategy_->check_options(options, who);
+}
+
+void CPRuntime::check_global_documents(const attention::AttentionOptions& options, int64_t batch,
+                                       int64_t local_len, const std::string& who) const {
+  if (!options.documents) return;
+  const int64_t total = local_len * ctx_.topology->cp_size;
+  const auto& ids = options.documents->ids;
+  HP_CHECK(ids.defined() && ids.dim() == 2 && ids.size(1) == total, who, ": documents.ids is ",
+           ids.defined() ? common::shape_str(ids.sizes()) : std::string("undefined"),
+           "; under CP it must hold the document id of every global position, [B|1, ", total, "] (",
+           local_len, " local positions x cp ", ctx_.topology->cp_size,
+           "): pass the whole sequence's ids (ShardedBatch::doc_ids), not this rank's "
+           "(local_doc_ids)");
+  attention::check_documents(*options.documents, batch, total, total, who.c_str());
 }
 
 attention::AttentionResult CPRuntime::intercept(const at::Tensor& q, const at::Tensor& k,
@@ -184,6 +199,9 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
                                           "': ", role_name(role), " from handoff '", handoff, "'"));
   if (role != QKVRole::kQ) ctx_.kv_heads = x.size(l.heads_dim);  // before its collective starts
   if (announced_ && !skip_moves_) {
+    check_global_documents(
+        *announced_, x.size(0), x.size(l.seq_dim),
+        common::str_cat("async CP on module '", module_path_, "': the announced options"));
     // Asked once per call, at its first handoff: the attention itself is never run here.
     const attention::AttentionFn never =
         [](const at::Tensor&, const at::Tensor&, const at::Tensor&,

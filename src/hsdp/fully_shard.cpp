@@ -199,6 +199,10 @@ FullyShard::FullyShard(std::vector<UnitSpec> units, HsdpGroups groups, HsdpOptio
            "fully_shard: HsdpGroups.replicate is null; pass the dp_replicate "
            "group (a group of one rank when R = 1)");
   HP_CHECK(!units.empty(), "fully_shard: no units; pass the root unit first");
+  HP_CHECK(!options.reduce_dtype || at::isFloatingType(*options.reduce_dtype),
+           "fully_shard: HsdpOptions.reduce_dtype=", c10::toString(*options.reduce_dtype),
+           " is not a floating type (the gradients would be truncated); use float32, bfloat16, "
+           "float16 or float64, or leave it unset to reduce in each parameter's dtype");
   auto& s = *impl_;
   s.groups = std::move(groups);
   s.options = options;
@@ -223,6 +227,9 @@ FullyShard::FullyShard(std::vector<UnitSpec> units, HsdpGroups groups, HsdpOptio
     for (auto& up : units[u].params) {
       HP_CHECK(!s.by_name.count(up.name), "fully_shard: parameter '", up.name,
                "' is listed twice; each parameter belongs to exactly one unit");
+      HP_CHECK(!up.tp_partial_grad || s.groups.tp, "fully_shard: parameter '", up.name,
+               "' has tp_partial_grad=true (its gradient is summed over TP), but HsdpGroups.tp "
+               "is null; pass the TP group");
       s.by_name[up.name] = s.params.size();
       unit.params.push_back(s.params.size());
       s.params.push_back(

@@ -305,6 +305,13 @@ TEST(Documents, TilesNoDocumentSpansAreSkippedAndBadIdsAreRefused) {
                     "attention 'sdpa' takes no documents");
   }
   HP_EXPECT_ERROR(document_ids_from_cu_seqlens({0, 5, 5, 8}, 8), "cu_seqlens must increase");
+  // A zero or negative scale (uniform weights, or the softmax inverted) is refused.
+  o.documents.reset();
+  for (double bad : {0.0, -0.5}) {
+    o.scale = bad;
+    HP_EXPECT_ERROR(AttentionRegistry::builtin().get("blockwise").forward(small, small, small, o),
+                    "must be finite and > 0 (leave it unset for 1/sqrt(head_dim))");
+  }
   EXPECT_TRUE(at::equal(document_positions(document_ids_from_cu_seqlens({0, 2, 5}, 6)),
                         at::tensor({0, 1, 0, 1, 2, 0}, at::kLong).view({1, 6})));
 }

@@ -186,5 +186,39 @@ TEST(AllGatherSchedule, AnAnnouncementTheCallBreaksIsRefused) {
   });
 }
 
+// Document ids of this rank's shard instead of the global sequence (ShardedBatch::local_doc_ids
+// for doc_ids): refused before any collective, sync and async (announced), on every strategy.
+// The strategies' block skipping used to read them past their end, so ranks could disagree on
+// skipping a gather (a hang) or all skip it (a silently wrong result).
+TEST(DocumentsUnderCP, LocalIdsAreRefusedBeforeAnyCollective) {
+  const int p = 2;
+  const auto q = f64(1, {1, kNq, kS, kDqk}), k = f64(2, {1, kNkv, kS, kDqk}),
+             v = f64(3, {1, kNkv, kS, kDv});
+  auto ids = attention::document_ids_from_cu_seqlens({0, 16, 32, kS}, kS);
+  for (const char* algo : {"all_gather", "ulysses", "ring"}) {
+    for (When when : {When::kSync, When::kAsyncAnnounced}) {
+      ContextParallelConfig cfg;
+      cfg.algorithm = algo;
+      if (when != When::kSync) cfg.schedule = CPSchedule::kAsync;
+      const auto norm = *normalize(cfg, p);
+      run_ranks(p, [&](comm::World& w) {
+        auto local = shard_sequence(ids, 1, w.rank(), p, false);
+        Direct m(true, local);
+        apply_cp(m, w, norm, /*handoffs=*/when != When::kSync);
+        auto mine = [&](const at::Tensor& full) {
+          return shard_sequence(full, 2, w.rank(), p, false).requires_grad_(true);
+        };
+        auto& rec = *w.context().recorder;
+        rec.clear();
+        if (when == When::kAsyncAnnounced) m.core.host().announce(m.core.options().attention);
+        HP_EXPECT_ERROR(m.forward(mine(q), mine(k), mine(v)),
+                        "must hold the document id of every global position, [B|1, " +
+                            std::to_string(kS) + "]");
+        EXPECT_TRUE(rec.records().empty()) << algo << ", " << when_name(when);
+      });
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hp::cp

@@ -43,6 +43,12 @@ TEST(SequenceSharding, LoadBalancedChunksAndRoundTrip) {
   // P = 3 with load balance: rank 1 holds chunks 2 and 3 of 6 (positions 4..7).
   EXPECT_TRUE(at::equal(shard_sequence(full, 1, 1, 3, true)[0], at::arange(4, 8)));
   EXPECT_THROW(shard_sequence(full, 1, 0, 5, false), hp::Error);
+  // A rank outside the CP group (the world rank passed by mistake), or no group at all.
+  for (bool lb : {false, true}) {
+    HP_EXPECT_ERROR(shard_sequence(full, 1, 2, 2, lb), "cp_rank=2 is outside [0, cp_size=2)");
+    HP_EXPECT_ERROR(shard_sequence(full, 1, 0, 0, lb), "cp_rank=0 is outside [0, cp_size=0)");
+  }
+  HP_EXPECT_ERROR(shard_batch(full, full, 0, 0, false), "shard_batch: cp_rank=0 is outside");
 }
 
 TEST(SequenceSharding, ShardBatchPadsIdsLabelsAndPositions) {

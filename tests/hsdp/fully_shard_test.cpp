@@ -432,6 +432,21 @@ TEST(FullyShard, MisuseFailsClearly) {
                                HsdpGroups{mesh.group_ptr({"dp_shard"}),
                                           mesh.group_ptr({"dp_replicate"}), nullptr}),
                     "parameter 'b' shares its memory with 'a' (a tied parameter); list it once");
+    // An integer reduce dtype would truncate every gradient; a TP-partial gradient needs TP.
+    HsdpOptions ints;
+    ints.reduce_dtype = at::kLong;
+    HP_EXPECT_ERROR(FullyShard({{"root", {{"a", t}}}},
+                               HsdpGroups{mesh.group_ptr({"dp_shard"}),
+                                          mesh.group_ptr({"dp_replicate"}), nullptr},
+                               ints),
+                    "HsdpOptions.reduce_dtype=Long is not a floating type");
+    UnitParam partial{"a", t};
+    partial.tp_partial_grad = true;
+    HP_EXPECT_ERROR(
+        FullyShard({{"root", {partial}}}, HsdpGroups{mesh.group_ptr({"dp_shard"}),
+                                                     mesh.group_ptr({"dp_replicate"}), nullptr}),
+        "parameter 'a' has tp_partial_grad=true (its gradient is summed over TP), but "
+        "HsdpGroups.tp is null");
   });
 }
 

@@ -62,6 +62,10 @@ class CPRuntime final : public attention::AttentionInterceptor,
   // Checks q/k/v before any collective and records the K/V head count (ctx_.kv_heads).
   void validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const attention::AttentionOptions& options);
+  // Packed documents: the ids cover the global sequence (local_len x cp positions) for `batch`
+  // rows, before anything reads them (the strategies' block skipping does, unchecked).
+  void check_global_documents(const attention::AttentionOptions& options, int64_t batch,
+                              int64_t local_len, const std::string& who) const;
 
   std::shared_ptr<const CPAdapter> adapter_;
   std::shared_ptr<const CPStrategy> strategy_;
