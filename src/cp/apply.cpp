@@ -73,6 +73,9 @@ std::string apply_context_parallel(attention::AttentionHost& host, CPModuleSpec&
       options.strategies != nullptr ? *options.strategies : StrategyRegistry::builtin();
   const QKVLayout layout{spec.cp_seq_dim, spec.cp_head_dim};
   layout.check(common::str_cat("module '", spec.module_path, "'"));
+  // normalize()'s checks, whether or not the caller ran it: e.g. load balance under a strategy
+  // without it would leave head-tail shards masked in natural order (a wrong result).
+  if (t.cp_size > 1) normalize(config, t.cp_size, &strategies);
   HP_CHECK(ulysses_degree_of(config, t.cp_size) == t.ulysses_degree, "module '", spec.module_path,
            "': the CP topology was built for ulysses_degree=", t.ulysses_degree,
            " but the config says ", ulysses_degree_of(config, t.cp_size));

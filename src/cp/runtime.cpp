@@ -50,6 +50,11 @@ void CPRuntime::validate(const at::Tensor& q, const at::Tensor& k, const at::Ten
   HP_CHECK(q.defined() && k.defined() && v.defined(), who, ": q, k and v must be defined");
   HP_CHECK(q.dim() == k.dim() && q.dim() == v.dim(), who, ": q, k, v ranks differ (", q.dim(), ", ",
            k.dim(), ", ", v.dim(), "); they must have the same rank");
+  HP_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+               at::isFloatingType(q.scalar_type()),
+           who, ": q, k, v dtypes are ", c10::toString(q.scalar_type()), ", ",
+           c10::toString(k.scalar_type()), ", ", c10::toString(v.scalar_type()),
+           "; they must share one floating dtype (cast them before the call)");
   const int64_t nd = q.dim();
   HP_CHECK(l.seq_dim < nd - 1 && l.heads_dim < nd - 1, who, ": cp_seq_dim=", l.seq_dim,
            " / cp_head_dim=", l.heads_dim, " are out of range for ", nd,

@@ -76,6 +76,23 @@ TEST(CPApply, SameRuntimeTwiceIsIdempotentADifferentOneIsAnError) {
                   "boundary (q, k, v): installed 'cp:attn:sdpa_qkv:all_gather");
 }
 
+// A config that normalize() would refuse is refused at apply too, normalised or not: Ulysses
+// with load balance would leave head-tail shards under a natural-order causal mask.
+TEST(CPApply, ChecksTheConfigItWasGiven) {
+  ContextParallelConfig c;
+  c.algorithm = "ulysses";
+  c.ulysses_degree = 4;
+  c.load_balance = true;
+  FakeCP f(c);
+  attention::CoreAttention core;
+  CPModuleSpec spec;
+  spec.module_path = "attn";
+  spec.inner_wrapper = "sdpa_qkv";
+  HP_EXPECT_ERROR(apply_context_parallel(core.host(), spec, f.config, f.topo, quiet()),
+                  "cp_config.load_balance=true requires algorithm=all_gather or hybrid or ring or "
+                  "usp (got ulysses)");
+}
+
 TEST(CPApply, UnknownWrapperListsTheValidNames) {
   FakeCP f(*normalize(std::nullopt, 4));
   attention::CoreAttention core;
@@ -256,6 +273,9 @@ TEST(CPApply, BadInputsFailBeforeAnyCollective) {
         c.forward(at::randn({1, 6, 8, 16}), at::randn({1, 3, 8, 16}), at::randn({1, 3, 8, 16}));
       },
       "algorithm=hybrid: key/value heads = 3 are not divisible by the Ulysses degree 2");
+  check(
+      "sdpa_qkv", [&](attention::CoreAttention& c) { c.forward(q, kv.to(at::kDouble), kv); },
+      "q, k, v dtypes are Float, Double, Float; they must share one floating dtype");
 }
 
 TEST(CPApply, MasksThatCannotFollowTheStrategy) {
