@@ -23,10 +23,6 @@ constexpr int kSlots = 1 << 10;
 constexpr int kSlotSpan = 1 << 19;
 constexpr int kHalf = kSlotSpan / 2;
 
-int64_t nbytes(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
-}
-
 // The legs of one collective; `finish` (optional) runs once, after every leg is done and
 // before wait() returns or is_completed() first reports true.
 class LegsPending final : public PendingOp {
