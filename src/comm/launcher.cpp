@@ -161,9 +161,9 @@ struct RankProcess {
   int error_fd = -1;  // the rank's error report (memfd), read once it ended
   bool alive = false;
   int status = 0;
-  Clock::time_point ended;  // when the launcher reaped it
-  std::string error;        // its report, without the tag
-  bool comm_error = false;  // the report was tagged as a communication failure
+  Clock::time_point ended;   // when the launcher reaped it
+  std::string error;         // its report, without the tag
+  bool comm_error = false;   // the report was tagged as a communication failure
   bool check_error = false;  // ... as one of the program's own checks (repeats on a restart)
   // Its heartbeat as the launcher last read it, and when that value first appeared.
   std::string beat;

@@ -72,12 +72,11 @@ World::World(std::shared_ptr<State> state) : state_(std::move(state)) {
 
 World World::from_env(const WorldOptions& options) {
   auto env = parse_launch_env(process_env());
-  HP_CHECK(
-      env.has_value(),
-      "World::from_env: no launcher variables found. Start under torchrun (RANK, "
-      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT), mpirun (OMPI_COMM_WORLD_RANK/SIZE), MPICH mpiexec "
-      "(PMI_RANK/PMI_SIZE) or Slurm "
-      "(SLURM_PROCID/SLURM_NTASKS), or let the tool spawn local ranks with --nproc N");
+  HP_CHECK(env.has_value(),
+           "World::from_env: no launcher variables found. Start under torchrun (RANK, WORLD_SIZE, "
+           "MASTER_ADDR, MASTER_PORT), mpirun (OMPI_COMM_WORLD_RANK/SIZE), MPICH mpiexec "
+           "(PMI_RANK/PMI_SIZE) or Slurm (SLURM_PROCID/SLURM_NTASKS), or let the tool spawn local "
+           "ranks with --nproc N");
   return from_launch_env(*env, options);
 }
 

@@ -76,8 +76,8 @@ TEST(GradAccum, TheStepIsTheTokenMeanOfOneBatchOfAllRows) {
   // The mean of the micro-batches' means, what the step used to be, differs here.
   double mean_of_means = 0;
   for (int64_t m = 0; m < o.grad_accum; ++m) {
-    auto s = token_nll_sum(ref.model->forward(ids[m], pos.narrow(0, 0, 1), at::Tensor()),
-                           labels[m]);
+    auto s =
+        token_nll_sum(ref.model->forward(ids[m], pos.narrow(0, 0, 1), at::Tensor()), labels[m]);
     mean_of_means += s.item<double>() / static_cast<double>(counts[m]) / o.grad_accum;
   }
   EXPECT_GT(std::abs(mean_of_means - loss), 1e-3);
@@ -89,9 +89,9 @@ TEST(GradAccum, TheStepIsTheTokenMeanOfOneBatchOfAllRows) {
     const auto& g = p.value().grad();
     const auto& r = want[p.key()].grad();
     ASSERT_TRUE(g.defined() && r.defined()) << p.key();
-    const double rel = ((g.to(at::kDouble) - r.to(at::kDouble)).norm() /
-                        (r.to(at::kDouble).norm() + 1e-12))
-                           .item<double>();
+    const double rel =
+        ((g.to(at::kDouble) - r.to(at::kDouble)).norm() / (r.to(at::kDouble).norm() + 1e-12))
+            .item<double>();
     EXPECT_LT(rel, 1e-4) << p.key();
   }
 }

@@ -34,9 +34,9 @@ struct LaunchEnv {
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
 
-// The launcher's variables, or nullopt when none of the launchers set any. The first found
+// The launcher's variables, or nullopt when none of the launchers set any. Throws hp::Error
+// naming the variable when a value is malformed or inconsistent. The first launcher found
 // wins, in this order:
-// Throws hp::Error naming the variable when a value is malformed or inconsistent.
 //   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 //             (+ TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT: the agent's store)
 //   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (+ MASTER_ADDR/PORT)
