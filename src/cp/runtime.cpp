@@ -79,14 +79,44 @@ void CPRuntime::validate(const at::Tensor& q, const at::Tensor& k, const at::Ten
   check_heads_for_degree(strategy_->name(), ctx_.topology->ulysses_degree, qh, kh, 1,
                          ctx_.kv_head_policy);
   ctx_.kv_heads = kh;
-  check_global_documents(options, q.size(0), q.size(l.seq_dim), who);
-  strategy_->check_options(options, who);
+  check_call_options(options, q.size(0), qh, q.size(l.seq_dim), who);
 }
 
-void CPRuntime::check_global_documents(const attention::AttentionOptions& options, int64_t batch,
-                                       int64_t local_len, const std::string& who) const {
+void CPRuntime::check_call_options(const attention::AttentionOptions& options, int64_t batch,
+                                   int64_t q_heads, int64_t local_len,
+                                   const std::string& who) const {
+  const int64_t cp = ctx_.topology->cp_size, total = local_len * cp;
+  if (options.causal_meta) {
+    const auto& m = *options.causal_meta;
+    HP_CHECK(m.q_offset == 0 && m.q_len == -1 && m.kv_len == -1, who,
+             ": options.causal_meta is {q_offset=", m.q_offset, ", q_len=", m.q_len,
+             ", kv_len=", m.kv_len,
+             "}; under CP each rank's query and key positions are set from its place in the "
+             "sequence, so leave causal_meta unset");
+  }
+  strategy_->check_options(options, who);
+  if (options.mask.defined()) {
+    const auto& m = options.mask;
+    HP_CHECK(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()), who,
+             ": mask dtype ", c10::toString(m.scalar_type()),
+             " must be bool (true = attend) or floating point (additive)");
+    HP_CHECK(!ctx_.load_balance, who,
+             ": a tensor mask's rows follow this rank's queries in order, which head-tail load "
+             "balance splits and reorders; express the mask as a mask function (mask_fn) or "
+             "packed documents (both are re-based to global positions), or set "
+             "load_balance=false");
+    const int64_t nd = m.dim();
+    const bool lead_ok =
+        nd >= 2 && nd <= 4 && (nd < 4 || m.size(0) == 1 || m.size(0) == batch) &&
+        (nd < 3 || q_heads < 0 || m.size(nd - 3) == 1 || m.size(nd - 3) == q_heads);
+    HP_CHECK(lead_ok && m.size(-2) == local_len && m.size(-1) == total, who, ": mask ",
+             common::shape_str(m.sizes()), " does not fit CP: its rows are this rank's ", local_len,
+             " queries and its columns the ", total, " keys of the whole sequence (", local_len,
+             " local positions x cp ", cp, "); give it shape [", local_len, ", ", total,
+             "] or [B|1, Nq|1, ", local_len, ", ", total,
+             "] (this rank's rows of the global mask)");
+  }
   if (!options.documents) return;
-  const int64_t total = local_len * ctx_.topology->cp_size;
   const auto& ids = options.documents->ids;
   HP_CHECK(ids.defined() && ids.dim() == 2 && ids.size(1) == total, who, ": documents.ids is ",
            ids.defined() ? common::shape_str(ids.sizes()) : std::string("undefined"),
@@ -204,8 +234,8 @@ at::Tensor CPRuntime::on_handoff(QKVRole role, const std::string& handoff, const
                                           "': ", role_name(role), " from handoff '", handoff, "'"));
   if (role != QKVRole::kQ) ctx_.kv_heads = x.size(l.heads_dim);  // before its collective starts
   if (announced_ && !skip_moves_) {
-    check_global_documents(
-        *announced_, x.size(0), x.size(l.seq_dim),
+    check_call_options(
+        *announced_, x.size(0), role == QKVRole::kQ ? x.size(l.heads_dim) : -1, x.size(l.seq_dim),
         common::str_cat("async CP on module '", module_path_, "': the announced options"));
     // Asked once per call, at its first handoff: the attention itself is never run here.
     const attention::AttentionFn never =

@@ -108,6 +108,13 @@ class RingStrategy final : public CPStrategy {
     return {comm::OpKind::kSend, comm::OpKind::kRecv};
   }
   std::vector<QKVRole> moved_roles() const override { return {}; }
+  void check_options(const attention::AttentionOptions& options,
+                     const std::string& who) const override {
+    HP_CHECK(!options.mask.defined(), who,
+             ": a tensor mask cannot be split into the ring's key blocks (the blocks are merged "
+             "by log-sum-exp); express it as a mask function or packed documents, or use "
+             "algorithm=all_gather");
+  }
 
   at::Tensor run_sync(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionCall& call, const CPRuntimeContext& ctx) const override {

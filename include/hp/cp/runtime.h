@@ -62,10 +62,15 @@ class CPRuntime final : public attention::AttentionInterceptor,
   // Checks q/k/v before any collective and records the K/V head count (ctx_.kv_heads).
   void validate(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const attention::AttentionOptions& options);
-  // Packed documents: the ids cover the global sequence (local_len x cp positions) for `batch`
-  // rows, before anything reads them (the strategies' block skipping does, unchecked).
-  void check_global_documents(const attention::AttentionOptions& options, int64_t batch,
-                              int64_t local_len, const std::string& who) const;
+  // One call's options, before any collective reads them (the sync call, or the announced
+  // options at the async schedule's first handoff; q_heads -1 where not yet known):
+  //  - packed documents: the ids cover the global sequence (local_len x cp positions) for
+  //    `batch` rows (the strategies' block skipping reads them, unchecked);
+  //  - a tensor mask: rows are this rank's local_len queries, columns the global keys;
+  //  - causal_meta: CP places the queries and keys itself, so only the neutral value passes;
+  //  - the strategy's own checks (CPStrategy::check_options).
+  void check_call_options(const attention::AttentionOptions& options, int64_t batch,
+                          int64_t q_heads, int64_t local_len, const std::string& who) const;
 
   std::shared_ptr<const CPAdapter> adapter_;
   std::shared_ptr<const CPStrategy> strategy_;
