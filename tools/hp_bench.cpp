@@ -1,7 +1,7 @@
 // hp-bench: measurements, never pass/fail tests.
 //   hp-bench comm --nproc N [--bytes B] [--iters K] [--json]
 //   hp-bench attention --seq S --heads H --kv-heads HK --head-dim D [--causal] [--batch B]
-//                      [--primitive math|blockwise|all] [--iters K] [--json]
+//                      [--primitive math|blockwise|sdpa|all] [--iters K] [--json]
 //   hp-bench cp --seq S --heads H --kv-heads HK --head-dim D --cp P --cp-algo A
 //               [--ulysses-degree U] [--schedule sync|async] [--causal] [--iters K] [--json]
 //   hp-bench cp --attention mla --seq S --heads H --cp P [--cp-algo latent_all_gather|ulysses|
@@ -41,6 +41,7 @@
 #include "hp/common/threads.h"
 #include "hp/common/trace.h"
 #include "hp/cp/adapter.h"
+#include "hp/cp/config.h"
 #include "hp/cp/strategy.h"
 #include "hp/plan/cost_model.h"
 #include "hp_bench_cmds.h"
@@ -386,6 +387,13 @@ int run_command(const Commands& c, const std::vector<std::string>& args) {
     HP_CHECK(c.linear_cmd->count("--chunk-size") == 0 || c.linear.bench.kernel != "recurrent",
              "hp-bench linear: --chunk-size sizes the chunked kernel's chunks; --kernel recurrent "
              "runs token by token, so drop it or use --kernel chunked");
+    if (c.linear.nproc == 1) {
+      std::vector<std::string> given;
+      if (c.linear_cmd->count("--cp-mode") > 0) given.push_back("--cp-mode " + c.linear.bench.mode);
+      if (c.linear_cmd->count("--state-exchange") > 0)
+        given.push_back("--state-exchange " + c.linear.bench.state_exchange);
+      hp::cp::check_nothing_given_without_cp("hp-bench linear", given, "the plain mixer runs");
+    }
     return run_linear(c.linear, args);
   }
   if (c.moe_cmd->parsed()) return run_moe(c.moe, args);

@@ -41,7 +41,9 @@ CLI::App* add_cp_command(CLI::App& app, CPArgs& a) {
   cmd->add_option("--cp,--nproc", a.nproc, "CP ranks (local processes)")->check(CLI::Range(1, 64));
   cmd->add_option("--cp-algo", a.algo,
                   hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto");
-  cmd->add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
+  cmd->add_option("--ulysses-degree", a.degree,
+                  "Ulysses degree (hybrid, usp: required; ulysses: the whole CP group)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--schedule", a.schedule, "sync | async");
   cmd->add_option("--adapter", a.bench.adapter,
                   hp::cp::AdapterRegistry::builtin().names_list(" | "));
@@ -339,7 +341,9 @@ int run_cp(CPArgs a, const std::vector<std::string>& argv) {
 CLI::App* add_hsdp_command(CLI::App& app, HsdpArgs& a) {
   auto* cmd = app.add_subcommand("hsdp", "decoder stack backward: HSDP pipeline vs baseline");
   cmd->add_option("--nproc", a.nproc, "local rank processes")->check(CLI::Range(1, 64));
-  cmd->add_option("--dp-shard", a.bench.dp_shard, "shard degree Sd")->check(CLI::PositiveNumber);
+  a.bench.dp_shard = 0;  // not given: --nproc / --dp-replicate
+  cmd->add_option("--dp-shard", a.bench.dp_shard, "shard degree Sd (default --nproc / R)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--dp-replicate", a.bench.dp_replicate, "replicas R")->check(CLI::PositiveNumber);
   cmd->add_option("--comm-fusion", a.fusion, "on | off");
   cmd->add_option("--layers", a.bench.layers, "decoder layers")->check(CLI::PositiveNumber);
@@ -423,6 +427,12 @@ int run_hsdp(HsdpArgs a, const std::vector<std::string>& argv) {
   HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-bench hsdp: --comm-fusion '", a.fusion,
            "' is not valid; valid: on, off");
   a.bench.comm_fusion = a.fusion == "on";
+  if (a.bench.dp_shard == 0) {
+    HP_CHECK(a.nproc % a.bench.dp_replicate == 0, "hp-bench hsdp: --dp-replicate ",
+             a.bench.dp_replicate, " does not divide --nproc ", a.nproc,
+             "; give --dp-shard, or a --dp-replicate that divides --nproc");
+    a.bench.dp_shard = a.nproc / a.bench.dp_replicate;
+  }
   HP_CHECK(a.bench.dp_shard * a.bench.dp_replicate == a.nproc, "hp-bench hsdp: --dp-shard ",
            a.bench.dp_shard, " x --dp-replicate ", a.bench.dp_replicate, " = ",
            a.bench.dp_shard * a.bench.dp_replicate, " but --nproc is ", a.nproc,

@@ -10,6 +10,7 @@
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/threads.h"
+#include "hp/cp/config.h"
 #include "hp_bench_cmds.h"
 
 namespace hp_bench {
@@ -47,6 +48,14 @@ hp::bench::MLABenchOptions mla_options(const CPArgs& a) {
   for (const auto& flag : a.dsa_flags_given) {
     HP_CHECK(a.attention == "dsa", "hp-bench cp: ", flag,
              " applies to --attention dsa only (got --attention ", a.attention, "); drop it");
+  }
+  if (a.nproc == 1) {  // the plain layer runs: no CP flag would do anything
+    std::vector<std::string> given;
+    if (a.algo_given) given.push_back("--cp-algo " + a.algo);
+    if (a.schedule != "sync") given.push_back("--schedule " + a.schedule);
+    if (a.bench.config.load_balance) given.push_back("--load-balance");
+    hp::cp::check_nothing_given_without_cp("hp-bench cp --attention " + a.attention, given,
+                                           "the plain layer runs");
   }
   hp::bench::MLABenchOptions o;
   o.seq = a.bench.seq;

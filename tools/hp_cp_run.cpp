@@ -61,7 +61,9 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--output", a.output, "where to write out, dq, dk, dv")->required();
   app.add_option("--cp,--nproc", a.cp_size, "CP ranks (threads)")->check(CLI::Range(1, 64));
   app.add_option("--cp-algo", a.algo, hp::cp::StrategyRegistry::builtin().names_list(" | "));
-  app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
+  app.add_option("--ulysses-degree", a.degree,
+                 "Ulysses degree (hybrid, usp: required; ulysses: the whole CP group)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance,
                "head-tail load balance (all_gather, hybrid, ring, usp)");
@@ -334,6 +336,14 @@ int main(int argc, char** argv) {
       HP_CHECK(attention != "dsa" || app.count("--primitive") == 0,
                "hp-cp-run: --primitive does not apply to --attention dsa (its sparse kernel is "
                "its own); drop it");
+      if (a.cp_size == 1) {  // the plain layer runs: no CP flag would do anything
+        std::vector<std::string> given;
+        if (app.count("--cp-algo") > 0) given.push_back("--cp-algo " + a.algo);
+        if (a.schedule != "sync") given.push_back("--schedule " + a.schedule);
+        if (a.load_balance) given.push_back("--load-balance");
+        hp::cp::check_nothing_given_without_cp("hp-cp-run", given,
+                                               "the plain layer runs on the whole sequence");
+      }
       hp_cp_run::MLAArgs mla;
       mla.attention = attention;
       if (attention == "dsa") mla.strategy = "all_gather";
@@ -350,6 +360,13 @@ int main(int argc, char** argv) {
       return hp_cp_run::run_mla(mla);
     }
     if (hp_cp_run::mixer_requested(app, m)) {
+      if (a.cp_size == 1) {  // the plain mixer runs: no CP flag would do anything
+        std::vector<std::string> given;
+        if (app.count("--cp-mode") > 0) given.push_back("--cp-mode " + m.mode);
+        if (app.count("--state-exchange") > 0) given.push_back("--state-exchange " + m.exchange);
+        hp::cp::check_nothing_given_without_cp("hp-cp-run", given,
+                                               "the plain mixer runs on the whole sequence");
+      }
       m.cu_seqlens = a.cu_seqlens;
       m.input = a.input;
       m.output = a.output;

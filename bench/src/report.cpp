@@ -72,10 +72,33 @@ std::string choice_name(const std::string& algo, int64_t u, const std::string& s
   return n + "/" + schedule;
 }
 
+// Every grid point must run every strategy of the grid: checked before the calibration starts
+// (a child's refusal deep into the run would lose what was measured before it).
+void check_grid(const ReportOptions& o) {
+  HP_CHECK(!o.ranks.empty() && !o.seqs.empty(),
+           "hp-bench report: --ranks and --seqs need at least "
+           "one value each (e.g. --ranks 2 4 --seqs 4096 16384)");
+  HP_CHECK(o.iters_small >= 1 && o.iters_small <= 1000, "hp-bench report: --iters ", o.iters_small,
+           " must be in [1, 1000]");
+  for (const int64_t p : o.ranks) {
+    HP_CHECK(p >= 2 && p <= 64 && (p < 4 || p % 2 == 0) && o.heads % p == 0 && o.kv_heads % p == 0,
+             "hp-bench report: --ranks ", p, " cannot run the whole grid: P must be in [2, 64], ",
+             "even from 4 (hybrid and usp run with Ulysses degree 2), and divide the ", o.heads,
+             " heads and ", o.kv_heads, " key/value heads (ulysses); e.g. --ranks 2 4");
+    for (const int64_t s : o.seqs) {
+      HP_CHECK(s >= 2 * p && s % (2 * p) == 0, "hp-bench report: --seqs ", s,
+               " is not a multiple of 2 x P = ", 2 * p,
+               " (head-tail load balance splits the sequence into 2P chunks at --ranks ", p,
+               "); e.g. --seqs 4096 16384");
+    }
+  }
+}
+
 }  // namespace
 
 std::string run_report(const ReportOptions& o) {
   HP_CHECK(!o.links.empty(), "hp-bench report: no link given");
+  check_grid(o);
   const auto t0 = std::chrono::steady_clock::now();
   fs::create_directories(o.out_dir);
   const int cores = common::available_cores();

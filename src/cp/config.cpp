@@ -78,6 +78,9 @@ ContextParallelConfig parse_flags(const CPFlags& f) {
   ContextParallelConfig c;
   c.algorithm = parse_algorithm(f.algo);
   c.schedule = parse_schedule(f.schedule);
+  HP_CHECK(f.degree >= 0, "cp --ulysses-degree ", f.degree,
+           " must be a positive degree (hybrid and usp need one), or 0 / absent (ulysses: the "
+           "whole CP group)");
   if (f.degree > 0) c.ulysses_degree = f.degree;
   c.load_balance = f.load_balance;
   c.kv_head_policy = parse_kv_head_policy(f.kv_head_policy);

@@ -33,4 +33,21 @@ TEST(HsdpBench, ReportsBothModesWithBytesEqualToTheFormula) {
       << bad.out;
 }
 
+// Without --dp-shard the ranks --dp-replicate leaves are the shard degree (the default of 1
+// refused the default --nproc 2: "1 x 1 = 1 but --nproc is 2").
+TEST(HsdpBench, TheShardDegreeDefaultsToTheRanksLeft) {
+  const std::string bench = std::string(HP_BENCH_BINARY) +
+                            " hsdp --layers 1 --hidden 32 --ffn 64 --seq 16 --iters 1 --json";
+  auto r = hp::testing::run_command(bench);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  EXPECT_EQ(j["nproc"], 2);
+  EXPECT_EQ(j["dp_shard"], 2);
+  EXPECT_EQ(j["dp_replicate"], 1);
+  auto odd = hp::testing::run_command(bench + " --nproc 3 --dp-replicate 2");
+  EXPECT_NE(odd.rc, 0);
+  EXPECT_NE(odd.out.find("--dp-replicate 2 does not divide --nproc 3"), std::string::npos)
+      << odd.out;
+}
+
 }  // namespace
