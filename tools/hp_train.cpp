@@ -100,7 +100,7 @@ void resolve(Args& a) {
   }
   const std::string pattern_given = o.model.layer_pattern;
   hp::model::apply_family(o.model, a.arch, {a.experts_given, a.layers_given});
-  if (a.rotary_factor != -1) o.model.partial_rotary_factor = a.rotary_factor;
+  if (a.rotary_given) o.model.partial_rotary_factor = a.rotary_factor;
   HP_CHECK(o.model.layer_pattern.empty() || o.model.mixer == "attention",
            "hp-train: the layer pattern (",
            pattern_given.empty() ? "--arch " + a.arch : "--layer-pattern",
@@ -129,9 +129,8 @@ void resolve(Args& a) {
         "hp-train: --kv-rank and --q-rank size MLA/DSA layers (--attention mla|dsa, or M/D "
         "in a layer pattern), but with ",
         what, " there are none; drop them");
-    HP_CHECK(softmax || a.rotary_factor == -1, "hp-train: --partial-rotary-factor ",
-             a.rotary_factor, " applies to softmax attention layers, but with ", what,
-             " there are none; drop it");
+    HP_CHECK(softmax || !a.rotary_given, "hp-train: --partial-rotary-factor ", a.rotary_factor,
+             " applies to softmax attention layers, but with ", what, " there are none; drop it");
     HP_CHECK(m.experts > 0 ||
                  (o.ep == 1 && m.moe_top_k == model_defaults.moe_top_k && m.moe_ffn == 0 &&
                   m.shared_expert_ffn == 0 && m.aux_loss_coef == model_defaults.aux_loss_coef &&
@@ -386,6 +385,7 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   hp::comm::timeout_from_seconds(a.timeout_s);                // checked before any rank starts
   model_from_checkpoint(app, a);
   a.schedule_given = app.count("--schedule") > 0;
+  a.rotary_given = app.count("--partial-rotary-factor") > 0;
   a.experts_given = app.count("--experts") > 0 || !a.train.init_from.empty();
   a.layers_given = app.count("--layers") > 0 || !a.train.init_from.empty();
   resolve(a);
@@ -396,6 +396,9 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
              "hp-train: --max-restarts ", a.max_restarts,
              " needs --checkpoint-dir and --checkpoint-every (a restart resumes from the last "
              "complete checkpoint)");
+    HP_CHECK(!a.train.validate, "hp-train: --max-restarts ", a.max_restarts,
+             " resumes a failed run from its last checkpoint, but --validate compares a whole "
+             "run from step 1; drop one of them");
     HP_CHECK(env || a.nproc > 1, "hp-train: --max-restarts ", a.max_restarts,
              " needs --nproc N > 1 (the local launcher restarts its ranks); under torchrun, use "
              "torchrun's own --max-restarts");

@@ -23,7 +23,9 @@ void add_layout_options(CLI::App& app, Args& a) {
   app.add_option("--cp", o.cp, "context-parallel size");
   app.add_option("--cp-algo", a.algo,
                  hp::cp::StrategyRegistry::builtin().names_list(" | ") + " | auto (cost model)");
-  app.add_option("--ulysses-degree", a.degree, "Ulysses degree (hybrid)");
+  app.add_option("--ulysses-degree", a.degree,
+                 "Ulysses degree (hybrid, usp: required; ulysses: the whole CP group)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--schedule", a.schedule, "sync | async");
   app.add_flag("--load-balance", a.load_balance,
                "head-tail load balance (all_gather, hybrid, ring, usp)");

@@ -35,7 +35,8 @@ struct Args : hp::cp::CPFlags {
   std::string mode = "production";
   std::string attention = "softmax";
   std::string arch = "qwen3";
-  double rotary_factor = -1;  // --partial-rotary-factor; -1 (not given): the family's
+  double rotary_factor = 1;   // --partial-rotary-factor, where rotary_given
+  bool rotary_given = false;  // else the family's factor
   // --experts / --layers on the command line or in --config (or the model from --init-from).
   bool experts_given = false, layers_given = false;
   std::string host_allocator = "caching";

@@ -175,28 +175,43 @@ AutoChoice auto_config(TorchGroup& g, int64_t seq, int64_t heads, int64_t kv_hea
   w.kv_head_policy = cp::parse_kv_head_policy(kv_head_policy);
   w.ring_recomputes =
       !attention::AttentionRegistry::builtin().get(primitive).offers_backward_from_stats();
-  const auto calibration =
-      plan::load_calibration(plan::default_calibration_path(plan::current_link()));
   const auto legal = plan::legal_cp_configs(p, w);
   HP_CHECK(!legal.empty(), "algorithm='auto': no CP configuration is legal for ", heads,
            " query heads and ", kv_heads, " K/V heads on ", p, " ranks");
-  const auto top = plan::rank_cp_configs(calibration, p, w).front();
-  int64_t mine = 0;
-  for (size_t i = 0; i < legal.size(); ++i) {
-    const auto& c = legal[i];
-    const auto& best = top.config;
-    if (c.algorithm == best.algorithm && c.schedule == best.schedule &&
-        c.ring_keep_blocks == best.ring_keep_blocks &&
-        cp::ulysses_degree_of(c, p) == cp::ulysses_degree_of(best, p))
-      mine = static_cast<int64_t>(i);
+  // Each rank ranks with its own calibration; rank 0's choice is taken. A rank that cannot rank
+  // (an unreadable calibration) says so in the gather instead of leaving the others waiting.
+  int64_t mine = -1;
+  std::string why, top_text;
+  try {
+    const auto calibration =
+        plan::load_calibration(plan::default_calibration_path(plan::current_link()));
+    const auto top = plan::rank_cp_configs(calibration, p, w).front();
+    top_text = plan::describe(top);
+    for (size_t i = 0; i < legal.size(); ++i) {
+      const auto& c = legal[i];
+      const auto& best = top.config;
+      if (c.algorithm == best.algorithm && c.schedule == best.schedule &&
+          c.ring_keep_blocks == best.ring_keep_blocks &&
+          cp::ulysses_degree_of(c, p) == cp::ulysses_degree_of(best, p))
+        mine = static_cast<int64_t>(i);
+    }
+    if (mine < 0) why = "its best configuration (" + top_text + ") is not among the legal ones";
+  } catch (const std::exception& e) {
+    why = e.what();
   }
   auto all = comm::all_gather(*g.group(), at::full({1}, mine, at::kLong), 0);
+  HP_CHECK(why.empty(), "algorithm='auto': this rank could not choose a CP configuration: ", why);
+  for (int64_t r = 0; r < p; ++r) {
+    HP_CHECK(all[r].item<int64_t>() >= 0, "algorithm='auto': rank ", r,
+             " could not choose a CP configuration (see its error: its calibration, "
+             "HP_CALIBRATION or HP_LINK_RATE); name the algorithm, or fix that rank's calibration");
+  }
   const auto& chosen = legal.at(all[0].item<int64_t>());
   return {cp::to_string(chosen.algorithm),
           cp::ulysses_degree_of(chosen, p),
           cp::to_string(chosen.schedule),
           chosen.ring_keep_blocks,
-          plan::describe(top),
+          top_text,
           cp::to_string(chosen.kv_head_policy)};
 }
 

@@ -2,6 +2,7 @@
 // process group exists (what `hp-train --validate`'s planning step runs; its messages are the
 // planner's own).
 #include <functional>
+#include <utility>
 
 #include <pybind11/stl.h>
 
@@ -82,7 +83,8 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
   cp::ContextParallelConfig c;
   std::string algorithm = "all_gather";
   bool cp_given = false;
-  std::vector<std::string> tuned;  // CP keys algorithm='auto' would not run
+  std::vector<std::string> cp_keys;  // CP keys given a value
+  std::vector<std::string> tuned;    // CP keys algorithm='auto' would not run
   auto set = [&](const std::string& key, const py::handle& value) {
     if (key == "arch") {
       arch = value.cast<std::string>();
@@ -91,6 +93,7 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
     if (std::find(kCPKeys.begin(), kCPKeys.end(), key) != kCPKeys.end()) {
       cp_given = true;
       if (value.is_none()) return;
+      cp_keys.push_back(key);
       if (key != "algorithm" && key != "load_balance" && key != "kv_head_policy")
         tuned.push_back(key);
       if (key == "algorithm") algorithm = value.cast<std::string>();
@@ -125,6 +128,14 @@ py::dict plan_layout(int64_t world_size, const py::dict& kwargs) {
            common::str_join(tuned), " would not run; drop ", tuned.size() == 1 ? "it" : "them",
            " or name the algorithm");
   model::apply_family(o.model, arch, {kwargs.contains("experts"), kwargs.contains("layers")});
+  HP_CHECK(o.cp > 1 || cp_keys.empty(), "plan: ", common::str_join(cp_keys), " configure",
+           cp_keys.size() == 1 ? "s" : "", " context parallelism, but cp is ", o.cp,
+           " (no CP runs); drop ", cp_keys.size() == 1 ? "it" : "them", " or set cp > 1");
+  for (const auto& [key, value] :
+       {std::pair<const char*, int64_t>{"seq_len", o.seq_len}, {"batch", o.batch}}) {
+    HP_CHECK(value >= 1, "plan: ", key, "=", value,
+             " must be >= 1 (the memory estimate and the sequence checks size the run by it)");
+  }
   o.cp_auto = algorithm == "auto";
   if (o.cp_auto) {
     HP_CHECK(o.cp > 1, "plan: algorithm='auto' needs cp > 1");

@@ -53,4 +53,34 @@ std::string why_dir_unwritable(const std::string& path) {
   return probe(p);
 }
 
+void write_file_synced(const std::string& path, const std::string& bytes, const std::string& who) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  HP_CHECK(fd >= 0, who, ": cannot write '", path, "': ", std::strerror(errno));
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  int err = 0;
+  while (left > 0 && err == 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  HP_CHECK(err == 0, who, ": writing '", path, "' failed: ", std::strerror(err),
+           " (disk full or read-only?)");
+}
+
+void sync_dir(const std::string& dir, const std::string& who) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  HP_CHECK(fd >= 0, who, ": cannot open directory '", dir, "': ", std::strerror(errno));
+  const int err = ::fsync(fd) == 0 ? 0 : errno;
+  ::close(fd);
+  HP_CHECK(err == 0, who, ": flushing directory '", dir, "' failed: ", std::strerror(err));
+}
+
 }  // namespace hp::common

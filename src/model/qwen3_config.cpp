@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <set>
+#include <utility>
 
 #include "hp/common/check.h"
 #include "hp/model/qwen3.h"
@@ -149,9 +150,15 @@ int64_t rotary_dim(const Qwen3Config& c) {
 }
 
 void validate(const Qwen3Config& c, int64_t tp) {
-  HP_CHECK(c.vocab > 0 && c.layers > 0 && c.hidden > 0 && c.heads > 0 && c.kv_heads > 0 &&
-               c.head_dim > 0 && c.ffn > 0,
-           "Qwen3Config: every size must be positive");
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"vocab", c.vocab},
+                                     {"layers", c.layers},
+                                     {"hidden", c.hidden},
+                                     {"heads", c.heads},
+                                     {"kv_heads", c.kv_heads},
+                                     {"head_dim", c.head_dim},
+                                     {"ffn", c.ffn}}) {
+    HP_CHECK(value > 0, "Qwen3Config.", field, "=", value, " must be positive");
+  }
   HP_CHECK(c.head_dim % 2 == 0, "Qwen3Config.head_dim=", c.head_dim, " must be even for RoPE");
   // A pattern repeats over the layers; cut short it would drop its later kinds (qwen3.5's G).
   HP_CHECK(c.layer_pattern.size() <= static_cast<size_t>(c.layers), "Qwen3Config.layers=", c.layers,
@@ -178,6 +185,12 @@ void validate(const Qwen3Config& c, int64_t tp) {
   // ffn only sizes experts (where moe_ffn is 0).
   HP_CHECK(c.experts > 0 || c.ffn % tp == 0, "Qwen3Config.ffn=", c.ffn,
            " is not divisible by tp_size=", tp);
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"kv_rank", c.kv_rank},
+                                     {"q_rank", c.q_rank},
+                                     {"value_heads", c.value_heads}}) {
+    HP_CHECK(value >= 0, "Qwen3Config.", field, "=", value,
+             " must be >= 0 (0: the default derived from head_dim / heads)");
+  }
   HP_CHECK(c.moe_ffn >= 0, "Qwen3Config.moe_ffn=", c.moe_ffn,
            " must be >= 0 (0: each expert as wide as ffn)");
   HP_CHECK(mixer_names().count(c.mixer) == 1, "Qwen3Config.mixer='", c.mixer,

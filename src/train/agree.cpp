@@ -9,6 +9,7 @@
 
 #include "hp/comm/collectives.h"
 #include "hp/common/check.h"
+#include "hp/common/crc32.h"
 
 namespace hp::train {
 
@@ -42,6 +43,20 @@ void run_agreed(const comm::World& world, const std::function<void()>& fn) {
     }
   }
   if (!error.empty()) throw hp::Error(error);
+}
+
+void check_same_on_every_rank(const comm::World& world, const std::string& text,
+                              const std::string& what, const std::string& fix) {
+  if (world.size() == 1) return;
+  // Row r: rank r's CRC (zeros elsewhere), summed: one all-reduce, like run_agreed.
+  auto crcs = at::zeros({world.size()}, at::kLong);
+  crcs[world.rank()] = static_cast<int64_t>(common::crc32(text.data(), text.size()));
+  crcs = comm::all_reduce(world.group(), crcs);
+  const auto* v = crcs.data_ptr<int64_t>();
+  for (int r = 1; r < world.size(); ++r) {
+    HP_CHECK(v[r] == v[0], what, " differs between ranks (rank ", r, "'s differs from rank 0's); ",
+             "this rank's: ", text, ". ", fix);
+  }
 }
 
 }  // namespace hp::train

@@ -18,10 +18,10 @@
 #include <nlohmann/json.hpp>
 
 #include "agree.h"
-#include "hp/comm/collectives.h"
 #include "hp/comm/world.h"
 #include "hp/common/check.h"
 #include "hp/common/crc32.h"
+#include "hp/common/paths.h"
 #include "hp/common/strings.h"
 
 namespace hp::train {
@@ -93,14 +93,7 @@ std::string error_text(const std::exception& e) {
 
 // Writes `bytes` to `path` (checked) and returns its record.
 FileRecord write_file(const std::string& path, const std::string& bytes) {
-  {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    HP_CHECK(f.good(), "hp-train: cannot write checkpoint file '", path, "'");
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    f.close();
-    HP_CHECK(!f.fail(), "hp-train: writing checkpoint file '", path,
-             "' failed (disk full or read-only?)");
-  }
+  common::write_file_synced(path, bytes, "hp-train: checkpoint");
   return {fs::path(path).filename().string(), static_cast<int64_t>(bytes.size()),
           common::crc32(bytes.data(), bytes.size())};
 }
@@ -167,7 +160,12 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"moe_top_k", mc.moe_top_k},
             {"capacity_factor", mc.capacity_factor},
             {"aux_loss_coef", mc.aux_loss_coef},
-            {"z_loss_coef", mc.z_loss_coef}}},
+            {"z_loss_coef", mc.z_loss_coef},
+            {"moe_renormalize", mc.moe_renormalize},
+            {"rope_theta", mc.rope_theta},
+            {"rms_eps", mc.rms_eps},
+            {"topk", mc.topk},
+            {"index_loss", mc.index_loss}}},
           {"train",
            {{"seq_len", o.seq_len},
             {"batch", o.batch},
@@ -178,7 +176,8 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"data_dtype", o.data_dtype},
             {"pack_documents", o.pack_documents},
             {"eod_id", o.eod_id},
-            {"copy_min_block", o.copy_min_block}}},
+            {"copy_min_block", o.copy_min_block},
+            {"index_loss_coef", o.index_loss_coef}}},
           {"ranks", records}};
 }
 
@@ -256,13 +255,19 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
       Differences routing{model, {}};
       routing.check<int64_t>("moe_top_k", o.model.moe_top_k, "--top-k");
       routing.check<double>("capacity_factor", o.model.capacity_factor, "--capacity-factor");
+      // The model's function besides its sizes (older manifests: not compared).
+      routing.check<bool>("moe_renormalize", o.model.moe_renormalize,
+                          "moe_renormalize (config.json norm_topk_prob)");
+      routing.check<double>("rope_theta", o.model.rope_theta, "rope_theta (config.json)");
+      routing.check<double>("rms_eps", o.model.rms_eps, "rms_eps (config.json rms_norm_eps)");
+      routing.check<int64_t>("topk", o.model.topk, "--topk");
       batches.found.insert(batches.found.end(), routing.found.begin(), routing.found.end());
       // grad_accum sits beside train in the manifest.
       Differences accum{m, {}};
       accum.check<int64_t>("grad_accum", o.grad_accum, "--grad-accum");
       batches.found.insert(batches.found.end(), accum.found.begin(), accum.found.end());
       HP_CHECK(batches.found.empty(), who, ": checkpoint '", dir,
-               "' was written with other data or routing settings (", batches.list(),
+               "' was written with other data, routing or model settings (", batches.list(),
                "); resume with the checkpoint's values (the batches and the model's function "
                "depend on them), or start a new run from its weights with --init-weights");
       const int64_t seq_len = train.at("seq_len").get<int64_t>();
@@ -284,6 +289,11 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
       Differences weights{model, {}};
       weights.check<double>("aux_loss_coef", o.model.aux_loss_coef, "--aux-loss-coef");
       weights.check<double>("z_loss_coef", o.model.z_loss_coef, "--z-loss-coef");
+      weights.check<std::string>("index_loss", o.model.index_loss, "--index-loss");
+      Differences train_weights{train, {}};
+      train_weights.check<double>("index_loss_coef", o.index_loss_coef, "--index-loss-coef");
+      weights.found.insert(weights.found.end(), train_weights.found.begin(),
+                           train_weights.found.end());
       if (!weights.found.empty() && rank == 0) {
         std::printf(
             "%s: warning: checkpoint '%s' was written with other loss weights (%s); the run "
@@ -462,32 +472,38 @@ void save_step(const comm::World& world, const TrainOptions& o, const std::strin
   const bool rank0 = world.rank() == 0;
   const auto dir = step_dir(o.checkpoint_dir, step);
   const auto tmp = dir + ".tmp";
-  if (rank0) fs::create_directories(tmp);
-  comm::barrier(world.group());
+  const std::string who = "hp-train: checkpoint";
+  // Each stage is agreed: a rank that fails (disk full, a path it cannot write) makes every rank
+  // fail with its message instead of leaving the others waiting at the next collective.
+  run_agreed(world, [&] {
+    if (rank0) fs::create_directories(tmp);
+  });
   // Each rank writes its part and what it wrote into the temporary directory; rank 0 gathers the
   // records into the manifest and renames the directory once all are there (temp + rename: a
-  // crash never leaves a half-written step behind).
-  const auto record = save_rank(tmp, world.rank(), tensors, optimizer);
-  std::ofstream(record_file(tmp, world.rank())) << to_json(record).dump() << "\n";
-  comm::barrier(world.group());
-  if (rank0) {
+  // crash never leaves a half-written step behind; every file is flushed to the device before
+  // the rename publishes it, so a power loss does not either).
+  run_agreed(world, [&] {
+    const auto record = save_rank(tmp, world.rank(), tensors, optimizer);
+    common::write_file_synced(record_file(tmp, world.rank()), to_json(record).dump() + "\n", who);
+  });
+  run_agreed(world, [&] {
+    if (!rank0) return;
     std::vector<RankRecord> records;
     for (int r = 0; r < world.size(); ++r) {
       const auto path = record_file(tmp, r);
       std::ifstream f(path);
-      HP_CHECK(f.good(), "hp-train: checkpoint: rank ", r, " left no record '", path, "'");
+      HP_CHECK(f.good(), who, ": rank ", r, " left no record '", path, "'");
       records.push_back(rank_record(nlohmann::json::parse(f)));
       fs::remove(path);
     }
-    const auto mpath = fs::path(tmp) / "manifest.json";
-    std::ofstream mf(mpath);
-    mf << manifest(o, world.size(), plan, step, records).dump(2) << "\n";
-    mf.close();
-    HP_CHECK(!mf.fail(), "hp-train: writing '", mpath.string(), "' failed");
+    const auto mpath = (fs::path(tmp) / "manifest.json").string();
+    common::write_file_synced(mpath, manifest(o, world.size(), plan, step, records).dump(2) + "\n",
+                              who);
+    common::sync_dir(tmp, who);
     fs::remove_all(dir);
     fs::rename(tmp, dir);
-  }
-  comm::barrier(world.group());
+    common::sync_dir(o.checkpoint_dir, who);
+  });
 }
 
 int64_t restore_latest(const comm::World& world, const TrainOptions& o, const NamedTensors& tensors,

@@ -6,6 +6,7 @@
 #include "hp/common/check.h"
 #include "hp/common/paths.h"
 #include "hp/model/qwen3.h"
+#include "hp/train/checkpoint.h"
 #include "hp/train/data.h"
 
 namespace hp::train {
@@ -78,6 +79,9 @@ void check_options(const TrainOptions& o) {
            " must be a finite number >= 0 (0: no clipping)");
   HP_CHECK(o.lr_warmup >= 0 && o.lr_decay_steps >= 1, "hp-train: lr_warmup ", o.lr_warmup,
            " must be >= 0 and lr_decay_steps ", o.lr_decay_steps, " >= 1");
+  HP_CHECK(std::isfinite(o.index_loss_coef) && o.index_loss_coef >= 0,
+           "hp-train: --index-loss-coef ", o.index_loss_coef,
+           " must be a finite number >= 0 (the weight of the DSA indexer's loss)");
   HP_CHECK(o.checkpoint_every >= 0, "hp-train: --checkpoint-every ", o.checkpoint_every,
            " must be >= 0 (0: save at the end of the run only)");
   HP_CHECK(!(o.resume || o.resume_if_exists) || !o.checkpoint_dir.empty(),
@@ -118,8 +122,21 @@ void check_options(const TrainOptions& o) {
 
 void check_output_paths(const TrainOptions& o, int rank) {
   check_dir("--checkpoint-dir", o.checkpoint_dir);
+  if (!o.checkpoint_dir.empty() && !o.resume && !o.resume_if_exists) {
+    // A new run there would replace the older run's steps one by one, and a restart (which
+    // adds --resume) or a later --resume could continue the older run's newest step.
+    const int64_t last = latest_checkpoint(o.checkpoint_dir);
+    HP_CHECK(last == 0, "hp-train: --checkpoint-dir '", o.checkpoint_dir,
+             "' already holds the checkpoints of a run (the newest is '",
+             step_dir(o.checkpoint_dir, last),
+             "'); add --resume to continue that run, or give an empty or new --checkpoint-dir to "
+             "start a new one");
+  }
   check_file("--trace", o.trace);  // every rank writes <trace>.rank<r> beside it
-  if (rank == 0) check_file("--metrics-json", o.metrics_json);
+  if (rank == 0) {
+    check_file("--metrics-json", o.metrics_json);
+    check_dir("--export-hf", o.export_hf);  // before the steps, not after them
+  }
 }
 
 plan::PlanOptions plan_options(const TrainOptions& o) {

@@ -219,6 +219,12 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   // Before anything is allocated; every rank reads the machine's memory before any allocates.
   run_agreed(world, [&] { preflight(o, world.rank(), world.local_size()); });
   auto plan = plan_layout(o, world.size());
+  // Each rank plans alone; --cp-algo auto ranks with the rank's own calibration, which a
+  // multi-machine job may not share. Ranks that disagree would issue different collectives.
+  check_same_on_every_rank(world, plan.describe(), "hp-train: the planned layout",
+                           "With --cp-algo auto each rank ranks the strategies with its own "
+                           "calibration (HP_CALIBRATION, HP_LINK_RATE): give every machine the "
+                           "same, or name the strategy with --cp-algo");
   comm::DeviceMesh mesh(world, plan.mesh_dims, plan.mesh_options());
   Runner run(o, mesh, plan.cp_config);
   const auto apply_log = apply_plan(run, plan, mesh);
@@ -228,7 +234,9 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   result.memory_estimate_bytes_per_rank = estimate_memory(o).total();
   if (world.rank() == 0) print_plan(o, result, plan, apply_log);
   if (!o.init_from.empty()) {
-    load_hf_checkpoint(run, &plan, o.init_from);  // a --resume checkpoint then replaces it
+    // Agreed: a rank whose part is missing or mismatched fails every rank with its message. A
+    // --resume checkpoint then replaces these weights.
+    run_agreed(world, [&] { load_hf_checkpoint(run, &plan, o.init_from); });
     if (world.rank() == 0) std::printf("hp-train: initialised from %s\n", o.init_from.c_str());
   }
   if (!o.init_weights.empty()) {
@@ -245,6 +253,9 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
            "--checkpoint-dir)");
   if (first > o.steps && o.steps > 0) {
     result.already_finished = true;
+    // The finished run's weights, just restored (a restart after a failed export, or a rerun
+    // that asks for the export).
+    if (!o.export_hf.empty()) export_hf_checkpoint(world, run, plan, o.export_hf);
     return result;
   }
   const Corpus corpus = Corpus::load(o);  // read once, shared by every step

@@ -133,6 +133,31 @@ TEST(Safetensors, WriteReadRoundTripAndDamagedFilesAreRefused) {
   }
   std::ofstream(path, std::ios::binary | std::ios::trunc) << "\x10\x00\x00\x00\x00\x00\x00\x00{}";
   EXPECT_THROW(SafetensorsFile{path}, hp::Error);  // a header longer than the file
+  // Headers whose shapes cannot be the data: a negative dimension (its product was positive and
+  // passed), a product past int64 (it wrapped), and fields of the wrong type (a raw JSON error).
+  const auto with_header = [&](const std::string& header) {
+    std::string len(8, '\0');
+    for (size_t i = 0, n = header.size(); i < 8; ++i, n >>= 8)
+      len[i] = static_cast<char>(n & 0xff);
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        << len << header << std::string(8, '\0');
+  };
+  const auto expect_refused = [&](const std::string& header, const std::string& text) {
+    with_header(header);
+    try {
+      SafetensorsFile f(path);
+      ADD_FAILURE() << "accepted: " << header;
+    } catch (const hp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(R"({"x": {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]}})",
+                 "tensor 'x' has shape [-1, -2] with a negative dimension");
+  expect_refused(
+      R"({"x": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})",
+      "tensor 'x' has data_offsets [0, 0) that do not hold its shape x dtype");
+  expect_refused(R"({"x": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}})",
+                 "tensor 'x' has no valid dtype, shape and data_offsets");
 }
 
 }  // namespace

@@ -71,6 +71,16 @@ def test_plan_refuses_unknown_options():
         hp.plan(2, cpp=2)
 
 
+def test_plan_refuses_what_would_not_run():
+    # CP settings without CP, and sizes that size nothing, were planned silently.
+    with pytest.raises(ValueError, match="plan: algorithm, schedule configure context "
+                                         "parallelism, but cp is 1 .no CP runs.; drop them"):
+        hp.plan(1, algorithm="ring", schedule="async")
+    for key in ("seq_len", "batch"):
+        with pytest.raises(ValueError, match=f"plan: {key}=0 must be >= 1"):
+            hp.plan(2, cp=2, **{key: 0})
+
+
 def shard_round_trip(rank, p):
     x = torch.arange(2 * 16 * 3, dtype=torch.float64).view(2, 16, 3)
     out = {}

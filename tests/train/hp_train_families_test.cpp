@@ -210,7 +210,7 @@ TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
   // one that differs; the loss weights only warn (as --lr does).
   auto d = run(layout + "--ep 2 --steps 6 --resume --top-k 1 --capacity-factor 0.5");
   EXPECT_NE(d.rc, 0);
-  EXPECT_NE(d.out.find("other data or routing settings (--top-k: checkpoint 2, this run 1; "
+  EXPECT_NE(d.out.find("other data, routing or model settings (--top-k: checkpoint 2, this run 1; "
                        "--capacity-factor: checkpoint 0, this run 0.5)"),
             std::string::npos)
       << d.out;
@@ -322,6 +322,39 @@ TEST(HpTrainFamilies, HuggingFaceConfigsThatDoNotDescribeTheWeightsAreRefused) {
   expect_refused("--steps 1 --init-from " +
                      edited("gelu", [](nlohmann::json& j) { j["hidden_act"] = "gelu"; }),
                  {"hidden_act='gelu' is not supported"});
+  // A config smaller than its weights (4 fewer vocabulary rows) is refused under every layout:
+  // sharded, each rank's slice of the larger tensor had the slice's shape and loaded silently.
+  const auto smaller_vocab = edited("smaller_vocab", [](nlohmann::json& j) {
+    j["vocab_size"] = j["vocab_size"].get<int64_t>() - 4;
+  });
+  for (const std::string layout : {"", "--nproc 2 --dp-shard 2 "}) {
+    auto r = run(layout + "--steps 1 --seq-len 32 --init-from " + smaller_vocab);
+    EXPECT_EQ(r.rc, 1) << layout << r.out;
+    EXPECT_NE(r.out.find("(before sharding); the checkpoint does not match the model"),
+              std::string::npos)
+        << layout << r.out;
+    EXPECT_EQ(r.out.find("  step "), std::string::npos) << "no step may run: " << r.out;
+  }
+  // Sizes that are not integers, a missing one, zero heads (a division by zero) and a scaled
+  // RoPE in newer transformers' rope_parameters are refused by key.
+  expect_refused("--steps 1 --init-from " +
+                     edited("float_size", [](nlohmann::json& j) { j["hidden_size"] = 32.5; }),
+                 {"config.json': hidden_size is 32.5; it must be an integer"});
+  expect_refused("--steps 1 --init-from " +
+                     edited("no_vocab", [](nlohmann::json& j) { j.erase("vocab_size"); }),
+                 {"config.json' has no vocab_size"});
+  expect_refused("--steps 1 --init-from " + edited("zero_heads",
+                                                   [](nlohmann::json& j) {
+                                                     j["num_attention_heads"] = 0;
+                                                     j.erase("head_dim");
+                                                   }),
+                 {"num_attention_heads is 0; it must be positive"});
+  expect_refused("--steps 1 --init-from " +
+                     edited("rope_parameters",
+                            [](nlohmann::json& j) {
+                              j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+                            }),
+                 {"rope_parameters.rope_type is not supported"});
   // A null rope_scaling, as Hugging Face writes it, is fine.
   auto ok = run("--steps 1 --seq-len 32 --init-from " +
                 edited("null_scaling", [](nlohmann::json& j) { j["rope_scaling"] = nullptr; }));

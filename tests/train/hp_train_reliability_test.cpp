@@ -22,6 +22,9 @@
 
 namespace {
 namespace fs = std::filesystem;
+using hp::train_testing::contains;
+using hp::train_testing::fresh;
+using hp::train_testing::kTiny;
 
 hp::testing::CommandResult run(const std::string& args, const std::string& env = "") {
   return hp::testing::run_command(env + " " + std::string(HP_TRAIN_BINARY) + " " + args);
@@ -41,20 +44,6 @@ void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
-
-bool contains(const std::string& out, const std::string& text) {
-  return out.find(text) != std::string::npos;
-}
-
-// A fresh directory under the scratch dir.
-std::string fresh(const std::string& name) {
-  std::string dir = hp::testing::scratch_dir() + "/" + name;
-  fs::remove_all(dir);
-  return dir;
-}
-
-// Two CP ranks on the embedded task, short sequences: about a second per run.
-const std::string kTiny = "--nproc 2 --cp 2 --seq-len 32 ";
 
 // The step directories under a checkpoint root, sorted.
 std::vector<std::string> step_dirs(const std::string& root) {
@@ -349,10 +338,11 @@ TEST(HpTrainReliability, ResumeRefusesAChangedSeqLenOrSeedAndWarnsOnLr) {
                   "--checkpoint-dir " +
                   dir + " --resume");
   EXPECT_NE(data.rc, 0) << data.out;
-  EXPECT_TRUE(contains(data.out, "hp-train --resume: checkpoint '" + dir + "/step_00000003" +
-                                     "' was written with other data or routing settings (--batch: "
-                                     "checkpoint 4, this run 2; --pack-documents: checkpoint 0, "
-                                     "this run 1; --grad-accum: checkpoint 1, this run 3)"))
+  EXPECT_TRUE(
+      contains(data.out, "hp-train --resume: checkpoint '" + dir + "/step_00000003" +
+                             "' was written with other data, routing or model settings (--batch: "
+                             "checkpoint 4, this run 2; --pack-documents: checkpoint 0, "
+                             "this run 1; --grad-accum: checkpoint 1, this run 3)"))
       << data.out;
   EXPECT_FALSE(contains(data.out, "  step ")) << "no step may run: " << data.out;
 }

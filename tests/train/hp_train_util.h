@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -18,6 +19,20 @@ namespace hp::train_testing {
 inline hp::testing::CommandResult run(const std::string& args) {
   return hp::testing::run_command(std::string(HP_TRAIN_BINARY) + " " + args);
 }
+
+inline bool contains(const std::string& out, const std::string& text) {
+  return out.find(text) != std::string::npos;
+}
+
+// A fresh (removed, not created) directory under the scratch dir.
+inline std::string fresh(const std::string& name) {
+  std::string dir = hp::testing::scratch_dir() + "/" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+// Two CP ranks on the embedded task, short sequences: about a second per run.
+inline const std::string kTiny = "--nproc 2 --cp 2 --seq-len 32 ";
 
 inline nlohmann::json metrics(const std::string& path) {
   std::ifstream f(path);

@@ -16,4 +16,13 @@ std::string why_file_unwritable(const std::string& path);
 // it cannot be created (it is created when missing), or no file can be created in it.
 std::string why_dir_unwritable(const std::string& path);
 
+// Writes `bytes` to `path` (created or truncated) and flushes them to the device (fsync) before
+// returning, so that a rename published after it never names a file that a power loss could
+// leave short. Throws hp::Error naming `who`, the path and the system's reason.
+void write_file_synced(const std::string& path, const std::string& bytes, const std::string& who);
+
+// Flushes the entries of directory `dir` (files created, renamed or removed in it) to the device.
+// Throws hp::Error naming `who`, the directory and the system's reason.
+void sync_dir(const std::string& dir, const std::string& who);
+
 }  // namespace hp::common

@@ -70,9 +70,14 @@ struct HFSlice {
   int64_t tp_dim = -1, tp_rank = 0, tp_size = 1;
   int64_t expert_begin = 0;
   int64_t row_begin = 0, rows = -1;
+  // The model's whole parameter, before TP and HSDP take their slices (stacked experts: one
+  // expert's shape is full_shape[1:]). Empty: only the slice is checked, and a checkpoint
+  // tensor larger than the model could pass where the slice fits.
+  std::vector<int64_t> full_shape;
 };
 // Copies that slice of `param` from the checkpoint into `dest` (rows of dest past the slice,
-// HSDP padding, are zeroed). Shapes are checked against the checkpoint, naming the tensor.
+// HSDP padding, are zeroed). Shapes are checked against the checkpoint, naming the tensor: the
+// whole tensor against slice.full_shape first (and a TP dim divisible by tp_size), then the slice.
 void load_hf_parameter(const HFDirectory& dir, const Qwen3Config& c, const std::string& param,
                        const HFSlice& slice, at::Tensor dest);
 

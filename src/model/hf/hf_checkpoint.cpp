@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -31,11 +32,7 @@ const std::regex& stacked_pattern() {
   return re;
 }
 
-}  // namespace
-
-HFModel read_hf_config(const std::string& dir) {
-  const auto path = (fs::path(dir) / "config.json").string();
-  const auto j = read_json(path);
+HFModel read_hf_config_json(const nlohmann::json& j, const std::string& path) {
   const std::string type = j.value("model_type", "");
   HP_CHECK(type == "qwen3" || type == "qwen3_moe", "hf: '", path, "' has model_type '", type,
            "'; supported: qwen3, qwen3_moe");
@@ -52,27 +49,50 @@ HFModel read_hf_config(const std::string& dir) {
   const std::string act = j.value("hidden_act", "silu");
   refuse_if(act != "silu", "hidden_act='" + act + "'",
             "is not supported (the MLP and experts are SwiGLU: silu)");
+  // A size: an integer (a float or a string is refused, not truncated), or `fallback` where the
+  // key is absent (none: required).
+  auto size = [&](const char* key, std::optional<int64_t> fallback) -> int64_t {
+    if (!j.contains(key) || j.at(key).is_null()) {
+      HP_CHECK(fallback.has_value(), "hf: '", path, "' has no ", key,
+               "; a Qwen3 config.json gives it");
+      return *fallback;
+    }
+    HP_CHECK(j.at(key).is_number_integer(), "hf: '", path, "': ", key, " is ", j.at(key).dump(),
+             "; it must be an integer");
+    return j.at(key).get<int64_t>();
+  };
+  // Newer transformers keep RoPE's settings in rope_parameters: theta there, and only the
+  // default (unscaled) type.
+  const auto rope = j.contains("rope_parameters") && j.at("rope_parameters").is_object()
+                        ? j.at("rope_parameters")
+                        : nlohmann::json::object();
+  refuse_if(rope.value("rope_type", std::string("default")) != "default",
+            "rope_parameters.rope_type",
+            "is not supported (RoPE here is unscaled: rope_theta alone; rope_type default)");
   HFModel m;
   m.arch = type == "qwen3" ? "qwen3" : "qwen3-moe";
   auto& c = m.config;
-  c.vocab = j.at("vocab_size");
-  c.hidden = j.at("hidden_size");
-  c.layers = j.at("num_hidden_layers");
-  c.heads = j.at("num_attention_heads");
-  c.kv_heads = j.value("num_key_value_heads", c.heads);
-  c.head_dim = j.value("head_dim", c.hidden / c.heads);
-  c.ffn = j.at("intermediate_size");
+  c.vocab = size("vocab_size", std::nullopt);
+  c.hidden = size("hidden_size", std::nullopt);
+  c.layers = size("num_hidden_layers", std::nullopt);
+  c.heads = size("num_attention_heads", std::nullopt);
+  HP_CHECK(c.heads > 0, "hf: '", path, "': num_attention_heads is ", c.heads,
+           "; it must be positive");
+  c.kv_heads = size("num_key_value_heads", c.heads);
+  c.head_dim = size("head_dim", c.hidden / c.heads);
+  c.ffn = size("intermediate_size", std::nullopt);
   c.rms_eps = j.value("rms_norm_eps", 1e-6);
-  c.rope_theta = j.value("rope_theta", 1e6);
+  c.rope_theta =
+      j.contains("rope_theta") ? j.at("rope_theta").get<double>() : rope.value("rope_theta", 1e6);
   c.tie_embeddings = j.value("tie_word_embeddings", false);
   if (type == "qwen3_moe") {
     refuse_if(j.value("decoder_sparse_step", 1) != 1, "decoder_sparse_step",
               "must be 1 (every layer an MoE layer)");
     refuse_if(!j.value("mlp_only_layers", nlohmann::json::array()).empty(), "mlp_only_layers",
               "must be empty (every layer an MoE layer)");
-    c.experts = j.at("num_experts");
-    c.moe_top_k = j.at("num_experts_per_tok");
-    c.moe_ffn = j.at("moe_intermediate_size");
+    c.experts = size("num_experts", std::nullopt);
+    c.moe_top_k = size("num_experts_per_tok", std::nullopt);
+    c.moe_ffn = size("moe_intermediate_size", std::nullopt);
     c.moe_renormalize = j.value("norm_topk_prob", false);
     // Hugging Face's load-balancing loss is one value over every layer's tokens together, k
     // when balanced; this decoder's sums a per-layer loss of 1 when balanced (moe/router.h). The
@@ -82,6 +102,17 @@ HFModel read_hf_config(const std::string& dir) {
   }
   validate(c);
   return m;
+}
+
+}  // namespace
+
+HFModel read_hf_config(const std::string& dir) {
+  const auto path = (fs::path(dir) / "config.json").string();
+  try {
+    return read_hf_config_json(read_json(path), path);
+  } catch (const nlohmann::json::exception& e) {  // a value of the wrong type
+    HP_CHECK(false, "hf: '", path, "' does not read as a Qwen3 config: ", e.what());
+  }
 }
 
 void check_hf_compatible(const Qwen3Config& c) {
@@ -221,18 +252,37 @@ void load_hf_parameter(const HFDirectory& dir, const Qwen3Config& c, const std::
   const auto names = hf_names(param, c);
   at::Tensor src;
   const int64_t local_rows = s.rows >= 0 ? s.rows : dest.size(0);
+  // The whole checkpoint tensor: floating point, and the model's whole parameter's shape, before
+  // any slice hides a difference (a slice of a larger tensor has the slice's shape).
+  const auto check_whole = [&](const at::Tensor& t, const std::string& name,
+                               at::IntArrayRef expected) {
+    HP_CHECK(at::isFloatingType(t.scalar_type()), "hf: '", name, "' in '", dir.dir(), "' is ",
+             c10::toString(t.scalar_type()), "; the model's weights are floating point (a ",
+             "quantized or integer checkpoint is not read here)");
+    HP_CHECK(expected.empty() || t.sizes() == expected, "hf: '", name, "' in '", dir.dir(), "' is ",
+             t.sizes(), " but the model's parameter '", param, "' is ", expected,
+             " (before sharding); the checkpoint does not match the model (config.json)");
+  };
+  const at::IntArrayRef full(s.full_shape);
   if (is_stacked_experts(param)) {
     std::vector<at::Tensor> experts;
     for (int64_t i = 0; i < local_rows; ++i) {
       const int64_t e = s.expert_begin + s.row_begin + i;
       HP_CHECK(e < static_cast<int64_t>(names.size()), "hf: ", param, ": expert ", e,
                " is past the ", names.size(), " experts of the checkpoint");
-      experts.push_back(dir.view(names[static_cast<size_t>(e)]));
+      const auto& name = names[static_cast<size_t>(e)];
+      experts.push_back(dir.view(name));
+      check_whole(experts.back(), name, full.empty() ? full : full.slice(1));
     }
     src = experts.empty() ? dest.narrow(0, 0, 0) : at::stack(experts);
   } else {
     src = dir.view(names.front());
+    check_whole(src, names.front(), full);
     if (s.tp_dim >= 0 && s.tp_size > 1) {
+      HP_CHECK(src.size(s.tp_dim) % s.tp_size == 0, "hf: '", names.front(), "' in '", dir.dir(),
+               "' has ", src.size(s.tp_dim), " entries in dim ", s.tp_dim,
+               ", which tensor parallelism splits over tp_size=", s.tp_size,
+               "; choose a tp_size that divides it");
       const int64_t n = src.size(s.tp_dim) / s.tp_size;
       src = src.narrow(s.tp_dim, s.tp_rank * n, n);
     }

@@ -84,13 +84,24 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     if (name == "__metadata__") continue;
     SafetensorsEntry e;
     e.name = name;
-    e.dtype = safetensors_dtype(info.at("dtype").get<std::string>());
-    e.shape = info.at("shape").get<std::vector<int64_t>>();
-    const auto off = info.at("data_offsets").get<std::vector<int64_t>>();
-    int64_t numel = 1;
-    for (auto d : e.shape)
-      numel *= d;
-    const int64_t expect = numel * static_cast<int64_t>(c10::elementSize(e.dtype));
+    std::vector<int64_t> off;
+    try {
+      e.dtype = safetensors_dtype(info.at("dtype").get<std::string>());
+      e.shape = info.at("shape").get<std::vector<int64_t>>();
+      off = info.at("data_offsets").get<std::vector<int64_t>>();
+    } catch (const nlohmann::json::exception& ex) {
+      HP_CHECK(false, "safetensors: '", path, "': tensor '", name,
+               "' has no valid dtype, shape and data_offsets: ", ex.what());
+    }
+    // The byte count, bounded by the file's data (no overflow: a dimension too large for the
+    // data stops the product; a negative one is refused).
+    const auto element = static_cast<int64_t>(c10::elementSize(e.dtype));
+    int64_t expect = element;
+    for (auto d : e.shape) {
+      HP_CHECK(d >= 0, "safetensors: '", path, "': tensor '", name, "' has shape ",
+               at::IntArrayRef(e.shape), " with a negative dimension; the file is damaged");
+      expect = d == 0 || expect <= data_bytes / d ? expect * d : data_bytes + 1;
+    }
     HP_CHECK(off.size() == 2 && off[0] >= 0 && off[1] >= off[0] && off[1] <= data_bytes &&
                  off[1] - off[0] == expect,
              "safetensors: '", path, "': tensor '", name, "' has data_offsets [",
