@@ -73,7 +73,7 @@ TEST(HpTrainOutputs, AFinishedRunResumedWithExportHfExportsIt) {
 // Options that failed only later: --validate under --max-restarts (the restart adds --resume,
 // which --validate refuses, so the job ended naming a --resume the user never gave), a negative
 // or non-finite --index-loss-coef (the indexer maximised its loss), negative MLA ranks and
-// linear value heads (silently the defaults).
+// linear value heads (silently the defaults), an explicit --partial-rotary-factor -1.
 TEST(HpTrainOutputs, OptionsThatFailedLaterAreRefusedAtOnce) {
   const std::string dir = fresh("outputs_validate_restarts");
   hp::train_testing::expect_refused(
@@ -86,6 +86,9 @@ TEST(HpTrainOutputs, OptionsThatFailedLaterAreRefusedAtOnce) {
                                     {"Qwen3Config.kv_rank=-4 must be >= 0"});
   hp::train_testing::expect_refused("--steps 1 --arch qwen3.5 --layers 4 --value-heads=-2",
                                     {"Qwen3Config.value_heads=-2 must be >= 0"});
+  // -1 was the "not given" value: an explicit -1 meant the family's factor.
+  hp::train_testing::expect_refused("--steps 1 --partial-rotary-factor=-1",
+                                    {"Qwen3Config.partial_rotary_factor=-1 with head_dim="});
 }
 
 // The manifest records what else the model computes with (the DSA top-k; RoPE's theta, the norm's
