@@ -17,9 +17,17 @@ namespace hp::train {
 void check_data_path(const std::string& path) {
   if (path.empty()) return;
   std::error_code ec;
-  HP_CHECK(std::filesystem::exists(path, ec), "hp-train: --data '", path, "' does not exist");
-  HP_CHECK(!std::filesystem::is_directory(path, ec), "hp-train: --data '", path,
+  const auto st = std::filesystem::status(path, ec);
+  HP_CHECK(std::filesystem::exists(st), "hp-train: --data '", path, "' ",
+           ec && ec != std::errc::no_such_file_or_directory ? "cannot be read: " + ec.message()
+                                                            : std::string("does not exist"));
+  HP_CHECK(!std::filesystem::is_directory(st), "hp-train: --data '", path,
            "' is a directory; give a text file or a .bin file of token ids");
+  // A pipe or a device would be read until it ends (or forever): a run reads its data once,
+  // from a file.
+  HP_CHECK(std::filesystem::is_regular_file(st), "hp-train: --data '", path,
+           "' is not a regular file (a pipe, socket or device); give a text file or a .bin file "
+           "of token ids");
 }
 
 namespace {
@@ -46,8 +54,25 @@ at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
         at::empty({static_cast<int64_t>(bytes.size() / width)}, width == 2 ? at::kShort : at::kInt);
     std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
     const int64_t mask = width == 2 ? int64_t{0xFFFF} : int64_t{0xFFFFFFFF};
-    return t.to(at::kLong).bitwise_and(mask);  // the ids are unsigned
+    auto ids = t.to(at::kLong).bitwise_and(mask);  // the ids are unsigned
+    if (width == 2 && ids.size(0) >= 64) {
+      // uint32 ids read as uint16 are pairs (low half, high half = 0 below 65536): every odd
+      // position 0, the even ones not. Trained on, every other token is 0 and no check fails.
+      const auto pairs = ids.narrow(0, 0, ids.size(0) / 2 * 2).view({-1, 2});
+      const double odd_zero = pairs.select(1, 1).eq(0).to(at::kDouble).mean().item<double>();
+      const double even_zero = pairs.select(1, 0).eq(0).to(at::kDouble).mean().item<double>();
+      HP_CHECK(!(odd_zero > 0.95 && even_zero < 0.5), "hp-train: --data '", path,
+               "' read as uint16 ids has ", static_cast<int>(odd_zero * 100),
+               "% zeros at every second position and ", static_cast<int>(even_zero * 100),
+               "% between them: it looks like uint32 ids (low and high halves); pass "
+               "--data-dtype uint32");
+    }
+    return ids;
   }
+  // Text is byte-level; a NUL byte means a binary file (token ids) under another name.
+  HP_CHECK(std::memchr(bytes.data(), 0, bytes.size()) == nullptr, "hp-train: --data '", path,
+           "' holds NUL bytes, so it is not text; a file of token ids must be named *.bin (with "
+           "--data-dtype uint16 or uint32)");
   auto t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
   return t.to(at::kLong);  // byte-level tokens
@@ -111,7 +136,8 @@ void copy_task_batch(const TrainOptions& o, at::Generator& gen, Batch& b) {
 // -100.
 void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator& gen, Batch& b) {
   const int64_t s = o.seq_len;
-  auto starts = at::randint(0, corpus.size(0) - s - 1, {o.batch}, gen, at::kLong);
+  // A window and its next tokens span s + 1 tokens: starts 0 .. N - s - 1.
+  auto starts = at::randint(0, corpus.size(0) - s, {o.batch}, gen, at::kLong);
   std::vector<at::Tensor> rows_in, rows_out;
   for (int64_t b = 0; b < o.batch; ++b) {
     const int64_t st = starts[b].item<int64_t>();
@@ -132,12 +158,20 @@ void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator
 Corpus Corpus::load(const TrainOptions& o) {
   if (o.data.empty()) return Corpus();
   auto corpus = load_tokens(o.data, o.data_dtype);
-  const int64_t s = o.seq_len;
-  HP_CHECK(corpus.size(0) > s + 1, "hp-train: --data has ", corpus.size(0),
-           " tokens, fewer than --seq-len + 1 = ", s + 1);
-  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data holds token ids up to ",
-           corpus.max().item<int64_t>(), " but --vocab is ", o.model.vocab,
-           "; raise --vocab (text files need 256)");
+  const int64_t s = o.seq_len, n = corpus.size(0);
+  HP_CHECK(n >= s + 1, "hp-train: --data '", o.data, "' has ", n, " tokens; a window of --seq-len ",
+           s, " and its next tokens need ", s + 1, ": use --seq-len ", n - 1,
+           " or less, or a longer file");
+  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data '", o.data,
+           "' holds token ids up to ", corpus.max().item<int64_t>(), " but --vocab is ",
+           o.model.vocab,
+           "; raise --vocab (text files need 256), or check --data-dtype for a .bin file");
+  if (o.pack_documents) {
+    HP_CHECK(corpus.eq(o.eod_id).any().item<bool>(), "hp-train: --eod-id ", o.eod_id,
+             " never occurs in --data '", o.data,
+             "', so --pack-documents would pack nothing; give the tokenizer's end-of-document "
+             "id");
+  }
   return Corpus(std::move(corpus));
 }
 

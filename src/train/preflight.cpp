@@ -35,6 +35,8 @@ void check_options(const TrainOptions& o) {
   if (o.data.empty()) {
     HP_CHECK(o.seq_len % 2 == 0, "hp-train: --seq-len ", o.seq_len,
              " must be even for the copy task");
+    HP_CHECK(m.vocab >= 2, "hp-train: --vocab ", m.vocab,
+             " must be >= 2 for the copy task (its tokens are 1 .. vocab - 1)");
     HP_CHECK(!o.pack_documents || o.seq_len >= 16,
              "hp-train: --pack-documents with the copy task needs --seq-len >= 16 (two "
              "documents of at least 8 tokens), got ",

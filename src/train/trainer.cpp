@@ -20,6 +20,7 @@
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
+#include "hp/common/crc32.h"
 #include "hp/plan/plan.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/data.h"
@@ -258,7 +259,19 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     if (!o.export_hf.empty()) export_hf_checkpoint(world, run, plan, o.export_hf);
     return result;
   }
-  const Corpus corpus = Corpus::load(o);  // read once, shared by every step
+  // Read once, shared by every step. Agreed, and the same on every rank: a rank that cannot read
+  // it fails every rank, and ranks that read different files (copies on other machines) would
+  // build different global batches, each normalising the loss by its own token count.
+  Corpus corpus;
+  run_agreed(world, [&] { corpus = Corpus::load(o); });
+  if (!corpus.empty()) {
+    const auto& t = corpus.tokens();
+    const auto crc = common::crc32(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+    check_same_on_every_rank(world,
+                             common::str_cat(t.numel(), " tokens, CRC-32 ", common::crc32_hex(crc)),
+                             "hp-train: --data '" + o.data + "'",
+                             "Every rank must read the same file: give each machine the same copy");
+  }
   run_steps(world, run, corpus, first, result);
   if (o.validate) {
     const auto v = validate_against_reference(world, run, corpus, result.steps);

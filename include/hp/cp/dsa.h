@@ -36,7 +36,7 @@ struct DSACPOptions {
 };
 
 // Before any collective: the DSA options, the shapes of this rank's shard, the local length
-// (even with load balance), the layout (BSND only: q [B, S/P, H, dq]).
+// (even with load balance), the layout (BSND, q [B, S/P, H, dq]; BNSD is read as a BSND view).
 void check_dsa_cp(const std::string& who, const attention::DSAOptions& dsa,
                   const DSACPOptions& options, const at::Tensor& q, const at::Tensor& latent,
                   const at::Tensor& k_rope, const attention::DSAIndexer& index, int64_t cp_size);

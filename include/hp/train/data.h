@@ -18,8 +18,9 @@ namespace hp::train {
 class Corpus {
  public:
   Corpus() = default;  // the copy task: no file
-  // Reads `options.data` (an empty Corpus when it is empty) and checks it against the run: more
-  // than seq_len + 1 tokens and every id below the vocabulary.
+  // Reads `options.data` (an empty Corpus when it is empty) and checks it against the run: at
+  // least seq_len + 1 tokens, every id below the vocabulary, the eod id present when packing;
+  // a text file with NUL bytes and uint32 ids read as uint16 are refused.
   static Corpus load(const TrainOptions& options);
 
   bool empty() const { return !tokens_.defined(); }
@@ -30,7 +31,7 @@ class Corpus {
   at::Tensor tokens_;
 };
 
-// --data names a file that exists (not a directory); errors name it.
+// --data names a regular file that exists (not a directory, pipe or device); errors name it.
 void check_data_path(const std::string& path);
 
 struct Batch {
