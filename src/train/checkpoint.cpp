@@ -130,7 +130,8 @@ RankRecord rank_record(const nlohmann::json& j) {
 }
 
 nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string& plan,
-                        int64_t step, const std::vector<RankRecord>& ranks) {
+                        int64_t step, const std::vector<RankRecord>& ranks,
+                        const std::string& data_fingerprint) {
   const auto& mc = o.model;
   nlohmann::json records = nlohmann::json::array();
   for (const auto& r : ranks)
@@ -173,6 +174,7 @@ nlohmann::json manifest(const TrainOptions& o, int world_size, const std::string
             {"lr_warmup", o.lr_warmup},
             {"lr_decay_steps", o.lr_decay_steps},
             {"data", o.data},
+            {"data_fingerprint", data_fingerprint},
             {"data_dtype", o.data_dtype},
             {"pack_documents", o.pack_documents},
             {"eod_id", o.eod_id},
@@ -214,7 +216,8 @@ struct Differences {
 // differs with both values. Returns this rank's record; nullopt for a checkpoint written before
 // manifests recorded files.
 std::optional<RankRecord> check_manifest(const std::string& dir, int world_size, int rank,
-                                         const TrainOptions& o, const Reading& how) {
+                                         const TrainOptions& o, const Reading& how,
+                                         const std::string& data_fingerprint = "") {
   const std::string& who = how.who;
   const auto path = (fs::path(dir) / "manifest.json").string();
   nlohmann::json m;
@@ -247,7 +250,15 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
       // What the batches and the model's function depend on besides seq_len and seed.
       Differences batches{train, {}};
       batches.check<int64_t>("batch", o.batch, "--batch");
-      batches.check<std::string>("data", o.data, "--data");
+      // The corpus by its content where both runs recorded it (the same file under another path
+      // resumes; a file rewritten in place does not), else by its path.
+      const bool by_content =
+          !data_fingerprint.empty() && !train.value("data_fingerprint", std::string()).empty();
+      if (by_content) {
+        batches.check<std::string>("data_fingerprint", data_fingerprint, "--data's tokens");
+      } else {
+        batches.check<std::string>("data", o.data, "--data");
+      }
       batches.check<std::string>("data_dtype", o.data_dtype, "--data-dtype");
       batches.check<bool>("pack_documents", o.pack_documents, "--pack-documents");
       batches.check<int64_t>("eod_id", o.eod_id, "--eod-id");
@@ -468,7 +479,8 @@ void load_rank(const std::string& dir, int rank, const NamedTensors& tensors,
 }
 
 void save_step(const comm::World& world, const TrainOptions& o, const std::string& plan,
-               int64_t step, const NamedTensors& tensors, torch::optim::Optimizer& optimizer) {
+               int64_t step, const NamedTensors& tensors, torch::optim::Optimizer& optimizer,
+               const std::string& data_fingerprint) {
   const bool rank0 = world.rank() == 0;
   const auto dir = step_dir(o.checkpoint_dir, step);
   const auto tmp = dir + ".tmp";
@@ -497,8 +509,9 @@ void save_step(const comm::World& world, const TrainOptions& o, const std::strin
       fs::remove(path);
     }
     const auto mpath = (fs::path(tmp) / "manifest.json").string();
-    common::write_file_synced(mpath, manifest(o, world.size(), plan, step, records).dump(2) + "\n",
-                              who);
+    common::write_file_synced(
+        mpath, manifest(o, world.size(), plan, step, records, data_fingerprint).dump(2) + "\n",
+        who);
     common::sync_dir(tmp, who);
     fs::remove_all(dir);
     fs::rename(tmp, dir);
@@ -507,7 +520,7 @@ void save_step(const comm::World& world, const TrainOptions& o, const std::strin
 }
 
 int64_t restore_latest(const comm::World& world, const TrainOptions& o, const NamedTensors& tensors,
-                       torch::optim::Optimizer& optimizer) {
+                       torch::optim::Optimizer& optimizer, const std::string& data_fingerprint) {
   HP_CHECK(!o.checkpoint_dir.empty(), "hp-train: --resume needs --checkpoint-dir");
   const int64_t last = latest_checkpoint(o.checkpoint_dir);
   if (last == 0) {
@@ -525,7 +538,7 @@ int64_t restore_latest(const comm::World& world, const TrainOptions& o, const Na
     return 0;
   }
   const auto dir = step_dir(o.checkpoint_dir, last);
-  const auto record = check_manifest(dir, world.size(), world.rank(), o, kResume);
+  const auto record = check_manifest(dir, world.size(), world.rank(), o, kResume, data_fingerprint);
   // Every rank learns whether all could restore their part (and the first failed rank's reason).
   run_agreed(world, [&] {
     load_rank(dir, world.rank(), tensors, optimizer, record ? &*record : nullptr);

@@ -71,10 +71,10 @@ void print_plan(const TrainOptions& o, const TrainResult& result, const plan::Sh
 
 // The first step to run: 1, or the one after the checkpoint --resume restored (past o.steps
 // when the run is finished).
-int64_t first_step(const comm::World& world, Runner& run) {
+int64_t first_step(const comm::World& world, Runner& run, const std::string& data_fingerprint) {
   const TrainOptions& o = run.o;
   if (!o.resume && !o.resume_if_exists) return 1;
-  const int64_t last = restore_latest(world, o, run.params, *run.opt);
+  const int64_t last = restore_latest(world, o, run.params, *run.opt, data_fingerprint);
   if (last == 0) return 1;
   if (world.rank() == 0) {
     if (last >= o.steps) {
@@ -177,8 +177,8 @@ void on_nonfinite(const comm::World& world, const TrainOptions& o, const StepMet
 
 // Steps `first`..o.steps: their metrics into `result` (the bytes of the first one as the
 // per-step traffic), progress lines and checkpoints.
-void run_steps(const comm::World& world, Runner& run, const Corpus& corpus, int64_t first,
-               TrainResult& result) {
+void run_steps(const comm::World& world, Runner& run, const Corpus& corpus,
+               const std::string& data_fingerprint, int64_t first, TrainResult& result) {
   const TrainOptions& o = run.o;
   const bool rank0 = world.rank() == 0;
   const bool tty = rank0 && isatty(STDOUT_FILENO);
@@ -193,7 +193,9 @@ void run_steps(const comm::World& world, Runner& run, const Corpus& corpus, int6
     }
     result.steps.push_back(m);
     if (rank0) print_progress(o, m, first, tty);
-    if (checkpoint_due(o, step)) save_step(world, o, result.plan, step, run.params, *run.opt);
+    if (checkpoint_due(o, step)) {
+      save_step(world, o, result.plan, step, run.params, *run.opt, data_fingerprint);
+    }
   }
 }
 
@@ -244,7 +246,20 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     const auto dir = load_weights(world, o, run.params);  // a --resume checkpoint replaces them
     if (world.rank() == 0) std::printf("hp-train: weights from %s\n", dir.c_str());
   }
-  const int64_t first = first_step(world, run);
+  // Read once, shared by every step. Agreed, and the same on every rank: a rank that cannot read
+  // it fails every rank, and ranks that read different files (copies on other machines) would
+  // build different global batches, each normalising the loss by its own token count.
+  Corpus corpus;
+  run_agreed(world, [&] { corpus = Corpus::load(o); });
+  std::string data_fingerprint;  // recorded in checkpoints, compared on resume
+  if (!corpus.empty()) {
+    const auto& t = corpus.tokens();
+    const auto crc = common::crc32(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+    data_fingerprint = common::str_cat(t.numel(), " tokens, CRC-32 ", common::crc32_hex(crc));
+    check_same_on_every_rank(world, data_fingerprint, "hp-train: --data '" + o.data + "'",
+                             "Every rank must read the same file: give each machine the same copy");
+  }
+  const int64_t first = first_step(world, run, data_fingerprint);
   // Before any step: a resumed run has no whole run to compare (checked after the steps, it
   // trained and wrote checkpoints first).
   HP_CHECK(!o.validate || first == 1,
@@ -259,20 +274,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
     if (!o.export_hf.empty()) export_hf_checkpoint(world, run, plan, o.export_hf);
     return result;
   }
-  // Read once, shared by every step. Agreed, and the same on every rank: a rank that cannot read
-  // it fails every rank, and ranks that read different files (copies on other machines) would
-  // build different global batches, each normalising the loss by its own token count.
-  Corpus corpus;
-  run_agreed(world, [&] { corpus = Corpus::load(o); });
-  if (!corpus.empty()) {
-    const auto& t = corpus.tokens();
-    const auto crc = common::crc32(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
-    check_same_on_every_rank(world,
-                             common::str_cat(t.numel(), " tokens, CRC-32 ", common::crc32_hex(crc)),
-                             "hp-train: --data '" + o.data + "'",
-                             "Every rank must read the same file: give each machine the same copy");
-  }
-  run_steps(world, run, corpus, first, result);
+  run_steps(world, run, corpus, data_fingerprint, first, result);
   if (o.validate) {
     const auto v = validate_against_reference(world, run, corpus, result.steps);
     result.max_abs_loss_diff = v.max_abs_loss_diff;

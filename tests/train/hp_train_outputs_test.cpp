@@ -110,4 +110,33 @@ TEST(HpTrainOutputs, ResumeComparesTheModelsOtherSettings) {
       << coef.out;
 }
 
+// The checkpoint records --data by its content: the same file under another path resumes (the
+// path was compared, so ./a.txt against /x/a.txt was refused), a file rewritten in place is
+// refused (it resumed on other data).
+TEST(HpTrainOutputs, ResumeComparesTheDataByItsContent) {
+  const std::string dir = fresh("outputs_data_resume");
+  fs::create_directories(dir);
+  const std::string text = dir + "/corpus.txt";
+  const auto write = [&](const std::string& line) {
+    std::ofstream f(text, std::ios::trunc);
+    for (int i = 0; i < 100; ++i)
+      f << line << i << "\n";
+  };
+  write("the quick brown fox ");
+  const std::string base = kTiny + "--vocab 256 --checkpoint-dir " + dir + "/ckpt ";
+  ASSERT_EQ(run(base + "--steps 1 --data " + text).rc, 0);
+  auto other_path = run(base + "--steps 2 --resume --data " + dir + "/./corpus.txt");
+  EXPECT_EQ(other_path.rc, 0) << other_path.out;
+  EXPECT_TRUE(contains(other_path.out, "resumed from " + dir + "/ckpt/step_00000001"))
+      << other_path.out;
+  write("jumps over the lazy dog ");
+  auto rewritten = run(base + "--steps 3 --resume --data " + text);
+  EXPECT_EQ(rewritten.rc, 1) << rewritten.out;
+  EXPECT_TRUE(contains(rewritten.out,
+                       "other data, routing or model settings (--data's tokens: "
+                       "checkpoint "))
+      << rewritten.out;
+  EXPECT_FALSE(contains(rewritten.out, "  step ")) << rewritten.out;
+}
+
 }  // namespace

@@ -64,19 +64,24 @@ void load_rank(const std::string& dir, int rank, const NamedTensors& tensors,
 
 // Collective over `world`: writes step `step` of the run `options` (resolved plan `plan`) under
 // options.checkpoint_dir: every rank's tensors and optimizer state, then rank 0's manifest, then
-// the rename of the complete step directory.
+// the rename of the complete step directory. `data_fingerprint` identifies the --data corpus by
+// its content ("N tokens, CRC-32 X"; empty for the copy task) for restore_latest to compare.
 void save_step(const comm::World& world, const TrainOptions& options, const std::string& plan,
-               int64_t step, const NamedTensors& tensors, torch::optim::Optimizer& optimizer);
+               int64_t step, const NamedTensors& tensors, torch::optim::Optimizer& optimizer,
+               const std::string& data_fingerprint = "");
 
 // --resume / --resume-if-exists: restores this rank's part of the newest complete step under
 // options.checkpoint_dir (which must be set) after checking that its manifest has this run's
-// world size, layout, model sizes, --seq-len and --seed (a changed --lr is a warning).
+// world size, layout, model sizes, --seq-len and --seed (a changed --lr is a warning), and the
+// corpus by its content where both this run and the checkpoint give a data_fingerprint (by its
+// --data path otherwise).
 // Collective: when a rank cannot restore its part, every rank fails with the first failed
 // rank's reason (which names the file and the rank). Returns that step; 0 when there is none and
 // options.resume_if_exists (nothing is restored); with options.resume alone, no checkpoint is an
 // error.
 int64_t restore_latest(const comm::World& world, const TrainOptions& options,
-                       const NamedTensors& tensors, torch::optim::Optimizer& optimizer);
+                       const NamedTensors& tensors, torch::optim::Optimizer& optimizer,
+                       const std::string& data_fingerprint = "");
 
 // --init-weights: copies this rank's model tensors of the checkpoint options.init_weights (a
 // step_* directory, or a --checkpoint-dir whose newest complete step is taken) into `tensors`.
