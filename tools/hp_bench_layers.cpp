@@ -181,12 +181,12 @@ void resolve_cp_config(CPArgs& a) {
   HP_CHECK(a.bench.documents >= 0 && a.bench.documents <= a.bench.seq, "hp-bench cp: --documents ",
            a.bench.documents, " must be in [0, --seq ", a.bench.seq,
            "] (equal documents of at least one token each)");
-  auto normalized = hp::cp::normalize(a.bench.config, a.nproc);
-  if (!normalized) {  // one rank: the plain layer runs, no CP flag would do anything
+  if (a.nproc == 1) {  // one rank: the plain layer runs, no CP flag would do anything
     auto given = hp::cp::settings_given(a.bench.config);
     if (!a.bench.paired_with.empty()) given.push_back("--paired-with " + a.bench.paired_with);
     hp::cp::check_nothing_given_without_cp("hp-bench cp", given, "the plain layer runs");
-  } else {
+  }
+  if (auto normalized = hp::cp::normalize(a.bench.config, a.nproc)) {
     hp::cp::check_sequence(*normalized, a.nproc, a.bench.seq);
     hp::cp::check_heads(*normalized, a.nproc, a.bench.heads, a.bench.kv_heads);
     hp::bench::paired_config(a.bench, *normalized, a.nproc);

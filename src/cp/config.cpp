@@ -136,13 +136,11 @@ ContextParallelConfig from_legacy_degree(int64_t degree, int64_t cp_size) {
   return c;
 }
 
-std::optional<ContextParallelConfig> normalize(const std::optional<ContextParallelConfig>& config,
-                                               int64_t cp_size,
-                                               const StrategyRegistry* strategies) {
-  HP_CHECK(cp_size >= 1, "cp_size=", cp_size, " must be >= 1");
-  if (cp_size == 1) return std::nullopt;
-  const auto& registry = registry_or_builtin(strategies);
-  ContextParallelConfig c = config.value_or(ContextParallelConfig{});
+namespace {
+
+// The checks that need only the config: they hold at every cp_size, so a one-rank run refuses
+// what the same code would be refused at P > 1.
+void check_settings(const ContextParallelConfig& c, const StrategyRegistry& registry) {
   HP_CHECK(registry.contains(c.algorithm.name()), "cp_config.algorithm='", c.algorithm.name(),
            "' is not a CP strategy; valid: ", registry.names_list());
   const auto strategy = registry.get(c.algorithm.name());
@@ -183,9 +181,6 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
   HP_CHECK(!(c.ring_keep_blocks && c.ring_backward == RingBackward::kQueries),
            "cp_config.ring_backward=queries with ring_keep_blocks=true: kept blocks send only the "
            "dK/dV accumulators, so the queries have nothing to save; drop one of the two");
-  strategy->normalize(c, cp_size);
-  HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
-                     strategy->name(), "' left an invalid ulysses_degree");
   if (c.load_balance && !strategy->supports_load_balance()) {
     std::string balanced;
     for (const auto& n : registry.names()) {
@@ -197,6 +192,25 @@ std::optional<ContextParallelConfig> normalize(const std::optional<ContextParall
              c.algorithm.name(), "); ", strategy->name(),
              " needs no head-tail balancing: set load_balance=false or use ", balanced);
   }
+}
+
+}  // namespace
+
+std::optional<ContextParallelConfig> normalize(const std::optional<ContextParallelConfig>& config,
+                                               int64_t cp_size,
+                                               const StrategyRegistry* strategies) {
+  HP_CHECK(cp_size >= 1, "cp_size=", cp_size, " must be >= 1");
+  const auto& registry = registry_or_builtin(strategies);
+  if (cp_size == 1) {
+    if (config) check_settings(*config, registry);
+    return std::nullopt;
+  }
+  ContextParallelConfig c = config.value_or(ContextParallelConfig{});
+  check_settings(c, registry);
+  const auto strategy = registry.get(c.algorithm.name());
+  strategy->normalize(c, cp_size);
+  HP_INTERNAL_ASSERT(c.ulysses_degree.has_value() && cp_size % *c.ulysses_degree == 0, "strategy '",
+                     strategy->name(), "' left an invalid ulysses_degree");
   return c;
 }
 

@@ -37,6 +37,28 @@ TEST(CPConfig, Normalisation) {
   EXPECT_EQ(colossal_degree_of(*normalize(cfg(CPAlgorithm::kHybrid, 2), 8), 8), 4);
 }
 
+TEST(CPConfig, OneRankStillRefusesWhatNoCpSizeAllows) {
+  // cp_size 1 runs no CP, but a setting that P > 1 refuses whatever P is is refused here too:
+  // code tried on one rank first must not fail only once it runs on more.
+  auto balanced_ulysses = cfg(CPAlgorithm::kUlysses);
+  balanced_ulysses.load_balance = true;
+  HP_EXPECT_ERROR(normalize(balanced_ulysses, 1), "cp_config.load_balance=true requires");
+  auto repeat = cfg(CPAlgorithm::kAllGather);
+  repeat.kv_head_policy = KVHeadPolicy::kRepeat;
+  HP_EXPECT_ERROR(normalize(repeat, 1), "cp_config.kv_head_policy=repeat applies to");
+  auto groups = cfg(CPAlgorithm::kUlysses);
+  groups.ulysses_head_groups = 2;  // sync
+  HP_EXPECT_ERROR(normalize(groups, 1), "with schedule=async");
+  auto kept = cfg(CPAlgorithm::kHybrid, 2);
+  kept.ring_keep_blocks = true;
+  HP_EXPECT_ERROR(normalize(kept, 1), "ring_keep_blocks=true applies to algorithm=ring or usp");
+  // What only a cp_size can judge waits for one: hybrid's degree, ulysses' head count.
+  EXPECT_FALSE(normalize(cfg(CPAlgorithm::kHybrid, 7), 1).has_value());
+  auto balanced_ring = cfg(CPAlgorithm::kRing);
+  balanced_ring.load_balance = true;
+  EXPECT_FALSE(normalize(balanced_ring, 1).has_value());
+}
+
 TEST(CPConfig, LegacyDegreeConvertsOnce) {
   EXPECT_EQ(from_legacy_degree(1, 8).algorithm, CPAlgorithm::kAllGather);
   EXPECT_EQ(from_legacy_degree(8, 8).algorithm, CPAlgorithm::kUlysses);

@@ -118,6 +118,31 @@ def test_no_process_group_is_a_clear_error():
         hp.context_parallel_attention(q, k, v)
 
 
+def one_rank_mistakes(rank, p):
+    q, k, v = good()
+    return {
+        "balanced_ulysses": message(lambda: hp.context_parallel_attention(
+            q, k, v, causal=True, load_balance=True)),
+        "repeat_all_gather": message(lambda: hp.context_parallel_attention(
+            q, k, v, algorithm="all_gather", kv_head_policy="repeat")),
+        "sync_head_groups": message(lambda: hp.context_parallel_attention(
+            q, k, v, head_groups=2)),
+        # Legal on any number of ranks: one rank runs the plain attention.
+        "balanced_all_gather": message(lambda: hp.context_parallel_attention(
+            q, k, v, algorithm="all_gather", causal=True, load_balance=True)),
+    }
+
+
+def test_one_rank_refuses_what_every_group_size_would():
+    """Code tried on one rank is refused there for the settings no group size allows, not only
+    once it runs on more ranks."""
+    seen = run_ranks(1, one_rank_mistakes)[0]
+    assert "load_balance=true requires" in seen["balanced_ulysses"], seen
+    assert "kv_head_policy=repeat applies to" in seen["repeat_all_gather"], seen
+    assert "schedule=async" in seen["sync_head_groups"], seen
+    assert seen["balanced_all_gather"] == "no error", seen
+
+
 CYCLES = textwrap.dedent("""
     import gc, json, os, socket
     import torch, torch.distributed as dist

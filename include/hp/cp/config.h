@@ -158,7 +158,10 @@ void check_nothing_given_without_cp(const std::string& tool, const std::vector<s
 // (ulysses: cp_size; all_gather: 1). Runs every static check that needs only the config and
 // cp_size: the algorithm is a name of `strategies` (null: the built-in registry), the strategy's
 // own checks (CPStrategy::normalize: cp_size % ulysses_degree, ulysses degree == cp, hybrid
-// degree in (1, cp)), load_balance only with a strategy that supports it.
+// degree in (1, cp)), load_balance only with a strategy that supports it. At cp_size 1 a given
+// config still gets the checks that need no cp_size (names, options that apply to other
+// strategies or schedules, load_balance), so code run on one rank first is refused there, not
+// only once it runs on P ranks.
 std::optional<ContextParallelConfig> normalize(const std::optional<ContextParallelConfig>& config,
                                                int64_t cp_size,
                                                const StrategyRegistry* strategies = nullptr);
