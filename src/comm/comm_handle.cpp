@@ -47,8 +47,11 @@ struct CommHandle::State {
   int64_t launched_us = 0;
   bool waited = false;
 
-  // Waits for the backend and records the trace events; throws CommError on failure.
-  void finish_backend() {
+  // Waits for the backend and records the trace events; throws CommError on failure when
+  // `report` (a handle dropped without wait() has no one to report to: it skips the diagnosis,
+  // a store probe of up to seconds per handle, which a failed step's unwinding would pay once
+  // for every collective still in flight).
+  void finish_backend(bool report = true) {
     const int64_t wait_begin = common::Tracer::now_us();
     std::string failure;
     try {
@@ -70,7 +73,7 @@ struct CommHandle::State {
     }
     pending.reset();
     buffers.clear();
-    if (!failure.empty()) detail::throw_comm_failure(op, *group, failure);
+    if (!failure.empty() && report) detail::throw_comm_failure(op, *group, failure);
   }
 };
 
@@ -80,7 +83,7 @@ CommHandle& CommHandle::operator=(CommHandle&& other) noexcept {
   if (this != &other) {
     if (state_ && !state_->waited) {
       try {
-        state_->finish_backend();
+        state_->finish_backend(/*report=*/false);
       } catch (...) {  // nothing to report to: the handle was overwritten without wait()
       }
     }
@@ -109,7 +112,7 @@ CommHandle CommHandle::ready(Group& group, OpKind op, at::Tensor result) {
 CommHandle::~CommHandle() {
   if (state_ && !state_->waited) {
     try {
-      state_->finish_backend();
+      state_->finish_backend(/*report=*/false);
     } catch (...) {  // destructors must not throw; the caller chose not to wait
     }
   }
