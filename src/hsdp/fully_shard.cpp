@@ -11,6 +11,8 @@
 #include "hp/hsdp/fully_shard.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -209,11 +211,17 @@ FullyShard::FullyShard(std::vector<UnitSpec> units, HsdpGroups groups, HsdpOptio
   s.sd = s.groups.shard->size();
   s.r = s.groups.replicate->size();
   s.shard_rank = s.groups.shard->rank();
-  // Ties first, before anything is sharded: two entries must not share memory.
+  // Every check before anything is sharded: a refusal leaves the model's weights as they were.
   std::map<const void*, std::string> owner;
+  std::set<std::string> names;
   for (const auto& unit : units) {
     for (const auto& up : unit.params) {
-      HP_CHECK(up.param.defined(), "fully_shard: parameter '", up.name, "' is undefined");
+      detail::check_shardable(up.name, up.param);
+      HP_CHECK(names.insert(up.name).second, "fully_shard: parameter '", up.name,
+               "' is listed twice; each parameter belongs to exactly one unit");
+      HP_CHECK(!up.tp_partial_grad || s.groups.tp, "fully_shard: parameter '", up.name,
+               "' has tp_partial_grad=true (its gradient is summed over TP), but HsdpGroups.tp "
+               "is null; pass the TP group");
       const void* key = up.param.storage().unsafeGetStorageImpl();
       auto [it, fresh] = owner.emplace(key, up.name);
       HP_CHECK(fresh, "fully_shard: parameter '", up.name, "' shares its memory with '", it->second,
@@ -225,11 +233,6 @@ FullyShard::FullyShard(std::vector<UnitSpec> units, HsdpGroups groups, HsdpOptio
     unit.name = units[u].name;
     unit.reshard_after_forward = u > 0 && options.reshard_after_forward;
     for (auto& up : units[u].params) {
-      HP_CHECK(!s.by_name.count(up.name), "fully_shard: parameter '", up.name,
-               "' is listed twice; each parameter belongs to exactly one unit");
-      HP_CHECK(!up.tp_partial_grad || s.groups.tp, "fully_shard: parameter '", up.name,
-               "' has tp_partial_grad=true (its gradient is summed over TP), but HsdpGroups.tp "
-               "is null; pass the TP group");
       s.by_name[up.name] = s.params.size();
       unit.params.push_back(s.params.size());
       s.params.push_back(

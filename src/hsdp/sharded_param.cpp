@@ -14,15 +14,24 @@ int64_t ShardedParam::valid_rows(int64_t shard_rank) const {
   return std::clamp<int64_t>(rows - shard_rank * chunk_rows, 0, chunk_rows);
 }
 
-ShardedParam make_sharded(const std::string& name, const at::Tensor& full, int64_t shard_rank,
-                          int64_t shard_size, bool tp_partial_grad) {
-  HP_CHECK(full.defined() && full.is_leaf() && full.requires_grad(), "fully_shard: parameter '",
-           name, "' must be a leaf that requires grad");
+void check_shardable(const std::string& name, const at::Tensor& full) {
+  HP_CHECK(full.defined(), "fully_shard: parameter '", name, "' is undefined");
+  HP_CHECK(full.is_leaf(), "fully_shard: parameter '", name,
+           "' is not a leaf tensor (computed from others); list the module's registered "
+           "parameters");
+  HP_CHECK(full.requires_grad(), "fully_shard: parameter '", name,
+           "' does not require grad (frozen): HSDP shards parameters it trains; unfreeze it "
+           "(requires_grad_(true)) before sharding, or keep it out of the units");
   HP_CHECK(full.storage().nbytes() > 0, "fully_shard: parameter '", name,
            "' holds no memory: it is already sharded by another FullyShard (a model is sharded "
            "once; build a new model to shard it again)");
   HP_CHECK(full.dim() >= 1, "fully_shard: parameter '", name,
            "' is a 0-d scalar; register it with shape [1]");
+}
+
+ShardedParam make_sharded(const std::string& name, const at::Tensor& full, int64_t shard_rank,
+                          int64_t shard_size, bool tp_partial_grad) {
+  check_shardable(name, full);
   ShardedParam p;
   p.name = name;
   p.full = full;

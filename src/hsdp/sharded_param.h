@@ -33,6 +33,10 @@ struct ShardedParam {
   int64_t valid_rows(int64_t shard_rank) const;
 };
 
+// Throws unless `full` can be sharded: a defined leaf that requires grad, holding memory (not
+// sharded already), at least 1-d. FullyShard checks every parameter before it shards any.
+void check_shardable(const std::string& name, const at::Tensor& full);
+
 // Builds the shard of `full` for `shard_rank` of `shard_size` and frees `full`'s memory.
 ShardedParam make_sharded(const std::string& name, const at::Tensor& full, int64_t shard_rank,
                           int64_t shard_size, bool tp_partial_grad);

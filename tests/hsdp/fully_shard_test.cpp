@@ -447,6 +447,17 @@ TEST(FullyShard, MisuseFailsClearly) {
                                                      mesh.group_ptr({"dp_replicate"}), nullptr}),
         "parameter 'a' has tp_partial_grad=true (its gradient is summed over TP), but "
         "HsdpGroups.tp is null");
+    // A refusal shards nothing: the parameters listed before the frozen one keep their memory
+    // and values (before, they were released and their only copies lost with the throw).
+    auto kept = at::arange(4, at::kFloat).requires_grad_(true);
+    auto frozen = at::ones({2});
+    HP_EXPECT_ERROR(FullyShard({{"root", {{"kept", kept}}}, {"layers.0", {{"frozen", frozen}}}},
+                               HsdpGroups{mesh.group_ptr({"dp_shard"}),
+                                          mesh.group_ptr({"dp_replicate"}), nullptr}),
+                    "parameter 'frozen' does not require grad (frozen): HSDP shards parameters "
+                    "it trains; unfreeze it");
+    ASSERT_GT(kept.storage().nbytes(), 0u);
+    EXPECT_TRUE(at::equal(kept, at::arange(4, at::kFloat)));
   });
 }
 
