@@ -24,6 +24,12 @@ LinearDocuments linear_documents(const at::Tensor& doc_ids, int64_t begin, int64
            begin + n, ") are not inside the ", s,
            "-token sequence doc_ids describes; pass the document ids of the whole global "
            "sequence");
+  // Resets mark where the id changes and the conv keeps taps of the same id: an id that came
+  // back after another document would let the conv read the earlier document. Every rank holds
+  // the same global ids, so every rank refuses here together.
+  HP_CHECK(s < 2 || !doc_ids.slice(1, 1).lt(doc_ids.slice(1, 0, s - 1)).any().item<bool>(),
+           "linear attention: doc_ids decrease along the sequence; packed documents need "
+           "non-decreasing ids (number the documents in order, padding last)");
   auto ids = doc_ids.narrow(1, begin, n);
   if (n == 0) return {ids.to(at::kBool), ids.to(at::kBool).unsqueeze(-1).expand({-1, 0, w})};
   // The id of the token before each (token 0 compares with itself: never a reset).

@@ -152,6 +152,11 @@ TEST(LinearAttentionLayer, DocumentViewsOfAShard) {
                   "doc_ids describe 12 tokens but the global sequence has 16");
   HP_EXPECT_ERROR(attention::linear_documents(ids.to(at::kInt), 0, 2, 4),
                   "doc_ids must be int64 [B|1, S]");
+  // An id that comes back after another document: token 4 starts a document, yet its conv taps
+  // kept tokens 1 and 2 of the first one (same id). Refused, as softmax attention refuses it.
+  auto back = at::tensor({0, 0, 0, 1, 0, 0, 0, 0}, at::kLong).unsqueeze(0);
+  HP_EXPECT_ERROR(attention::linear_documents(back, 4, 4, 4),
+                  "doc_ids decrease along the sequence; packed documents need non-decreasing ids");
   EXPECT_FALSE(attention::linear_documents(at::Tensor(), 0, 2, 4).resets.defined());
 }
 
