@@ -69,10 +69,11 @@ void resolve(Args& a) {
   HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-train: --comm-fusion '", a.fusion,
            "' is not valid; valid: on, off");
   o.comm_fusion = a.fusion == "on";
-  HP_CHECK(!o.comm_fusion || o.dp_shard * o.dp_replicate > 1,
+  // HSDP runs on every layout of more than one rank (plan::hsdp_applies).
+  HP_CHECK(!o.comm_fusion || o.dp_shard * o.dp_replicate * o.cp * o.tp > 1,
            "hp-train: --comm-fusion on fuses HSDP's gradient reduce-scatters, but --dp-shard ",
-           o.dp_shard, " x --dp-replicate ", o.dp_replicate,
-           " = 1 runs no HSDP; drop it or set --dp-shard or --dp-replicate > 1");
+           o.dp_shard, " x --dp-replicate ", o.dp_replicate, " x --cp ", o.cp, " x --tp ", o.tp,
+           " = 1 rank runs no HSDP; drop it or use more ranks");
   HP_CHECK(o.checkpoint_every == 0 || !o.checkpoint_dir.empty(), "hp-train: --checkpoint-every ",
            o.checkpoint_every, " needs --checkpoint-dir DIR (where the checkpoints go)");
   {
@@ -304,7 +305,8 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
       {"tokens_per_s", r.tokens_per_s},
       {"peak_rss_bytes_max_rank", r.peak_rss_bytes_max_rank},
       {"memory_estimate_bytes_per_rank", r.memory_estimate_bytes_per_rank},
-      {"comm_bytes_per_step", r.comm_bytes_per_step}};
+      {"comm_bytes_per_step", r.comm_bytes_per_step},
+      {"comm_bytes_per_step_by_group", r.comm_bytes_per_step_by_group}};
   if (r.max_abs_loss_diff) {
     j["validate"] = {{"max_abs_loss_diff", *r.max_abs_loss_diff},
                      {"max_rel_grad_diff", *r.max_rel_grad_diff}};
@@ -384,6 +386,20 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   hp::common::apply_host_allocator_choice(a.host_allocator);  // before the first tensor
   hp::comm::timeout_from_seconds(a.timeout_s);                // checked before any rank starts
   model_from_checkpoint(app, a);
+  // Top-1 routing renormalised is a weight of exactly 1, whose gradient is zero: the router
+  // would learn only from the aux and z losses, never from the language model's. Without a
+  // Hugging Face config (whose norm_topk_prob decides), top-1 weighs by the probability itself,
+  // as Switch does; top-k > 1 renormalises, as Qwen3-MoE does.
+  auto& model = a.train.model;
+  if (a.train.init_from.empty()) {
+    model.moe_renormalize = model.moe_top_k > 1;
+  } else if (model.experts > 0 && model.moe_top_k == 1 && model.moe_renormalize) {
+    std::fprintf(stderr,
+                 "hp-train: warning: %s/config.json routes each token to 1 expert with "
+                 "norm_topk_prob true: its weight is always 1, so the router learns only from "
+                 "the aux and z losses\n",
+                 a.train.init_from.c_str());
+  }
   a.schedule_given = app.count("--schedule") > 0;
   a.rotary_given = app.count("--partial-rotary-factor") > 0;
   a.experts_given = app.count("--experts") > 0 || !a.train.init_from.empty();

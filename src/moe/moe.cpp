@@ -34,8 +34,10 @@ void validate(const MoEConfig& c) {
            ", expert_ffn=", c.expert_ffn, " must be positive and shared_ffn=", c.shared_ffn,
            " >= 0");
   validate(c.router);
-  HP_CHECK(c.aux_loss_coef >= 0 && c.z_loss_coef >= 0, "MoEConfig: aux_loss_coef=", c.aux_loss_coef,
-           " and z_loss_coef=", c.z_loss_coef, " must be >= 0");
+  HP_CHECK(c.aux_loss_coef >= 0 && c.z_loss_coef >= 0 && std::isfinite(c.aux_loss_coef) &&
+               std::isfinite(c.z_loss_coef),
+           "MoEConfig: aux_loss_coef=", c.aux_loss_coef, " and z_loss_coef=", c.z_loss_coef,
+           " must be finite and >= 0 (--aux-loss-coef, --z-loss-coef)");
 }
 
 int64_t parameter_count(const MoEConfig& c) {

@@ -52,7 +52,7 @@ std::string MemoryEstimate::describe() const {
 MemoryEstimate estimate_memory(const ModelFootprint& m, const PlanOptions& o) {
   const int64_t tp = std::max<int64_t>(1, o.tp_size), cp = std::max<int64_t>(1, o.cp_size);
   const int64_t e = m.element_size;
-  const bool hsdp = o.dp_shard * o.dp_replicate > 1;
+  const bool hsdp = hsdp_applies(o.dp_shard, o.dp_replicate, cp, tp);
   const int64_t shard = hsdp ? o.dp_shard * cp : 1;  // HSDP shard group: dp_shard x cp
   const int64_t ep = std::max<int64_t>(1, o.ep_size);
   int64_t tp_local = 0, largest_unit = 0, experts = 0;

@@ -380,6 +380,16 @@ void apply_expert_parallel(Plannable& model, ShardingPlan& plan, const comm::Dev
 std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& plan,
                                                 const comm::DeviceMesh& mesh, Mode mode) const {
   std::vector<std::string> lines;
+  // The mesh the plan was made for: every group below comes from it (a mesh of the same world
+  // size but other dims would install CP over a group the planner never checked).
+  for (const auto& d : plan.mesh_dims) {
+    const bool has = mesh.has_dim(d.name);
+    HP_CHECK(has && mesh.size(d.name) == d.size, "apply: the plan was made for ", d.name, "=",
+             d.size, ", but the mesh has ",
+             has ? common::str_cat(d.name, "=", mesh.size(d.name)) : "no dim '" + d.name + "'",
+             "; build the mesh from the plan: DeviceMesh(world, plan.mesh_dims, "
+             "plan.mesh_options())");
+  }
   plan.mode = mode;
   if (mode == Mode::kValidate) {
     HP_CHECK(plan.seq_len > 0,
@@ -432,10 +442,20 @@ std::vector<std::string> ShardingApplier::apply(Plannable& model, ShardingPlan& 
   model.set_fully_shard(nullptr);
   plan.fully_shard.reset();
   if (plan.hsdp()) {
+    auto units = model.fully_shard_units();
+    if (units.empty() && plan.dp_shard * plan.dp_replicate == 1) {
+      // A model that offers no units runs CP and TP without HSDP: the caller reduces its
+      // gradients (data parallelism needs the units: FullyShard refuses below).
+      lines.push_back(
+          common::str_cat("fully_shard: none (the model reports no units): its "
+                          "gradients are not reduced over cp=",
+                          plan.cp_size, " x tp=", plan.tp_size));
+      return lines;
+    }
     hsdp::HsdpGroups groups{mesh.group_ptr({"dp_shard", "cp"}), mesh.group_ptr({"dp_replicate"}),
                             plan.tp_size > 1 ? mesh.group_ptr({"tp"}) : nullptr};
-    plan.fully_shard = std::make_shared<hsdp::FullyShard>(model.fully_shard_units(),
-                                                          std::move(groups), plan.hsdp_options);
+    plan.fully_shard =
+        std::make_shared<hsdp::FullyShard>(std::move(units), std::move(groups), plan.hsdp_options);
     model.set_fully_shard(plan.fully_shard.get());
     lines.push_back("fully_shard: " + plan.fully_shard->describe());
   }

@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -205,7 +206,16 @@ struct Differences {
     std::optional<T> was = fallback;
     if (section.contains(key)) was = section.at(key).get<T>();
     if (was && *was != now)
-      found.push_back(common::str_cat(flag, ": checkpoint ", *was, ", this run ", now));
+      found.push_back(
+          common::str_cat(flag, ": checkpoint ", shown(*was), ", this run ", shown(now)));
+  }
+  template <typename T>
+  static auto shown(const T& v) {
+    if constexpr (std::is_same_v<T, bool>) {
+      return std::string(v ? "true" : "false");
+    } else {
+      return v;
+    }
   }
   std::string list() const { return common::str_join(found, "; "); }
 };
@@ -268,7 +278,8 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
       routing.check<double>("capacity_factor", o.model.capacity_factor, "--capacity-factor");
       // The model's function besides its sizes (older manifests: not compared).
       routing.check<bool>("moe_renormalize", o.model.moe_renormalize,
-                          "moe_renormalize (config.json norm_topk_prob)");
+                          "MoE renormalisation (config.json norm_topk_prob; else on for "
+                          "--top-k > 1)");
       routing.check<double>("rope_theta", o.model.rope_theta, "rope_theta (config.json)");
       routing.check<double>("rms_eps", o.model.rms_eps, "rms_eps (config.json rms_norm_eps)");
       routing.check<int64_t>("topk", o.model.topk, "--topk");

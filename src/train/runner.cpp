@@ -42,6 +42,10 @@ Runner::Runner(const TrainOptions& opts, comm::DeviceMesh& m,
 
 void Runner::make_optimizer(hsdp::FullyShard* shard) {
   fully_shard = shard;
+  // HSDP's drain reduces every gradient over dp_shard x cp and dp_replicate, and the TP-partial
+  // ones over TP: it runs on every layout of more than one rank (plan::hsdp_applies).
+  HP_INTERNAL_ASSERT(shard != nullptr || mesh.world().size() == 1,
+                     "hp-train: a run of more than one rank without HSDP reduces no gradients");
   params.clear();
   if (fully_shard != nullptr) {
     params = fully_shard->sharded_parameters();
@@ -85,7 +89,6 @@ double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
     loss += micro_step(step, micro, micros[micro], count);
-  if (fully_shard == nullptr) reduce_grads();  // HSDP's drain did both reductions
   reduce_expert_grads();
   if (o.validate && first_grads.empty()) keep_first_grads();
   return loss;
@@ -126,18 +129,6 @@ double Runner::micro_step(int64_t step, int64_t micro, const Batch& batch, doubl
   }
   objective.backward();
   return stats[0].item<double>() / tp / step_count;
-}
-
-void Runner::reduce_grads() {
-  for (auto& [n, p] : params) {
-    if (p.grad().defined() && cp > 1 && !is_expert(n))
-      p.mutable_grad() = comm::all_reduce(mesh.group("cp"), p.grad());
-  }
-  if (mesh.size("tp") > 1) {
-    for (auto& p : model->tp_partial_grad_parameters()) {
-      p.mutable_grad() = comm::all_reduce(mesh.group("tp"), p.grad());
-    }
-  }
 }
 
 void Runner::reduce_expert_grads() {
@@ -182,10 +173,10 @@ double Runner::grad_norm() {
     (is_expert(n) ? expert : local) += p.grad().pow(2).sum().item<double>();
   }
   if (!std::isfinite(local) || !std::isfinite(expert)) local_grads_nonfinite_ = true;
-  // Ranks holding the same values: HSDP replicas; without HSDP, every CP rank; experts split by
+  // Ranks holding the same values: HSDP replicas (one rank runs without HSDP); experts split by
   // EP, the ranks holding the same experts.
-  const double copies = fully_shard != nullptr ? static_cast<double>(mesh.size("dp_replicate"))
-                                               : static_cast<double>(cp);
+  const double copies =
+      fully_shard != nullptr ? static_cast<double>(mesh.size("dp_replicate")) : 1.0;
   const double expert_copies =
       plan != nullptr && plan->expert_replicas ? plan->expert_replicas->size() : 1.0;
   double total = local + expert;

@@ -83,8 +83,6 @@ struct Runner {
   // rank takes its own); returns its share of the step's global mean loss, whose labelled
   // tokens over all micro-batches number `step_count`.
   double micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count);
-  // Without HSDP: the CP all-reduce of every gradient and the TP one of partial gradients.
-  void reduce_grads();
   // Experts split by EP: their gradients summed over the ranks holding the same experts.
   void reduce_expert_grads();
   bool is_expert(const std::string& name) const;

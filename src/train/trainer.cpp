@@ -190,6 +190,10 @@ void run_steps(const comm::World& world, Runner& run, const Corpus& corpus,
                       comm::OpKind::kReduceScatter, comm::OpKind::kAllReduce}) {
         result.comm_bytes_per_step[comm::op_name(op)] = world.context().counters.bytes(op);
       }
+      for (const auto& [key, entry] : world.context().counters.snapshot()) {
+        result.comm_bytes_per_step_by_group[key.second][comm::op_name(key.first)] =
+            entry.bytes_sent;
+      }
     }
     result.steps.push_back(m);
     if (rank0) print_progress(o, m, first, tty);

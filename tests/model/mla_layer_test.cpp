@@ -204,6 +204,7 @@ TEST(MLALayer, Qwen3StackPlansAndAppliesMLA) {
     plan::PlanOptions po;
     po.cp_size = 2;
     po.seq_len = 16;
+    po.reduce_op = hsdp::ReduceOp::kSum;  // each rank's loss is its share of the whole
     cp::ContextParallelConfig cc;
     cc.schedule = cp::CPSchedule::kAsync;
     cc.load_balance = true;
@@ -225,8 +226,8 @@ TEST(MLALayer, Qwen3StackPlansAndAppliesMLA) {
     expect_close(out, shard(logits.detach()), "logits rank " + std::to_string(r), 1e-4, 1e-5);
     // The loss over all tokens: each rank's share of the mean.
     (out.pow(2).sum() / logits.numel()).backward();
-    for (const auto& par : m->named_parameters()) {
-      auto g = comm::all_reduce(mesh.group("cp"), par.value().grad());
+    for (const auto& par : m->named_parameters()) {  // reduced over CP by the plan's HSDP
+      auto g = plan.fully_shard->full_gradient(par.key());
       expect_close(g, refs[par.key()].grad(), "d" + par.key(), 1e-4, 1e-6);
     }
   });
@@ -271,6 +272,7 @@ TEST(DSALayer, Qwen3StackUnderCPEqualsTheSingleProcessModel) {
     plan::PlanOptions po;
     po.cp_size = 2;
     po.seq_len = 16;
+    po.reduce_op = hsdp::ReduceOp::kSum;  // each rank's loss is its share of the whole
     cp::ContextParallelConfig cc;
     cc.schedule = cp::CPSchedule::kAsync;
     cc.load_balance = true;
@@ -292,8 +294,8 @@ TEST(DSALayer, Qwen3StackUnderCPEqualsTheSingleProcessModel) {
     auto total = comm::all_reduce(mesh.group("cp"), aux.detach().reshape({1}));
     expect_close(total.squeeze(), ref_aux.detach(), "index loss", 1e-10, 1e-10);
     (out.pow(2).sum() / logits.numel() + aux).backward();
-    for (const auto& par : m->named_parameters()) {
-      auto g = comm::all_reduce(mesh.group("cp"), par.value().grad());
+    for (const auto& par : m->named_parameters()) {  // reduced over CP by the plan's HSDP
+      auto g = plan.fully_shard->full_gradient(par.key());
       expect_close(g, refs[par.key()].grad(), "d" + par.key(), 1e-9, 1e-10);
     }
   });

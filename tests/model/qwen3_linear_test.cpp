@@ -85,11 +85,12 @@ void expect_cp_like_single_process(const std::string& mixer, int64_t p, const st
     po.seq_len = kS;
     po.linear.mode = mode;
     po.linear.state_exchange = exchange;
+    po.reduce_op = hsdp::ReduceOp::kSum;  // each rank's loss is its share of the whole
     auto plan = plan::ShardingPlanner().plan(*m, w.size(), po);
     EXPECT_NE(plan.describe().find("linear: mode=" + mode), std::string::npos) << plan.describe();
     comm::DeviceMesh mesh(w, plan.mesh_dims, plan.mesh_options());
     auto lines = plan::ShardingApplier().apply(*m, plan, mesh);
-    ASSERT_EQ(lines.size(), 2u) << what;  // one linear CP line per layer
+    ASSERT_EQ(lines.size(), 3u) << what;  // one linear CP line per layer, then HSDP's
     EXPECT_NE(lines[0].find("linear CP: module=layers.0.linear_attn mode=" + mode),
               std::string::npos)
         << lines[0];
@@ -104,9 +105,9 @@ void expect_cp_like_single_process(const std::string& mixer, int64_t p, const st
     (local / kS).backward();
     EXPECT_NEAR(comm::all_reduce(group, local.detach()).item<double>() / kS, ref.loss, 1e-5)
         << what;
-    for (const auto& param : m->named_parameters()) {
-      ASSERT_TRUE(param.value().grad().defined()) << what << " " << param.key();
-      auto g = comm::all_reduce(group, param.value().grad());
+    for (const auto& param : m->named_parameters()) {  // reduced over CP by the plan's HSDP
+      auto g = plan.fully_shard->full_gradient(param.key());
+      ASSERT_TRUE(g.defined()) << what << " " << param.key();
       expect_close(g, ref.grads.at(param.key()), what + " " + param.key(), 1e-4, 1e-5);
     }
   });

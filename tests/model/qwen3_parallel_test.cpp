@@ -112,27 +112,21 @@ void run_tp_cp(int64_t tp, int64_t cp, const std::string& algo, std::optional<in
   });
 }
 
-// A model laid out by the planner against the single-process reference: gathered CP
-// logits, global loss (`local_sum`: this rank's token sum) and every gradient (of the token
-// sum; reduced over CP, and over TP for the TP-partial ones; TP-sharded against their slice).
-void expect_like_reference(comm::DeviceMesh& mesh, Qwen3Impl& m, const at::Tensor& logits,
-                           const at::Tensor& local_sum, const Reference& ref,
-                           const std::string& what) {
+// A model laid out by the planner against the single-process reference: gathered CP logits,
+// global loss (`local_sum`: this rank's token sum) and every gradient, as the plan's HSDP left
+// it (reduced over CP, and over TP for the TP-partial ones, with no reduction by the caller;
+// TP-sharded against their slice).
+void expect_like_reference(comm::DeviceMesh& mesh, Qwen3Impl& m, hsdp::FullyShard& fs,
+                           const at::Tensor& logits, const at::Tensor& local_sum,
+                           const Reference& ref, const std::string& what) {
   auto& cp = mesh.group("cp");
-  auto& tp = mesh.group("tp");
   expect_close(comm::all_gather(cp, logits.detach(), 1), ref.logits, what + " logits", 1e-4, 1e-5);
   EXPECT_NEAR(comm::all_reduce(cp, local_sum.detach()).item<double>() / kS, ref.loss, 1e-5) << what;
-  std::set<const void*> partial;
-  for (const auto& p : m.tp_partial_grad_parameters())
-    partial.insert(p.unsafeGetTensorImpl());
   const int64_t t = mesh.coordinate("tp"), tp_size = mesh.size("tp");
   auto named = m.named_parameters();
   EXPECT_EQ(named.size(), ref.grads.size()) << what;
   for (const auto& p : named) {
-    auto g = p.value().grad();
-    ASSERT_TRUE(g.defined()) << what << " " << p.key();
-    if (partial.count(p.value().unsafeGetTensorImpl())) g = comm::all_reduce(tp, g);
-    g = comm::all_reduce(cp, g) / kS;
+    auto g = fs.full_gradient(p.key()) / kS;  // collective over the shard group
     auto expect = ref.grads.at(p.key());
     const int dim = shard_dim(m, p.key());
     if (dim >= 0) expect = expect.chunk(tp_size, dim)[t];
@@ -262,19 +256,24 @@ TEST(Qwen3Parallel, TP1CP4Hybrid) {
 TEST(Qwen3Parallel, ValidateModeEqualsProductionAndCatchesPlacementMismatches) {
   const auto ref = reference(small(8, 4));
   run_ranks(4, [&](comm::World& w) {
-    comm::DeviceMesh mesh(w, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 2}, {"tp", 2}});
+    comm::MeshOptions mo;
+    mo.flattened.push_back({"dp_shard", "cp"});  // HSDP's shard group (plan.mesh_options())
+    comm::DeviceMesh mesh(w, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 2}, {"tp", 2}}, mo);
     auto run_mode = [&](plan::Mode mode, bool break_plan) {
       Qwen3 m(small(8, 4), mesh.group_ptr({"tp"}));
       plan::PlanOptions po;
       po.tp_size = 2;
       po.cp_size = 2;
       po.seq_len = kS;
+      po.reduce_op = hsdp::ReduceOp::kSum;  // the loss below is this rank's token sum
       auto p = plan::ShardingPlanner().plan(*m, w.size(), po);
       if (break_plan) {
         p.modules.at("layers.1.mlp").in_layout = plan::Layout{
             {{"cp", plan::Placement::replicate()}, {"tp", plan::Placement::replicate()}}};
       }
-      plan::ShardingApplier().apply(*m, p, mesh, mode);
+      const auto lines = plan::ShardingApplier().apply(*m, p, mesh, mode);
+      // No data parallelism, yet HSDP runs: it is what reduces the gradients over CP and TP.
+      EXPECT_NE(lines.back().find("fully_shard: HSDP (R=1"), std::string::npos) << lines.back();
       auto b = batch();
       auto sb = cp::shard_batch(b.ids, b.labels, mesh.coordinate("cp"), 2, false);
       // Validate mode installs the boundary checker; production runs without one.
@@ -284,13 +283,13 @@ TEST(Qwen3Parallel, ValidateModeEqualsProductionAndCatchesPlacementMismatches) {
       auto loss = loss_sum(logits, sb.labels);
       loss.backward();
       std::vector<at::Tensor> grads{loss.detach()};
-      for (auto& par : m->parameters())
-        grads.push_back(par.grad());
+      for (auto& par : p.fully_shard->sharded_parameters())
+        grads.push_back(par.second.grad());
       if (p.checker) {
         EXPECT_EQ(p.checker->checks(), 1 + 3 * 2);  // embedding + 3 per layer
       }
       if (!break_plan) {
-        expect_like_reference(mesh, *m, logits, loss, ref,
+        expect_like_reference(mesh, *m, *p.fully_shard, logits, loss, ref,
                               mode == plan::Mode::kValidate ? "validate" : "production");
       }
       return grads;

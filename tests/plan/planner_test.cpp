@@ -96,6 +96,21 @@ TEST(Planner, PlansAModelItHasNeverSeenFromWhatItReports) {
                   "degree 6");
 }
 
+TEST(Planner, ApplyRefusesAMeshOtherThanThePlans) {
+  run_ranks(2, [](comm::World& w) {
+    ToyNet net;
+    PlanOptions o;
+    o.cp_size = 2;
+    auto plan = ShardingPlanner().plan(net, 2, o);
+    comm::DeviceMesh mesh(w, {{"dp_replicate", 1}, {"dp_shard", 2}, {"cp", 1}, {"tp", 1}});
+    w.context().counters.reset();
+    HP_EXPECT_ERROR(ShardingApplier().apply(net, plan, mesh),
+                    "apply: the plan was made for dp_shard=1, but the mesh has dp_shard=2; build "
+                    "the mesh from the plan");
+    EXPECT_EQ(w.context().counters.total_bytes(), 0) << "refused before any collective";
+  });
+}
+
 TEST(Planner, AppliesCPAndAsyncHandoffsToTheReportedSlot) {
   run_ranks(2, [](comm::World& w) {
     ToyNet net;
@@ -106,7 +121,10 @@ TEST(Planner, AppliesCPAndAsyncHandoffsToTheReportedSlot) {
     auto plan = ShardingPlanner().plan(net, 2, o);
     comm::DeviceMesh mesh(w, plan.mesh_dims, plan.mesh_options());
     auto lines = ShardingApplier().apply(net, plan, mesh);
-    ASSERT_EQ(lines.size(), 1u);
+    ASSERT_EQ(lines.size(), 2u);
+    EXPECT_EQ(lines[1],
+              "fully_shard: none (the model reports no units): its gradients are not reduced "
+              "over cp=2 x tp=1");
     EXPECT_NE(lines[0].find("module=blocks.0.mixer adapter=flex_hf strategy=all_gather "
                             "schedule=async"),
               std::string::npos)

@@ -78,7 +78,8 @@ INSTANTIATE_TEST_SUITE_P(
                "--nproc 2 --cp 2 --arch qwen3.5 --layers 4 --cp-mode ulysses --cp-algo ulysses "
                "--schedule async " +
                    kMoE + "--ep 2",
-               "qwen3.5", "linear: mode=ulysses ep=2"},
+               "qwen3.5",
+               "linear: mode=ulysses hsdp: R=1 x Sd=2 (dp_shard=1 x cp=2), comm_fusion=off ep=2"},
         // Packed documents reach the linear layers too: their state and conv restart per document.
         Layout{"qwen35_packed_state_passing_p2p",
                "--nproc 2 --cp 2 --arch qwen3.5 --layers 4 --pack-documents --state-exchange p2p",
@@ -210,8 +211,11 @@ TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
   // one that differs; the loss weights only warn (as --lr does).
   auto d = run(layout + "--ep 2 --steps 6 --resume --top-k 1 --capacity-factor 0.5");
   EXPECT_NE(d.rc, 0);
+  // Top-1 without --init-from weighs by the probability (renormalised it would be 1).
   EXPECT_NE(d.out.find("other data, routing or model settings (--top-k: checkpoint 2, this run 1; "
-                       "--capacity-factor: checkpoint 0, this run 0.5)"),
+                       "--capacity-factor: checkpoint 0, this run 0.5; MoE renormalisation "
+                       "(config.json norm_topk_prob; else on for --top-k > 1): checkpoint true, "
+                       "this run false)"),
             std::string::npos)
       << d.out;
   EXPECT_EQ(d.out.find("  step "), std::string::npos) << "no step may run: " << d.out;
@@ -389,6 +393,9 @@ TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {
                   "dense MLP; drop --experts 0 (qwen3-moe defaults to 8 experts)"});
   expect_refused("--arch kimi-linear --experts 0 --layers 4", {"--arch kimi-linear is a mixture"});
   expect_refused("--experts 4 --moe-ffn -5", {"Qwen3Config.moe_ffn=-5 must be >= 0"});
+  // An infinite loss weight made step 1 non-finite after the collectives had started.
+  expect_refused("--experts 4 --z-loss-coef inf",
+                 {"z_loss_coef=inf must be finite and >= 0 (--aux-loss-coef, --z-loss-coef)"});
   // A pattern longer than the layers would drop its later kinds (qwen3.5's G layer).
   expect_refused("--arch qwen3.5 --layers 2",
                  {"Qwen3Config.layers=2 is shorter than layer_pattern=LLLG (4 layers, from --arch "

@@ -59,9 +59,11 @@ TEST(HpTrain, LearnsTheCopyTaskAndValidates) {
     tail += loss[i] / 10;
   EXPECT_LT(tail, 0.05) << "the last ten steps stay learned";
   expect_validated(r.out, j, 120, 1e-4);
-  EXPECT_EQ(j["comm_bytes_per_step"]["all_to_all"].get<int64_t>(),
-            cp_bytes_per_step(j["config"], "all_to_all"));
-  EXPECT_EQ(j["comm_bytes_per_step"]["all_gather"].get<int64_t>(), 0);
+  const auto& cp_bytes = j["comm_bytes_per_step_by_group"]["cp"];
+  EXPECT_EQ(cp_bytes["all_to_all"].get<int64_t>(), cp_bytes_per_step(j["config"], "all_to_all"));
+  EXPECT_FALSE(cp_bytes.contains("all_gather")) << cp_bytes;
+  // HSDP over the CP ranks (no data parallelism): their gradients are reduced.
+  EXPECT_GT(j["comm_bytes_per_step_by_group"]["dp_shard+cp"]["reduce_scatter"].get<int64_t>(), 0);
   for (int layer : {0, 1}) {
     EXPECT_NE(r.out.find("CP inner-wrap: module=layers." + std::to_string(layer) +
                          ".self_attn adapter=sdpa_hf strategy=ulysses schedule=async"),
@@ -142,9 +144,9 @@ TEST(HpTrain, TensorAndContextParallelTogether) {
                        "colossal_degree=2 load_balance=data_order"),
             std::string::npos)
       << r.out;
-  EXPECT_EQ(j["comm_bytes_per_step"]["all_gather"].get<int64_t>(),
-            cp_bytes_per_step(j["config"], "all_gather"));
-  EXPECT_EQ(j["comm_bytes_per_step"]["reduce_scatter"].get<int64_t>(),
+  const auto& cp_bytes = j["comm_bytes_per_step_by_group"]["cp"];
+  EXPECT_EQ(cp_bytes["all_gather"].get<int64_t>(), cp_bytes_per_step(j["config"], "all_gather"));
+  EXPECT_EQ(cp_bytes["reduce_scatter"].get<int64_t>(),
             cp_bytes_per_step(j["config"], "all_gather"));
 }
 
@@ -292,13 +294,15 @@ TEST(HpTrain, ConfigFileAndTrace) {
 
   // The trace: valid JSON, one named track per rank, and per rank the CP collectives of every
   // step (K and V gathered per layer in forward, reduce-scattered in backward) on group 'cp',
-  // each with the wait that closed it; their bytes add up to the run's per-step counts.
+  // each with the wait that closed it; their bytes add up to the run's per-step counts. HSDP's
+  // gathers of the parameters and reductions of their gradients run on 'dp_shard+cp'.
   std::ifstream t(trace_path);
   ASSERT_TRUE(t.good()) << trace_path;
   auto trace = nlohmann::json::parse(t);
   std::map<int, std::string> names;
   std::map<int, std::map<std::string, int>> count;
   std::map<int, std::map<std::string, int64_t>> bytes;
+  std::map<int, std::map<std::string, int>> hsdp_count;
   std::vector<std::string> malformed;  // events that break the format, reported once
   for (const auto& e : trace.at("traceEvents")) {
     const int pid = e.at("pid").get<int>();
@@ -317,10 +321,15 @@ TEST(HpTrain, ConfigFileAndTrace) {
                     (compute || ((comm || cat == "comm_wait") && (!comm || b > 0) &&
                                  !args.value("group", "").empty()));
     if (!ok) malformed.push_back(e.dump());
+    const std::string group = args.value("group", "");
+    if (group == "dp_shard+cp") {
+      ++hsdp_count[pid][name];
+      continue;
+    }
     ++count[pid][name];
     if (comm) bytes[pid][name] += b;
     if (name == "all_gather" || name == "reduce_scatter") {
-      if (args.value("group", "") != "cp") malformed.push_back(e.dump());
+      if (group != "cp") malformed.push_back(e.dump());
     }
   }
   EXPECT_TRUE(malformed.empty()) << malformed.size() << " malformed events, e.g. "
@@ -331,8 +340,9 @@ TEST(HpTrain, ConfigFileAndTrace) {
     for (const char* op : {"all_gather", "reduce_scatter"}) {
       EXPECT_EQ(count[rank][op], 2 * per_step) << "rank " << rank << " " << op;
       EXPECT_EQ(count[rank][std::string("wait ") + op], count[rank][op]) << "rank " << rank;
-      EXPECT_EQ(bytes[rank][op], 2 * j["comm_bytes_per_step"][op].get<int64_t>())
+      EXPECT_EQ(bytes[rank][op], 2 * j["comm_bytes_per_step_by_group"]["cp"][op].get<int64_t>())
           << "rank " << rank << " " << op;
+      EXPECT_GT(hsdp_count[rank][op], 0) << "rank " << rank << " " << op;
     }
     EXPECT_GT(count[rank]["all_reduce"], 0) << "rank " << rank;
     // One attention call per layer and step (sync all_gather: one query part), and its backward.
@@ -508,7 +518,7 @@ TEST(HpTrain, BadLayoutsFailBeforeAnyCollective) {
                   "--attention mla there are none"});
   expect_refused("--nproc 1 --comm-fusion on",
                  {"--comm-fusion on fuses HSDP's gradient reduce-scatters, but --dp-shard 1 x "
-                  "--dp-replicate 1 = 1 runs no HSDP"});
+                  "--dp-replicate 1 x --cp 1 x --tp 1 = 1 rank runs no HSDP"});
   expect_refused("--nproc 1 --checkpoint-every 2", {"--checkpoint-every 2 needs --checkpoint-dir"});
   expect_refused("--nproc 1 --data-dtype uint32",
                  {"--data-dtype uint32 is the token width of a .bin --data file, but --data is "

@@ -118,6 +118,13 @@ struct MLAPlanOptions {
   std::string strategy = "latent_all_gather";
 };
 
+// Whether HSDP runs on a layout: on every layout of more than one rank. Parameters are
+// replicated over dp_shard, dp_replicate and cp (and TP-replicated ones over tp), so without it
+// their gradients would stay each rank's partial sums.
+inline bool hsdp_applies(int64_t dp_shard, int64_t dp_replicate, int64_t cp_size, int64_t tp_size) {
+  return dp_shard * dp_replicate * cp_size * tp_size > 1;
+}
+
 struct PlanOptions {
   int64_t tp_size = 1;
   int64_t cp_size = 1;
@@ -128,9 +135,15 @@ struct PlanOptions {
   // (ep divides dp_shard x cp; consecutive ranks of that group form one EP group).
   int64_t ep_size = 1;
   int64_t seq_len = 0;  // global sequence length (0: not checked here)
-  // HSDP (dp_shard * dp_replicate > 1); the shard group is (dp_shard, cp).
+  // HSDP runs on every layout of more than one rank (hsdp_applies), so every gradient is
+  // reduced wherever its parameter is replicated: over (dp_shard, cp) by reduce-scatter, over
+  // dp_replicate by all-reduce, TP-partial gradients over tp. The shard group is (dp_shard, cp).
   bool comm_fusion = false;
   bool reshard_after_forward = true;
+  // kAvg divides the summed gradients by dp_replicate * dp_shard * cp: the gradient of the
+  // global mean only when every rank's loss is a mean over the same number of counted tokens.
+  // With ignored labels spread unevenly (packed documents, prompts, CP shards of one sequence),
+  // divide each rank's loss sum by the global count and use kSum (as hp-train does).
   hsdp::ReduceOp reduce_op = hsdp::ReduceOp::kAvg;
   // --cp-algo auto: the cost model picks (algorithm, ulysses_degree, schedule) for cp_size > 1
   // (cp_config, if set, contributes load_balance only); needs a calibration.
@@ -175,7 +188,7 @@ struct ShardingPlan {
   std::vector<std::pair<std::string, at::Tensor>> expert_params;
   comm::GroupPtr expert_replicas;
   comm::GroupPtr ep_group;  // this rank's EP group (its members hold every expert together)
-  bool hsdp() const { return dp_shard * dp_replicate > 1; }
+  bool hsdp() const { return hsdp_applies(dp_shard, dp_replicate, cp_size, tp_size); }
   // The groups the applier needs besides one per dim: HSDP's shard group (dp_shard, cp); with
   // MoE layers the token group (dp_replicate, dp_shard, cp), and with EP the EP groups and the
   // expert replica groups.
@@ -202,8 +215,10 @@ class ShardingPlanner {
 class ShardingApplier {
  public:
   // Installs CP into every attention module of `model` (built with the mesh's TP group), then
-  // HSDP over (dp_replicate, (dp_shard, cp)) when plan.hsdp(); the mesh must have been built
-  // with plan.mesh_options().
+  // HSDP over (dp_replicate, (dp_shard, cp)) when plan.hsdp() (every layout of more than one
+  // rank; a model whose fully_shard_units() is empty runs CP and TP without it and reduces its
+  // own gradients, and cannot run data parallelism); the mesh must have been built with
+  // plan.mesh_options().
   // Returns the apply log lines (also printed by the caller if it wants).
   std::vector<std::string> apply(Plannable& model, ShardingPlan& plan, const comm::DeviceMesh& mesh,
                                  Mode mode = Mode::kProduction) const;

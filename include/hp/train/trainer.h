@@ -39,7 +39,9 @@ struct TrainResult {
   int64_t memory_estimate_bytes_per_rank = 0;  // the planner's estimate (plan::estimate_memory)
   // --resume found the run finished (its last checkpoint at or past --steps): nothing ran.
   bool already_finished = false;
-  std::map<std::string, int64_t> comm_bytes_per_step;
+  std::map<std::string, int64_t> comm_bytes_per_step;  // op -> bytes this rank sent, step 1
+  // The same by group, then op (e.g. "cp" -> "all_gather"; HSDP's "dp_shard+cp").
+  std::map<std::string, std::map<std::string, int64_t>> comm_bytes_per_step_by_group;
   std::optional<double> max_abs_loss_diff, max_rel_grad_diff;  // --validate
   std::string plan;                                            // the resolved plan
   // The CP layout that ran (--cp-algo auto: the cost model's choice); none at cp = 1.
