@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -34,17 +35,47 @@ std::string step_dir(const std::string& root, int64_t step) {
   return (fs::path(root) / buf).string();
 }
 
-int64_t latest_checkpoint(const std::string& root) {
+namespace {
+
+// The step of a published step directory's name (step_<digits>), or 0 for any other name (a
+// .tmp left by a crash has more than digits).
+int64_t step_of(const std::string& name) {
+  if (name.rfind("step_", 0) != 0) return 0;
+  const auto digits = name.substr(5);
+  if (digits.empty() || digits.size() > 18 ||
+      digits.find_first_not_of("0123456789") != std::string::npos)
+    return 0;
+  return std::stoll(digits);
+}
+
+// The newest step under `root` with a manifest, below `limit` (0: none).
+int64_t latest_checkpoint_below(const std::string& root, int64_t limit) {
   int64_t best = 0;
   if (!fs::is_directory(root)) return 0;
   for (const auto& e : fs::directory_iterator(root)) {
-    const auto name = e.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "manifest.json")) continue;
-    const auto digits = name.substr(5);  // a .tmp left by a crash has more than digits
-    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    best = std::max<int64_t>(best, std::stoll(digits));
+    const int64_t step = step_of(e.path().filename().string());
+    if (step > 0 && step < limit && fs::exists(e.path() / "manifest.json"))
+      best = std::max(best, step);
   }
   return best;
+}
+
+// For a damaged file of step directory `dir`: how to resume from the newest older step beside
+// it, when there is one ("" otherwise).
+std::string older_step_hint(const std::string& dir) {
+  const fs::path p(dir);
+  const auto root = p.parent_path().string();
+  const int64_t step = step_of(p.filename().string());
+  const int64_t before = step > 0 ? latest_checkpoint_below(root, step) : 0;
+  if (before == 0) return "";
+  return common::str_cat("; the step before, '", step_dir(root, before), "', may be whole: move '",
+                         dir, "' out of '", root, "' to resume from it");
+}
+
+}  // namespace
+
+int64_t latest_checkpoint(const std::string& root) {
+  return latest_checkpoint_below(root, std::numeric_limits<int64_t>::max());
 }
 
 namespace {
@@ -401,21 +432,23 @@ std::string read_verified(const std::string& dir, int rank, const FileRecord& f,
                           const std::string& who) {
   const auto path = (fs::path(dir) / f.name).string();
   HP_CHECK(fs::exists(path), who, ": rank ", rank, "'s file '", path,
-           "' is missing (the manifest records ", f.bytes, " bytes)");
+           "' is missing (the manifest records ", f.bytes, " bytes)", older_step_hint(dir));
   HP_CHECK(fs::is_regular_file(path), who, ": rank ", rank, "'s file '", path,
-           "' is not a regular file");
+           "' is not a regular file", older_step_hint(dir));
   std::string bytes;
   try {
     bytes = read_file(path);
   } catch (const std::exception& e) {
-    HP_CHECK(false, who, ": rank ", rank, "'s file '", path, "' cannot be read: ", e.what());
+    HP_CHECK(false, who, ": rank ", rank, "'s file '", path, "' cannot be read: ", e.what(),
+             older_step_hint(dir));
   }
   HP_CHECK(static_cast<int64_t>(bytes.size()) == f.bytes, who, ": rank ", rank, "'s file '", path,
            "' has ", bytes.size(), " bytes but the manifest records ", f.bytes,
-           ": it was truncated or replaced");
+           ": it was truncated or replaced", older_step_hint(dir));
   const uint32_t crc = common::crc32(bytes.data(), bytes.size());
   HP_CHECK(crc == f.crc32, who, ": rank ", rank, "'s file '", path, "' is damaged: its CRC-32 is ",
-           common::crc32_hex(crc), " but the manifest records ", common::crc32_hex(f.crc32));
+           common::crc32_hex(crc), " but the manifest records ", common::crc32_hex(f.crc32),
+           older_step_hint(dir));
   return bytes;
 }
 

@@ -155,6 +155,26 @@ TEST(HpTrainReliability, DamagedCheckpointFilesFailNamingFileAndRank) {
 
 // ---- 2. non-finite loss ----
 
+// A damaged newest step names the older one beside it and how to resume from it; done so, the
+// run resumes from that step.
+TEST(HpTrainReliability, ADamagedStepNamesTheStepBeforeIt) {
+  const std::string dir = fresh("ckpt_older");
+  auto w = run(kTiny + "--steps 2 --checkpoint-every 1 --checkpoint-dir " + dir);
+  ASSERT_EQ(w.rc, 0) << w.out;
+  const std::string two = dir + "/step_00000002";
+  fs::resize_file(two + "/rank1.model.pt", fs::file_size(two + "/rank1.model.pt") / 2);
+  auto r = run(kTiny + "--steps 3 --checkpoint-dir " + dir + " --resume");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "truncated or replaced; the step before, '" + dir +
+                                  "/step_00000001', may be whole: move '" + two + "' out of '" +
+                                  dir + "' to resume from it"))
+      << r.out;
+  fs::rename(two, fresh("ckpt_older_damaged"));
+  auto again = run(kTiny + "--steps 3 --checkpoint-dir " + dir + " --resume");
+  EXPECT_EQ(again.rc, 0) << again.out;
+  EXPECT_TRUE(contains(again.out, "hp-train: resumed from " + dir + "/step_00000001")) << again.out;
+}
+
 TEST(HpTrainReliability, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
   const std::string dir = fresh("ckpt_nan");
   // Rank 1's loss of step 3 is made NaN (the test hook); checkpoints every 2 steps.
