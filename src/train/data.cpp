@@ -1,9 +1,9 @@
 #include "hp/train/data.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -11,6 +11,7 @@
 
 #include "hp/attention/masks.h"
 #include "hp/common/check.h"
+#include "hp/common/crc32.h"
 
 namespace hp::train {
 
@@ -32,33 +33,47 @@ void check_data_path(const std::string& path) {
 
 namespace {
 
-at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
+constexpr int64_t kChunk = int64_t{1} << 20;  // tokens widened at a time by the checks
+
+// The ids [begin, begin + n) of `raw` (a file's own width) as int64.
+at::Tensor widen(const at::Tensor& raw, int64_t mask, int64_t begin, int64_t n) {
+  return raw.narrow(0, begin, n).to(at::kLong).bitwise_and(mask);  // the ids are unsigned
+}
+
+struct RawTokens {
+  at::Tensor raw;
+  int64_t mask = 0;
+};
+
+// The file's tokens at its own width, read straight into their tensor (no other copy).
+RawTokens load_tokens(const std::string& path, const std::string& dtype) {
   check_data_path(path);
-  std::ifstream f(path, std::ios::binary);
-  HP_CHECK(f.good(), "hp-train: cannot open --data '", path, "'");
-  std::vector<char> bytes;
-  try {
-    bytes.assign(std::istreambuf_iterator<char>(f), {});
-  } catch (const std::exception& e) {
-    HP_CHECK(false, "hp-train: cannot read --data '", path, "': ", e.what());
-  }
-  HP_CHECK(!f.bad(), "hp-train: cannot read --data '", path, "'");
-  HP_CHECK(!bytes.empty(), "hp-train: --data '", path, "' is empty");
-  if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
+  std::error_code ec;
+  const auto size = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+  HP_CHECK(!ec, "hp-train: cannot read --data '", path, "': ", ec.message());
+  HP_CHECK(size > 0, "hp-train: --data '", path, "' is empty");
+  const bool bin = path.size() > 4 && path.substr(path.size() - 4) == ".bin";
+  int64_t width = 1;
+  RawTokens t;
+  if (bin) {
     HP_CHECK(dtype == "uint16" || dtype == "uint32", "hp-train: --data-dtype '", dtype,
              "' is not valid; valid: uint16, uint32");
-    const size_t width = dtype == "uint16" ? 2 : 4;
-    HP_CHECK(bytes.size() % width == 0, "hp-train: '", path, "' is not a whole number of ", dtype,
-             " ids (", bytes.size(), " bytes)");
-    auto t =
-        at::empty({static_cast<int64_t>(bytes.size() / width)}, width == 2 ? at::kShort : at::kInt);
-    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-    const int64_t mask = width == 2 ? int64_t{0xFFFF} : int64_t{0xFFFFFFFF};
-    auto ids = t.to(at::kLong).bitwise_and(mask);  // the ids are unsigned
-    if (width == 2 && ids.size(0) >= 64) {
+    width = dtype == "uint16" ? 2 : 4;
+    HP_CHECK(size % width == 0, "hp-train: '", path, "' is not a whole number of ", dtype, " ids (",
+             size, " bytes)");
+  }
+  t.raw = at::empty({size / width}, width == 1 ? at::kByte : width == 2 ? at::kShort : at::kInt);
+  t.mask = width == 1 ? int64_t{0xFF} : width == 2 ? int64_t{0xFFFF} : int64_t{0xFFFFFFFF};
+  std::ifstream f(path, std::ios::binary);
+  HP_CHECK(f.good(), "hp-train: cannot open --data '", path, "'");
+  f.read(static_cast<char*>(t.raw.data_ptr()), size);
+  HP_CHECK(!f.bad() && f.gcount() == size, "hp-train: cannot read --data '", path, "' (read ",
+           f.gcount(), " of ", size, " bytes)");
+  if (bin) {
+    if (width == 2 && t.raw.size(0) >= 64) {
       // uint32 ids read as uint16 are pairs (low half, high half = 0 below 65536): every odd
       // position 0, the even ones not. Trained on, every other token is 0 and no check fails.
-      const auto pairs = ids.narrow(0, 0, ids.size(0) / 2 * 2).view({-1, 2});
+      const auto pairs = t.raw.narrow(0, 0, t.raw.size(0) / 2 * 2).view({-1, 2});
       const double odd_zero = pairs.select(1, 1).eq(0).to(at::kDouble).mean().item<double>();
       const double even_zero = pairs.select(1, 0).eq(0).to(at::kDouble).mean().item<double>();
       HP_CHECK(!(odd_zero > 0.95 && even_zero < 0.5), "hp-train: --data '", path,
@@ -67,15 +82,14 @@ at::Tensor load_tokens(const std::string& path, const std::string& dtype) {
                "% between them: it looks like uint32 ids (low and high halves); pass "
                "--data-dtype uint32");
     }
-    return ids;
+    return t;
   }
   // Text is byte-level; a NUL byte means a binary file (token ids) under another name.
-  HP_CHECK(std::memchr(bytes.data(), 0, bytes.size()) == nullptr, "hp-train: --data '", path,
+  HP_CHECK(std::memchr(t.raw.data_ptr(), 0, static_cast<size_t>(size)) == nullptr,
+           "hp-train: --data '", path,
            "' holds NUL bytes, so it is not text; a file of token ids must be named *.bin (with "
            "--data-dtype uint16 or uint32)");
-  auto t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t.to(at::kLong);  // byte-level tokens
+  return t;
 }
 
 // One copy document of `len` (even) tokens at [begin, begin + len) of every row of `ids`: a random
@@ -134,15 +148,15 @@ void copy_task_batch(const TrainOptions& o, at::Generator& gen, Batch& b) {
 // Random windows of the corpus; the labels are the windows shifted by one token. Packed: a
 // document ends after every eod_id token, whose label (the next document's first token) is
 // -100.
-void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator& gen, Batch& b) {
+void corpus_batch(const TrainOptions& o, const Corpus& corpus, at::Generator& gen, Batch& b) {
   const int64_t s = o.seq_len;
   // A window and its next tokens span s + 1 tokens: starts 0 .. N - s - 1.
-  auto starts = at::randint(0, corpus.size(0) - s, {o.batch}, gen, at::kLong);
+  auto starts = at::randint(0, corpus.size() - s, {o.batch}, gen, at::kLong);
   std::vector<at::Tensor> rows_in, rows_out;
   for (int64_t b = 0; b < o.batch; ++b) {
-    const int64_t st = starts[b].item<int64_t>();
-    rows_in.push_back(corpus.narrow(0, st, s));
-    rows_out.push_back(corpus.narrow(0, st + 1, s));
+    const auto window = corpus.ids(starts[b].item<int64_t>(), s + 1);
+    rows_in.push_back(window.narrow(0, 0, s));
+    rows_out.push_back(window.narrow(0, 1, s));
   }
   b.ids = at::stack(rows_in);
   b.labels = at::stack(rows_out);
@@ -157,22 +171,41 @@ void corpus_batch(const TrainOptions& o, const at::Tensor& corpus, at::Generator
 
 Corpus Corpus::load(const TrainOptions& o) {
   if (o.data.empty()) return Corpus();
-  auto corpus = load_tokens(o.data, o.data_dtype);
-  const int64_t s = o.seq_len, n = corpus.size(0);
+  auto t = load_tokens(o.data, o.data_dtype);
+  Corpus corpus(std::move(t.raw), t.mask);
+  const int64_t s = o.seq_len, n = corpus.size();
   HP_CHECK(n >= s + 1, "hp-train: --data '", o.data, "' has ", n, " tokens; a window of --seq-len ",
            s, " and its next tokens need ", s + 1, ": use --seq-len ", n - 1,
            " or less, or a longer file");
-  HP_CHECK(corpus.max().item<int64_t>() < o.model.vocab, "hp-train: --data '", o.data,
-           "' holds token ids up to ", corpus.max().item<int64_t>(), " but --vocab is ",
-           o.model.vocab,
-           "; raise --vocab (text files need 256), or check --data-dtype for a .bin file");
-  if (o.pack_documents) {
-    HP_CHECK(corpus.eq(o.eod_id).any().item<bool>(), "hp-train: --eod-id ", o.eod_id,
-             " never occurs in --data '", o.data,
-             "', so --pack-documents would pack nothing; give the tokenizer's end-of-document "
-             "id");
+  int64_t top = 0;
+  bool eod = false;
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const auto ids = corpus.ids(begin, std::min(kChunk, n - begin));
+    top = std::max(top, ids.max().item<int64_t>());
+    eod = eod || ids.eq(o.eod_id).any().item<bool>();
   }
-  return Corpus(std::move(corpus));
+  HP_CHECK(top < o.model.vocab, "hp-train: --data '", o.data, "' holds token ids up to ", top,
+           " but --vocab is ", o.model.vocab,
+           "; raise --vocab (text files need 256), or check --data-dtype for a .bin file");
+  HP_CHECK(!o.pack_documents || eod, "hp-train: --eod-id ", o.eod_id, " never occurs in --data '",
+           o.data,
+           "', so --pack-documents would pack nothing; give the tokenizer's end-of-document id");
+  return corpus;
+}
+
+at::Tensor Corpus::ids(int64_t begin, int64_t n) const {
+  HP_INTERNAL_ASSERT(!empty() && begin >= 0 && n >= 0 && begin + n <= size(), "Corpus::ids: [",
+                     begin, ", ", begin + n, ") outside the ", size(), " tokens");
+  return widen(raw_, mask_, begin, n);
+}
+
+std::string Corpus::fingerprint() const {
+  uint32_t crc = 0;
+  for (int64_t begin = 0; begin < size(); begin += kChunk) {
+    const auto chunk = ids(begin, std::min(kChunk, size() - begin)).contiguous();
+    crc = common::crc32(chunk.data_ptr(), static_cast<size_t>(chunk.nbytes()), crc);
+  }
+  return common::str_cat(size(), " tokens, CRC-32 ", common::crc32_hex(crc));
 }
 
 Batch make_batch(const TrainOptions& o, const Corpus& corpus, int64_t step, int64_t micro) {
@@ -186,7 +219,7 @@ Batch make_batch(const TrainOptions& o, const Corpus& corpus, int64_t step, int6
   }
   HP_INTERNAL_ASSERT(!corpus.empty(), "make_batch: --data '", o.data,
                      "' needs the Corpus::load of these options");
-  corpus_batch(o, corpus.tokens(), gen, b);
+  corpus_batch(o, corpus, gen, b);
   return b;
 }
 

@@ -1,6 +1,8 @@
 #include "hp/train/preflight.h"
 
 #include <cmath>
+#include <filesystem>
+#include <system_error>
 #include <utility>
 
 #include "hp/common/check.h"
@@ -183,6 +185,12 @@ void check_memory(const TrainOptions& o, int ranks_on_machine) {
     ref.cp_config.reset();
     ref.batch = o.batch * o.dp_shard * o.dp_replicate;
     extra = estimate_memory(ref).total() - plan::kRuntimeBytes;
+  }
+  // Every rank holds --data's tokens once, at the file's width (Corpus).
+  std::error_code ec;
+  if (!o.data.empty()) {
+    const auto size = std::filesystem::file_size(o.data, ec);
+    if (!ec) extra += static_cast<int64_t>(size) * ranks_on_machine;
   }
   const auto machine =
       o.memory_limit > 0

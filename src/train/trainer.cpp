@@ -20,7 +20,6 @@
 #include "hp/comm/collectives.h"
 #include "hp/comm/device_mesh.h"
 #include "hp/common/check.h"
-#include "hp/common/crc32.h"
 #include "hp/plan/plan.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/data.h"
@@ -257,9 +256,7 @@ TrainResult train(const comm::World& world, const TrainOptions& o) {
   run_agreed(world, [&] { corpus = Corpus::load(o); });
   std::string data_fingerprint;  // recorded in checkpoints, compared on resume
   if (!corpus.empty()) {
-    const auto& t = corpus.tokens();
-    const auto crc = common::crc32(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
-    data_fingerprint = common::str_cat(t.numel(), " tokens, CRC-32 ", common::crc32_hex(crc));
+    data_fingerprint = corpus.fingerprint();
     check_same_on_every_rank(world, data_fingerprint, "hp-train: --data '" + o.data + "'",
                              "Every rank must read the same file: give each machine the same copy");
   }

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "hp/common/check.h"
+#include "hp/common/crc32.h"
 #include "hp/train/data.h"
 #include "hp/train/preflight.h"
 #include "rank_harness.h"
@@ -53,13 +54,38 @@ TEST(Corpus, UInt32IdsReadAsUInt16AreRefused) {
   auto o = data_options(path, 16, 400);
   expect_refused(o, "looks like uint32 ids (low and high halves); pass --data-dtype uint32");
   o.data_dtype = "uint32";
-  EXPECT_EQ(Corpus::load(o).tokens().size(0), 512);
+  EXPECT_EQ(Corpus::load(o).size(), 512);
   // Genuine uint16 ids with zeros among them pass.
   std::vector<uint16_t> narrow;
   for (uint16_t i = 0; i < 512; ++i)
     narrow.push_back(i % 3 == 0 ? 0 : i % 50);
-  EXPECT_EQ(Corpus::load(data_options(write_ids("narrow.bin", narrow), 16, 64)).tokens().size(0),
-            512);
+  EXPECT_EQ(Corpus::load(data_options(write_ids("narrow.bin", narrow), 16, 64)).size(), 512);
+}
+
+// The corpus holds the file at its own width (it held int64 ids: 8x a text file per rank), and
+// its fingerprint is still the CRC-32 of the int64 ids, as checkpoints recorded it before.
+TEST(Corpus, HeldAtTheFilesWidthWithTheSameFingerprint) {
+  std::vector<uint16_t> narrow;
+  for (int i = 0; i < 3000; ++i)
+    narrow.push_back(static_cast<uint16_t>(40000 + (i * 37) % 1000));  // above int16's range
+  const auto c = Corpus::load(data_options(write_ids("width.bin", narrow), 16, 65536));
+  EXPECT_EQ(c.bytes(), 6000);
+  std::vector<int64_t> wide_ids(narrow.begin(), narrow.end());
+  const auto wide = at::tensor(wide_ids);
+  const uint32_t crc = hp::common::crc32(wide.data_ptr(), wide_ids.size() * sizeof(int64_t));
+  EXPECT_EQ(c.fingerprint(), "3000 tokens, CRC-32 " + hp::common::crc32_hex(crc));
+  EXPECT_TRUE(c.ids(10, 5).equal(wide.narrow(0, 10, 5)));
+  // uint32 ids past 2^31 stay unsigned.
+  const std::vector<uint32_t> big(64, 3000000000u);
+  auto o = data_options(write_ids("big.bin", big), 16, int64_t{1} << 32);
+  o.data_dtype = "uint32";
+  const auto b = Corpus::load(o);
+  EXPECT_EQ(b.bytes(), 256);
+  EXPECT_EQ(b.ids(0, 1).item<int64_t>(), 3000000000);
+  // Text: one byte a token.
+  const std::string text = hp::testing::scratch_dir() + "/width.txt";
+  std::ofstream(text) << std::string(100, 'a');
+  EXPECT_EQ(Corpus::load(data_options(text, 16, 256)).bytes(), 100);
 }
 
 TEST(Corpus, BinaryBytesAsTextAreRefused) {

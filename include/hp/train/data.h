@@ -14,7 +14,8 @@ namespace hp::train {
 
 // The token ids of --data, read once per run and shared (read-only) by every batch; empty for
 // the embedded copy task. Text files are byte-level tokens; `.bin` files hold uint16 or uint32
-// ids (--data-dtype).
+// ids (--data-dtype). Held at the file's own width (one copy of the file per rank), widened to
+// int64 a window at a time.
 class Corpus {
  public:
   Corpus() = default;  // the copy task: no file
@@ -23,12 +24,19 @@ class Corpus {
   // a text file with NUL bytes and uint32 ids read as uint16 are refused.
   static Corpus load(const TrainOptions& options);
 
-  bool empty() const { return !tokens_.defined(); }
-  const at::Tensor& tokens() const { return tokens_; }  // [N] int64
+  bool empty() const { return !raw_.defined(); }
+  int64_t size() const { return empty() ? 0 : raw_.size(0); }  // tokens
+  int64_t bytes() const { return empty() ? 0 : raw_.nbytes(); }
+  // Tokens [begin, begin + n) as int64 ids.
+  at::Tensor ids(int64_t begin, int64_t n) const;
+  // "N tokens, CRC-32 X": the CRC-32 of the int64 ids (what checkpoints record and resume
+  // compares), computed a chunk at a time.
+  std::string fingerprint() const;
 
  private:
-  explicit Corpus(at::Tensor tokens) : tokens_(std::move(tokens)) {}
-  at::Tensor tokens_;
+  Corpus(at::Tensor raw, int64_t mask) : raw_(std::move(raw)), mask_(mask) {}
+  at::Tensor raw_;    // [N] uint8 (text), or uint16 / uint32 ids as the bits of int16 / int32
+  int64_t mask_ = 0;  // the unsigned width's mask
 };
 
 // --data names a regular file that exists (not a directory, pipe or device); errors name it.
