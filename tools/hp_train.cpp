@@ -235,6 +235,7 @@ nlohmann::json metrics_json(const hp::comm::World& world, const Args& a,
       steps.back()["moe_aux_loss"] = s.moe_aux_loss;
       steps.back()["moe_dropped"] = s.moe_dropped;
     }
+    if (s.index_loss) steps.back()["index_loss"] = *s.index_loss;
   }
   nlohmann::json j = {
       {"config",

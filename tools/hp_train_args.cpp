@@ -96,7 +96,8 @@ void add_task_options(CLI::App& app, Args& a) {
   app.add_option("--index-loss", o.model.index_loss,
                  "dsa: sparse (over the selection) | dense (indexer warm-up: every visible key)");
   app.add_option("--index-loss-coef", o.index_loss_coef,
-                 "dsa: the indexer loss's weight (it trains only the indexer)");
+                 "dsa: the indexer loss's weight (a mean over every query token; it trains "
+                 "only the indexer)");
   app.add_option("--kv-rank", o.model.kv_rank, "mla: latent width (default 2 x --head-dim)");
   app.add_option("--q-rank", o.model.q_rank, "mla: query low rank (default 3 x --head-dim)");
   app.add_option("--lr", o.lr, "peak learning rate");

@@ -71,6 +71,7 @@ double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   local_loss_nonfinite_ = local_grads_nonfinite_ = false;
   moe_aux_loss = 0;
   moe_dropped = 0;
+  index_loss.reset();
   // Every rank builds the union of every data-parallel rank's rows, so the step's labelled-token
   // count (over all micro-batches) is known here without communication. Each micro-batch's
   // token sum is divided by it: the step's loss is the token mean over the whole step, as one
@@ -86,15 +87,20 @@ double Runner::forward_backward(int64_t step, const Corpus& corpus) {
   }
   HP_CHECK(count > 0, "hp-train: step ", step,
            " has no labelled tokens in any micro-batch; use longer documents or --seq-len");
+  // The indexer loss is a mean over every query token of the step (labelled or not: the
+  // indexer learns to rank keys for every query), so its weight does not depend on how many
+  // tokens the task labels.
+  const double queries = static_cast<double>(global.batch * o.seq_len * o.grad_accum);
   double loss = 0;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro)
-    loss += micro_step(step, micro, micros[micro], count);
+    loss += micro_step(step, micro, micros[micro], count, queries);
   reduce_expert_grads();
   if (o.validate && first_grads.empty()) keep_first_grads();
   return loss;
 }
 
-double Runner::micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count) {
+double Runner::micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count,
+                          double step_queries) {
   const double tp = static_cast<double>(mesh.size("tp"));
   auto rows = [&](const at::Tensor& t) {
     return t.defined() ? t.narrow(0, dp_rank * o.batch, o.batch) : t;
@@ -105,8 +111,8 @@ double Runner::micro_step(int64_t step, int64_t micro, const Batch& batch, doubl
   if (fully_shard != nullptr) fully_shard->set_requires_all_reduce(micro == o.grad_accum - 1);
   auto logits = model->forward(b.input_ids, b.position_ids, b.doc_ids);
   auto local_sum = loss_sum(logits, b.labels);
-  // DSA layers' indexer losses (sums over this rank's queries): trained with the same
-  // normalisation, reported apart from the language-model loss.
+  // DSA layers' indexer losses (sums over this rank's queries): a mean over the step's queries,
+  // apart from the language-model loss.
   const auto aux = model->aux_loss();
   if (o.test_nan_step == step && mesh.world().rank() == o.test_nan_rank) {
     local_sum = local_sum * std::numeric_limits<double>::quiet_NaN();  // the test hook
@@ -116,12 +122,17 @@ double Runner::micro_step(int64_t step, int64_t micro, const Batch& batch, doubl
   // Summed over the world: every TP rank holds the same tokens.
   auto stats = comm::all_reduce(
       mesh.world().group(),
-      at::stack({local_sum.detach().to(at::kDouble), at::scalar_tensor(moe.aux_loss, at::kDouble),
-                 at::scalar_tensor(static_cast<double>(moe.dropped), at::kDouble)}));
+      at::stack(
+          {local_sum.detach().to(at::kDouble), at::scalar_tensor(moe.aux_loss, at::kDouble),
+           at::scalar_tensor(static_cast<double>(moe.dropped), at::kDouble),
+           aux.defined() ? aux.detach().to(at::kDouble).reshape({}) : at::zeros({}, at::kDouble)}));
   moe_aux_loss += stats[1].item<double>() / tp / static_cast<double>(o.grad_accum);
   moe_dropped += std::llround(stats[2].item<double>() / tp);
-  auto objective = aux.defined() ? local_sum + aux * o.index_loss_coef : local_sum;
-  objective = objective / step_count;
+  auto objective = local_sum / step_count;
+  if (aux.defined()) {
+    index_loss = index_loss.value_or(0) + stats[3].item<double>() / tp / step_queries;
+    objective = objective + aux * (o.index_loss_coef / step_queries);
+  }
   // MoE layers' aux and z losses: already this rank's share of the global value. Every TP rank
   // computes the same share; the gradients it feeds are not summed over TP.
   if (const auto moe = model->moe_loss(); moe.defined()) {

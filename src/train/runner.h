@@ -60,6 +60,7 @@ struct Runner {
   // assignments dropped by the capacity (over every rank).
   double moe_aux_loss = 0;
   int64_t moe_dropped = 0;
+  std::optional<double> index_loss;  // DSA models: StepMetrics::index_loss of the last step
 
   const TrainOptions& o;
   comm::DeviceMesh& mesh;
@@ -82,7 +83,9 @@ struct Runner {
   // One micro-batch's forward and backward (`batch`: every data-parallel rank's rows; this
   // rank takes its own); returns its share of the step's global mean loss, whose labelled
   // tokens over all micro-batches number `step_count`.
-  double micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count);
+  // DSA's indexer losses are divided by `step_queries`, the step's query tokens (all of them).
+  double micro_step(int64_t step, int64_t micro, const Batch& batch, double step_count,
+                    double step_queries);
   // Experts split by EP: their gradients summed over the ranks holding the same experts.
   void reduce_expert_grads();
   bool is_expert(const std::string& name) const;

@@ -98,6 +98,7 @@ StepMetrics run_step(const comm::World& world, Runner& run, const Corpus& corpus
   m.loss = run.forward_backward(step, corpus);
   m.moe_aux_loss = run.moe_aux_loss;
   m.moe_dropped = run.moe_dropped;
+  m.index_loss = run.index_loss;
   m.grad_norm = run.grad_norm();
   // Loss and norm are global values, the same on every rank: all ranks take the same branch.
   if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {

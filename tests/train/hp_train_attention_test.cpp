@@ -2,6 +2,7 @@
 // (gdn, kda) in both CP modes, MLA and DSA layers, K/V heads repeated for Ulysses, and packed
 // documents; each run validated against the single-process run, and the flags refused where
 // they cannot apply.
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -117,8 +118,16 @@ TEST(HpTrain, DSAUnderContextParallelism) {
   auto sparse = run("--nproc 2 --cp 2 --attention dsa --topk 8 " + model +
                     "--seq-len 64 --steps 4 --lr 1e-2 --metrics-json " + m2);
   ASSERT_EQ(sparse.rc, 0) << sparse.out;
-  auto l = losses(metrics(m2), 4);
+  const auto js = metrics(m2);
+  auto l = losses(js, 4);
   EXPECT_LT(l.back(), l.front()) << sparse.out;
+  // The indexer loss, a mean over the step's 64 queries of a KL per layer: near-uniform index
+  // scores at the start keep each KL under ln 64 (a sum over the queries would be ~64x that).
+  for (const auto& step : js["steps"]) {
+    ASSERT_TRUE(step.contains("index_loss")) << step;
+    EXPECT_GT(step["index_loss"].get<double>(), 0) << step;
+    EXPECT_LT(step["index_loss"].get<double>(), 2 * std::log(64.0)) << step;
+  }
   auto clamped = run("--nproc 1 --attention dsa " + model + "--seq-len 32 --steps 1");
   ASSERT_EQ(clamped.rc, 0) << clamped.out;
   EXPECT_NE(clamped.out.find("--topk 2048 exceeds --seq-len 32; clamped"), std::string::npos)

@@ -144,6 +144,7 @@ TEST(HpTrain, TensorAndContextParallelTogether) {
                        "colossal_degree=2 load_balance=data_order"),
             std::string::npos)
       << r.out;
+  EXPECT_FALSE(j["steps"][0].contains("index_loss")) << "no DSA layer, no indexer loss";
   const auto& cp_bytes = j["comm_bytes_per_step_by_group"]["cp"];
   EXPECT_EQ(cp_bytes["all_gather"].get<int64_t>(), cp_bytes_per_step(j["config"], "all_gather"));
   EXPECT_EQ(cp_bytes["reduce_scatter"].get<int64_t>(),

@@ -28,6 +28,9 @@ struct StepMetrics {
   // over micro-batches; without its coefficient) and the assignments the capacity dropped.
   double moe_aux_loss = 0;
   int64_t moe_dropped = 0;
+  // DSA models: the indexer loss, a mean over every query token of the step (summed over
+  // layers, without its coefficient); what the indexer trains on.
+  std::optional<double> index_loss;
 };
 
 struct TrainResult {
