@@ -135,10 +135,10 @@ void resolve(Args& a) {
     HP_CHECK(m.experts > 0 ||
                  (o.ep == 1 && m.moe_top_k == model_defaults.moe_top_k && m.moe_ffn == 0 &&
                   m.shared_expert_ffn == 0 && m.aux_loss_coef == model_defaults.aux_loss_coef &&
-                  m.z_loss_coef == 0 && m.capacity_factor == 0),
+                  m.z_loss_coef == 0 && m.capacity_factor == 0 && a.moe_renormalize == "auto"),
              "hp-train: --ep, --top-k, --moe-ffn, --shared-expert-ffn, --aux-loss-coef, "
-             "--z-loss-coef and --capacity-factor apply to MoE models (--experts N or --arch "
-             "qwen3-moe | kimi-linear)");
+             "--z-loss-coef, --capacity-factor and --moe-renormalize apply to MoE models "
+             "(--experts N or --arch qwen3-moe | kimi-linear)");
   }
   if (dsa && m.topk > o.seq_len) {
     std::fprintf(stderr,
@@ -378,6 +378,12 @@ int launch_ranks(const Args& a, const std::vector<std::string>& argv) {
   return hp::comm::relaunch_as_local_ranks(std::move(lo), "hp-train");
 }
 
+// Whether this process prints the job's warnings, once per job: hp-train's own launcher (not
+// its ranks), or rank 0 under an external launcher, or a single process.
+bool says_warnings(const std::optional<hp::comm::LaunchEnv>& env) {
+  return !env || (!env->store_on_launcher && env->rank == 0);
+}
+
 // --config and the checks, then N local ranks of this command (--nproc N outside a job) or
 // this process's rank.
 int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
@@ -392,9 +398,15 @@ int run(CLI::App& app, Args& a, const std::vector<std::string>& argv) {
   // Hugging Face config (whose norm_topk_prob decides), top-1 weighs by the probability itself,
   // as Switch does; top-k > 1 renormalises, as Qwen3-MoE does.
   auto& model = a.train.model;
-  if (a.train.init_from.empty()) {
+  HP_CHECK(a.moe_renormalize == "auto" || a.moe_renormalize == "on" || a.moe_renormalize == "off",
+           "hp-train: --moe-renormalize '", a.moe_renormalize,
+           "' is not valid; valid: on, off, auto");
+  if (a.moe_renormalize != "auto") {
+    model.moe_renormalize = a.moe_renormalize == "on";
+  } else if (a.train.init_from.empty()) {
     model.moe_renormalize = model.moe_top_k > 1;
-  } else if (model.experts > 0 && model.moe_top_k == 1 && model.moe_renormalize) {
+  } else if (model.experts > 0 && model.moe_top_k == 1 && model.moe_renormalize &&
+             says_warnings(hp::comm::parse_launch_env(hp::comm::process_env()))) {
     std::fprintf(stderr,
                  "hp-train: warning: %s/config.json routes each token to 1 expert with "
                  "norm_topk_prob true: its weight is always 1, so the router learns only from "

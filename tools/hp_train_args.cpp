@@ -135,6 +135,10 @@ void add_family_options(CLI::App& app, Args& a) {
   app.add_option("--top-k", o.model.moe_top_k, "MoE: experts per token")
       ->check(CLI::PositiveNumber);
   app.add_option("--moe-ffn", o.model.moe_ffn, "MoE: each expert's width (default --ffn)");
+  app.add_option("--moe-renormalize", a.moe_renormalize,
+                 "MoE: divide the top-k weights by their sum: on | off | auto (on for --top-k "
+                 "> 1; top-1 weighs by the probability, as renormalised it is always 1)")
+      ->capture_default_str();
   app.add_option("--shared-expert-ffn", o.model.shared_expert_ffn,
                  "MoE: the shared expert's width (0: none)");
   app.add_option("--ep", o.ep,
@@ -252,7 +256,7 @@ void model_from_checkpoint(const CLI::App& app, Args& a) {
   for (const char* flag :
        {"--vocab", "--layers", "--hidden", "--heads", "--kv-heads", "--head-dim", "--ffn",
         "--experts", "--top-k", "--moe-ffn", "--arch", "--mixer", "--attention", "--layer-pattern",
-        "--init-weights", "--partial-rotary-factor"}) {
+        "--init-weights", "--partial-rotary-factor", "--moe-renormalize"}) {
     HP_CHECK(app.count(flag) == 0, "hp-train: ", flag, " and --init-from both set the model; ",
              "its sizes come from ", o.init_from, "/config.json: drop ", flag);
   }

@@ -40,6 +40,7 @@ struct Args : hp::cp::CPFlags {
   // --experts / --layers on the command line or in --config (or the model from --init-from).
   bool experts_given = false, layers_given = false;
   std::string host_allocator = "caching";
+  std::string moe_renormalize = "auto";  // --moe-renormalize on | off | auto
 };
 
 // Every option of hp-train on `app`, bound to `a`.

@@ -211,7 +211,9 @@ def context_parallel_attention(q, k, v, *, group=None, algorithm="ulysses", ulys
     g = _group(group)
     docs = _document_ids(mask, q, layout, g.size)
     if algorithm == "auto" and g.size == 1:
-        algorithm = "all_gather"  # one rank: plain attention, as every algorithm there
+        # One rank: plain attention, as every algorithm there; auto would repeat K/V heads only
+        # where its choice needs it, and all_gather never does.
+        algorithm, kv_head_policy = "all_gather", "error"
     if algorithm == "auto":
         if q.dim() != 4 or k.dim() != 4:
             raise ValueError(f"q and k must be 4-d ({layout}); got {q.dim()} and {k.dim()} dims")

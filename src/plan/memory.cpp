@@ -141,7 +141,7 @@ MachineMemory machine_memory() {
 }
 
 void check_memory(const MemoryEstimate& per_rank, int64_t ranks, const MachineMemory& available,
-                  const std::string& tool, int64_t extra) {
+                  const std::string& tool, int64_t extra, const std::string& extra_what) {
   if (available.bytes <= 0) return;
   const int64_t need = per_rank.total() * ranks + extra;
   if (need <= available.bytes) return;
@@ -161,8 +161,8 @@ void check_memory(const MemoryEstimate& per_rank, int64_t ranks, const MachineMe
   }
   HP_CHECK(false, tool, ": not enough memory: this layout needs about ", per_rank.describe(),
            " per rank", ranks > 1 ? common::str_cat(" x ", ranks, " ranks on this machine") : "",
-           extra > 0 ? common::str_cat(" + ", format_bytes(extra), " for the reference") : "",
-           " = ", format_bytes(need), ", but ", format_bytes(available.bytes), " is available (",
+           extra > 0 ? common::str_cat(" + ", format_bytes(extra), " for ", extra_what) : "", " = ",
+           format_bytes(need), ", but ", format_bytes(available.bytes), " is available (",
            available.source, "); ", advice);
 }
 

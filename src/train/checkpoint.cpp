@@ -60,14 +60,18 @@ int64_t latest_checkpoint_below(const std::string& root, int64_t limit) {
   return best;
 }
 
-// For a damaged file of step directory `dir`: how to resume from the newest older step beside
-// it, when there is one ("" otherwise).
-std::string older_step_hint(const std::string& dir) {
+// For a damaged file of step directory `dir`: how to use the newest older step beside it
+// instead (resume, or --init-weights for `who` that reads weights), when there is one ("" else).
+std::string older_step_hint(const std::string& dir, const std::string& who) {
   const fs::path p(dir);
   const auto root = p.parent_path().string();
   const int64_t step = step_of(p.filename().string());
   const int64_t before = step > 0 ? latest_checkpoint_below(root, step) : 0;
   if (before == 0) return "";
+  if (who.find("--init-weights") != std::string::npos) {
+    return common::str_cat("; the step before, '", step_dir(root, before),
+                           "', may be whole: give it to --init-weights instead");
+  }
   return common::str_cat("; the step before, '", step_dir(root, before), "', may be whole: move '",
                          dir, "' out of '", root, "' to resume from it");
 }
@@ -286,6 +290,17 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
              m.at("plan").get<std::string>(),
              "); use the --nproc/--tp/--cp/--dp-shard/--dp-replicate/--ep and model sizes (--arch, "
              "--experts) of the run that wrote it");
+    // HSDP shards the parameters on every layout of more than one rank (plan::hsdp_applies);
+    // before 2026-12-07 a layout without data parallelism (--cp, --tp) saved whole ones, in
+    // another order of the optimizer's state.
+    const auto plan = m.at("plan").get<std::string>();
+    HP_CHECK(world_size == 1 || plan.find(" hsdp: ") != std::string::npos, who, ": checkpoint '",
+             dir,
+             "' holds every parameter whole on each rank (written by an hp-train that did not "
+             "shard them without data parallelism: ",
+             plan,
+             "); this hp-train shards them over the ranks and cannot read it: continue it with "
+             "the hp-train that wrote it, or start a new run");
     if (!how.weights_only) {
       const auto& train = m.at("train");
       // What the batches and the model's function depend on besides seq_len and seed.
@@ -309,8 +324,7 @@ std::optional<RankRecord> check_manifest(const std::string& dir, int world_size,
       routing.check<double>("capacity_factor", o.model.capacity_factor, "--capacity-factor");
       // The model's function besides its sizes (older manifests: not compared).
       routing.check<bool>("moe_renormalize", o.model.moe_renormalize,
-                          "MoE renormalisation (config.json norm_topk_prob; else on for "
-                          "--top-k > 1)");
+                          "--moe-renormalize (config.json norm_topk_prob)");
       routing.check<double>("rope_theta", o.model.rope_theta, "rope_theta (config.json)");
       routing.check<double>("rms_eps", o.model.rms_eps, "rms_eps (config.json rms_norm_eps)");
       routing.check<int64_t>("topk", o.model.topk, "--topk");
@@ -432,23 +446,23 @@ std::string read_verified(const std::string& dir, int rank, const FileRecord& f,
                           const std::string& who) {
   const auto path = (fs::path(dir) / f.name).string();
   HP_CHECK(fs::exists(path), who, ": rank ", rank, "'s file '", path,
-           "' is missing (the manifest records ", f.bytes, " bytes)", older_step_hint(dir));
+           "' is missing (the manifest records ", f.bytes, " bytes)", older_step_hint(dir, who));
   HP_CHECK(fs::is_regular_file(path), who, ": rank ", rank, "'s file '", path,
-           "' is not a regular file", older_step_hint(dir));
+           "' is not a regular file", older_step_hint(dir, who));
   std::string bytes;
   try {
     bytes = read_file(path);
   } catch (const std::exception& e) {
     HP_CHECK(false, who, ": rank ", rank, "'s file '", path, "' cannot be read: ", e.what(),
-             older_step_hint(dir));
+             older_step_hint(dir, who));
   }
   HP_CHECK(static_cast<int64_t>(bytes.size()) == f.bytes, who, ": rank ", rank, "'s file '", path,
            "' has ", bytes.size(), " bytes but the manifest records ", f.bytes,
-           ": it was truncated or replaced", older_step_hint(dir));
+           ": it was truncated or replaced", older_step_hint(dir, who));
   const uint32_t crc = common::crc32(bytes.data(), bytes.size());
   HP_CHECK(crc == f.crc32, who, ": rank ", rank, "'s file '", path, "' is damaged: its CRC-32 is ",
            common::crc32_hex(crc), " but the manifest records ", common::crc32_hex(f.crc32),
-           older_step_hint(dir));
+           older_step_hint(dir, who));
   return bytes;
 }
 

@@ -74,8 +74,11 @@ RawTokens load_tokens(const std::string& path, const std::string& dtype) {
       // uint32 ids read as uint16 are pairs (low half, high half = 0 below 65536): every odd
       // position 0, the even ones not. Trained on, every other token is 0 and no check fails.
       const auto pairs = t.raw.narrow(0, 0, t.raw.size(0) / 2 * 2).view({-1, 2});
-      const double odd_zero = pairs.select(1, 1).eq(0).to(at::kDouble).mean().item<double>();
-      const double even_zero = pairs.select(1, 0).eq(0).to(at::kDouble).mean().item<double>();
+      const auto n = static_cast<double>(pairs.size(0));
+      const double odd_zero =
+          static_cast<double>(pairs.select(1, 1).eq(0).sum().item<int64_t>()) / n;
+      const double even_zero =
+          static_cast<double>(pairs.select(1, 0).eq(0).sum().item<int64_t>()) / n;
       HP_CHECK(!(odd_zero > 0.95 && even_zero < 0.5), "hp-train: --data '", path,
                "' read as uint16 ids has ", static_cast<int>(odd_zero * 100),
                "% zeros at every second position and ", static_cast<int>(even_zero * 100),

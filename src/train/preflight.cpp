@@ -2,12 +2,16 @@
 
 #include <cmath>
 #include <filesystem>
+#include <string>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include "hp/common/check.h"
 #include "hp/common/paths.h"
+#include "hp/common/strings.h"
 #include "hp/model/qwen3.h"
+#include "hp/plan/memory.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/data.h"
 
@@ -187,16 +191,23 @@ void check_memory(const TrainOptions& o, int ranks_on_machine) {
     extra = estimate_memory(ref).total() - plan::kRuntimeBytes;
   }
   // Every rank holds --data's tokens once, at the file's width (Corpus).
+  std::vector<std::string> what;
+  if (extra > 0) what.push_back("the reference");
   std::error_code ec;
   if (!o.data.empty()) {
     const auto size = std::filesystem::file_size(o.data, ec);
-    if (!ec) extra += static_cast<int64_t>(size) * ranks_on_machine;
+    if (!ec && size > 0) {
+      extra += static_cast<int64_t>(size) * ranks_on_machine;
+      what.push_back(common::str_cat("--data's tokens (", ranks_on_machine, " x ",
+                                     plan::format_bytes(static_cast<int64_t>(size)), ")"));
+    }
   }
   const auto machine =
       o.memory_limit > 0
           ? plan::MachineMemory{o.memory_limit, "--memory-limit " + size_option(o.memory_limit)}
           : plan::machine_memory();
-  plan::check_memory(per_rank, ranks_on_machine, machine, "hp-train", extra);
+  plan::check_memory(per_rank, ranks_on_machine, machine, "hp-train", extra,
+                     common::str_join(what, " and "));
 }
 
 void preflight(const TrainOptions& o, int rank, int ranks_on_machine) {

@@ -39,8 +39,8 @@ struct Runner {
   // the options); returns the global mean loss: the token mean over every micro-batch's rows,
   // what one batch of batch x grad_accum rows gives.
   // Each rank's loss is its token sum over the step's global token count, so the gradient is a
-  // plain SUM over micro-batches, data-parallel and CP ranks (HSDP reduces with SUM; without
-  // HSDP the CP all-reduce).
+  // plain SUM over micro-batches, data-parallel and CP ranks (HSDP reduces with SUM; it runs on
+  // every layout of more than one rank).
   double forward_backward(int64_t step, const Corpus& corpus);
 
   // The global gradient norm (TP shards summed, TP-replicated parameters counted once, HSDP

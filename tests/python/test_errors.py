@@ -130,6 +130,8 @@ def one_rank_mistakes(rank, p):
         # Legal on any number of ranks: one rank runs the plain attention.
         "balanced_all_gather": message(lambda: hp.context_parallel_attention(
             q, k, v, algorithm="all_gather", causal=True, load_balance=True)),
+        "auto_repeat": message(lambda: hp.context_parallel_attention(
+            q, k, v, algorithm="auto", kv_head_policy="repeat")),
     }
 
 
@@ -141,6 +143,7 @@ def test_one_rank_refuses_what_every_group_size_would():
     assert "kv_head_policy=repeat applies to" in seen["repeat_all_gather"], seen
     assert "schedule=async" in seen["sync_head_groups"], seen
     assert seen["balanced_all_gather"] == "no error", seen
+    assert seen["auto_repeat"] == "no error", seen
 
 
 CYCLES = textwrap.dedent("""

@@ -88,6 +88,32 @@ TEST(Corpus, HeldAtTheFilesWidthWithTheSameFingerprint) {
   EXPECT_EQ(Corpus::load(data_options(text, 16, 256)).bytes(), 100);
 }
 
+// Past one chunk (2^20 tokens): the checks and the fingerprint see every chunk.
+TEST(Corpus, ChecksAndFingerprintCoverEveryChunk) {
+  std::vector<uint16_t> ids((1 << 20) + 4096, 1);
+  ids[(1 << 20) + 100] = 7;  // the only eod, in the second chunk
+  ids.back() = 900;          // the largest id, last
+  const auto path = write_ids("chunks.bin", ids);
+  expect_refused(data_options(path, 16, 900), "holds token ids up to 900 but --vocab is 900");
+  auto o = data_options(path, 16, 901);
+  o.pack_documents = true;
+  o.eod_id = 7;
+  const auto c = Corpus::load(o);
+  std::vector<int64_t> wide_ids(ids.begin(), ids.end());
+  const uint32_t crc = hp::common::crc32(wide_ids.data(), wide_ids.size() * sizeof(int64_t));
+  EXPECT_EQ(c.fingerprint(),
+            std::to_string(ids.size()) + " tokens, CRC-32 " + hp::common::crc32_hex(crc));
+}
+
+// The memory check counts each rank's copy of the tokens and says so.
+TEST(Corpus, TheMemoryCheckCountsTheTokens) {
+  const std::string text = hp::testing::scratch_dir() + "/counted.txt";
+  std::ofstream(text) << std::string(3 << 20, 'a');
+  auto o = data_options(text, 16, 256);
+  o.memory_limit = 1 << 20;
+  HP_EXPECT_ERROR(hp::train::preflight(o, 0, 2), "+ 6 MiB for --data's tokens (2 x 3 MiB)");
+}
+
 TEST(Corpus, BinaryBytesAsTextAreRefused) {
   const auto path = write_ids("ids.txt", std::vector<uint16_t>(64, 7));
   expect_refused(data_options(path, 16, 256),

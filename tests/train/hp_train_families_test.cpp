@@ -213,12 +213,18 @@ TEST(HpTrainFamilies, ExpertParallelCheckpointsResumeExactly) {
   EXPECT_NE(d.rc, 0);
   // Top-1 without --init-from weighs by the probability (renormalised it would be 1).
   EXPECT_NE(d.out.find("other data, routing or model settings (--top-k: checkpoint 2, this run 1; "
-                       "--capacity-factor: checkpoint 0, this run 0.5; MoE renormalisation "
-                       "(config.json norm_topk_prob; else on for --top-k > 1): checkpoint true, "
-                       "this run false)"),
+                       "--capacity-factor: checkpoint 0, this run 0.5; --moe-renormalize "
+                       "(config.json norm_topk_prob): checkpoint true, this run false)"),
             std::string::npos)
       << d.out;
   EXPECT_EQ(d.out.find("  step "), std::string::npos) << "no step may run: " << d.out;
+  // The flag the message names sets it back: only --top-k and --capacity-factor still differ.
+  auto d2 = run(layout + "--ep 2 --steps 6 --resume --top-k 1 --moe-renormalize on");
+  EXPECT_NE(d2.rc, 0);
+  EXPECT_NE(d2.out.find("other data, routing or model settings (--top-k: checkpoint 2, this run "
+                        "1); resume"),
+            std::string::npos)
+      << d2.out;
   auto e = run(layout + "--ep 2 --steps 5 --resume --aux-loss-coef 0.5");
   EXPECT_EQ(e.rc, 0) << e.out;
   EXPECT_NE(e.out.find("warning: checkpoint '" + dir +
@@ -373,6 +379,9 @@ TEST(HpTrainFamilies, IllegalCombinationsAreRefusedByText) {
   expect_refused("--nproc 2 --cp 2 --experts 4 --top-k 5",
                  {"RouterOptions.top_k=5 must be between 1 and experts=4"});
   expect_refused("--nproc 2 --cp 2 --ep 2", {"--ep, --top-k, --moe-ffn", "apply to MoE models"});
+  expect_refused("--moe-renormalize off", {"--moe-renormalize apply to MoE models"});
+  expect_refused("--experts 4 --moe-renormalize yes",
+                 {"--moe-renormalize 'yes' is not valid; valid: on, off, auto"});
   expect_refused("--nproc 2 --cp 2 --arch qwen3.5 --layers 4 --load-balance",
                  {"drop --load-balance for a model with linear layers"});
   expect_refused("--nproc 2 --tp 2 --arch qwen3.5",

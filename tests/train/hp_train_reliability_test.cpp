@@ -155,6 +155,26 @@ TEST(HpTrainReliability, DamagedCheckpointFilesFailNamingFileAndRank) {
 
 // ---- 2. non-finite loss ----
 
+// A checkpoint of a --cp layout written before HSDP sharded the parameters there (its plan names
+// no hsdp) holds whole parameters: refused by name, not read as shards.
+TEST(HpTrainReliability, ACheckpointOfWholeParametersIsRefused) {
+  const std::string dir = fresh("ckpt_whole");
+  auto w = run(kTiny + "--steps 1 --checkpoint-dir " + dir);
+  ASSERT_EQ(w.rc, 0) << w.out;
+  const std::string manifest = dir + "/step_00000001/manifest.json";
+  auto m = read_json(manifest);
+  auto plan = m["plan"].get<std::string>();
+  const auto at = plan.find(" hsdp: ");
+  ASSERT_NE(at, std::string::npos) << plan;
+  plan.erase(at, plan.find(" modules=") - at);
+  m["plan"] = plan;
+  std::ofstream(manifest) << m.dump(2);
+  auto r = run(kTiny + "--steps 2 --checkpoint-dir " + dir + " --resume");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "holds every parameter whole on each rank")) << r.out;
+  EXPECT_FALSE(contains(r.out, "  step 2/2")) << r.out;
+}
+
 // A damaged newest step names the older one beside it and how to resume from it; done so, the
 // run resumes from that step.
 TEST(HpTrainReliability, ADamagedStepNamesTheStepBeforeIt) {

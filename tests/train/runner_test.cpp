@@ -96,4 +96,34 @@ TEST(GradAccum, TheStepIsTheTokenMeanOfOneBatchOfAllRows) {
   }
 }
 
+// DSA's indexer loss is a mean over every query token of the step, labelled or not: with the
+// copy task (which labels under half of the tokens) it was divided by the labelled count.
+TEST(IndexLoss, IsAMeanOverEveryQueryOfTheStep) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto world = hp::comm::World::in_process(0, 1, store);
+  hp::comm::DeviceMesh mesh(world, {{"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}});
+  TrainOptions o = tiny(2, 2);
+  o.model.mixer = "dsa";
+  o.model.head_dim = 16;
+  o.model.topk = 8;
+  hp::train::Runner run(o, mesh, std::nullopt);
+  run.make_optimizer(nullptr);
+  run.forward_backward(1, hp::train::Corpus());
+  ASSERT_TRUE(run.index_loss.has_value());
+
+  // The same initial model's indexer losses (sums over their queries) on the step's rows.
+  hp::train::Runner ref(o, mesh, std::nullopt);
+  double sum = 0, labelled = 0;
+  for (int64_t m = 0; m < o.grad_accum; ++m) {
+    auto b = hp::train::make_batch(o, hp::train::Corpus(), 1, m);
+    auto pos = at::arange(o.seq_len, at::kLong).unsqueeze(0).expand_as(b.ids).contiguous();
+    ref.model->forward(b.ids, pos, at::Tensor());
+    sum += ref.model->aux_loss().item<double>();
+    labelled += static_cast<double>(b.labels.ne(-100).sum().item<int64_t>());
+  }
+  const double queries = static_cast<double>(o.batch * o.seq_len * o.grad_accum);
+  ASSERT_LT(labelled, queries / 2) << "the test needs unlabelled tokens to bite";
+  EXPECT_NEAR(*run.index_loss, sum / queries, 1e-6 * sum / queries);
+}
+
 }  // namespace

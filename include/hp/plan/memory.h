@@ -80,10 +80,12 @@ struct MachineMemory {
 MachineMemory machine_memory();
 
 // Refuses (hp::Error, prefixed with `tool`) a layout whose `per_rank` x `ranks` (plus `extra`
-// bytes, e.g. a single-process reference) exceeds `available`, naming the estimate, the limit
-// and the options to change. A no-op when available.bytes == 0.
+// bytes, e.g. a single-process reference, which the message names as `extra_what`) exceeds
+// `available`, naming the estimate, the limit and the options to change. A no-op when
+// available.bytes == 0.
 void check_memory(const MemoryEstimate& per_rank, int64_t ranks, const MachineMemory& available,
-                  const std::string& tool, int64_t extra = 0);
+                  const std::string& tool, int64_t extra = 0,
+                  const std::string& extra_what = "the reference");
 
 // "12 KiB", "512 MiB", "1.5 GiB".
 std::string format_bytes(int64_t bytes);

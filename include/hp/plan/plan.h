@@ -119,8 +119,8 @@ struct MLAPlanOptions {
 };
 
 // Whether HSDP runs on a layout: on every layout of more than one rank. Parameters are
-// replicated over dp_shard, dp_replicate and cp (and TP-replicated ones over tp), so without it
-// their gradients would stay each rank's partial sums.
+// replicated over dp_shard, dp_replicate and cp, and the q/k norms' gradients are per-rank
+// partials under TP: without HSDP their gradients would stay each rank's partial sums.
 inline bool hsdp_applies(int64_t dp_shard, int64_t dp_replicate, int64_t cp_size, int64_t tp_size) {
   return dp_shard * dp_replicate * cp_size * tp_size > 1;
 }
