@@ -36,6 +36,7 @@
 #include "hp/cp/strategy.h"
 #include "hp/model/family.h"
 #include "hp/model/hf.h"
+#include "hp/plan/plan.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/preflight.h"
 #include "hp/train/trainer.h"
@@ -69,8 +70,7 @@ void resolve(Args& a) {
   HP_CHECK(a.fusion == "on" || a.fusion == "off", "hp-train: --comm-fusion '", a.fusion,
            "' is not valid; valid: on, off");
   o.comm_fusion = a.fusion == "on";
-  // HSDP runs on every layout of more than one rank (plan::hsdp_applies).
-  HP_CHECK(!o.comm_fusion || o.dp_shard * o.dp_replicate * o.cp * o.tp > 1,
+  HP_CHECK(!o.comm_fusion || hp::plan::hsdp_applies(o.dp_shard, o.dp_replicate, o.cp, o.tp),
            "hp-train: --comm-fusion on fuses HSDP's gradient reduce-scatters, but --dp-shard ",
            o.dp_shard, " x --dp-replicate ", o.dp_replicate, " x --cp ", o.cp, " x --tp ", o.tp,
            " = 1 rank runs no HSDP; drop it or use more ranks");
